@@ -1,0 +1,226 @@
+"""Timing with CUDA events, bytes and FLOPs, and the device's roofline.
+
+`profile()` warms up, then times each launch between two events on one stream and reports the
+median, min and max. Hot: the same buffers every launch (they stay in L2 when they fit). Cold:
+several sets of buffers, together more than twice the L2, used in rotation, so each launch reads
+its operands from device memory.
+
+The roofline: floor = max(FLOPs / compute peak, bytes / memory bandwidth); "% of roofline" is
+floor / measured. The memory bandwidth is *measured* (a device-to-device copy, bytes read plus
+written); the compute peaks are nominal (SM count x clock x per-SM rate of the unit), see PEAKS.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from . import formats as F
+from . import runtime
+from .check import make_inputs
+from .ops import Kernel
+
+# Per-SM, per-clock operation rates of the unit that bounds an op (2 ops per multiply-add).
+#   fp32: FFMA lanes x 2 (64 lanes on sm_75/sm_80, 128 on sm_86+)
+#   dp4a: 64 IDP4A per SM per clock on sm_80+ (x 4 MACs x 2) = 512; H100: 132 SMs x 1.98 GHz x 512
+#         = 134 TOPS, the ~133 TOPS ceiling measured for DP4A on Hopper
+#   imma: dense int8 tensor-core rate (mma.sync) per SM per clock
+PEAKS = {
+    "fp32": {75: 128, 80: 128, 86: 256, 87: 256, 89: 256, 90: 256, 100: 256, 120: 256},
+    "dp4a": {75: 256, 80: 512, 86: 512, 87: 512, 89: 512, 90: 512, 100: 512, 120: 512},
+    "imma": {75: 2048, 80: 4096, 86: 2048, 87: 4096, 89: 2048, 90: 8192, 100: 8192, 120: 4096},
+}
+
+
+def peak_ops(unit: str, info: runtime.DeviceInfo) -> float | None:
+    """Nominal ops/s of `unit` on this device, or None when not compute-bound ('memory')."""
+    table = PEAKS.get(unit)
+    if not table or not info.clock_khz:
+        return None
+    cc = max((c for c in table if c <= info.cc), default=None)
+    if cc is None:
+        return None
+    return table[cc] * info.sm_count * info.clock_khz * 1e3
+
+
+@lru_cache(maxsize=None)
+def copy_bandwidth(nbytes: int = 512 << 20, iters: int = 10) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    src = runtime.DeviceArray.empty((nbytes,), np.uint8)
+    dst = runtime.DeviceArray.empty((nbytes,), np.uint8)
+    src.fill_bytes(0x5A)
+    for _ in range(2):
+        src.copy_to(dst)
+    times = []
+    for _ in range(iters):
+        e0 = runtime.record_event()
+        src.copy_to(dst)
+        e1 = runtime.record_event()
+        times.append(runtime.elapsed_ms(e0, e1))
+    src.free()
+    dst.free()
+    return 2.0 * nbytes / (statistics.median(times) * 1e-3)
+
+
+def operand_bytes(kernel: Kernel, m: int, n: int, k: int) -> int:
+    """Fewest bytes the op must move: each input read once, the output written once."""
+    op = kernel.op
+    if op.kind == "quantize":
+        return op.a.nbytes(m, k) + op.out.nbytes(m, k)
+    return op.a.nbytes(m, k) + op.w.nbytes(n, k) + m * n * 4
+
+
+def flops(kernel: Kernel, m: int, n: int, k: int) -> int:
+    return 0 if kernel.op.kind == "quantize" else 2 * m * n * k
+
+
+@dataclass
+class Profile:
+    kernel: str
+    shape: tuple[int, int, int]
+    cold: bool
+    iters: int
+    median_us: float
+    min_us: float
+    max_us: float
+    tflops: float
+    bytes: int
+    gbps: float
+    floor_us: float
+    roofline_pct: float
+    bound: str  # "memory" or "compute"
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _time_launches(launch, sets: int, warmup: int, iters: int) -> list[float]:
+    for i in range(warmup):
+        launch(i % sets)
+    runtime.synchronize()
+    times = []
+    for i in range(iters):
+        e0 = runtime.record_event()
+        launch(i % sets)
+        e1 = runtime.record_event()
+        times.append(runtime.elapsed_ms(e0, e1) * 1e3)
+    return times
+
+
+def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters: int = 50,
+            cold: bool = False, seed: int = 0) -> Profile:
+    m, n, k = shape
+    op = kernel.op
+    info = runtime.device_info()
+    nbytes = operand_bytes(kernel, m, n, k)
+    sets = 1
+    if cold:  # enough buffer sets that a rotation through them overflows L2 twice
+        sets = max(2, int(np.ceil(2 * max(info.l2_bytes, 1) / max(nbytes, 1))) + 1)
+        sets = min(sets, 64)
+    rng = np.random.default_rng(seed)
+    inp = make_inputs(op, m, n, k, rng)
+    kernel._module()  # compile and load before any timing
+    if op.kind == "quantize":
+        xs = [runtime.DeviceArray.from_host(inp.a) for _ in range(sets)]
+        ys = [runtime.DeviceArray.empty((m, k // F.QK), op.out.dtype) for _ in range(sets)]
+        status = runtime.DeviceArray.from_host(np.zeros(1, np.int32))
+
+        def launch(i):
+            kernel.launch_quantize(xs[i], ys[i], m, k, status)
+    else:
+        da = [runtime.DeviceArray.from_host(inp.a) for _ in range(sets)]
+        dw = [runtime.DeviceArray.from_host(inp.w) for _ in range(sets)]
+        dc = [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets)]
+
+        def launch(i):
+            kernel.launch(da[i], dw[i], dc[i], m, n, k)
+
+    times = _time_launches(launch, sets, warmup, iters)
+    runtime.check_last_error(kernel.name)
+    med = statistics.median(times)
+    fl = flops(kernel, m, n, k)
+    bw = copy_bandwidth()
+    peak = peak_ops(op.unit, info)
+    t_mem = nbytes / bw * 1e6
+    t_cmp = fl / peak * 1e6 if peak else 0.0
+    floor = max(t_mem, t_cmp)
+    return Profile(
+        kernel=kernel.name, shape=shape, cold=cold, iters=iters, median_us=med, min_us=min(times), max_us=max(times),
+        tflops=fl / (med * 1e-6) / 1e12 if fl else 0.0, bytes=nbytes, gbps=nbytes / (med * 1e-6) / 1e9,
+        floor_us=floor, roofline_pct=100.0 * floor / med, bound="compute" if t_cmp > t_mem else "memory",
+        extra={"copy_bandwidth_gbps": bw / 1e9, "peak_tops": (peak or 0) / 1e12, "unit": op.unit, "buffer_sets": sets},
+    )
+
+
+def torch_peers(shape: tuple[int, int, int], warmup: int = 10, iters: int = 50) -> list[dict]:
+    """torch A @ W.T in fp32/fp16/bf16 (cuBLAS) and torch._int_mm (cuBLASLt int8) on the same
+    shape, timed the same way (hot, CUDA events, median). Empty when torch/CUDA is absent."""
+    try:
+        import torch
+    except Exception:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    m, n, k = shape
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def timeit(fn):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(iters):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1e3)
+        return statistics.median(ts)
+
+    for dt, label in ((torch.float16, "torch fp16 A@W.T (cuBLAS)"), (torch.bfloat16, "torch bf16 A@W.T (cuBLAS)"),
+                      (torch.float32, "torch fp32 A@W.T (cuBLAS)")):
+        a = torch.randn(m, k, device="cuda", dtype=dt, generator=g)
+        w = torch.randn(n, k, device="cuda", dtype=dt, generator=g)
+        us = timeit(lambda: a @ w.T)
+        out.append({"peer": label, "median_us": us, "tflops": 2 * m * n * k / (us * 1e-6) / 1e12})
+    if m > 16 and k % 8 == 0 and n % 8 == 0:  # _int_mm needs M > 16 and multiples of 8
+        try:
+            a = torch.randint(-128, 127, (m, k), device="cuda", dtype=torch.int8, generator=g)
+            w = torch.randint(-128, 127, (n, k), device="cuda", dtype=torch.int8, generator=g)
+            wt = w.T  # column-major B, as cuBLASLt wants it
+            us = timeit(lambda: torch._int_mm(a, wt))
+            out.append({"peer": "torch._int_mm int8 (cuBLASLt)", "median_us": us, "tflops": 2 * m * n * k / (us * 1e-6) / 1e12})
+        except Exception as e:  # pragma: no cover - depends on the torch build
+            out.append({"peer": "torch._int_mm int8 (cuBLASLt)", "error": str(e)})
+    return out
+
+
+def environment() -> dict:
+    """Device, versions and date, stamped on every report."""
+    from . import jit
+
+    info = runtime.device_info()
+    d = {
+        "device": info.name,
+        "arch": info.arch,
+        "sm_count": info.sm_count,
+        "l2_mib": info.l2_bytes / 2**20,
+        "driver": info.driver_version,
+        "driver_cuda": "%d.%d" % info.driver_cuda_version,
+        "nvrtc": "%d.%d" % jit.nvrtc_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    try:
+        import torch
+
+        d["torch"] = torch.__version__
+    except Exception:
+        pass
+    return d

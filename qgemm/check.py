@@ -1,0 +1,158 @@
+"""Validation: run a kernel on fresh random inputs and compare with the numpy references.
+
+Every run draws new Gaussian inputs (never zeros), poisons the output with 0xFF bytes (NaN for
+float32) so an element the kernel never writes shows up, and reports:
+- max abs error and relative error against the exact-math reference (tight tolerance),
+- NMSE against the float64 product of the unquantized inputs (quantization-level tolerance).
+
+Both errors are normalised by the *energy* of the products, E = sum_{m,n} sum_k (a_mk w_nk)^2,
+rather than by ||C||^2. For large random inputs the two agree (E[c^2] = sum_k a^2 w^2), but a
+small output (1x1x32: one dot product) can cancel to nearly zero by chance, and dividing by it
+would fail a correct kernel. Quantization error is also a random sum, so with few blocks it
+fluctuates: the NMSE tolerance is widened by (1 + 8 / sqrt(M*N*K/32)), which is 1.0x at
+prefill sizes and 9x for a single block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from . import formats as F
+from . import reference, runtime
+from .ops import Kernel, Op
+
+
+def parse_shape(text: str, dims: int = 3) -> tuple[int, ...]:
+    """'512x4096x4096' -> (512, 4096, 4096). ValueError names the expected form."""
+    parts = str(text).lower().replace("×", "x").replace("*", "x").split("x")
+    try:
+        vals = tuple(int(p) for p in parts)
+    except ValueError:
+        vals = ()
+    if len(vals) != dims or any(v <= 0 for v in vals):
+        raise ValueError(f"shape must be {'x'.join('MNK'[:dims])} with positive integers (e.g. 512x4096x4096), got {text!r}")
+    return vals
+
+
+@dataclass
+class Inputs:
+    """Operands in a kernel's formats plus the float originals they were made from."""
+
+    a_float: np.ndarray
+    w_float: np.ndarray | None
+    a: np.ndarray
+    w: np.ndarray | None
+
+
+def make_inputs(op: Op, m: int, n: int, k: int, rng: np.random.Generator) -> Inputs:
+    if k % op.k_multiple:
+        raise ValueError(f"{op.name}: K must be a multiple of {op.k_multiple}, got K={k}")
+    a_f = rng.standard_normal((m, k), dtype=np.float32)
+    a = F.quantize(a_f, op.a) if op.a.quantized and op.kind == "gemm" else a_f
+    if op.kind == "quantize":
+        return Inputs(a_f, None, a_f, None)
+    w_f = rng.standard_normal((n, k), dtype=np.float32)
+    w = F.quantize(w_f, op.w) if op.w.quantized else w_f
+    return Inputs(a_f, w_f, a, w)
+
+
+@dataclass
+class Result:
+    kernel: str
+    shape: tuple[int, int, int]
+    seed: int
+    passed: bool
+    max_abs_err: float
+    rel_err: float  # vs the exact-math reference
+    nmse: float  # vs float64 ground truth
+    unwritten: int  # outputs still holding the poison
+    exact_tol: float
+    nmse_tol: float
+    note: str = ""
+    detail: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=None) -> np.ndarray:
+    """Run with the output pre-filled with 0xFF bytes; return it on the host."""
+    op = kernel.op
+    if op.kind == "quantize":
+        dx = runtime.DeviceArray.from_host(inp.a)
+        dy = runtime.DeviceArray.empty((m, k // F.QK), op.out.dtype)
+        dy.fill_bytes(0xFF, stream)
+        status = runtime.DeviceArray.from_host(np.zeros(1, np.int32))
+        kernel.launch_quantize(dx, dy, m, k, status, stream=stream)
+        return dy.to_host()
+    da = runtime.DeviceArray.from_host(inp.a)
+    dw = runtime.DeviceArray.from_host(inp.w)
+    dc = runtime.DeviceArray.empty((m, n), np.float32)
+    dc.fill_bytes(0xFF, stream)
+    kernel.launch(da, dw, dc, m, n, k, stream=stream)
+    runtime.check_last_error(kernel.name)
+    return dc.to_host()
+
+
+def validate(kernel: Kernel, shape: tuple[int, int, int], seed: int | None = None) -> Result:
+    m, n, k = shape
+    op = kernel.op
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy % (2**31))
+    rng = np.random.default_rng(seed)
+    inp = make_inputs(op, m, n, k, rng)
+    out = run_poisoned(kernel, inp, m, n, k)
+
+    if op.kind == "quantize":
+        expect = F.quantize_q8_1(inp.a)
+        got_b = out.view(np.uint8).reshape(m, -1)
+        exp_b = expect.view(np.uint8).reshape(m, -1)
+        bad_blocks = int(np.any(got_b.reshape(-1, F.Q8_1.dtype.itemsize) != exp_b.reshape(-1, F.Q8_1.dtype.itemsize), axis=1).sum())
+        deq_gpu = F.dequantize_q8_1(out).astype(np.float64)
+        deq_cpu = F.dequantize_q8_1(expect).astype(np.float64)
+        poisoned = int(np.all(got_b.reshape(-1, 36) == 0xFF, axis=1).sum())
+        max_abs = float(np.nanmax(np.abs(deq_gpu - deq_cpu))) if deq_gpu.size else 0.0
+        return Result(kernel.name, shape, seed, bad_blocks == 0, max_abs,
+                      reference.relative_error(np.nan_to_num(deq_gpu), deq_cpu), F.nmse(np.nan_to_num(deq_gpu), inp.a_float),
+                      poisoned, 0.0, op.nmse_tol, note=f"{bad_blocks} of {m * k // F.QK} blocks differ from qgemm.quantize_q8_1",
+                      detail={"mismatched_blocks": bad_blocks})
+
+    exact = op.exact(inp.a, inp.w)
+    truth = reference.truth(inp.a_float, inp.w_float)
+    return compare(kernel.name, op, shape, seed, out, exact, truth, inp.a_float, inp.w_float)
+
+
+def product_energy(a: np.ndarray, w: np.ndarray) -> float:
+    """sum_{m,n} sum_k (a_mk * w_nk)^2 = colsum(a^2) . colsum(w^2), in float64."""
+    a2 = np.square(np.asarray(a, dtype=np.float64)).sum(axis=0)
+    w2 = np.square(np.asarray(w, dtype=np.float64)).sum(axis=0)
+    return float(a2 @ w2)
+
+
+def nmse_tolerance(op: Op, shape: tuple[int, int, int]) -> float:
+    m, n, k = shape
+    return op.nmse_tol * (1.0 + 8.0 / np.sqrt(max(m * n * k / F.QK, 1.0)))
+
+
+def compare(name: str, op: Op, shape, seed, out: np.ndarray, exact: np.ndarray, truth: np.ndarray,
+            a_float: np.ndarray, w_float: np.ndarray) -> Result:
+    """Score a kernel output against both references (see the module docstring)."""
+    unwritten = int(np.isnan(out).sum())
+    finite = np.nan_to_num(out.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    energy = max(product_energy(a_float, w_float), np.finfo(np.float64).tiny)
+    max_abs = float(np.max(np.abs(finite - exact)))
+    rel = float(np.sqrt(np.sum((finite - exact) ** 2) / energy))
+    nm = float(np.sum((finite - truth) ** 2) / energy)
+    nm_tol = nmse_tolerance(op, shape)
+    passed = unwritten == 0 and bool(np.isfinite(out).all()) and rel <= op.exact_tol and nm <= nm_tol
+    note = []
+    if unwritten:
+        note.append(f"{unwritten} outputs never written")
+    if rel > op.exact_tol:
+        note.append(f"rel err {rel:.2e} > {op.exact_tol:.0e}")
+    if nm > nm_tol:
+        note.append(f"NMSE {nm:.2e} > {nm_tol:.1e}")
+    return Result(name, tuple(shape), seed, bool(passed), max_abs, rel, nm, unwritten, op.exact_tol, nm_tol, "; ".join(note),
+                  detail={"classic_nmse": F.nmse(finite, truth), "classic_rel_err": reference.relative_error(finite, exact)})

@@ -1,0 +1,39 @@
+"""qgemm's exceptions. Bad *input* is always a ValueError (or a subclass) raised before launch."""
+
+from __future__ import annotations
+
+
+class QgemmError(Exception):
+    """Base class of qgemm's own errors (input errors are plain ValueError)."""
+
+
+class CompileError(QgemmError):
+    """NVRTC rejected a kernel. Carries the kernel name, the options and the NVRTC log."""
+
+    def __init__(self, kernel: str, arch: str, options: list[str], log: str, listing: str = ""):
+        self.kernel = kernel
+        self.arch = arch
+        self.options = list(options)
+        self.log = log
+        self.listing = listing
+        msg = [f"NVRTC failed to compile kernel {kernel!r} for {arch}", "options: " + " ".join(options), "NVRTC log:", log.rstrip()]
+        if listing:
+            msg += ["source around the errors:", listing.rstrip()]
+        super().__init__("\n".join(msg))
+
+
+class UnsupportedArchError(ValueError, QgemmError):
+    """An architecture that the installed NVRTC or the kernel cannot target."""
+
+
+class CudaError(QgemmError):
+    """A CUDA driver call failed. `call` names it, `code` is the CUresult name when known."""
+
+    def __init__(self, call: str, message: str, code: str | None = None):
+        self.call = call
+        self.code = code
+        super().__init__(f"{call} failed: {code + ': ' if code else ''}{message}")
+
+
+class NoGPUError(QgemmError):
+    """No usable NVIDIA GPU/driver. Raised by anything that must run on the GPU."""

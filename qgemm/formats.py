@@ -1,0 +1,267 @@
+"""ggml block formats (Q4_0, Q8_0, Q8_1): numpy layouts, quantizers and dequantizers.
+
+Every block covers 32 consecutive values along K. The byte layouts are ggml's, to the byte:
+
+    block_q4_0  {half d; uint8 qs[16];}          18 bytes  element j -> low nibble of qs[j],
+                                                           element j+16 -> high nibble of qs[j]
+    block_q8_0  {half d; int8  qs[32];}          34 bytes
+    block_q8_1  {half d; half s; int8 qs[32];}   36 bytes  s = sum of the 32 *original* floats
+
+`quantize_q4_0` / `quantize_q8_0` reproduce ggml's reference quantizers (`quantize_row_q4_0_ref`,
+`quantize_row_q8_0_ref`) bit for bit, float32 arithmetic included; `gguf.quants` is the oracle in
+the tests. `quantize_q8_1` reproduces ggml's CUDA activation quantizer (`quantize_q8_1` in
+ggml-cuda/quantize.cu), including the order of its warp-shuffle sum, so the GPU kernel
+`quantize.q8_1` and this function agree byte for byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+QK = 32  # values per block, for every format here
+
+block_q4_0 = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])
+block_q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])
+block_q8_1 = np.dtype([("d", "<f2"), ("s", "<f2"), ("qs", "i1", (QK,))])
+
+assert block_q4_0.itemsize == 18 and block_q8_0.itemsize == 34 and block_q8_1.itemsize == 36
+
+_HALF_MAX = float(np.finfo(np.float16).max)
+
+
+@dataclass(frozen=True)
+class Format:
+    """An operand format: how a [rows, K] matrix is stored."""
+
+    name: str  # "f32", "f16", "q4_0", "q8_0", "q8_1"
+    dtype: np.dtype  # element dtype (floats) or block dtype (quantized)
+    block: int  # values per element of `dtype` along K (1 for floats, 32 for blocks)
+    description: str
+
+    @property
+    def quantized(self) -> bool:
+        return self.block > 1
+
+    def nbytes(self, rows: int, k: int) -> int:
+        return rows * (k // self.block) * self.dtype.itemsize
+
+    def bits_per_value(self) -> float:
+        return 8.0 * self.dtype.itemsize / self.block
+
+    def __str__(self) -> str:
+        return self.name
+
+
+F32 = Format("f32", np.dtype(np.float32), 1, "float32 values")
+F16 = Format("f16", np.dtype(np.float16), 1, "float16 values")
+Q4_0 = Format("q4_0", block_q4_0, QK, "ggml Q4_0 blocks {half d; uint8 qs[16]} (18 B / 32 values)")
+Q8_0 = Format("q8_0", block_q8_0, QK, "ggml Q8_0 blocks {half d; int8 qs[32]} (34 B / 32 values)")
+Q8_1 = Format("q8_1", block_q8_1, QK, "ggml Q8_1 blocks {half d; half s; int8 qs[32]} (36 B / 32 values)")
+
+FORMATS = {f.name: f for f in (F32, F16, Q4_0, Q8_0, Q8_1)}
+
+
+def get_format(name: str | Format) -> Format:
+    if isinstance(name, Format):
+        return name
+    try:
+        return FORMATS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; known: {', '.join(FORMATS)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# input checks shared by the quantizers
+
+
+def _as_blocks(x: np.ndarray, what: str) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Validate a float array [..., K] and view it as float32 blocks [nblocks, 32]."""
+    x = np.asarray(x)
+    if x.dtype.kind != "f":
+        raise ValueError(f"{what}: expected a floating-point array, got dtype {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError(f"{what}: expected an array [..., K], got a scalar")
+    k = x.shape[-1]
+    if k == 0 or k % QK:
+        raise ValueError(f"{what}: K (last dimension) must be a positive multiple of {QK}, got K={k}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if not np.isfinite(x).all():
+        bad = np.argwhere(~np.isfinite(x))[0]
+        raise ValueError(f"{what}: input must be finite; found {x[tuple(bad)]} at index {tuple(int(i) for i in bad)}")
+    return x.reshape(-1, QK), x.shape[:-1] + (k // QK,)
+
+
+def _to_half(values: np.ndarray, what: str, field: str) -> np.ndarray:
+    """float32 -> float16 (round to nearest even, as __float2half_rn / GGML_FP32_TO_FP16)."""
+    with np.errstate(over="ignore"):
+        h = values.astype(np.float16)
+    if not np.isfinite(h).all():
+        i = int(np.argmax(~np.isfinite(h)))
+        raise ValueError(
+            f"{what}: block {i} has {field} = {float(values.flat[i]):.6g}, which overflows half "
+            f"(max {_HALF_MAX:g}); scale the input down"
+        )
+    return h
+
+
+def _roundf(x: np.ndarray) -> np.ndarray:
+    """C roundf: round half away from zero (np.round would round half to even)."""
+    return np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+
+
+# --------------------------------------------------------------------------------------------
+# quantizers
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """float [..., K] -> Q4_0 blocks [..., K/32], byte-identical to ggml's quantize_row_q4_0_ref.
+
+    ggml takes the value of largest magnitude *with its sign* (`max`) and sets d = max / -8, so
+    that value maps to exactly -8 (stored nibble 0) and the opposite side gets the range up to +7.
+    The seeds' simplified quantizer (d = amax/7) differs: docs/formats.md shows how.
+    """
+    blocks, out_shape = _as_blocks(x, "quantize_q4_0")
+    # first index of the largest |x| (ggml's loop uses a strict '<', so the first one wins)
+    imax = np.abs(blocks).argmax(axis=1)
+    vmax = blocks[np.arange(blocks.shape[0]), imax]
+    d = vmax / np.float32(-8.0)
+    with np.errstate(divide="ignore"):
+        inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    # (int8_t)(x*id + 8.5f) truncates toward zero; then MIN(15, .)
+    q = np.trunc(blocks * inv_d[:, None] + np.float32(8.5)).astype(np.int32)
+    q = np.clip(q, 0, 15).astype(np.uint8)
+    out = np.empty(blocks.shape[0], dtype=block_q4_0)
+    out["d"] = _to_half(d, "quantize_q4_0", "d")
+    out["qs"] = q[:, : QK // 2] | (q[:, QK // 2 :] << 4)
+    return out.reshape(out_shape)
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """float [..., K] -> Q8_0 blocks [..., K/32], byte-identical to ggml's quantize_row_q8_0_ref."""
+    blocks, out_shape = _as_blocks(x, "quantize_q8_0")
+    amax = np.abs(blocks).max(axis=1)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    q = _roundf(blocks * inv_d[:, None]).astype(np.int8)
+    out = np.empty(blocks.shape[0], dtype=block_q8_0)
+    out["d"] = _to_half(d, "quantize_q8_0", "d")
+    out["qs"] = q
+    return out.reshape(out_shape)
+
+
+def warp_sum_32(blocks: np.ndarray) -> np.ndarray:
+    """Sum 32 float32 lanes in the order of a __shfl_xor_sync butterfly (offsets 16, 8, 4, 2, 1).
+
+    Every lane of the butterfly ends with the same bits, and this is that tree: at offset o the
+    partial sums of lanes i and i^o are added, which for the surviving lanes 0..o-1 is v[i] + v[i+o].
+    Float addition is not associative, so mirroring the tree is what makes `s` byte-identical.
+    """
+    v = blocks.astype(np.float32, copy=False)
+    width = QK
+    while width > 1:
+        width //= 2
+        v = v[:, :width] + v[:, width : 2 * width]
+    return v[:, 0]
+
+
+def quantize_q8_1(x: np.ndarray) -> np.ndarray:
+    """float [..., K] -> Q8_1 blocks [..., K/32], as ggml's CUDA quantize_q8_1 computes them.
+
+    d = amax / 127, q = roundf(x / d) (a true division, as the kernel does), s = sum of the 32
+    original float values (not of q*d): the W4A8 compensation d_w*(d_a*sumi - 8*s_a) uses it.
+    """
+    blocks, out_shape = _as_blocks(x, "quantize_q8_1")
+    amax = np.abs(blocks).max(axis=1)
+    s = warp_sum_32(blocks)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(amax[:, None] == 0, np.float32(0), _roundf(blocks / d[:, None]))
+    out = np.empty(blocks.shape[0], dtype=block_q8_1)
+    out["d"] = _to_half(d, "quantize_q8_1", "d")
+    out["s"] = _to_half(s, "quantize_q8_1", "s (the block sum)")
+    out["qs"] = q.astype(np.int8)
+    return out.reshape(out_shape)
+
+
+QUANTIZERS = {"q4_0": quantize_q4_0, "q8_0": quantize_q8_0, "q8_1": quantize_q8_1}
+
+
+def quantize(x: np.ndarray, fmt: str | Format) -> np.ndarray:
+    """Quantize float [..., K] into `fmt` ("q4_0", "q8_0", "q8_1")."""
+    f = get_format(fmt)
+    if f.name not in QUANTIZERS:
+        raise ValueError(f"quantize: {f.name} is not a quantized format; expected one of {', '.join(QUANTIZERS)}")
+    return QUANTIZERS[f.name](x)
+
+
+# --------------------------------------------------------------------------------------------
+# dequantizers and raw-byte views
+
+
+def as_blocks(a: np.ndarray, fmt: str | Format, what: str = "array") -> np.ndarray:
+    """View `a` as blocks of `fmt`: accepts the structured block dtype, or raw uint8 bytes
+    [..., nblocks*itemsize] as gguf.quants.quantize returns them. Raises ValueError otherwise."""
+    f = get_format(fmt)
+    if not f.quantized:
+        raise ValueError(f"{what}: {f.name} is not a block format")
+    a = np.asarray(a)
+    if a.dtype == f.dtype:
+        return a
+    if a.dtype == np.uint8 and a.ndim >= 1:
+        if a.shape[-1] % f.dtype.itemsize:
+            raise ValueError(
+                f"{what}: raw {f.name} bytes must have a last dimension that is a multiple of "
+                f"{f.dtype.itemsize} (one block), got {a.shape[-1]}"
+            )
+        return np.ascontiguousarray(a).view(f.dtype)
+    known = {g.dtype: g.name for g in FORMATS.values() if g.quantized}
+    came = known.get(a.dtype, str(a.dtype))
+    raise ValueError(f"{what}: expected {f.name} blocks ({f.description}), got {came} with shape {a.shape}")
+
+
+def unpack_q4_0(blocks: np.ndarray) -> np.ndarray:
+    """Q4_0 blocks [..., nb] -> stored nibbles [..., nb*32] in [0, 15] (element order)."""
+    qs = blocks["qs"]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # low nibbles are 0..15, high are 16..31
+    return q.reshape(blocks.shape[:-1] + (-1,))
+
+
+def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
+    b = as_blocks(blocks, Q4_0, "dequantize_q4_0")
+    q = np.concatenate([b["qs"] & 0x0F, b["qs"] >> 4], axis=-1).astype(np.int8) - np.int8(8)
+    x = b["d"].astype(np.float32)[..., None] * q.astype(np.float32)
+    return x.reshape(b.shape[:-1] + (-1,))
+
+
+def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    b = as_blocks(blocks, Q8_0, "dequantize_q8_0")
+    x = b["d"].astype(np.float32)[..., None] * b["qs"].astype(np.float32)
+    return x.reshape(b.shape[:-1] + (-1,))
+
+
+def dequantize_q8_1(blocks: np.ndarray) -> np.ndarray:
+    b = as_blocks(blocks, Q8_1, "dequantize_q8_1")
+    x = b["d"].astype(np.float32)[..., None] * b["qs"].astype(np.float32)
+    return x.reshape(b.shape[:-1] + (-1,))
+
+
+DEQUANTIZERS = {"q4_0": dequantize_q4_0, "q8_0": dequantize_q8_0, "q8_1": dequantize_q8_1}
+
+
+def dequantize(blocks: np.ndarray, fmt: str | Format) -> np.ndarray:
+    f = get_format(fmt)
+    if f.name not in DEQUANTIZERS:
+        raise ValueError(f"dequantize: {f.name} is not a quantized format")
+    return DEQUANTIZERS[f.name](blocks)
+
+
+def nmse(x: np.ndarray, ref: np.ndarray) -> float:
+    """Normalised mean squared error ||x - ref||^2 / ||ref||^2, in float64."""
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    den = float(np.sum(ref * ref))
+    num = float(np.sum((x - ref) ** 2))
+    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))

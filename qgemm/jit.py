@@ -1,0 +1,541 @@
+"""Run-time compilation: NVRTC straight to CUBIN, with an on-disk cache.
+
+Why CUBIN and never PTX: PTX produced by a newer NVRTC is rejected by an older driver, while SASS
+for the exact sm_XX loads on any driver of the same major version. So each kernel is compiled
+for one concrete architecture (the detected GPU's, or one given with --arch).
+
+Cache layout (one directory per key, under `cache_dir()/v1`):
+
+    <key>/kernel.cubin   the SASS image
+    <key>/source.cu      the kernel's own source, for humans reading the cache
+    <key>/meta.json      kernel name, entry symbols, arch, options, NVRTC version, ptxas resource
+                         report, cubin size and its sha256
+
+The key hashes the kernel source, every project header it includes (by path relative to
+cuda_src/, so a key is the same on every machine), the CUDA half-precision headers it pulls in,
+the options, the arch and the NVRTC version. An entry is trusted only if meta.json parses, names
+this key and the cubin's sha256 matches; anything else is rebuilt. Entries are assembled in a
+temporary directory beside the final one and renamed into place under a per-key lock (fcntl),
+re-checking for the entry inside the lock, so parallel processes compile once and no reader ever
+sees half an entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import CompileError, UnsupportedArchError
+
+CACHE_LAYOUT_VERSION = "v1"
+BASE_OPTIONS = ("-std=c++17",)
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+_ERROR_LINE_RE = re.compile(r"^(?P<file>[^\s()]+)\((?P<line>\d+)\): (?:error|warning)", re.MULTILINE)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def verbose() -> bool:
+    return env_flag("QGEMM_JIT_VERBOSE")
+
+
+# ---------------------------------------------------------------------------------------------
+# where things are
+
+
+@lru_cache(maxsize=None)
+def cuda_src_dir() -> Path:
+    """The kernel sources: QGEMM_CUDA_SRC, the checkout's cuda_src/, or the copy in the wheel."""
+    env = os.environ.get("QGEMM_CUDA_SRC")
+    here = Path(__file__).resolve().parent
+    for cand in ([Path(env)] if env else []) + [here.parent / "cuda_src", here / "cuda_src"]:
+        if (cand / "common").is_dir():
+            return cand
+    raise FileNotFoundError(f"qgemm: cannot find the cuda_src/ kernel sources (looked beside {here})")
+
+
+@lru_cache(maxsize=None)
+def cuda_header_dir() -> str:
+    """Directory holding cuda_fp16.h: found by cuda.pathfinder (the nvidia-cuda-runtime wheel or a
+    CUDA toolkit on the machine). The NVRTC wheel alone ships no cuda_fp16.h."""
+    errors = []
+    try:
+        import cuda.pathfinder as pf
+
+        loc = pf.locate_nvidia_header_directory("cudart")
+        if loc is not None:
+            path = getattr(loc, "abs_path", loc)
+            if path and Path(path, "cuda_fp16.h").is_file():
+                return str(path)
+    except Exception as e:  # pathfinder absent or too old: fall through to CUDA_HOME
+        errors.append(f"cuda.pathfinder: {e}")
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root and Path(root, "include", "cuda_fp16.h").is_file():
+            return str(Path(root, "include"))
+    if Path("/usr/local/cuda/include/cuda_fp16.h").is_file():
+        return "/usr/local/cuda/include"
+    raise FileNotFoundError(
+        "qgemm: cannot find cuda_fp16.h, which every kernel includes. Install the CUDA runtime "
+        "headers wheel (pip install 'nvidia-cuda-runtime>=13') or set CUDA_HOME to a CUDA toolkit. "
+        + "; ".join(errors)
+    )
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("QGEMM_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "qgemm"
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC and architectures
+
+
+@lru_cache(maxsize=None)
+def nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    if int(err) != 0:
+        raise RuntimeError(f"nvrtcVersion failed: {err}")
+    return int(major), int(minor)
+
+
+@lru_cache(maxsize=None)
+def supported_archs() -> tuple[int, ...]:
+    from cuda.bindings import nvrtc
+
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    if int(err) != 0:
+        raise RuntimeError(f"nvrtcGetSupportedArchs failed: {err}")
+    return tuple(int(a) for a in archs)
+
+
+_ARCH_RE = re.compile(r"^(?:sm_?|compute_)?(\d)\.?(\d+)([af]?)$")
+
+
+def parse_arch(arch: str | int) -> tuple[int, str]:
+    """'sm_90', '90', '9.0', 'sm_90a', 90 -> (90, 'a' or ''). ValueError on anything else."""
+    s = str(arch).strip().lower()
+    m = _ARCH_RE.match(s)
+    if not m:
+        raise UnsupportedArchError(f"cannot parse architecture {arch!r}; expected e.g. sm_90, sm_90a, 90 or 9.0")
+    return int(m.group(1) + m.group(2)), m.group(3)
+
+
+def normalize_arch(arch: str | int) -> str:
+    cc, suffix = parse_arch(arch)
+    return f"sm_{cc}{suffix}"
+
+
+def check_arch_supported(arch: str) -> None:
+    cc, _ = parse_arch(arch)
+    archs = supported_archs()
+    if cc not in archs:
+        major, minor = nvrtc_version()
+        newest = max(archs)
+        if cc > newest:
+            raise UnsupportedArchError(
+                f"{arch} is newer than the installed NVRTC {major}.{minor} supports (newest: sm_{newest}); "
+                f"upgrade NVRTC (pip install -U nvidia-cuda-nvrtc) to target it"
+            )
+        raise UnsupportedArchError(
+            f"{arch} is not supported by the installed NVRTC {major}.{minor}; supported: "
+            + ", ".join(f"sm_{a}" for a in archs)
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# sources and keys
+
+
+def read_source(rel: str) -> str:
+    path = cuda_src_dir() / rel
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"qgemm: kernel source cuda_src/{rel} does not exist") from None
+
+
+def project_headers(rel: str, text: str | None = None) -> dict[str, str]:
+    """All project headers reached from cuda_src/<rel> through #include "..." (relative paths)."""
+    seen: dict[str, str] = {}
+    stack = [(rel, text if text is not None else read_source(rel))]
+    root = cuda_src_dir()
+    while stack:
+        cur, body = stack.pop()
+        for inc in _INCLUDE_RE.findall(body):
+            # resolved like NVRTC does with -I cuda_src: relative to the includer, then to the root
+            for cand in (Path(cur).parent / inc, Path(inc)):
+                p = (root / cand).resolve()
+                if p.is_file():
+                    relp = p.relative_to(root.resolve()).as_posix()
+                    if relp not in seen:
+                        seen[relp] = p.read_text()
+                        stack.append((relp, seen[relp]))
+                    break
+    return seen
+
+
+@lru_cache(maxsize=None)
+def system_header_digest() -> str:
+    """Digest of the CUDA half headers the kernels include (a toolkit update changes the key)."""
+    h = hashlib.sha256()
+    hdir = Path(cuda_header_dir())
+    for name in ("cuda_fp16.h", "cuda_fp16.hpp"):
+        p = hdir / name
+        if p.is_file():
+            h.update(name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(source_rel: str, source: str, headers: dict[str, str], arch: str, options: list[str]) -> str:
+    h = hashlib.sha256()
+    parts = {
+        "layout": CACHE_LAYOUT_VERSION,
+        "source": source_rel,
+        "arch": arch,
+        "options": list(options),
+        "nvrtc": list(nvrtc_version()),
+        "system_headers": system_header_digest(),
+    }
+    h.update(json.dumps(parts, sort_keys=True).encode())
+    h.update(b"\0" + source.encode())
+    for rel in sorted(headers):
+        h.update(b"\0" + rel.encode() + b"\0" + headers[rel].encode())
+    return h.hexdigest()[:40]
+
+
+# ---------------------------------------------------------------------------------------------
+# ptxas resource report
+
+
+@dataclasses.dataclass
+class Resources:
+    registers: int = 0
+    smem_static: int = 0
+    stack_frame: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+
+
+def parse_ptxas_report(log: str) -> dict[str, Resources]:
+    """Per-entry registers/smem/spills from NVRTC's log with --ptxas-options=-v."""
+    out: dict[str, Resources] = {}
+    cur: str | None = None
+    for line in log.splitlines():
+        m = re.search(r"Function properties for (\S+)", line) or re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            cur = m.group(1)
+            out.setdefault(cur, Resources())
+            continue
+        if cur is None:
+            continue
+        r = out[cur]
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            r.stack_frame, r.spill_stores, r.spill_loads = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            r.registers = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            r.smem_static = int(s.group(1)) if s else 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# compile errors
+
+
+def numbered_listing(log: str, files: dict[str, str], context: int = 2) -> str:
+    """Source lines (numbered) around each file(line) the NVRTC log complains about."""
+    chunks = []
+    done = set()
+    for m in _ERROR_LINE_RE.finditer(log):
+        fname, line = m.group("file"), int(m.group("line"))
+        if (fname, line) in done or fname not in files:
+            continue
+        done.add((fname, line))
+        lines = files[fname].splitlines()
+        lo, hi = max(1, line - context), min(len(lines), line + context)
+        chunk = [f"--- {fname}:{line}"]
+        for i in range(lo, hi + 1):
+            mark = ">>" if i == line else "  "
+            chunk.append(f"{mark}{i:5d} | {lines[i - 1]}")
+        chunks.append("\n".join(chunk))
+    return "\n".join(chunks)
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache
+
+
+@dataclasses.dataclass
+class CompiledKernel:
+    name: str  # registry name, for messages
+    source: str  # path relative to cuda_src/
+    arch: str
+    options: list[str]
+    entries: list[str]
+    cubin: bytes
+    key: str
+    resources: dict[str, Resources]
+    compile_seconds: float
+    from_cache: bool
+    nvrtc: tuple[int, int]
+    log: str = ""
+
+    @property
+    def cubin_size(self) -> int:
+        return len(self.cubin)
+
+
+class DiskCache:
+    """The on-disk cubin cache. `root` may be unwritable: then it falls back with one warning."""
+
+    def __init__(self, root: Path | None = None):
+        self.requested = Path(root) if root is not None else cache_dir()
+        self.root: Path | None = self.requested / CACHE_LAYOUT_VERSION
+        self._checked = False
+
+    def _usable_root(self) -> Path | None:
+        if self._checked:
+            return self.root
+        self._checked = True
+        candidates = [self.root, Path(tempfile.gettempdir()) / f"qgemm-cache-{os.getuid()}" / CACHE_LAYOUT_VERSION]
+        for i, cand in enumerate(candidates):
+            try:
+                cand.mkdir(parents=True, exist_ok=True)
+                probe = cand / f".probe-{os.getpid()}-{threading.get_ident()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as e:
+                if i == 0:
+                    warnings.warn(
+                        f"qgemm: cache directory {cand} is not writable ({e}); falling back", RuntimeWarning, stacklevel=4
+                    )
+                continue
+            if i > 0:
+                warnings.warn(f"qgemm: using fallback cache directory {cand}", RuntimeWarning, stacklevel=4)
+            self.root = cand
+            return cand
+        warnings.warn("qgemm: no writable cache directory; kernels are compiled in every process", RuntimeWarning, stacklevel=4)
+        self.root = None
+        return None
+
+    # -- reading ------------------------------------------------------------------------------
+    def load(self, key: str) -> tuple[bytes, dict] | None:
+        """The cubin and metadata for `key`, or None when absent or not trustworthy."""
+        root = self._usable_root()
+        if root is None:
+            return None
+        d = root / key
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+            cubin = (d / "kernel.cubin").read_bytes()
+        except (OSError, ValueError):
+            return None
+        if not isinstance(meta, dict) or meta.get("key") != key:
+            return None
+        if meta.get("cubin_size") != len(cubin) or meta.get("cubin_sha256") != hashlib.sha256(cubin).hexdigest():
+            return None
+        return cubin, meta
+
+    # -- writing ------------------------------------------------------------------------------
+    @contextmanager
+    def lock(self, key: str):
+        root = self._usable_root()
+        if root is None:
+            yield
+            return
+        import fcntl
+
+        lock_path = root / f"{key}.lock"
+        try:
+            fh = open(lock_path, "a+b")
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            yield
+        finally:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            finally:
+                fh.close()
+
+    def store(self, key: str, cubin: bytes, meta: dict, source: str) -> None:
+        root = self._usable_root()
+        if root is None:
+            return
+        final = root / key
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+            (tmp / "kernel.cubin").write_bytes(cubin)
+            (tmp / "source.cu").write_text(source)
+            meta = dict(meta, key=key, cubin_size=len(cubin), cubin_sha256=hashlib.sha256(cubin).hexdigest())
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+            if final.exists():  # a corrupt entry: we hold the lock, so nobody else is writing it
+                shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        except OSError as e:
+            warnings.warn(f"qgemm: could not write cache entry {final}: {e}", RuntimeWarning, stacklevel=3)
+            shutil.rmtree(locals().get("tmp", final.with_suffix(".none")), ignore_errors=True)
+
+    def entries(self) -> list[Path]:
+        root = self._usable_root()
+        return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root else []
+
+
+_memo: dict[tuple, CompiledKernel] = {}
+_memo_lock = threading.Lock()
+_default_cache: DiskCache | None = None
+
+
+def default_cache() -> DiskCache:
+    global _default_cache
+    if _default_cache is None or _default_cache.requested != cache_dir():
+        _default_cache = DiskCache()
+    return _default_cache
+
+
+def clear_memo() -> None:
+    with _memo_lock:
+        _memo.clear()
+
+
+def build_options(arch: str, defines: dict[str, object] | None) -> list[str]:
+    """The option list that goes into the key: no absolute paths (include dirs are added later)."""
+    opts = list(BASE_OPTIONS) + [f"--gpu-architecture={arch}", "--ptxas-options=-v"]
+    for k, v in sorted((defines or {}).items()):
+        opts.append(f"-D{k}={v}" if v is not None else f"-D{k}")
+    return opts
+
+
+def _nvrtc_compile(name: str, source_rel: str, source: str, arch: str, options: list[str], headers: dict[str, str]) -> tuple[bytes, str]:
+    """One NVRTC compile to cubin through cuda.core's Program. Returns (cubin, log)."""
+    from cuda.core import Program, ProgramOptions
+
+    defines = []
+    for o in options:
+        if o.startswith("-D"):
+            k, _, v = o[2:].partition("=")
+            defines.append((k, v) if v else k)
+    popts = ProgramOptions(
+        name=source_rel,
+        arch=arch,
+        std="c++17",
+        include_path=[str(cuda_src_dir()), cuda_header_dir()],
+        ptxas_options=["-v"],
+        define_macro=defines or None,
+    )
+    if verbose():
+        print(f"[qgemm.jit] nvrtc {'.'.join(map(str, nvrtc_version()))}: {source_rel} {' '.join(options)} "
+              f"-I{cuda_src_dir()} -I{cuda_header_dir()}", file=sys.stderr)
+    log = io.StringIO()
+    try:
+        prog = Program(source, "c++", options=popts)
+        obj = prog.compile("cubin", logs=log)
+    except Exception as e:  # cuda.core raises NVRTCError with the log in its message
+        text = log.getvalue() or str(e)
+        files = {source_rel: source, **headers}
+        raise CompileError(name, arch, options, text, numbered_listing(text, files)) from None
+    text = log.getvalue()
+    if verbose() and text.strip():
+        print(text, file=sys.stderr)
+    return bytes(obj.code), text
+
+
+def compile_kernel(
+    name: str,
+    source_rel: str,
+    entries: list[str],
+    arch: str,
+    defines: dict[str, object] | None = None,
+    cache: DiskCache | None = None,
+    use_cache: bool | None = None,
+) -> CompiledKernel:
+    """Compile cuda_src/<source_rel> for `arch` (e.g. 'sm_90'), through the memo and the disk cache."""
+    arch = normalize_arch(arch)
+    check_arch_supported(arch)
+    options = build_options(arch, defines)
+    memo_key = (source_rel, arch, tuple(options), tuple(entries))
+    with _memo_lock:
+        hit = _memo.get(memo_key)
+    if hit is not None:
+        return hit
+
+    source = read_source(source_rel)
+    headers = project_headers(source_rel, source)
+    key = cache_key(source_rel, source, headers, arch, options)
+    if use_cache is None:
+        use_cache = not env_flag("QGEMM_DISABLE_CACHE")
+    cache = cache or default_cache()
+
+    def from_meta(cubin: bytes, meta: dict) -> CompiledKernel:
+        res = {k: Resources(**v) for k, v in meta.get("resources", {}).items()}
+        return CompiledKernel(name, source_rel, arch, options, list(entries), cubin, key, res,
+                              float(meta.get("compile_seconds", 0.0)), True, nvrtc_version(), meta.get("log", ""))
+
+    result: CompiledKernel | None = None
+    if use_cache:
+        got = cache.load(key)
+        if got is None:
+            with cache.lock(key):
+                got = cache.load(key)  # another process may have finished while we waited
+                if got is None:
+                    result = _compile_and_store(name, source_rel, source, headers, entries, arch, options, key, cache)
+        if result is None:
+            result = from_meta(*got)
+    else:
+        result = _compile_and_store(name, source_rel, source, headers, entries, arch, options, key, None)
+    with _memo_lock:
+        _memo[memo_key] = result
+    return result
+
+
+def _compile_and_store(name, source_rel, source, headers, entries, arch, options, key, cache) -> CompiledKernel:
+    t0 = time.perf_counter()
+    cubin, log = _nvrtc_compile(name, source_rel, source, arch, options, headers)
+    seconds = time.perf_counter() - t0
+    res = parse_ptxas_report(log)
+    missing = [e for e in entries if e not in res]
+    if missing:
+        raise CompileError(name, arch, options, f"entry symbol(s) {missing} not found in the compiled code; "
+                           f"found {sorted(res)} (is the kernel declared extern \"C\"?)\n" + log)
+    ck = CompiledKernel(name, source_rel, arch, options, list(entries), cubin, key, res, seconds, False, nvrtc_version(), log)
+    if cache is not None:
+        meta = {
+            "kernel": name,
+            "source": source_rel,
+            "arch": arch,
+            "options": options,
+            "entries": list(entries),
+            "nvrtc": list(nvrtc_version()),
+            "resources": {k: dataclasses.asdict(v) for k, v in res.items()},
+            "compile_seconds": seconds,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "log": log,
+        }
+        cache.store(key, cubin, meta, source)
+    return ck

@@ -1,0 +1,281 @@
+"""Ops (what a kernel computes, in which operand formats) and `Kernel`, the callable around a
+registered kernel: input checks, device transfer, launch, output.
+
+Shape convention everywhere: C[M,N] = A[M,K] . W[N,K]^T; M = tokens (activations), N = output
+features (weights), K = reduction. Quantized operands are blocks along K: [rows, K/32].
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from . import formats as F
+from . import jit, reference, runtime
+from .errors import UnsupportedArchError
+
+
+@dataclass(frozen=True)
+class Op:
+    """What a kernel computes. `unit` names the arithmetic that bounds it (for the roofline)."""
+
+    name: str  # "fp32", "w4a16", "w4a8", "quantize_q8_1", ...
+    title: str
+    kind: str  # "gemm" or "quantize"
+    a: F.Format  # activations [M, K]
+    w: F.Format | None  # weights [N, K] (None for a quantizer)
+    out: F.Format
+    unit: str  # "fp32" (FFMA), "dp4a", "imma"
+    exact_tol: float  # max relative error vs the exact-math reference
+    nmse_tol: float  # max NMSE vs float64 ground truth (quantization level)
+    exact: Callable | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "quantize":
+            return f"{self.title}: X {self.a} [M,K] -> Y {self.out} [M,K/32]"
+        wshape = "[N,K/32]" if self.w.quantized else "[N,K]"
+        ashape = "[M,K/32]" if self.a.quantized else "[M,K]"
+        return f"{self.title}: A {self.a} {ashape} x W {self.w} {wshape}^T -> C {self.out} [M,N]"
+
+    @property
+    def k_multiple(self) -> int:
+        return max(self.a.block, self.w.block if self.w else 1)
+
+
+FP32 = Op("fp32", "FP32 GEMM", "gemm", F.F32, F.F32, F.F32, "fp32", 2e-5, 1e-8, reference.exact_fp32)
+W4A16 = Op("w4a16", "W4A16", "gemm", F.F32, F.Q4_0, F.F32, "fp32", 2e-5, 2e-2, reference.exact_w4a16)
+W8A16 = Op("w8a16", "W8A16", "gemm", F.F32, F.Q8_0, F.F32, "fp32", 2e-5, 1e-3, reference.exact_w8a16)
+W4A8 = Op("w4a8", "W4A8", "gemm", F.Q8_1, F.Q4_0, F.F32, "dp4a", 1e-5, 2e-2, reference.exact_w4a8)
+W8A8 = Op("w8a8", "W8A8", "gemm", F.Q8_1, F.Q8_0, F.F32, "dp4a", 1e-5, 1e-3, reference.exact_w8a8)
+QUANTIZE_Q8_1 = Op("quantize_q8_1", "Quantize to Q8_1", "quantize", F.F32, None, F.Q8_1, "memory", 0.0, 1e-3)
+
+OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, QUANTIZE_Q8_1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# operand checks (host and device), all before anything launches
+
+
+def _describe(x) -> str:
+    if runtime.is_device_array(x) and not isinstance(x, np.ndarray):
+        try:
+            d = runtime.as_device_array(x)
+            return f"device array {d.dtype} {d.shape}"
+        except Exception:
+            return f"device object {type(x).__name__}"
+    a = np.asarray(x)
+    return f"{a.dtype} {a.shape}"
+
+
+def _check_host(x, fmt: F.Format, role: str, op: Op) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise ValueError(f"{op.name}: {role} must be a numpy array or a device array, got {type(x).__name__}")
+    if fmt.quantized:
+        if x.dtype != fmt.dtype and x.dtype != np.uint8:
+            raise ValueError(
+                f"{op.name}: {role} must be {fmt.name} blocks ({fmt.description}) [rows, K/32], got {_describe(x)}"
+                + _format_hint(x, fmt)
+            )
+        if x.ndim != 2:
+            raise ValueError(f"{op.name}: {role} must be 2-D [rows, K/32] {fmt.name} blocks, got shape {x.shape}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{op.name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
+        return F.as_blocks(x, fmt, f"{op.name}: {role}")
+    if x.dtype != fmt.dtype:
+        raise ValueError(f"{op.name}: {role} must be {fmt.dtype} [rows, K], got {_describe(x)}" + _format_hint(x, fmt))
+    if x.ndim != 2:
+        raise ValueError(f"{op.name}: {role} must be 2-D [rows, K], got shape {x.shape}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{op.name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
+    return x
+
+
+def _format_hint(x, fmt: F.Format) -> str:
+    for other in F.FORMATS.values():
+        if other.quantized and x.dtype == other.dtype and other is not fmt:
+            return f" (these are {other.name} blocks; this kernel takes {fmt.name})"
+    return ""
+
+
+def _check_device(x, fmt: F.Format, role: str, op: Op) -> runtime.DeviceArray:
+    d = runtime.as_device_array(x)
+    if fmt.quantized:
+        if d.dtype == np.uint8:  # raw bytes from torch/CuPy: [rows, nb * itemsize]
+            if d.ndim != 2 or d.shape[1] % fmt.dtype.itemsize:
+                raise ValueError(
+                    f"{op.name}: {role} as raw bytes must be uint8 [rows, (K/32)*{fmt.dtype.itemsize}] ({fmt.name}), got {_describe(d)}"
+                )
+            d = d.view(fmt.dtype)
+        elif d.dtype != fmt.dtype:
+            raise ValueError(f"{op.name}: {role} must be {fmt.name} blocks on the device, got {_describe(d)}")
+    elif d.dtype != fmt.dtype:
+        raise ValueError(f"{op.name}: {role} must be {fmt.dtype} [rows, K] on the device, got {_describe(d)}")
+    if d.ndim != 2:
+        raise ValueError(f"{op.name}: {role} must be 2-D, got shape {d.shape}")
+    return d
+
+
+def _k_of(shape: tuple[int, ...], fmt: F.Format) -> int:
+    return shape[1] * fmt.block
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+@dataclass
+class Launch:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shmem: int = 0
+
+
+class Kernel:
+    """A registered kernel, ready to call: `c = k(a, w)`.
+
+    Host numpy operands -> host float32 result (the call is synchronous). Device operands (any
+    object exposing __cuda_array_interface__, e.g. torch or CuPy tensors, or qgemm.DeviceArray) ->
+    the result stays on the device as a DeviceArray (or is written into `out=`), queued on
+    `stream`; nothing is copied through the host.
+    """
+
+    def __init__(self, spec, arch: str | None = None):
+        self.spec = spec
+        self.name = spec.name
+        self.op: Op = spec.op
+        self._arch = arch
+        self._loaded: runtime.LoadedKernel | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<qgemm kernel {self.name}: {self.op}>"
+
+    # -- compilation ---------------------------------------------------------------------------
+    def compile(self, arch: str | None = None, **kw) -> jit.CompiledKernel:
+        """NVRTC-compile (or fetch from the cache) for `arch`, default the GPU's. Needs no GPU
+        when `arch` is given."""
+        arch = jit.normalize_arch(arch or self._arch or runtime.device_arch())
+        cc, _ = jit.parse_arch(arch)
+        if cc < self.spec.min_arch:
+            raise UnsupportedArchError(f"{self.name} needs sm_{self.spec.min_arch} or newer; {arch} was requested")
+        if self.spec.arch_suffix and not arch.endswith(self.spec.arch_suffix):
+            arch = arch + self.spec.arch_suffix
+        return jit.compile_kernel(self.name, self.spec.source, [self.spec.entry], arch, self.spec.defines, **kw)
+
+    def _module(self) -> runtime.LoadedKernel:
+        if self._loaded is None:
+            with self._lock:
+                if self._loaded is None:
+                    runtime.require_gpu(f"running {self.name}")
+                    info = runtime.device_info()
+                    if info.cc < self.spec.min_arch:
+                        raise UnsupportedArchError(
+                            f"{self.name} needs sm_{self.spec.min_arch} or newer, but the GPU ({info.name}) is {info.arch}"
+                        )
+                    ck = self.compile(info.arch)
+                    self._loaded = runtime.LoadedKernel(ck.cubin, [self.spec.entry], self.name)
+        return self._loaded
+
+    # -- calling -------------------------------------------------------------------------------
+    def __call__(self, a, w=None, *, out=None, stream=None):
+        if self.op.kind == "quantize":
+            if w is not None:
+                raise ValueError(f"{self.name} takes one operand (the float32 activations), got two")
+            return self._call_quantize(a, out=out, stream=stream)
+        if w is None:
+            raise ValueError(f"{self.name} takes two operands: A ({self.op.a}) and W ({self.op.w})")
+        return self._call_gemm(a, w, out=out, stream=stream)
+
+    def shape_of(self, a, w) -> tuple[int, int, int]:
+        """(M, N, K) of operands in this kernel's formats, validating them."""
+        on_device = [runtime.is_device_array(x) and not isinstance(x, np.ndarray) for x in (a, w)]
+        if on_device[0] != on_device[1]:
+            raise ValueError(
+                f"{self.name}: A and W must both be host (numpy) arrays or both device arrays; got A: {_describe(a)}, W: {_describe(w)}"
+            )
+        chk = _check_device if on_device[0] else _check_host
+        a_, w_ = chk(a, self.op.a, "A", self.op), chk(w, self.op.w, "W", self.op)
+        m, ka = a_.shape[0], _k_of(a_.shape, self.op.a)
+        n, kw = w_.shape[0], _k_of(w_.shape, self.op.w)
+        if ka != kw:
+            raise ValueError(f"{self.name}: K mismatch: A {_describe(a)} has K={ka}, W {_describe(w)} has K={kw}")
+        if ka <= 0 or ka % self.op.k_multiple:
+            raise ValueError(f"{self.name}: K must be a positive multiple of {self.op.k_multiple}, got K={ka}")
+        if m <= 0 or n <= 0:
+            raise ValueError(f"{self.name}: M and N must be positive, got M={m}, N={n}")
+        return m, n, ka
+
+    def _out(self, out, shape, dtype):
+        if out is None:
+            return runtime.DeviceArray.empty(shape, dtype)
+        o = runtime.as_device_array(out)
+        if o.shape != tuple(shape) or o.dtype != np.dtype(dtype):
+            if not (o.dtype == np.uint8 and o.nbytes == int(np.prod(shape)) * np.dtype(dtype).itemsize):
+                raise ValueError(f"{self.name}: out must be {np.dtype(dtype)} {tuple(shape)}, got {_describe(o)}")
+            o = o.reshape(-1).view(dtype).reshape(shape)
+        return o
+
+    def _call_gemm(self, a, w, out=None, stream=None):
+        m, n, k = self.shape_of(a, w)
+        device = not isinstance(a, np.ndarray)
+        if not device and out is not None and isinstance(out, np.ndarray):
+            raise ValueError(f"{self.name}: out= must be a device array; host calls return a new numpy array")
+        self._module()  # no GPU, or a GPU too old: fail before allocating anything
+        if device:
+            da = _check_device(a, self.op.a, "A", self.op)
+            dw = _check_device(w, self.op.w, "W", self.op)
+        else:
+            da = runtime.DeviceArray.from_host(_check_host(a, self.op.a, "A", self.op))
+            dw = runtime.DeviceArray.from_host(_check_host(w, self.op.w, "W", self.op))
+        dc = self._out(out, (m, n), np.float32)
+        self.launch(da, dw, dc, m, n, k, stream=stream)
+        if device:
+            return out if out is not None else dc
+        return dc.to_host()
+
+    def launch(self, da, dw, dc, m: int, n: int, k: int, stream=None) -> None:
+        """Launch on device arrays already in this kernel's formats (no checks: the hot path)."""
+        mod = self._module()
+        g = self.spec.geometry(m, n, k)
+        args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr), np.int32(m), np.int32(n), np.int32(k))
+        mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream)
+
+    # -- quantizers ----------------------------------------------------------------------------
+    def _call_quantize(self, x, out=None, stream=None):
+        device = not isinstance(x, np.ndarray)
+        fmt = self.op.a
+        if device:
+            dx = _check_device(x, fmt, "X", self.op)
+        else:
+            dx = None
+            _check_host(x, fmt, "X", self.op)
+        m, k = dx.shape if device else x.shape
+        if k <= 0 or k % F.QK:
+            raise ValueError(f"{self.name}: K must be a positive multiple of {F.QK}, got K={k}")
+        if m <= 0:
+            raise ValueError(f"{self.name}: M must be positive, got M={m}")
+        if not device:
+            if not np.isfinite(x).all():
+                raise ValueError(f"{self.name}: input must be finite")
+            dx = runtime.DeviceArray.from_host(x)
+        self._module()
+        dy = self._out(out, (m, k // F.QK), self.op.out.dtype)
+        status = runtime.DeviceArray.from_host(np.zeros(1, dtype=np.int32))
+        self.launch_quantize(dx, dy, m, k, status, stream=stream)
+        flag = int(status.to_host()[0])  # one int: the price of turning bad data into an exception
+        if flag & 1:
+            raise ValueError(f"{self.name}: input must be finite; found inf or NaN")
+        if flag & 2:
+            raise ValueError(f"{self.name}: a block's scale d or sum s overflows half (max 65504); scale the input down")
+        if device:
+            return out if out is not None else dy
+        return dy.to_host()
+
+    def launch_quantize(self, dx, dy, m: int, k: int, status, stream=None) -> None:
+        mod = self._module()
+        g = self.spec.geometry(m, 0, k)
+        args = (np.uint64(dx.ptr), np.uint64(dy.ptr), np.int32(m), np.int32(k), np.uint64(status.ptr))
+        mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream)

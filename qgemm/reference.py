@@ -1,0 +1,109 @@
+"""numpy references. Convention everywhere: C[M,N] = A[M,K] . W[N,K]^T.
+
+Two kinds, both in float64:
+- `truth(a, w)`: the product of the original, unquantized float matrices. Quantized kernels are
+  compared with it by NMSE, at quantization-level tolerance.
+- `exact_*`: the arithmetic a kernel performs on its operands, exactly: integer dot products are
+  computed in integers, then the per-block float formula. A kernel must agree with it to float
+  rounding (tight tolerance); a disagreement there is a bug, not quantization error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import formats as F
+
+
+def truth(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """float64 ground truth A . W^T of float matrices."""
+    return np.asarray(a, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T
+
+
+def exact_fp32(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """FP32 GEMM: the kernel multiplies float32 values; the exact product of those values."""
+    return truth(np.asarray(a, dtype=np.float32), np.asarray(w, dtype=np.float32))
+
+
+def exact_w4a16(a: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
+    """W4A16: float32 activations x dequantized Q4_0 weights, d * (nibble - 8), exactly."""
+    wd = F.dequantize_q4_0(w_q4_0).astype(np.float64)  # every value is exact in float32
+    return truth(np.asarray(a, dtype=np.float32), wd)
+
+
+def exact_w8a16(a: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
+    """W8A16: float32 activations x dequantized Q8_0 weights (d * q), exactly."""
+    return truth(np.asarray(a, dtype=np.float32), F.dequantize_q8_0(w_q8_0))
+
+
+def block_sumi(qa: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """Per-block integer dot products: qa [M, nb, 32] x qw [N, nb, 32] -> int64 [M, N, nb].
+
+    Computed as float64 matmuls (BLAS-fast) that are still exact: every partial sum is an
+    integer with |sumi| <= 32 * 128 * 128 = 2^19, far below 2^53."""
+    m, nb, _ = qa.shape
+    n = qw.shape[0]
+    out = np.empty((m, n, nb), dtype=np.int64)
+    qa64 = qa.astype(np.float64)
+    qw64 = qw.astype(np.float64)
+    for b in range(nb):
+        out[:, :, b] = np.rint(qa64[:, b, :] @ qw64[:, b, :].T).astype(np.int64)
+    return out
+
+
+def exact_w4a8(a_q8_1: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
+    """W4A8 (Q8_1 x Q4_0), as llama.cpp's vec_dot_q4_0_q8_1 computes it:
+
+        per block:  sumi = sum_i q_a[i] * q_w[i]     with the *stored* nibbles q_w in [0, 15]
+                    acc += d_w * (d_a * sumi - 8 * s_a)
+
+    The -8 offset of Q4_0 is folded into one correction per block using s_a (the sum of the
+    original activations) instead of sum(q_a) * d_a; docs/compensation.md derives it.
+    """
+    a = F.as_blocks(a_q8_1, F.Q8_1, "A")
+    w = F.as_blocks(w_q4_0, F.Q4_0, "W")
+    qa = a["qs"]  # [M, nb, 32]
+    qw = np.concatenate([w["qs"] & 0x0F, w["qs"] >> 4], axis=-1)  # [N, nb, 32] in [0, 15]
+    sumi = block_sumi(qa, qw).astype(np.float64)
+    da = a["d"].astype(np.float64)[:, None, :]
+    sa = a["s"].astype(np.float64)[:, None, :]
+    dw = w["d"].astype(np.float64)[None, :, :]
+    return np.sum(dw * (da * sumi - 8.0 * sa), axis=-1)
+
+
+def exact_w8a8(a_q8_1: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
+    """W8A8 (Q8_1 x Q8_0): per block d_w * d_a * sumi (s_a is not needed: Q8_0 has no offset)."""
+    a = F.as_blocks(a_q8_1, F.Q8_1, "A")
+    w = F.as_blocks(w_q8_0, F.Q8_0, "W")
+    sumi = block_sumi(a["qs"], w["qs"]).astype(np.float64)
+    da = a["d"].astype(np.float64)[:, None, :]
+    dw = w["d"].astype(np.float64)[None, :, :]
+    return np.sum(dw * da * sumi, axis=-1)
+
+
+def exact_w4a8_uncompensated(a_q8_1: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
+    """What you get if you forget the -8: d_w * d_a * sumi on the stored nibbles (wrong on purpose,
+    for the tutorial and the tests that show why the compensation exists)."""
+    a = F.as_blocks(a_q8_1, F.Q8_1, "A")
+    w = F.as_blocks(w_q4_0, F.Q4_0, "W")
+    qw = np.concatenate([w["qs"] & 0x0F, w["qs"] >> 4], axis=-1)
+    sumi = block_sumi(a["qs"], qw).astype(np.float64)
+    return np.sum(w["d"].astype(np.float64)[None] * a["d"].astype(np.float64)[:, None] * sumi, axis=-1)
+
+
+EXACT = {
+    "fp32": exact_fp32,
+    "w4a16": exact_w4a16,
+    "w8a16": exact_w8a16,
+    "w4a8": exact_w4a8,
+    "w8a8": exact_w8a8,
+}
+
+
+def relative_error(x: np.ndarray, ref: np.ndarray) -> float:
+    """||x - ref|| / ||ref|| (Frobenius, float64)."""
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    den = float(np.linalg.norm(ref))
+    num = float(np.linalg.norm(x - ref))
+    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))

@@ -1,0 +1,448 @@
+"""The GPU side: device and primary context, modules, device arrays, copies, streams, events.
+
+cuda.core gives the device/context, streams, events, module loading and `launch`; cuda.bindings'
+driver module does the rest (allocation, copies, memset, attributes). Every driver result is
+checked and a failure raises `CudaError` naming the call.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .errors import CudaError, NoGPUError
+
+# ---------------------------------------------------------------------------------------------
+# checking results
+
+
+def check(result, call: str):
+    """Unwrap a cuda.bindings return tuple (err, *values); raise CudaError on err != 0."""
+    if isinstance(result, tuple):
+        err, values = result[0], result[1:]
+    else:
+        err, values = result, ()
+    if int(err) != 0:
+        from cuda.bindings import driver
+
+        name = getattr(err, "name", str(err))
+        try:
+            _, desc = driver.cuGetErrorString(err)
+            desc = desc.decode() if isinstance(desc, bytes) else str(desc)
+        except Exception:
+            desc = "(no description)"
+        raise CudaError(call, desc, name)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def _wrap(call: str, fn, *args, **kwargs):
+    """Run a cuda.core call, turning its exceptions into CudaError that names the call."""
+    try:
+        return fn(*args, **kwargs)
+    except (NoGPUError, CudaError, ValueError):
+        raise
+    except Exception as e:
+        raise CudaError(call, str(e)) from e
+
+
+# ---------------------------------------------------------------------------------------------
+# the device
+
+
+_state_lock = threading.Lock()
+
+
+@lru_cache(maxsize=None)
+def _probe() -> tuple[bool, str]:
+    try:
+        from cuda.bindings import driver
+    except Exception as e:
+        return False, f"cuda.bindings is not importable ({e})"
+    try:
+        err = driver.cuInit(0)[0]
+    except Exception as e:  # libcuda.so not found: no NVIDIA driver on this machine
+        return False, f"no NVIDIA driver found ({type(e).__name__}: {e})"
+    if int(err) != 0:
+        return False, f"cuInit failed: {getattr(err, 'name', err)} (no usable GPU or driver)"
+    err, count = driver.cuDeviceGetCount()
+    if int(err) != 0 or count == 0:
+        return False, "the NVIDIA driver reports no CUDA devices"
+    return True, ""
+
+
+def gpu_available() -> bool:
+    return _probe()[0]
+
+
+def gpu_unavailable_reason() -> str:
+    return _probe()[1]
+
+
+def require_gpu(what: str = "this") -> None:
+    ok, why = _probe()
+    if not ok:
+        raise NoGPUError(f"{what} needs an NVIDIA GPU, but none is usable here: {why}")
+
+
+@lru_cache(maxsize=None)
+def device():
+    """cuda.core Device 0, made current (its primary context) in this thread."""
+    require_gpu("the GPU runtime")
+    from cuda.core import Device
+
+    dev = _wrap("cuda.core.Device(0)", Device, 0)
+    _wrap("Device.set_current", dev.set_current)
+    return dev
+
+
+def ensure_current():
+    """Make device 0's primary context current in the calling thread (threads start with none)."""
+    dev = device()
+    _wrap("Device.set_current", dev.set_current)
+    return dev
+
+
+def _attr(name: str) -> int:
+    from cuda.bindings import driver
+
+    ensure_current()
+    attr = getattr(driver.CUdevice_attribute, name)
+    dev = check(driver.cuDeviceGet(0), "cuDeviceGet")
+    return int(check(driver.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name})"))
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    cc: int  # 90 for sm_90
+    sm_count: int
+    clock_khz: int
+    mem_clock_khz: int
+    bus_width_bits: int
+    l2_bytes: int
+    smem_per_block_optin: int
+    total_mem: int
+    driver_cuda_version: tuple[int, int]
+    driver_version: str
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.cc}"
+
+    @property
+    def nominal_bandwidth(self) -> float:
+        """Bytes/s from the memory clock and bus width (DDR: x2). A datasheet-style figure."""
+        return 2.0 * self.mem_clock_khz * 1e3 * self.bus_width_bits / 8
+
+
+@lru_cache(maxsize=None)
+def device_info() -> DeviceInfo:
+    from cuda.bindings import driver
+
+    dev = device()
+    ver = int(check(driver.cuDriverGetVersion(), "cuDriverGetVersion"))
+    drv = "unknown"
+    try:  # the display driver's version (e.g. 580.159.04) comes from NVML, which may be absent
+        from cuda.core import system
+
+        for fn in ("get_kernel_mode_driver_version", "get_user_mode_driver_version", "get_driver_version"):
+            if hasattr(system, fn):
+                v = getattr(system, fn)()
+                drv = ".".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+                break
+    except Exception:
+        pass
+    cc = dev.compute_capability
+    cudev = check(driver.cuDeviceGet(0), "cuDeviceGet")
+    total = int(check(driver.cuDeviceTotalMem(cudev), "cuDeviceTotalMem"))
+
+    def safe(name: str) -> int:
+        try:
+            return _attr(name)
+        except Exception:
+            return 0
+
+    return DeviceInfo(
+        name=str(dev.name),
+        cc=int(cc[0]) * 10 + int(cc[1]),
+        sm_count=_attr("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
+        clock_khz=safe("CU_DEVICE_ATTRIBUTE_CLOCK_RATE"),
+        mem_clock_khz=safe("CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE"),
+        bus_width_bits=safe("CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH"),
+        l2_bytes=safe("CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE"),
+        smem_per_block_optin=safe("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
+        total_mem=total,
+        driver_cuda_version=(ver // 1000, (ver % 1000) // 10),
+        driver_version=drv,
+    )
+
+
+def device_arch() -> str:
+    """'sm_XX' of device 0."""
+    return device_info().arch
+
+
+# ---------------------------------------------------------------------------------------------
+# streams and events
+
+
+def default_stream():
+    return device().default_stream
+
+
+def as_stream(stream=None):
+    """None -> the device's default stream; a cuda.core Stream; an int handle; or an object with
+    `cuda_stream` (torch.cuda.Stream, cupy.cuda.Stream) or `__cuda_stream__`."""
+    if stream is None:
+        return default_stream()
+    from cuda.core import Stream
+
+    if isinstance(stream, Stream):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):
+        return _wrap("Stream.from_handle", Stream.from_handle, int(stream.__cuda_stream__()[1]))
+    handle = getattr(stream, "cuda_stream", stream)
+    if isinstance(handle, (int, np.integer)):
+        if int(handle) == 0:
+            return default_stream()
+        return _wrap("Stream.from_handle", Stream.from_handle, int(handle))
+    raise ValueError(f"stream: expected a cuda.core Stream, an int handle or a torch/CuPy stream, got {type(stream).__name__}")
+
+
+def record_event(stream=None):
+    """A timing event recorded on `stream`; `end - start` gives milliseconds (cuda.core Event)."""
+    s = as_stream(stream)
+    return _wrap("Stream.record", s.record, options=_timing_options())
+
+
+@lru_cache(maxsize=None)
+def _timing_options():
+    from cuda.core import EventOptions
+
+    try:  # cuda.core >= 0.3 spells it timing_enabled; older releases enable_timing
+        return EventOptions(timing_enabled=True)
+    except TypeError:
+        return EventOptions(enable_timing=True)
+
+
+def elapsed_ms(start, end) -> float:
+    _wrap("Event.sync", end.sync)
+    return float(_wrap("cuEventElapsedTime", lambda: end - start))
+
+
+def synchronize(stream=None) -> None:
+    _wrap("Stream.sync", as_stream(stream).sync)
+
+
+# ---------------------------------------------------------------------------------------------
+# device arrays
+
+
+def _typestr(dtype: np.dtype) -> str:
+    return dtype.str if dtype.fields is None else f"|V{dtype.itemsize}"
+
+
+class DeviceArray:
+    """A C-contiguous array in device memory. Owns its allocation unless it wraps a foreign one.
+
+    Exposes __cuda_array_interface__ (v3), so torch.as_tensor / cupy.asarray wrap it without a
+    copy. Structured block dtypes are described with `descr`; libraries that do not understand
+    them can view the bytes through `.bytes_view()` (uint8).
+    """
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype, owner=None, owns: bool = False):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self._owner = owner  # keeps a foreign array alive while we point into it
+        self._owns = owns
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def empty(cls, shape, dtype) -> "DeviceArray":
+        from cuda.bindings import driver
+
+        ensure_current()
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        ptr = int(check(driver.cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc({nbytes} bytes)"))
+        return cls(ptr, shape, dtype, owns=True)
+
+    @classmethod
+    def from_host(cls, a: np.ndarray) -> "DeviceArray":
+        a = np.ascontiguousarray(a)
+        out = cls.empty(a.shape, a.dtype)
+        out.copy_from_host(a)
+        return out
+
+    @classmethod
+    def from_cai(cls, obj) -> "DeviceArray":
+        """Wrap (without copying) an object exposing __cuda_array_interface__."""
+        cai = obj.__cuda_array_interface__
+        shape = tuple(cai["shape"])
+        ptr = int(cai["data"][0])
+        typestr = cai["typestr"]
+        if typestr.startswith("|V") and "descr" in cai and len(cai["descr"]) > 1:
+            dtype = np.dtype([tuple(f) for f in cai["descr"]])
+        else:
+            dtype = np.dtype(typestr)
+        strides = cai.get("strides")
+        if strides is not None:
+            expected = []
+            acc = dtype.itemsize
+            for s in reversed(shape):
+                expected.append(acc)
+                acc *= s
+            if tuple(strides) != tuple(reversed(expected)) and int(np.prod(shape)) > 1:
+                raise ValueError(
+                    f"device array must be C-contiguous: shape {shape}, strides {tuple(strides)} "
+                    f"(expected {tuple(reversed(expected))}); call .contiguous() / cupy.ascontiguousarray first"
+                )
+        if ptr == 0 and int(np.prod(shape)) > 0:
+            raise ValueError("device array has a null data pointer")
+        return cls(ptr, shape, dtype, owner=obj)
+
+    # -- properties ----------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        d = {"shape": self.shape, "typestr": _typestr(self.dtype), "data": (self.ptr, False), "strides": None, "version": 3}
+        if self.dtype.fields is not None:
+            d["descr"] = self.dtype.descr
+        return d
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, ptr=0x{self.ptr:x})"
+
+    def reshape(self, *shape) -> "DeviceArray":
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        if int(np.prod(shape)) != self.size:
+            raise ValueError(f"cannot reshape {self.shape} into {tuple(shape)}")
+        return DeviceArray(self.ptr, tuple(shape), self.dtype, owner=self)
+
+    def view(self, dtype) -> "DeviceArray":
+        """Reinterpret the last dimension's bytes as `dtype` (as numpy's view)."""
+        dtype = np.dtype(dtype)
+        last = self.shape[-1] * self.dtype.itemsize if self.shape else self.dtype.itemsize
+        if last % dtype.itemsize:
+            raise ValueError(f"cannot view {self.dtype} [..., {self.shape[-1]}] as {dtype}")
+        return DeviceArray(self.ptr, self.shape[:-1] + (last // dtype.itemsize,), dtype, owner=self)
+
+    def bytes_view(self) -> "DeviceArray":
+        return self.view(np.uint8)
+
+    # -- copies --------------------------------------------------------------------------------
+    def copy_from_host(self, a: np.ndarray) -> None:
+        from cuda.bindings import driver
+
+        a = np.ascontiguousarray(a)
+        if a.nbytes != self.nbytes:
+            raise ValueError(f"copy_from_host: {a.nbytes} bytes into a {self.nbytes}-byte device array")
+        if a.nbytes:
+            ensure_current()
+            check(driver.cuMemcpyHtoD(self.ptr, a.ctypes.data, a.nbytes), "cuMemcpyHtoD")
+
+    def to_host(self) -> np.ndarray:
+        """Synchronous copy back (waits for the work queued before it on the default stream)."""
+        from cuda.bindings import driver
+
+        out = np.empty(self.shape, dtype=self.dtype)
+        if out.nbytes:
+            ensure_current()
+            check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+            check(driver.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    get = to_host
+
+    def fill_bytes(self, value: int, stream=None) -> None:
+        """memset every byte to `value` (0xFF poisons float32 with NaN)."""
+        from cuda.bindings import driver
+
+        if self.nbytes:
+            ensure_current()
+            s = as_stream(stream)
+            check(driver.cuMemsetD8Async(self.ptr, int(value) & 0xFF, self.nbytes, s.handle), "cuMemsetD8Async")
+
+    def copy_to(self, other: "DeviceArray", stream=None) -> None:
+        from cuda.bindings import driver
+
+        if other.nbytes != self.nbytes:
+            raise ValueError("copy_to: size mismatch")
+        if self.nbytes:
+            s = as_stream(stream)
+            check(driver.cuMemcpyDtoDAsync(other.ptr, self.ptr, self.nbytes, s.handle), "cuMemcpyDtoDAsync")
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def free(self) -> None:
+        if self._owns and self.ptr:
+            from cuda.bindings import driver
+
+            try:
+                driver.cuMemFree(self.ptr)
+            except Exception:
+                pass
+            self._owns = False
+            self.ptr = 0
+
+    def __del__(self):
+        try:
+            self.free()
+        except Exception:
+            pass
+
+
+def is_device_array(obj) -> bool:
+    return isinstance(obj, DeviceArray) or hasattr(obj, "__cuda_array_interface__")
+
+
+def as_device_array(obj) -> DeviceArray:
+    if isinstance(obj, DeviceArray):
+        return obj
+    return DeviceArray.from_cai(obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# modules and launches
+
+
+class LoadedKernel:
+    """A cubin loaded into the current context; `launch` runs one of its entries."""
+
+    def __init__(self, cubin: bytes, entries: list[str], label: str):
+        from cuda.core import ObjectCode
+
+        ensure_current()
+        self.label = label
+        self.object_code = _wrap(f"ObjectCode.from_cubin({label})", ObjectCode.from_cubin, cubin, name=label)
+        self.kernels = {e: _wrap(f"get_kernel({e})", self.object_code.get_kernel, e) for e in entries}
+
+    def launch(self, entry: str, grid, block, shmem: int, args, stream=None) -> None:
+        from cuda.core import LaunchConfig, launch
+
+        s = as_stream(stream)
+        cfg = LaunchConfig(grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block), shmem_size=int(shmem))
+        _wrap(f"launch({entry}, grid={tuple(grid)}, block={tuple(block)})", launch, s, cfg, self.kernels[entry], *args)
+
+
+def check_last_error(what: str) -> None:
+    """Surface an asynchronous launch failure now (synchronizes the context)."""
+    from cuda.bindings import driver
+
+    check(driver.cuCtxSynchronize(), f"cuCtxSynchronize after {what}")

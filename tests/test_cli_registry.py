@@ -1,0 +1,130 @@
+"""Registry, operand checks and the CLI (typer's CliRunner), on a machine with or without a GPU."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import qgemm
+from qgemm import jit, registry, runtime
+from qgemm.cli import app
+
+runner = CliRunner()
+NO_GPU = not runtime.gpu_available()
+
+
+def test_registry_entries_are_complete():
+    assert qgemm.list() == registry.names() and len(qgemm.list()) >= 5
+    for s in registry.list_kernels():
+        assert re.fullmatch(r"[a-z0-9_]+\.[a-z0-9_]+", s.name)
+        src = (jit.cuda_src_dir() / s.source).read_text()
+        assert f'extern "C" __global__' in src and s.entry in src, f"{s.name}: entry {s.entry} not in {s.source}"
+        g = s.geometry(7, 33, 64)
+        assert all(x >= 1 for x in g.grid + g.block) and np.prod(g.block) <= 1024
+        assert s.step >= 1 and s.min_arch >= 75 and s.description
+
+
+def test_get_is_memoized_and_unknown_names_suggest():
+    assert qgemm.get("w4a16.naive") is qgemm.get("w4a16.naive")
+    with pytest.raises(KeyError, match="did you mean w4a16"):
+        qgemm.get("w4a16.naiv")
+    assert "W4A16" in str(qgemm.get("w4a16.naive").op) and "q4_0" in str(qgemm.get("w4a16.naive").op)
+
+
+def _q4(rows, k, rng):
+    return qgemm.quantize_q4_0(rng.standard_normal((rows, k), dtype=np.float32))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("wrong_format", "q4_0"),
+    ("k_mismatch", "K mismatch"),
+    ("float64", "float32"),
+    ("one_d", "2-D"),
+    ("non_contiguous", "C-contiguous"),
+    ("raw_bytes_bad", "multiple of 18"),
+])
+def test_bad_operands_raise_before_launch(case, match, rng):
+    k = qgemm.get("w4a16.naive")
+    a = rng.standard_normal((4, 64), dtype=np.float32)
+    w = _q4(8, 64, rng)
+    if case == "wrong_format":
+        args = (a, qgemm.quantize_q8_0(rng.standard_normal((8, 64), dtype=np.float32)))
+    elif case == "k_mismatch":
+        args = (rng.standard_normal((4, 96), dtype=np.float32), w)
+    elif case == "float64":
+        args = (a.astype(np.float64), w)
+    elif case == "one_d":
+        args = (a[0], w)
+    elif case == "non_contiguous":
+        args = (np.asfortranarray(rng.standard_normal((4, 64), dtype=np.float32)), w)
+    else:
+        args = (a, np.zeros((8, 37), np.uint8))
+    with pytest.raises(ValueError, match=match):
+        k(*args)
+
+
+def test_fp32_k_not_multiple_of_32_is_fine_but_quantized_k_must_be(rng):
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qgemm.get("quantize.q8_1")(rng.standard_normal((2, 40), dtype=np.float32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qgemm.quantize_q4_0(rng.standard_normal((2, 40), dtype=np.float32))
+    assert qgemm.get("fp32.naive").shape_of(np.ones((3, 5), np.float32), np.ones((2, 5), np.float32)) == (3, 2, 5)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU path")
+def test_valid_call_without_gpu_says_so(rng):
+    with pytest.raises(qgemm.NoGPUError, match="needs an NVIDIA GPU"):
+        qgemm.get("w4a16.naive")(rng.standard_normal((4, 64), dtype=np.float32), _q4(8, 64, rng))
+
+
+def test_cli_list():
+    r = runner.invoke(app, ["list"])
+    assert r.exit_code == 0, r.output
+    for name in registry.names():
+        assert name in r.output
+    assert "min arch" in r.output and "sm_75" in r.output
+    data = json.loads(runner.invoke(app, ["list", "--json"]).output)
+    assert {d["name"] for d in data} == set(registry.names())
+
+
+def test_cli_info_runs_with_or_without_gpu():
+    r = runner.invoke(app, ["info"])
+    assert r.exit_code == 0, r.output
+    assert "NVRTC" in r.output and "cache directory" in r.output
+    if NO_GPU:
+        assert "No NVIDIA GPU is usable" in r.output
+
+
+def test_cli_compile_all_for_sm90(tmp_path, monkeypatch):
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(tmp_path))
+    jit.clear_memo()
+    r = runner.invoke(app, ["compile", "--all", "--arch", "sm_90"])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("compiled") == len(registry.names())
+    assert "regs" in r.output and "spill" in r.output and "cubin B" in r.output
+    jit.clear_memo()
+    r2 = runner.invoke(app, ["compile", "w4a16", "--arch", "sm_90"])  # a family name works too
+    assert r2.exit_code == 0 and r2.output.count(" cache") == 2, r2.output
+    jit.clear_memo()
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["compile", "nope.kernel", "--arch", "sm_90"], "no kernel named"),
+    (["compile", "--all", "--arch", "sm_999"], "newer than"),
+    (["compile"], "name at least one kernel"),
+    (["profile", "fp32.naive", "--shape", "512x4096"], "MxNxK"),
+])
+def test_cli_errors_are_clear(argv, match):
+    r = runner.invoke(app, argv)
+    assert r.exit_code == 2
+    assert match in r.output
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU path")
+@pytest.mark.parametrize("cmd", [["validate", "--all"], ["profile", "fp32.naive"], ["compile", "--all"]])
+def test_cli_gpu_commands_without_gpu(cmd):
+    r = runner.invoke(app, cmd)
+    assert r.exit_code == 2
+    assert "GPU" in r.output

@@ -1,0 +1,154 @@
+"""Every registered kernel on the GPU: fresh random inputs, odd shapes, poisoned outputs.
+
+Marked `gpu`: skipped cleanly on machines without one (CI). tools/gpu_check.sh runs them.
+"""
+
+import numpy as np
+import pytest
+
+import qgemm
+from qgemm import check, formats as F, registry, runtime
+
+pytestmark = pytest.mark.gpu
+
+MS = [1, 7, 64, 513]
+NS = [1, 33, 4096]
+KS = [32, 4096]
+
+GEMMS = [s.name for s in registry.list_kernels() if s.op.kind == "gemm"]
+QUANTIZERS = [s.name for s in registry.list_kernels() if s.op.kind == "quantize"]
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("name", GEMMS)
+def test_gemm_matches_references(name, m, n, k):
+    r = check.validate(qgemm.get(name), (m, n, k))
+    assert r.unwritten == 0, f"seed {r.seed}: {r.unwritten} outputs never written"
+    assert r.rel_err <= r.exact_tol, f"seed {r.seed}: rel err {r.rel_err:.3e} vs exact-math reference"
+    assert r.nmse <= r.nmse_tol, f"seed {r.seed}: NMSE {r.nmse:.3e} vs float64 truth"
+    assert r.passed
+
+
+@pytest.mark.parametrize("k", KS + [14336])
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_quantizer_byte_identical(name, m, k):
+    r = check.validate(qgemm.get(name), (m, 1, k))
+    assert r.detail["mismatched_blocks"] == 0, f"seed {r.seed}: {r.note}"
+    assert r.unwritten == 0
+    assert r.passed
+
+
+def test_quantizer_adversarial_blocks():
+    """Zeros, one-hot, exact .5 ties after scaling, negative extremes, tiny and large values."""
+    rows = [np.zeros(64, np.float32)]
+    one_hot = np.zeros(64, np.float32)
+    one_hot[5] = -3.0
+    rows.append(one_hot)
+    ties = np.tile((np.arange(32, dtype=np.float32) - 16) * 0.5, 2)  # amax 8 -> d = 8/127
+    ties[31] = 127.0 / 2  # x/d = 63.5 exactly after the scale: roundf goes away from zero
+    rows.append(ties)
+    rows.append(np.full(64, -7.5, np.float32))
+    rows.append(np.linspace(-1e-30, 1e-30, 64, dtype=np.float32))
+    rows.append(np.linspace(-1e3, 1e3, 64, dtype=np.float32))  # block sums stay below half's 65504
+    x = np.stack(rows)
+    got = qgemm.get("quantize.q8_1")(x)
+    want = F.quantize_q8_1(x)
+    assert got.tobytes() == want.tobytes()
+
+
+def test_quantizer_rejects_non_finite_and_overflow():
+    q = qgemm.get("quantize.q8_1")
+    x = np.ones((2, 32), np.float32)
+    x[1, 3] = np.inf
+    with pytest.raises(ValueError, match="finite"):
+        q(x)
+    big = np.full((1, 32), 60000.0, np.float32)  # s = 32 * 60000 overflows half
+    with pytest.raises(ValueError, match="overflows half"):
+        q(big)
+
+
+def test_call_api_host_roundtrip(rng):
+    a = rng.standard_normal((5, 64), dtype=np.float32)
+    w_f = rng.standard_normal((9, 64), dtype=np.float32)
+    w = qgemm.quantize_q4_0(w_f)
+    k = qgemm.get("w4a16.naive")
+    c = k(a, w)
+    assert c.shape == (5, 9) and c.dtype == np.float32
+    np.testing.assert_allclose(c, qgemm.reference.exact_w4a16(a, w), rtol=1e-5, atol=1e-4)
+    # raw gguf-style bytes are accepted too
+    c2 = k(a, w.view(np.uint8).reshape(9, -1))
+    np.testing.assert_array_equal(c, c2)
+
+
+def test_device_arrays_in_and_out(rng):
+    a = rng.standard_normal((7, 96), dtype=np.float32)
+    w = rng.standard_normal((33, 96), dtype=np.float32)
+    da, dw = qgemm.DeviceArray.from_host(a), qgemm.DeviceArray.from_host(w)
+    k = qgemm.get("fp32.tiled")
+    dc = k(da, dw)
+    assert isinstance(dc, qgemm.DeviceArray) and dc.shape == (7, 33)
+    cai = dc.__cuda_array_interface__
+    assert cai["typestr"] == "<f4" and cai["shape"] == (7, 33)
+    np.testing.assert_allclose(dc.to_host(), a.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
+    out = qgemm.DeviceArray.empty((7, 33), np.float32)
+    out.fill_bytes(0xFF)
+    assert k(da, dw, out=out) is out
+    assert not np.isnan(out.to_host()).any()
+
+
+def test_torch_tensors_without_copy(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    a = torch.randn(7, 64, device="cuda")
+    w_q = qgemm.quantize_q4_0(rng.standard_normal((33, 64), dtype=np.float32))
+    w = torch.from_numpy(w_q.view(np.uint8).reshape(33, -1).copy()).cuda()
+    out = torch.full((7, 33), float("nan"), device="cuda")
+    res = qgemm.get("w4a16.tiled")(a, w, out=out)
+    assert res is out
+    torch.cuda.synchronize()
+    ref = qgemm.reference.exact_w4a16(a.cpu().numpy(), w_q)
+    np.testing.assert_allclose(out.cpu().numpy(), ref, rtol=1e-5, atol=1e-4)
+    # the output of a device call wraps in torch without a copy
+    dc = qgemm.get("w4a16.tiled")(a, w)
+    t = torch.as_tensor(dc, device="cuda")
+    assert t.data_ptr() == dc.ptr
+
+
+def test_cupy_arrays(rng):
+    cp = pytest.importorskip("cupy")
+    a = cp.asarray(rng.standard_normal((3, 64), dtype=np.float32))
+    w = cp.asarray(rng.standard_normal((5, 64), dtype=np.float32))
+    c = qgemm.get("fp32.naive")(a, w)
+    np.testing.assert_allclose(cp.asarray(c).get(), cp.asnumpy(a).astype(np.float64) @ cp.asnumpy(w).T, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_input_raises_before_launch(rng):
+    k = qgemm.get("w4a16.naive")
+    a = rng.standard_normal((4, 64), dtype=np.float32)
+    w8 = qgemm.quantize_q8_0(rng.standard_normal((4, 64), dtype=np.float32))
+    with pytest.raises(ValueError, match="q4_0"):
+        k(a, w8)
+    with pytest.raises(ValueError, match="K mismatch"):
+        k(rng.standard_normal((4, 96), dtype=np.float32), qgemm.quantize_q4_0(rng.standard_normal((4, 64), dtype=np.float32)))
+    with pytest.raises(ValueError, match="both be host"):
+        k(qgemm.DeviceArray.from_host(a), qgemm.quantize_q4_0(a))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qgemm.get("quantize.q8_1")(rng.standard_normal((2, 40), dtype=np.float32))
+
+
+def test_cuda_error_names_the_call():
+    with pytest.raises(qgemm.CudaError, match="cuMemAlloc"):
+        qgemm.DeviceArray.empty((1 << 50,), np.uint8)
+
+
+def test_profile_reports_sane_numbers():
+    from qgemm import bench
+
+    p = bench.profile(qgemm.get("fp32.tiled"), (64, 256, 256), warmup=2, iters=5)
+    assert 0 < p.min_us <= p.median_us <= p.max_us
+    assert p.tflops > 0 and p.bytes == 64 * 256 * 4 + 256 * 256 * 4 + 64 * 256 * 4
+    assert 0 < p.roofline_pct <= 100

@@ -1,0 +1,203 @@
+"""NVRTC compilation and the on-disk cubin cache (no GPU needed: NVRTC runs on the CPU)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import qgemm
+from qgemm import jit, registry
+from qgemm.errors import CompileError, UnsupportedArchError
+
+ARCHS = ["sm_75", "sm_80", "sm_86", "sm_89", "sm_90"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A private cache dir and an empty in-process memo."""
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("QGEMM_DISABLE_CACHE", raising=False)
+    jit.clear_memo()
+    yield jit.default_cache()
+    jit.clear_memo()
+
+
+@pytest.fixture
+def src_copy(tmp_path, monkeypatch):
+    """A private copy of cuda_src/ that a test may edit."""
+    dst = tmp_path / "cuda_src"
+    shutil.copytree(jit.cuda_src_dir(), dst)
+    monkeypatch.setenv("QGEMM_CUDA_SRC", str(dst))
+    jit.cuda_src_dir.cache_clear()
+    yield dst
+    monkeypatch.delenv("QGEMM_CUDA_SRC")
+    jit.cuda_src_dir.cache_clear()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", registry.names())
+def test_every_kernel_compiles(name, arch, cache):
+    ck = qgemm.get(name).compile(arch)
+    spec = registry.spec(name)
+    assert ck.cubin[:4] == b"\x7fELF", "NVRTC must produce a cubin (ELF), never PTX"
+    assert ck.arch.startswith(arch)
+    res = ck.resources[spec.entry]
+    assert res.registers > 0
+    assert res.spill_stores == 0 and res.spill_loads == 0, f"{name} spills on {arch}: {res}"
+
+
+def test_cache_miss_then_hit_then_memo(cache):
+    first = jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80")
+    assert not first.from_cache
+    assert first is jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80"), "memo hit expected"
+    jit.clear_memo()
+    second = jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80")
+    assert second.from_cache and second.cubin == first.cubin and second.key == first.key
+    entry = cache.root / first.key
+    meta = json.loads((entry / "meta.json").read_text())
+    assert meta["entries"] == ["fp32_naive"] and meta["arch"] == "sm_80"
+    assert meta["options"] == first.options and (entry / "source.cu").read_text().startswith("//")
+    assert not any(os.path.isabs(o) or "/work" in o for o in meta["options"]), "options in the key must be relative"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta"])
+def test_corrupt_entry_is_rebuilt(cache, damage):
+    ck = jit.compile_kernel("fp32.tiled", "fp32/tiled.cu", ["fp32_tiled"], "sm_86")
+    entry = cache.root / ck.key
+    cubin = (entry / "kernel.cubin").read_bytes()
+    if damage == "truncate":
+        (entry / "kernel.cubin").write_bytes(cubin[: len(cubin) // 2])
+    elif damage == "flip":
+        (entry / "kernel.cubin").write_bytes(cubin[:100] + bytes([cubin[100] ^ 0xFF]) + cubin[101:])
+    else:
+        (entry / "meta.json").write_text("{not json")
+    assert cache.load(ck.key) is None, "a damaged entry must not be trusted"
+    jit.clear_memo()
+    again = jit.compile_kernel("fp32.tiled", "fp32/tiled.cu", ["fp32_tiled"], "sm_86")
+    assert not again.from_cache and again.cubin == cubin
+    assert cache.load(ck.key) is not None, "the rebuilt entry is stored again"
+
+
+def test_key_is_path_independent_and_tracks_headers(cache, src_copy, tmp_path):
+    k1 = jit.compile_kernel("w4a16.tiled", "w4a16/tiled.cu", ["w4a16_tiled"], "sm_90").key
+    # the same sources somewhere else give the same key
+    other = tmp_path / "elsewhere" / "cuda_src"
+    shutil.copytree(src_copy, other)
+    os.environ["QGEMM_CUDA_SRC"] = str(other)
+    jit.cuda_src_dir.cache_clear()
+    jit.clear_memo()
+    k2 = jit.compile_kernel("w4a16.tiled", "w4a16/tiled.cu", ["w4a16_tiled"], "sm_90")
+    assert k2.key == k1 and k2.from_cache
+    # editing an included header changes the key
+    hdr = other / "common" / "tile_gemm.cuh"
+    hdr.write_text(hdr.read_text() + "\n// edited\n")
+    jit.clear_memo()
+    k3 = jit.compile_kernel("w4a16.tiled", "w4a16/tiled.cu", ["w4a16_tiled"], "sm_90")
+    assert k3.key != k1 and not k3.from_cache
+    # options and arch are in the key
+    assert jit.compile_kernel("w4a16.tiled", "w4a16/tiled.cu", ["w4a16_tiled"], "sm_80").key != k3.key
+    assert jit.compile_kernel("w4a16.tiled", "w4a16/tiled.cu", ["w4a16_tiled"], "sm_90", {"QGEMM_TEST_DEFINE": 1}).key != k3.key
+
+
+def test_disable_cache_writes_nothing(cache, monkeypatch):
+    monkeypatch.setenv("QGEMM_DISABLE_CACHE", "1")
+    ck = jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_75")
+    assert not ck.from_cache
+    assert not (cache.requested / jit.CACHE_LAYOUT_VERSION).exists() or not cache.entries()
+
+
+def test_unwritable_cache_dir_falls_back_with_warning(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(blocker / "cache"))  # mkdir fails even as root
+    jit.clear_memo()
+    with pytest.warns(RuntimeWarning, match="not writable"):
+        ck = jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_89")
+    assert ck.cubin[:4] == b"\x7fELF"
+    jit.clear_memo()
+
+
+def test_compile_error_carries_name_options_and_numbered_log(cache, src_copy):
+    (src_copy / "broken.cu").write_text(textwrap.dedent("""\
+        #include "common/blocks.cuh"
+        extern "C" __global__ void broken(float* x) {
+            x[0] = undefined_thing + 1.0f;
+        }
+    """))
+    with pytest.raises(CompileError) as ei:
+        jit.compile_kernel("test.broken", "broken.cu", ["broken"], "sm_90", {"FOO": 3})
+    e = ei.value
+    assert e.kernel == "test.broken" and e.arch == "sm_90"
+    assert "-DFOO=3" in e.options and "--gpu-architecture=sm_90" in e.options
+    assert "undefined_thing" in e.log
+    assert ">>    3 | " in e.listing and "undefined_thing" in e.listing
+    assert "test.broken" in str(e) and "NVRTC log" in str(e)
+
+
+def test_missing_entry_symbol_is_a_compile_error(cache):
+    with pytest.raises(CompileError, match="not found"):
+        jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["no_such_symbol"], "sm_90")
+
+
+def test_arch_newer_than_nvrtc_is_reported(cache):
+    with pytest.raises(UnsupportedArchError, match="newer than the installed NVRTC"):
+        jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_990")
+    with pytest.raises(UnsupportedArchError, match="cannot parse"):
+        jit.normalize_arch("volta")
+    assert jit.normalize_arch("9.0") == "sm_90" and jit.normalize_arch(90) == "sm_90" and jit.normalize_arch("sm_90a") == "sm_90a"
+
+
+def test_kernel_below_min_arch_is_refused():
+    with pytest.raises(UnsupportedArchError, match="sm_75 or newer"):
+        qgemm.get("fp32.naive").compile("sm_70")
+
+
+def test_ptxas_report_parser():
+    log = textwrap.dedent("""\
+        ptxas info    : 0 bytes gmem
+        ptxas info    : Compiling entry function 'k1' for 'sm_90'
+        ptxas info    : Function properties for k1
+        ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+        ptxas info    : Used 96 registers, used 1 barriers, 17408 bytes smem, 400 bytes cmem[0]
+    """)
+    r = jit.parse_ptxas_report(log)["k1"]
+    assert (r.registers, r.smem_static, r.stack_frame, r.spill_stores, r.spill_loads) == (96, 17408, 16, 8, 4)
+
+
+_RACE = textwrap.dedent("""\
+    import sys, time
+    start = float(sys.argv[1])
+    while time.time() < start:
+        time.sleep(0.001)
+    from qgemm import jit
+    ck = jit.compile_kernel("w4a16.naive", "w4a16/naive.cu", ["w4a16_naive"], "sm_80", {"QGEMM_RACE_TEST": sys.argv[2]})
+    print("cache" if ck.from_cache else "compiled", ck.key, len(ck.cubin))
+""")
+
+
+def test_two_processes_compile_once(tmp_path):
+    env = dict(os.environ, QGEMM_CACHE_DIR=str(tmp_path / "shared-cache"))
+    env.pop("QGEMM_DISABLE_CACHE", None)
+    env["PYTHONPATH"] = str(Path(qgemm.__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    import time
+
+    tag = str(os.getpid())
+    start = time.time() + 3.0  # both processes are imported and waiting by then
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(start), tag], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    lines = [o[0].split() for o in outs]
+    assert sorted(l[0] for l in lines) == ["cache", "compiled"], lines
+    assert lines[0][1:] == lines[1][1:], "both processes must end with the same entry"
+    entries = [p for p in (tmp_path / "shared-cache" / jit.CACHE_LAYOUT_VERSION).iterdir() if p.is_dir()]
+    assert len(entries) == 1 and not any(p.name.startswith(".") for p in entries), "no temp dirs left behind"
+
+
+def test_cuda_headers_found():
+    assert (Path(jit.cuda_header_dir()) / "cuda_fp16.h").is_file()

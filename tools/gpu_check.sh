@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The one script for GPU work (run it on the device machine): the GPU tests, `qgemm validate
+# --all`, and a profile of every kernel at 512x4096x4096 (hot and cold), with logs under $OUT.
+#
+#   bash tools/gpu_check.sh                 # everything
+#   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out/gpu_check}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export QGEMM_CACHE_DIR=${QGEMM_CACHE_DIR:-/tmp/qgemm-cache}
+PY=${PYTHON:-python3}
+STEPS=${QGEMM_CHECK:-"info tests validate profile report"}
+SHAPE=${QGEMM_SHAPE:-512x4096x4096}
+LOG="$OUT/gpu_check.log"
+rc=0
+run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | tee -a "$LOG"; local r=${PIPESTATUS[0]}; [ "$r" = 0 ] || { echo "!! exit $r: $*" | tee -a "$LOG"; rc=1; }; }
+
+for step in $STEPS; do
+  case $step in
+    info)     run $PY -m qgemm info; run $PY -m qgemm compile --all ;;
+    tests)    run $PY -m pytest -q -m gpu tests -p no:cacheprovider ;;
+    validate) run $PY -m qgemm validate --all --json "$OUT/validate.json"
+              run $PY -m qgemm validate --all --shape 1x4096x4096 ;;
+    profile)  run $PY -m qgemm profile --all --shape "$SHAPE" --json "$OUT/profile-hot.json"
+              run $PY -m qgemm profile --all --shape "$SHAPE" --cold --no-peers --json "$OUT/profile-cold.json" ;;
+    report)   run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" -o "$OUT/performance.md" ;;
+    *) echo "unknown step $step" | tee -a "$LOG"; rc=1 ;;
+  esac
+done
+echo "gpu_check: $([ $rc = 0 ] && echo PASS || echo FAIL)" | tee -a "$LOG"
+exit $rc
