@@ -86,6 +86,11 @@ def _as_blocks(x: np.ndarray, what: str) -> tuple[np.ndarray, tuple[int, ...]]:
     k = x.shape[-1]
     if k == 0 or k % QK:
         raise ValueError(f"{what}: K (last dimension) must be a positive multiple of {QK}, got K={k}")
+    if not np.isfinite(x).all():
+        bad = np.argwhere(~np.isfinite(x))[0]
+        raise ValueError(f"{what}: input must be finite; found {x[tuple(bad)]} at index {tuple(int(i) for i in bad)}")
+    if x.dtype.itemsize > 4 and np.abs(x).max(initial=0) > np.finfo(np.float32).max:
+        raise ValueError(f"{what}: input {np.abs(x).max():.3g} does not fit in float32 (the quantizers compute in float32)")
     x = np.ascontiguousarray(x, dtype=np.float32)
     if not np.isfinite(x).all():
         bad = np.argwhere(~np.isfinite(x))[0]
@@ -107,8 +112,13 @@ def _to_half(values: np.ndarray, what: str, field: str) -> np.ndarray:
 
 
 def _roundf(x: np.ndarray) -> np.ndarray:
-    """C roundf: round half away from zero (np.round would round half to even)."""
-    return np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+    """C roundf: round half away from zero (np.round would round half to even).
+
+    Not floor(|x| + 0.5): in float32, 0.49999997 + 0.5 rounds up to 1.0. The fractional part
+    |x| - floor(|x|) is exact, and so is doubling it, so this decides .5 without any rounding."""
+    a = np.abs(x)
+    fl = np.floor(a)
+    return np.sign(x) * (fl + np.floor(2 * (a - fl)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,6 +234,7 @@ def as_blocks(a: np.ndarray, fmt: str | Format, what: str = "array") -> np.ndarr
 
 def unpack_q4_0(blocks: np.ndarray) -> np.ndarray:
     """Q4_0 blocks [..., nb] -> stored nibbles [..., nb*32] in [0, 15] (element order)."""
+    blocks = as_blocks(blocks, Q4_0, "unpack_q4_0")
     qs = blocks["qs"]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # low nibbles are 0..15, high are 16..31
     return q.reshape(blocks.shape[:-1] + (-1,))

@@ -110,11 +110,25 @@ def cache_dir() -> Path:
 # NVRTC and architectures
 
 
+class NVRTCNotFoundError(RuntimeError):
+    pass
+
+
+def _nvrtc_call(fn_name: str):
+    try:
+        from cuda.bindings import nvrtc
+
+        return getattr(nvrtc, fn_name)()
+    except Exception as e:
+        raise NVRTCNotFoundError(
+            f"NVRTC is not usable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            "Install it with: pip install 'nvidia-cuda-nvrtc>=13' (or put a CUDA toolkit's lib64 on the library path)"
+        ) from None
+
+
 @lru_cache(maxsize=None)
 def nvrtc_version() -> tuple[int, int]:
-    from cuda.bindings import nvrtc
-
-    err, major, minor = nvrtc.nvrtcVersion()
+    err, major, minor = _nvrtc_call("nvrtcVersion")
     if int(err) != 0:
         raise RuntimeError(f"nvrtcVersion failed: {err}")
     return int(major), int(minor)
@@ -122,9 +136,7 @@ def nvrtc_version() -> tuple[int, int]:
 
 @lru_cache(maxsize=None)
 def supported_archs() -> tuple[int, ...]:
-    from cuda.bindings import nvrtc
-
-    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    err, archs = _nvrtc_call("nvrtcGetSupportedArchs")
     if int(err) != 0:
         raise RuntimeError(f"nvrtcGetSupportedArchs failed: {err}")
     return tuple(int(a) for a in archs)

@@ -48,7 +48,7 @@ def _tile_64x64(m: int, n: int, k: int) -> Launch:
 
 
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
-    return Launch(grid=(cdiv(k, 256), m, 1), block=(256, 1, 1))
+    return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
 
 
 _SPECS = [

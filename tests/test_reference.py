@@ -1,0 +1,264 @@
+"""CPU tests of qgemm.reference: the exact_* kernels' arithmetic against slow per-element loops,
+the W4A8 compensation, block_sumi exactness and the error metrics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from qgemm import formats as F
+from qgemm import reference as R
+
+F32 = np.float32
+
+
+def fresh_seed() -> int:
+    return int(np.random.SeedSequence().entropy % (2**63))
+
+
+# --------------------------------------------------------------------------------------------
+# the debugging-story hand case
+
+
+def test_w4a8_hand_case_is_141():
+    d_a, s_a, d_w = 0.5, -8.0, 0.25
+    q_a = list(range(-16, 16))  # -16, -15, ..., 15
+    # stored nibbles 0,1,1,2,2,3,3,4,...,15,15 and then (31+1)//2 = 16, which does not fit in a
+    # nibble: stored in 4 bits it wraps to 0. That wrap is what makes the story's sumi 1000
+    # (with an unwrapped 16 it would be 1240 and the result 171).
+    q_w = [((i + 1) // 2) & 0x0F for i in range(32)]
+    assert q_w[:8] == [0, 1, 1, 2, 2, 3, 3, 4] and q_w[29:] == [15, 15, 0]
+    assert all(0 <= v <= 15 for v in q_w)
+
+    a = np.zeros((1, 1), F.block_q8_1)
+    a["d"] = np.float16(d_a)
+    a["s"] = np.float16(s_a)
+    a["qs"][0, 0] = q_a
+    w = np.zeros((1, 1), F.block_q4_0)
+    w["d"] = np.float16(d_w)
+    w["qs"][0, 0] = [q_w[j] | (q_w[j + 16] << 4) for j in range(16)]
+    assert F.unpack_q4_0(w)[0].tolist() == q_w  # packing: j -> low nibble, j+16 -> high nibble
+
+    # the arithmetic, by hand, from the inputs, in plain Python ints
+    sumi = sum(int(qa) * int(qw) for qa, qw in zip(q_a, q_w))
+    assert sumi == 1000
+    # s_a is consistent with the quants: sum of d_a * q_a = 0.5 * -16 = -8
+    assert d_a * sum(q_a) == s_a
+    result = d_w * (d_a * sumi - 8 * s_a)
+    assert result == 141.0
+
+    got = R.exact_w4a8(a, w)
+    assert got.shape == (1, 1)
+    assert got[0, 0] == 141.0
+    # without the compensation: d_w * d_a * sumi
+    assert R.exact_w4a8_uncompensated(a, w)[0, 0] == d_w * d_a * sumi == 125.0
+    # and the dequantized-operand view gives the same number: sum (d_a q_a) * (d_w (q_w - 8))
+    deq = sum((d_a * qa) * (d_w * (qw - 8)) for qa, qw in zip(q_a, q_w))
+    assert deq == 141.0
+    # raw bytes are accepted too
+    assert R.exact_w4a8(a.view(np.uint8).reshape(1, -1), w.view(np.uint8).reshape(1, -1))[0, 0] == 141.0
+
+
+# --------------------------------------------------------------------------------------------
+# exact_* against slow per-element loops
+
+
+def slow_w4a8(a_blocks, w_blocks):
+    m, nb = a_blocks.shape
+    n = w_blocks.shape[0]
+    out = np.zeros((m, n))
+    for i in range(m):
+        for j in range(n):
+            acc = 0.0
+            for b in range(nb):
+                ab, wb = a_blocks[i, b], w_blocks[j, b]
+                sumi = 0
+                for e in range(32):
+                    byte = int(wb["qs"][e % 16])
+                    qw = (byte & 0x0F) if e < 16 else (byte >> 4)
+                    sumi += int(ab["qs"][e]) * qw
+                acc += float(wb["d"]) * (float(ab["d"]) * sumi - 8.0 * float(ab["s"]))
+            out[i, j] = acc
+    return out
+
+
+def slow_w8a8(a_blocks, w_blocks):
+    m, nb = a_blocks.shape
+    n = w_blocks.shape[0]
+    out = np.zeros((m, n))
+    for i in range(m):
+        for j in range(n):
+            acc = 0.0
+            for b in range(nb):
+                ab, wb = a_blocks[i, b], w_blocks[j, b]
+                sumi = sum(int(ab["qs"][e]) * int(wb["qs"][e]) for e in range(32))
+                acc += float(wb["d"]) * float(ab["d"]) * sumi
+            out[i, j] = acc
+    return out
+
+
+def slow_wxa16(a, w_blocks, fmt):
+    a = np.asarray(a, dtype=np.float32)
+    m, k = a.shape
+    n, nb = w_blocks.shape
+    out = np.zeros((m, n))
+    for i in range(m):
+        for j in range(n):
+            acc = 0.0
+            for b in range(nb):
+                wb = w_blocks[j, b]
+                d = float(wb["d"])
+                for e in range(32):
+                    if fmt == "q4_0":
+                        byte = int(wb["qs"][e % 16])
+                        q = ((byte & 0x0F) if e < 16 else (byte >> 4)) - 8
+                    else:
+                        q = int(wb["qs"][e])
+                    acc += float(a[i, b * 32 + e]) * (d * q)
+            out[i, j] = acc
+    return out
+
+
+def assert_close(got, ref, msg, rtol=1e-12):
+    got = np.asarray(got, dtype=np.float64)
+    assert got.shape == ref.shape, msg
+    assert R.relative_error(got, ref) <= rtol, f"{msg}: relative error {R.relative_error(got, ref)}"
+    scale = float(np.abs(ref).max())
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * scale, err_msg=msg)
+
+
+@pytest.fixture
+def small_case():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    m, n, k = 3, 5, 96
+    a = (rng.standard_normal((m, k)) * rng.uniform(0.1, 4, (m, 1))).astype(F32)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 4, (n, 1))).astype(F32)
+    a[0, 32:64] += 3.0  # a block with a large sum, so the s_a term carries weight
+    return seed, a, w
+
+
+def test_exact_w4a8_matches_slow_loop(small_case):
+    seed, a, w = small_case
+    aq, wq = F.quantize_q8_1(a), F.quantize_q4_0(w)
+    assert_close(R.exact_w4a8(aq, wq), slow_w4a8(aq, wq), f"w4a8 seed={seed}")
+
+
+def test_exact_w8a8_matches_slow_loop(small_case):
+    seed, a, w = small_case
+    aq, wq = F.quantize_q8_1(a), F.quantize_q8_0(w)
+    assert_close(R.exact_w8a8(aq, wq), slow_w8a8(aq, wq), f"w8a8 seed={seed}")
+
+
+def test_exact_w4a16_matches_slow_loop(small_case):
+    seed, a, w = small_case
+    wq = F.quantize_q4_0(w)
+    assert_close(R.exact_w4a16(a, wq), slow_wxa16(a, wq, "q4_0"), f"w4a16 seed={seed}")
+
+
+def test_exact_w8a16_matches_slow_loop(small_case):
+    seed, a, w = small_case
+    wq = F.quantize_q8_0(w)
+    assert_close(R.exact_w8a16(a, wq), slow_wxa16(a, wq, "q8_0"), f"w8a16 seed={seed}")
+
+
+def test_exact_table_and_fp32():
+    assert set(R.EXACT) == {"fp32", "w4a16", "w8a16", "w4a8", "w8a8"}
+    a = np.array([[1.0, 2.0, 3.0]], dtype=np.float64)
+    w = np.array([[0.1, 0.2, 0.3], [1.0, 0.0, -1.0]])
+    got = R.exact_fp32(a, w)
+    ref = a.astype(F32).astype(np.float64) @ w.astype(F32).astype(np.float64).T
+    assert np.array_equal(got, ref)
+    assert got[0, 1] == -2.0
+
+
+# --------------------------------------------------------------------------------------------
+# the compensation
+
+
+def test_compensation_matters_on_gaussian_data():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    m, n, k = 16, 64, 1024
+    a = rng.standard_normal((m, k)).astype(F32)
+    w = rng.standard_normal((n, k)).astype(F32)
+    aq, wq = F.quantize_q8_1(a), F.quantize_q4_0(w)
+    ref = R.truth(a, w)
+    good = F.nmse(R.exact_w4a8(aq, wq), ref)
+    bad = F.nmse(R.exact_w4a8_uncompensated(aq, wq), ref)
+    assert good < 2e-2, f"seed={seed}: compensated nmse {good}"
+    assert bad > 0.5, f"seed={seed}: uncompensated nmse {bad}"
+    # the compensated result is the product of the dequantized operands, up to s_a vs sum(d_a q_a)
+    deq = R.truth(F.dequantize_q8_1(aq), F.dequantize_q4_0(wq))
+    assert F.nmse(R.exact_w4a8(aq, wq), deq) < 1e-3, f"seed={seed}"
+
+
+# --------------------------------------------------------------------------------------------
+# block_sumi
+
+
+def test_block_sumi_exact_at_extremes():
+    m, n, nb = 2, 3, 5
+    qa = np.empty((m, nb, 32), np.int8)
+    qa[0] = -128
+    qa[1] = 127
+    qw = np.full((n, nb, 32), 15, np.uint8)
+    qw[1, :, ::2] = 0
+    qw[2, 2] = 7
+    out = R.block_sumi(qa, qw)
+    assert out.dtype == np.int64 and out.shape == (m, n, nb)
+    for i in range(m):
+        for j in range(n):
+            for b in range(nb):
+                ref = sum(int(qa[i, b, e]) * int(qw[j, b, e]) for e in range(32))
+                assert out[i, j, b] == ref, (i, j, b)
+    assert out[0, 0, 0] == -128 * 15 * 32 == -61440
+    assert out[1, 0, 0] == 127 * 15 * 32 == 60960
+    # the int8 x int8 extremes (|sumi| = 2^19) are exact too, with no int8/int16 overflow
+    qa8 = np.full((1, 2, 32), -128, np.int8)
+    qw8 = np.full((2, 2, 32), -128, np.int8)
+    qw8[1] = 127
+    out8 = R.block_sumi(qa8, qw8)
+    assert out8[0, 0].tolist() == [2**19, 2**19]
+    assert out8[0, 1].tolist() == [-128 * 127 * 32] * 2
+
+
+def test_block_sumi_matches_integer_einsum_random():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    qa = rng.integers(-128, 128, (4, 7, 32)).astype(np.int8)
+    qw = rng.integers(0, 16, (6, 7, 32)).astype(np.uint8)
+    ref = np.einsum("mbe,nbe->mnb", qa.astype(np.int64), qw.astype(np.int64))
+    assert np.array_equal(R.block_sumi(qa, qw), ref), f"seed={seed}"
+
+
+# --------------------------------------------------------------------------------------------
+# metrics
+
+
+def test_relative_error_and_nmse_properties():
+    seed = fresh_seed()
+    x = np.random.default_rng(seed).standard_normal((7, 9))
+    assert R.relative_error(x, x) == 0.0
+    assert F.nmse(x, x) == 0.0
+    assert R.relative_error(np.zeros(3), np.zeros(3)) == 0.0
+    assert F.nmse(np.zeros(3), np.zeros(3)) == 0.0
+    assert R.relative_error(np.ones(3), np.zeros(3)) == math.inf
+    assert F.nmse(np.ones(3), np.zeros(3)) == math.inf
+    # known values
+    assert R.relative_error([3.0, 0.0], [0.0, 4.0]) == pytest.approx(5.0 / 4.0)
+    assert F.nmse([3.0, 0.0], [0.0, 4.0]) == pytest.approx(25.0 / 16.0)
+    assert R.relative_error(2 * x, x) == pytest.approx(1.0)
+    assert F.nmse(1.1 * x, x) == pytest.approx(0.01)
+    # nmse is the square of relative_error, both scale invariant, not symmetric
+    y = x + 0.05 * np.random.default_rng(seed + 1).standard_normal(x.shape)
+    assert F.nmse(y, x) == pytest.approx(R.relative_error(y, x) ** 2, rel=1e-12), f"seed={seed}"
+    assert R.relative_error(1e3 * y, 1e3 * x) == pytest.approx(R.relative_error(y, x), rel=1e-12)
+    assert R.relative_error(y, x) > 0
+    assert R.relative_error(np.zeros(3), np.ones(3)) == pytest.approx(1.0)
+    # computed in float64 even for float32 inputs
+    a32 = np.array([1.0, 1.0 + 2**-20], dtype=F32)
+    b32 = np.array([1.0, 1.0], dtype=F32)
+    assert F.nmse(a32, b32) == pytest.approx(2.0**-40 / 2, rel=1e-12)
