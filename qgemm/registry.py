@@ -47,6 +47,15 @@ def _tile_64x64(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(n, 64), cdiv(m, 64), 1), block=(16, 16, 1))
 
 
+def _tile_16x16(m: int, n: int, k: int) -> Launch:
+    return Launch(grid=(cdiv(n, 16), cdiv(m, 16), 1), block=(16, 16, 1))
+
+
+def _warp_dot(m: int, n: int, k: int) -> Launch:
+    # common/warp_dot.cuh: 4 warps per CTA, each on one W row and WD_ROWS = 4 rows of A
+    return Launch(grid=(cdiv(n, 4), cdiv(m, 4), 1), block=(128, 1, 1))
+
+
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
 
@@ -62,6 +71,26 @@ _SPECS = [
                "Q4_0 weights x float32 activations, one thread per output, unpacked on the fly"),
     KernelSpec("w4a16.tiled", ops.W4A16, 3, "w4a16/tiled.cu", "w4a16_tiled", _tile_64x64,
                "Q4_0 weights x float32 activations, W tile dequantized into shared memory"),
+    KernelSpec("w8a16.naive", ops.W8A16, 3, "w8a16/naive.cu", "w8a16_naive", _thread_per_output,
+               "Q8_0 weights x float32 activations, one thread per output"),
+    KernelSpec("w8a16.tiled", ops.W8A16, 3, "w8a16/tiled.cu", "w8a16_tiled", _tile_64x64,
+               "Q8_0 weights x float32 activations, W tile dequantized into shared memory"),
+    KernelSpec("w4a8.naive", ops.W4A8, 4, "w4a8/naive.cu", "w4a8_naive", _thread_per_output,
+               "Q8_1 x Q4_0, one thread per output, byte-by-byte sumi + d_w(d_a sumi - 8 s_a)"),
+    KernelSpec("w4a8.tiled", ops.W4A8, 4, "w4a8/tiled.cu", "w4a8_tiled", _tile_16x16,
+               "Q8_1 x Q4_0, 16x16 shared-memory tiles, byte-by-byte integer math"),
+    KernelSpec("w4a8.dp4a", ops.W4A8, 4, "w4a8/dp4a.cu", "w4a8_dp4a", _warp_dot,
+               "Q8_1 x Q4_0, DP4A on the stored nibbles, a warp per 4x1 outputs, coalesced loads"),
+    KernelSpec("w4a8.tiled_dp4a", ops.W4A8, 4, "w4a8/tiled_dp4a.cu", "w4a8_tiled_dp4a", _tile_64x64,
+               "Q8_1 x Q4_0, 64x64 shared-memory tiles, 4x4 outputs per thread, DP4A"),
+    KernelSpec("w4a8.vec_dp4a", ops.W4A8, 4, "w4a8/vec_dp4a.cu", "w4a8_vec_dp4a", _tile_64x64,
+               "tiled_dp4a + 16-byte vector loads of the Q8_1 activations, 4 blocks per stage"),
+    KernelSpec("w8a8.naive", ops.W8A8, 4, "w8a8/naive.cu", "w8a8_naive", _thread_per_output,
+               "Q8_1 x Q8_0, one thread per output, byte-by-byte sumi + d_w d_a sumi"),
+    KernelSpec("w8a8.dp4a", ops.W8A8, 4, "w8a8/dp4a.cu", "w8a8_dp4a", _warp_dot,
+               "Q8_1 x Q8_0, DP4A, a warp per 4x1 outputs, coalesced loads"),
+    KernelSpec("w8a8.tiled_dp4a", ops.W8A8, 4, "w8a8/tiled_dp4a.cu", "w8a8_tiled_dp4a", _tile_64x64,
+               "Q8_1 x Q8_0, 64x64 shared-memory tiles, 4x4 outputs per thread, DP4A"),
 ]
 
 REGISTRY: dict[str, KernelSpec] = {s.name: s for s in _SPECS}

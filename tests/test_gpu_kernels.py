@@ -152,3 +152,96 @@ def test_profile_reports_sane_numbers():
     assert 0 < p.min_us <= p.median_us <= p.max_us
     assert p.tflops > 0 and p.bytes == 64 * 256 * 4 + 256 * 256 * 4 + 64 * 256 * 4
     assert 0 < p.roofline_pct <= 100
+
+
+# ------------------------------------------------------------------------------------------
+# The two bugs of the debugging story (docs: debugging): a wrong int/byte index and a wrong
+# nibble pairing. Both must fail these tests loudly.
+
+W4A8 = [s.name for s in registry.list_kernels(op="w4a8")]
+W8A8 = [s.name for s in registry.list_kernels(op="w8a8")]
+
+
+def hand_case_blocks():
+    """The story's 1x1x32 case: A q_a = -16..15 with d_a = 0.5, s_a = -8; W d_w = 0.25 with stored
+    nibbles q_w[i] = ((i + 1) // 2) & 0xF (0, 1, 1, 2, 2, ..., 15, 15, 0)."""
+    a = np.zeros((1, 1), F.block_q8_1)
+    a["d"], a["s"] = 0.5, -8.0
+    q_a = np.arange(-16, 16)
+    a["qs"][0, 0] = q_a
+    q_w = np.array([((i + 1) // 2) & 0xF for i in range(32)])
+    w = np.zeros((1, 1), F.block_q4_0)
+    w["d"] = 0.25
+    w["qs"][0, 0] = (q_w[:16] | (q_w[16:] << 4)).astype(np.uint8)  # element j low, j+16 high
+    return a, w, q_a, q_w
+
+
+@pytest.mark.parametrize("name", W4A8)
+def test_w4a8_hand_computed_141(name):
+    a, w, q_a, q_w = hand_case_blocks()
+    sumi = int(sum(int(x) * int(y) for x, y in zip(q_a, q_w)))
+    expected = 0.25 * (0.5 * sumi - 8 * (-8.0))
+    assert sumi == 1000 and expected == 141.0
+    c = qgemm.get(name)(a, w)
+    assert c.shape == (1, 1) and c[0, 0] == 141.0, f"{name} gave {c[0, 0]} for the hand case (expected 141)"
+
+
+def one_hot_q8_1(values):
+    """32 Q8_1 rows (one block each): row p has a single non-zero q at position p."""
+    a = np.zeros((32, 1), F.block_q8_1)
+    a["d"] = 0.03125
+    for p in range(32):
+        a["qs"][p, 0, p] = values[p]
+        a["s"][p, 0] = values[p] * 0.03125
+    return a
+
+
+@pytest.mark.parametrize("name", W4A8)
+def test_w4a8_one_hot_positions(name, rng):
+    """Row p of A is one-hot at element p; row p of W has stored nibble 15 at element p and 0
+    elsewhere. C must equal the reference for all 32 x 32 pairs (plus dense random rows), so a
+    wrong int index or a wrong nibble pairing shows up as an exact, located mismatch."""
+    vals = rng.integers(1, 127, 32) * rng.choice([-1, 1], 32)
+    a = np.concatenate([one_hot_q8_1(vals), F.quantize_q8_1(rng.standard_normal((3, 32), dtype=np.float32))])
+    w = np.zeros((32, 1), F.block_q4_0)
+    w["d"] = 0.0625
+    for p in range(32):
+        nib = np.zeros(32, np.uint8)
+        nib[p] = 15
+        w["qs"][p, 0] = nib[:16] | (nib[16:] << 4)
+    w = np.concatenate([w, F.quantize_q4_0(rng.standard_normal((5, 32), dtype=np.float32))])
+    c = qgemm.get(name)(a, w)
+    ref = qgemm.reference.exact_w4a8(a, w)
+    bad = np.argwhere(~np.isclose(c, ref, rtol=1e-6, atol=1e-6))
+    assert bad.size == 0, f"{name}: first mismatches (A row, W row): {bad[:5].tolist()}, got {c[tuple(bad[0])]} want {ref[tuple(bad[0])]}"
+
+
+@pytest.mark.parametrize("name", W8A8)
+def test_w8a8_one_hot_positions(name, rng):
+    vals = rng.integers(1, 127, 32) * rng.choice([-1, 1], 32)
+    a = np.concatenate([one_hot_q8_1(vals), F.quantize_q8_1(rng.standard_normal((3, 64), dtype=np.float32))[:, :1]])
+    w = np.zeros((32, 1), F.block_q8_0)
+    w["d"] = 0.0625
+    for p in range(32):
+        w["qs"][p, 0, p] = -(p + 1)
+    c = qgemm.get(name)(a, w)
+    ref = qgemm.reference.exact_w8a8(a, w)
+    bad = np.argwhere(~np.isclose(c, ref, rtol=1e-6, atol=1e-6))
+    assert bad.size == 0, f"{name}: first mismatches (A row, W row): {bad[:5].tolist()}"
+
+
+@pytest.mark.parametrize("name", W4A8 + W8A8)
+def test_wrong_weight_format_names_the_expected_one(name, rng):
+    a = F.quantize_q8_1(rng.standard_normal((2, 64), dtype=np.float32))
+    wrong = F.quantize_q8_0 if qgemm.get(name).op.w.name == "q4_0" else F.quantize_q4_0
+    with pytest.raises(ValueError, match=qgemm.get(name).op.w.name):
+        qgemm.get(name)(a, wrong(rng.standard_normal((3, 64), dtype=np.float32)))
+    with pytest.raises(ValueError, match="q8_1"):
+        qgemm.get(name)(rng.standard_normal((2, 64), dtype=np.float32), wrong(rng.standard_normal((3, 64), dtype=np.float32)))
+
+
+def test_vec_dp4a_misaligned_fallback(rng):
+    """K = 96 (3 blocks: rows not 16-byte aligned) and K = 4128 (tail stage) use the fallback."""
+    for k in (96, 4128):
+        r = check.validate(qgemm.get("w4a8.vec_dp4a"), (33, 65, k))
+        assert r.passed, r
