@@ -52,8 +52,8 @@ def _tile_16x16(m: int, n: int, k: int) -> Launch:
 
 
 def _warp_dot(m: int, n: int, k: int) -> Launch:
-    # common/warp_dot.cuh: 4 warps per CTA, each on one W row and WD_ROWS = 4 rows of A
-    return Launch(grid=(cdiv(n, 4), cdiv(m, 4), 1), block=(128, 1, 1))
+    # common/warp_dot.cuh: 4 warps per CTA side by side along N, each on a 4x4 block of C
+    return Launch(grid=(cdiv(n, 16), cdiv(m, 4), 1), block=(128, 1, 1))
 
 
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
@@ -80,7 +80,7 @@ _SPECS = [
     KernelSpec("w4a8.tiled", ops.W4A8, 4, "w4a8/tiled.cu", "w4a8_tiled", _tile_16x16,
                "Q8_1 x Q4_0, 16x16 shared-memory tiles, byte-by-byte integer math"),
     KernelSpec("w4a8.dp4a", ops.W4A8, 4, "w4a8/dp4a.cu", "w4a8_dp4a", _warp_dot,
-               "Q8_1 x Q4_0, DP4A on the stored nibbles, a warp per 4x1 outputs, coalesced loads"),
+               "Q8_1 x Q4_0, DP4A on the stored nibbles, a warp per 4x4 outputs, coalesced loads"),
     KernelSpec("w4a8.tiled_dp4a", ops.W4A8, 4, "w4a8/tiled_dp4a.cu", "w4a8_tiled_dp4a", _tile_64x64,
                "Q8_1 x Q4_0, 64x64 shared-memory tiles, 4x4 outputs per thread, DP4A"),
     KernelSpec("w4a8.vec_dp4a", ops.W4A8, 4, "w4a8/vec_dp4a.cu", "w4a8_vec_dp4a", _tile_64x64,
@@ -88,7 +88,7 @@ _SPECS = [
     KernelSpec("w8a8.naive", ops.W8A8, 4, "w8a8/naive.cu", "w8a8_naive", _thread_per_output,
                "Q8_1 x Q8_0, one thread per output, byte-by-byte sumi + d_w d_a sumi"),
     KernelSpec("w8a8.dp4a", ops.W8A8, 4, "w8a8/dp4a.cu", "w8a8_dp4a", _warp_dot,
-               "Q8_1 x Q8_0, DP4A, a warp per 4x1 outputs, coalesced loads"),
+               "Q8_1 x Q8_0, DP4A, a warp per 4x4 outputs, coalesced loads"),
     KernelSpec("w8a8.tiled_dp4a", ops.W8A8, 4, "w8a8/tiled_dp4a.cu", "w8a8_tiled_dp4a", _tile_64x64,
                "Q8_1 x Q8_0, 64x64 shared-memory tiles, 4x4 outputs per thread, DP4A"),
 ]
