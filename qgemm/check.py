@@ -72,9 +72,12 @@ class Result:
     nmse_tol: float
     note: str = ""
     detail: dict = field(default_factory=dict)
+    inputs: Inputs | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("inputs", None)
+        return d
 
 
 def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=None) -> np.ndarray:
@@ -121,7 +124,9 @@ def validate(kernel: Kernel, shape: tuple[int, int, int], seed: int | None = Non
 
     exact = op.exact(inp.a, inp.w)
     truth = reference.truth(inp.a_float, inp.w_float)
-    return compare(kernel.name, op, shape, seed, out, exact, truth, inp.a_float, inp.w_float)
+    result = compare(kernel.name, op, shape, seed, out, exact, truth, inp.a_float, inp.w_float)
+    result.inputs = inp
+    return result
 
 
 def product_energy(a: np.ndarray, w: np.ndarray) -> float:
@@ -156,3 +161,53 @@ def compare(name: str, op: Op, shape, seed, out: np.ndarray, exact: np.ndarray, 
         note.append(f"NMSE {nm:.2e} > {nm_tol:.1e}")
     return Result(name, tuple(shape), seed, bool(passed), max_abs, rel, nm, unwritten, op.exact_tol, nm_tol, "; ".join(note),
                   detail={"classic_nmse": F.nmse(finite, truth), "classic_rel_err": reference.relative_error(finite, exact)})
+
+
+def block_breakdown(kernel: Kernel, a: np.ndarray, w: np.ndarray, m: int = 0, n: int = 0, max_blocks: int = 16) -> list[dict]:
+    """Per-block view of output C[m, n], kernel beside reference: the debugging method of the
+    seeds (start at 1x1x32, compute by hand, compare one block at a time).
+
+    The kernel's share of block b is measured by running it on that block alone (a 1x1x32
+    problem); for the integer ops the sumi the kernel must have used is recovered from it:
+        W4A8: sumi = (value / d_w + 8 s_a) / d_a        W8A8: sumi = value / (d_w d_a)
+    """
+    op = kernel.op
+    rows = []
+    nb = w.shape[1] if op.w.quantized else w.shape[1] // F.QK
+    for b in range(min(nb, max_blocks)):
+        a_b = np.ascontiguousarray(a[m:m + 1, b:b + 1] if op.a.quantized else a[m:m + 1, b * F.QK:(b + 1) * F.QK])
+        w_b = np.ascontiguousarray(w[n:n + 1, b:b + 1] if op.w.quantized else w[n:n + 1, b * F.QK:(b + 1) * F.QK])
+        got = float(kernel(a_b, w_b)[0, 0])
+        ref = float(op.exact(a_b, w_b)[0, 0])
+        row = {"block": b, "kernel": got, "reference": ref}
+        if op.a.name == "q8_1":
+            ab = F.as_blocks(a_b, F.Q8_1)[0, 0]
+            w_blocks = F.as_blocks(w_b, op.w)  # [1, 1]
+            wb = w_blocks[0, 0]
+            d_a, s_a, d_w = float(ab["d"]), float(ab["s"]), float(wb["d"])
+            q_w = F.unpack_q4_0(w_blocks)[0] if op.w.name == "q4_0" else wb["qs"]  # stored values, element order
+            sumi = int(np.dot(ab["qs"].astype(np.int64), q_w.astype(np.int64)))
+            if op.w.name == "q4_0":
+                k_sumi = (got / d_w + 8 * s_a) / d_a if d_w and d_a else float("nan")
+            else:
+                k_sumi = got / (d_w * d_a) if d_w and d_a else float("nan")
+            row.update(d_a=d_a, s_a=s_a, d_w=d_w, sumi=sumi, kernel_sumi=k_sumi)
+        rows.append(row)
+    return rows
+
+
+def format_breakdown(name: str, rows: list[dict], m: int = 0, n: int = 0) -> str:
+    lines = [f"{name}: C[{m},{n}] block by block (kernel run on each block alone vs the exact-math reference)"]
+    if rows and "sumi" in rows[0]:
+        lines.append(f"{'blk':>4} {'d_a':>11} {'s_a':>11} {'d_w':>11} {'sumi ref':>9} {'sumi kern':>10} "
+                     f"{'value ref':>13} {'value kern':>13}  ok")
+        for r in rows:
+            ok = abs(r["kernel"] - r["reference"]) <= 1e-5 * max(1.0, abs(r["reference"]))
+            lines.append(f"{r['block']:>4} {r['d_a']:>11.5g} {r['s_a']:>11.5g} {r['d_w']:>11.5g} {r['sumi']:>9d} "
+                         f"{r['kernel_sumi']:>10.2f} {r['reference']:>13.6g} {r['kernel']:>13.6g}  {'yes' if ok else 'NO'}")
+    else:
+        lines.append(f"{'blk':>4} {'value ref':>13} {'value kern':>13}  ok")
+        for r in rows:
+            ok = abs(r["kernel"] - r["reference"]) <= 1e-5 * max(1.0, abs(r["reference"]))
+            lines.append(f"{r['block']:>4} {r['reference']:>13.6g} {r['kernel']:>13.6g}  {'yes' if ok else 'NO'}")
+    return "\n".join(lines)

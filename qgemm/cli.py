@@ -162,14 +162,16 @@ def validate(
     shape: str = typer.Option("257x1031x4096", "--shape", help="MxNxK; odd M and N catch edge bugs."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: fresh every run, printed)."),
     as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Break C[0,0] down block by block: sumi, d_a, s_a, d_w, kernel vs reference."),
 ):
     """Run on the GPU and compare with the numpy references; exit 1 on any FAIL."""
+    from .check import block_breakdown, format_breakdown
     from .check import validate as run_validate
 
     specs = _specs(names, all_)
     mnk = _shape(shape)
     _need_gpu("validate")
-    rows, results, failed = [], [], 0
+    rows, results, details, failed = [], [], [], 0
     for s in specs:
         try:
             r = run_validate(registry.get(s.name), mnk, seed)
@@ -179,9 +181,13 @@ def validate(
             continue
         results.append(r.to_dict())
         failed += not r.passed
+        if verbose and s.op.kind == "gemm" and r.inputs is not None:
+            details.append(format_breakdown(s.name, block_breakdown(registry.get(s.name), r.inputs.a, r.inputs.w)))
         rows.append([s.name, "x".join(map(str, mnk)), f"{r.max_abs_err:.3e}", f"{r.rel_err:.2e} (<= {r.exact_tol:.0e})",
                      f"{r.nmse:.2e} (<= {r.nmse_tol:.1e})", str(r.seed), ("PASS" if r.passed else "FAIL") + (f"  {r.note}" if r.note and not r.passed else "")])
     typer.echo(_table(["kernel", "MxNxK", "max abs err", "rel err vs exact", "NMSE vs float64", "seed", "result"], rows))
+    for d in details:
+        typer.echo("\n" + d)
     if as_json:
         as_json.write_text(json.dumps({"command": _command_line(), "results": results}, indent=1))
     if failed:
@@ -233,6 +239,23 @@ def profile(
         as_json.write_text(json.dumps({"command": _command_line(), "environment": env, "shape": mnk, "cold": cold,
                                        "warmup": warmup, "iters": iters, "copy_bandwidth_gbps": bw / 1e9,
                                        "results": results, "peers": peer_rows}, indent=1))
+
+
+@app.command()
+def tutorial(
+    steps: List[int] = typer.Argument(..., help="Step numbers 1-5 (e.g. `qgemm tutorial 4` or `qgemm tutorial 1 2 3`)."),
+    shape: str = typer.Option("512x4096x4096", "--shape", help="MxNxK for the steps that multiply."),
+):
+    """The tutorial's steps, measured live: 1 FP32, 2 quantization, 3 W4A16, 4 W4A8 + compensation, 5 llama.cpp."""
+    from . import tutorial as tut
+
+    mnk = _shape(shape)
+    for st in steps:
+        if st not in tut.STEPS:
+            _fail(f"tutorial step must be 1..5, got {st}")
+    for st in steps:
+        tut.run(st, typer.echo, mnk)
+        typer.echo("")
 
 
 @app.command("cache")

@@ -128,3 +128,62 @@ def test_cli_gpu_commands_without_gpu(cmd):
     r = runner.invoke(app, cmd)
     assert r.exit_code == 2
     assert "GPU" in r.output
+
+
+def test_cli_tutorial_cpu_parts_run():
+    r = runner.invoke(app, ["tutorial", "2", "4", "--shape", "16x64x256"])
+    assert r.exit_code == 0, r.output
+    assert "Q4_0: NMSE" in r.output and "without compensation" in r.output and "with d_w(d_a sumi - 8 s_a)" in r.output
+    if NO_GPU:
+        assert "needs a GPU" in r.output
+    assert runner.invoke(app, ["tutorial", "9"]).exit_code == 2
+
+
+def test_tutorial_reads_the_shipped_llamacpp_figures():
+    from qgemm import tutorial
+
+    figs = tutorial.llamacpp_figures("h100")
+    by = {(f["type"], f["M"], f["N"], f["K"]): f["us"] for f in figs}
+    # ggml's m,n,k are qgemm's N,M,K: the 512-token Q4_0 prefill line of the H100 file
+    assert by[("q4_0", 512, 4096, 4096)] == 91.61 and by[("q8_0", 1, 4096, 14336)] == 27.19
+
+
+class _ExactKernel:
+    """Stands in for a GPU kernel: computes the exact-math reference (for CPU tests of the
+    per-block breakdown arithmetic)."""
+
+    def __init__(self, name):
+        self.op = qgemm.get(name).op
+
+    def __call__(self, a, w):
+        return self.op.exact(a, w)
+
+
+@pytest.mark.parametrize("name", ["w4a8.naive", "w8a8.naive"])
+def test_block_breakdown_recovers_sumi(name, rng):
+    from qgemm import check
+
+    k = _ExactKernel(name)
+    inp = check.make_inputs(k.op, 2, 3, 128, rng)
+    rows = check.block_breakdown(k, inp.a, inp.w, m=1, n=2)
+    assert len(rows) == 4
+    for r in rows:
+        assert abs(r["kernel_sumi"] - r["sumi"]) < 1e-2, r
+        assert r["kernel"] == r["reference"]
+    assert sum(r["reference"] for r in rows) == pytest.approx(k.op.exact(inp.a, inp.w)[1, 2], rel=1e-9)
+    text = check.format_breakdown(name, rows, 1, 2)
+    assert "sumi ref" in text and "NO" not in text
+
+
+def test_block_breakdown_hand_case():
+    from qgemm import check
+
+    a = np.zeros((1, 1), qgemm.block_q8_1)
+    a["d"], a["s"] = 0.5, -8.0
+    a["qs"][0, 0] = np.arange(-16, 16)
+    q_w = np.array([((i + 1) // 2) & 0xF for i in range(32)])
+    w = np.zeros((1, 1), qgemm.block_q4_0)
+    w["d"] = 0.25
+    w["qs"][0, 0] = (q_w[:16] | (q_w[16:] << 4)).astype(np.uint8)
+    (row,) = check.block_breakdown(_ExactKernel("w4a8.naive"), a, w)
+    assert row["sumi"] == 1000 and row["reference"] == 141.0 and row["kernel_sumi"] == pytest.approx(1000)
