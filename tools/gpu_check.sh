@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one script for GPU work (run it on the device machine): the GPU tests, `qgemm validate
-# --all`, and a profile of every kernel at 512x4096x4096 (hot and cold), with logs under $OUT.
+# --all` (plus the 1x1x32 per-block breakdown), the live tutorial, and a profile of every kernel
+# at 512x4096x4096 (hot and cold), with logs under $OUT.
 #
 #   bash tools/gpu_check.sh                 # everything
 #   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh
@@ -12,7 +13,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export QGEMM_CACHE_DIR=${QGEMM_CACHE_DIR:-/tmp/qgemm-cache}
 PY=${PYTHON:-python3}
-STEPS=${QGEMM_CHECK:-"info tests validate profile report"}
+STEPS=${QGEMM_CHECK:-"info tests validate tutorial profile report"}
 SHAPE=${QGEMM_SHAPE:-512x4096x4096}
 LOG="$OUT/gpu_check.log"
 rc=0
@@ -23,7 +24,11 @@ for step in $STEPS; do
     info)     run $PY -m qgemm info; run $PY -m qgemm compile --all ;;
     tests)    run $PY -m pytest -q -m gpu tests -p no:cacheprovider ;;
     validate) run $PY -m qgemm validate --all --json "$OUT/validate.json"
-              run $PY -m qgemm validate --all --shape 1x4096x4096 ;;
+              run $PY -m qgemm validate --all --shape 1x4096x4096
+              run $PY -m qgemm validate --all --shape 513x4097x4128
+              run $PY -m qgemm validate w4a8 w8a8 --shape 1x1x32 --verbose ;;
+    tutorial) echo "+ qgemm tutorial 1 2 3 4 5 > $OUT/tutorial.log" | tee -a "$LOG"
+              $PY -m qgemm tutorial 1 2 3 4 5 > "$OUT/tutorial.log" 2>&1 || { echo "!! tutorial failed" | tee -a "$LOG"; rc=1; } ;;
     profile)  run $PY -m qgemm profile --all --shape "$SHAPE" --json "$OUT/profile-hot.json"
               run $PY -m qgemm profile --all --shape "$SHAPE" --cold --no-peers --json "$OUT/profile-cold.json" ;;
     report)   run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" -o "$OUT/performance.md" ;;
