@@ -1,7 +1,7 @@
 """Timing with CUDA events, bytes and FLOPs, and the device's roofline.
 
-`profile()` warms up, then times each launch between two events on one stream and reports the
-median, min and max. Hot: the same buffers every launch (they stay in L2 when they fit). Cold:
+`profile()` warms up, then times replays of a CUDA graph of back-to-back launches between two
+events (see _time_launches) and reports the median, min and max of the per-launch time. Hot: the same buffers every launch (they stay in L2 when they fit). Cold:
 several sets of buffers, together more than twice the L2, used in rotation, so each launch reads
 its operands from device memory.
 
@@ -99,17 +99,42 @@ class Profile:
         return asdict(self)
 
 
-def _time_launches(launch, sets: int, warmup: int, iters: int) -> list[float]:
-    for i in range(warmup):
-        launch(i % sets)
-    runtime.synchronize()
+def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[float], dict]:
+    """Per-launch times in us. A single launch between two events would also time Python's launch
+    overhead whenever the kernel is shorter than it (the GPU idles waiting for the launch), so
+    launches are batched: B back-to-back launches (cycling through the buffer sets) are captured
+    once as a CUDA graph and replayed; each replay's time / B is one sample. B is chosen so a
+    replay takes about 1 ms. Falls back to uncaptured back-to-back batches if capture fails."""
+    stream = runtime.create_stream()
+    for i in range(max(warmup, 1)):
+        launch(i % sets, stream)
+    runtime.synchronize(stream)
+    e0 = runtime.record_event(stream)
+    launch(0, stream)
+    e1 = runtime.record_event(stream)
+    single = runtime.elapsed_ms(e0, e1) * 1e3
+    batch = int(min(max(1000.0 / max(single, 1e-3), 1), 200))
+    method = f"CUDA graph of {batch} back-to-back launches per sample"
+
+    def record():
+        for j in range(batch):
+            launch(j % sets, stream)
+
+    try:
+        graph = runtime.Graph(record, stream)
+        replay = graph.launch
+    except Exception as e:  # pragma: no cover - depends on the driver
+        method = f"batches of {batch} back-to-back launches (graph capture failed: {e})"
+        replay = record
+    replay()
+    runtime.synchronize(stream)
     times = []
-    for i in range(iters):
-        e0 = runtime.record_event()
-        launch(i % sets)
-        e1 = runtime.record_event()
-        times.append(runtime.elapsed_ms(e0, e1) * 1e3)
-    return times
+    for _ in range(iters):
+        e0 = runtime.record_event(stream)
+        replay()
+        e1 = runtime.record_event(stream)
+        times.append(runtime.elapsed_ms(e0, e1) * 1e3 / batch)
+    return times, {"method": method, "launches_per_sample": batch, "single_launch_us": single}
 
 
 def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters: int = 50,
@@ -130,17 +155,17 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
         ys = [runtime.DeviceArray.empty((m, k // F.QK), op.out.dtype) for _ in range(sets)]
         status = runtime.DeviceArray.from_host(np.zeros(1, np.int32))
 
-        def launch(i):
-            kernel.launch_quantize(xs[i], ys[i], m, k, status)
+        def launch(i, stream=None):
+            kernel.launch_quantize(xs[i], ys[i], m, k, status, stream=stream)
     else:
         da = [runtime.DeviceArray.from_host(inp.a) for _ in range(sets)]
         dw = [runtime.DeviceArray.from_host(inp.w) for _ in range(sets)]
         dc = [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets)]
 
-        def launch(i):
-            kernel.launch(da[i], dw[i], dc[i], m, n, k)
+        def launch(i, stream=None):
+            kernel.launch(da[i], dw[i], dc[i], m, n, k, stream=stream)
 
-    times = _time_launches(launch, sets, warmup, iters)
+    times, how = _time_launches(launch, sets, warmup, iters)
     runtime.check_last_error(kernel.name)
     med = statistics.median(times)
     fl = flops(kernel, m, n, k)
@@ -153,7 +178,7 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
         kernel=kernel.name, shape=shape, cold=cold, iters=iters, median_us=med, min_us=min(times), max_us=max(times),
         tflops=fl / (med * 1e-6) / 1e12 if fl else 0.0, bytes=nbytes, gbps=nbytes / (med * 1e-6) / 1e9,
         floor_us=floor, roofline_pct=100.0 * floor / med, bound="compute" if t_cmp > t_mem else "memory",
-        extra={"copy_bandwidth_gbps": bw / 1e9, "peak_tops": (peak or 0) / 1e12, "unit": op.unit, "buffer_sets": sets},
+        extra={"copy_bandwidth_gbps": bw / 1e9, "peak_tops": (peak or 0) / 1e12, "unit": op.unit, "buffer_sets": sets, **how},
     )
 
 
@@ -171,17 +196,26 @@ def torch_peers(shape: tuple[int, int, int], warmup: int = 10, iters: int = 50) 
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def timeit(fn):
-        for _ in range(warmup):
+        # like qgemm's own timing: samples of B back-to-back calls (B ~ 1 ms of work), so the
+        # host's per-call overhead is hidden behind the queue; per-call time = sample / B
+        for _ in range(max(warmup, 1)):
             fn()
         torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        batch = int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), 1), 200))
         ts = []
         for _ in range(iters):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-            fn()
+            for _ in range(batch):
+                fn()
             e1.record()
             e1.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e3)
+            ts.append(e0.elapsed_time(e1) * 1e3 / batch)
         return statistics.median(ts)
 
     for dt, label in ((torch.float16, "torch fp16 A@W.T (cuBLAS)"), (torch.bfloat16, "torch bf16 A@W.T (cuBLAS)"),

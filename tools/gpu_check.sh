@@ -31,7 +31,7 @@ for step in $STEPS; do
               $PY -m qgemm tutorial 1 2 3 4 5 > "$OUT/tutorial.log" 2>&1 || { echo "!! tutorial failed" | tee -a "$LOG"; rc=1; } ;;
     profile)  run $PY -m qgemm profile --all --shape "$SHAPE" --json "$OUT/profile-hot.json"
               run $PY -m qgemm profile --all --shape "$SHAPE" --cold --no-peers --json "$OUT/profile-cold.json" ;;
-    report)   run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" -o "$OUT/performance.md" ;;
+    report)   run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" --notes docs/performance-notes.md -o "$OUT/performance.md" ;;
     *) echo "unknown step $step" | tee -a "$LOG"; rc=1 ;;
   esac
 done
