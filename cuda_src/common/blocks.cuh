@@ -46,8 +46,8 @@ static __device__ __forceinline__ int load_int_b2(const void* p, int i) {
 }
 
 // 4 bytes starting at int index i of a 4-byte aligned buffer. i is an *int* index, not a byte
-// index (the first bug of the debugging story, docs/debugging.md: load_int_b4(qs, i + 4) reads
-// bytes 16..19, not 4..7).
+// index: load_int_b4(qs, i + 4) reads bytes 16 + 4i .. 19 + 4i, which is exactly what the Q4_0
+// high nibbles pair with (docs/dp4a.md, docs/debugging.md).
 static __device__ __forceinline__ int load_int_b4(const void* p, int i) {
     return ((const int*)p)[i];
 }

@@ -10,7 +10,8 @@
 // their low nibbles and 16+4i .. 16+4i+3 in their high nibbles. So
 //     lo = packed & 0x0F0F0F0F   pairs with A's int i      (elements 4i   .. 4i+3)
 //     hi = (packed >> 4) & 0x0F0F0F0F  pairs with A's int i+4 (elements 16+4i .. 16+4i+3)
-// (The debugging story assumed adjacent pairs and paired lo with int 2i: off by 2 on 141.)
+// (The debugging story's test data packed adjacent pairs, (w1 << 4) | w0; its final kernel pairs
+// nibbles for that layout and is wrong on real ggml weights: docs/dp4a.md works through it.)
 #pragma once
 #include "common/blocks.cuh"
 

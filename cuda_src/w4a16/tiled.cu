@@ -1,7 +1,8 @@
 // Step 3, rung 1: W4A16 on the Step 1 tile skeleton. The W tile is dequantized while it is
 // staged: TILE_K = 32 is one Q4_0 block, so each of the 64 W rows of the tile contributes one
-// 18-byte block per K step, and 4 threads per row unpack 8 values each (2 qs bytes -> the
-// elements j, j+1 from the low nibbles and j+16, j+17 from the high nibbles).
+// 18-byte block per K step, and 4 threads per row unpack 8 values each: thread q reads qs bytes
+// 4q..4q+3 (two 16-bit loads) and writes elements 4q..4q+3 (low nibbles) and 16+4q..16+4q+3
+// (high nibbles).
 #include "common/blocks.cuh"
 #include "common/tile_gemm.cuh"
 

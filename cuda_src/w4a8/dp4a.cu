@@ -1,5 +1,6 @@
 // Step 4, rung 2: W4A8 with DP4A: four int8 multiply-adds per instruction on the stored nibbles,
-// a warp per 4 rows of A x 1 row of W with coalesced loads (common/warp_dot.cuh explains).
+// a warp per 4x4 block of C (4 rows of A x 4 rows of W), lanes splitting K with coalesced loads
+// (common/warp_dot.cuh explains).
 #include "common/warp_dot.cuh"
 
 extern "C" __global__ void __launch_bounds__(32 * WD_WARPS)

@@ -1,4 +1,5 @@
-// W8A8 rung 1: DP4A, a warp per 4 rows of A x 1 row of W with coalesced loads (common/warp_dot.cuh).
+// W8A8 rung 1: DP4A, a warp per 4x4 block of C, lanes splitting K with coalesced loads
+// (common/warp_dot.cuh).
 #include "common/warp_dot.cuh"
 
 extern "C" __global__ void __launch_bounds__(32 * WD_WARPS)
