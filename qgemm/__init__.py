@@ -25,6 +25,8 @@ from .formats import (
     quantize_q8_0,
     quantize_q8_1,
 )
+from .dispatch import explain, matmul, plan
+from .gguf_io import load_gguf
 from .ops import Kernel, Op
 from .registry import get, spec
 from .runtime import DeviceArray, gpu_available
@@ -43,5 +45,6 @@ __all__ = [
     "QK", "block_q4_0", "block_q8_0", "block_q8_1", "quantize", "dequantize", "quantize_q4_0",
     "quantize_q8_0", "quantize_q8_1", "dequantize_q4_0", "dequantize_q8_0", "dequantize_q8_1",
     "formats", "reference", "get", "spec", "list", "Kernel", "Op", "DeviceArray", "gpu_available",
+    "matmul", "explain", "plan",
     "CompileError", "CudaError", "NoGPUError", "QgemmError", "UnsupportedArchError",
 ]

@@ -258,3 +258,185 @@ def environment() -> dict:
     except Exception:
         pass
     return d
+
+
+# ---------------------------------------------------------------------------------------------
+# qgemm bench: the sweep against peers
+
+SWEEP_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+SWEEP_N = 4096
+SWEEP_K = (4096, 14336)
+
+
+def _sets_for(nbytes: int, cold: bool) -> int:
+    if not cold:
+        return 1
+    l2 = max(runtime.device_info().l2_bytes, 1)
+    return min(64, max(2, int(np.ceil(2 * l2 / max(nbytes, 1))) + 1))
+
+
+def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict, warmup: int = 5, iters: int = 30,
+                path: str | None = None) -> dict:
+    """The whole op as qgemm.matmul runs it (quantize + GEMM), graph-batched like llama.cpp's perf mode."""
+    from . import dispatch as mm
+
+    p = mm.plan(m, n, k, fmt, "f32", path)
+    wq = weights[(fmt, n, k)]
+    nbytes = m * k * 4 + wq.nbytes + m * n * 4
+    sets = _sets_for(nbytes, cold)
+    xs = [runtime.DeviceArray.from_host(rng.standard_normal((m, k), dtype=np.float32)) for _ in range(sets)]
+    ws = [runtime.DeviceArray.from_host(wq) for _ in range(sets)]
+    qs = [runtime.DeviceArray.empty((m, k // F.QK), F.Q8_1.dtype) for _ in range(sets)]
+    cs = [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets)]
+    status = runtime.DeviceArray.from_host(np.zeros(1, np.int32))
+
+    def launch(i, stream=None):
+        p.launch(xs[i], ws[i], qs[i], cs[i], status, stream=stream)
+
+    def kernel_only(i, stream=None):
+        from . import registry
+
+        registry.get(p.kernel).launch(qs[i], ws[i], cs[i], m, n, k, stream=stream, defines=p.defines or None)
+
+    t_all, how = _time_launches(launch, sets, warmup, iters)
+    t_k, _ = _time_launches(kernel_only, sets, warmup, iters)
+    med, kmed = statistics.median(t_all), statistics.median(t_k)
+    for arr in xs + ws + qs + cs:
+        arr.free()
+    return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "kernel": p.kernel, "config": p.defines, "config_source": p.source,
+            "matmul_us": med, "kernel_us": kmed, "quantize_us": max(med - kmed, 0.0), "tflops": 2 * m * n * k / med / 1e6,
+            "weight_gbps": wq.nbytes / med / 1e3, "buffer_sets": sets, "method": how["method"]}
+
+
+def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters: int = 30) -> dict:
+    """torch fp16/bf16 A @ W.T (cuBLAS) and torch._int_mm (cuBLASLt int8), hot or rotated."""
+    try:
+        import torch
+    except Exception:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    out = {}
+    l2 = max(runtime.device_info().l2_bytes, 1)
+
+    def measure(make, fn):
+        one = make()
+        nbytes = sum(t.numel() * t.element_size() for t in one)
+        sets = [one] + ([make() for _ in range(min(32, int(np.ceil(2 * l2 / nbytes))))] if cold else [])
+        for i in range(warmup):
+            fn(*sets[i % len(sets)])
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn(*sets[0])
+        e1.record()
+        e1.synchronize()
+        batch = int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), len(sets)), 200))
+        ts = []
+        for _ in range(iters):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for j in range(batch):
+                fn(*sets[j % len(sets)])
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1e3 / batch)
+        return statistics.median(ts)
+
+    for dt, key in ((torch.float16, "torch_fp16_us"), (torch.bfloat16, "torch_bf16_us")):
+        out[key] = measure(lambda: (torch.randn(m, k, device="cuda", dtype=dt), torch.randn(n, k, device="cuda", dtype=dt)),
+                           lambda a, w: a @ w.T)
+    if m > 16:
+        try:
+            out["torch_int_mm_us"] = measure(
+                lambda: (torch.randint(-128, 127, (m, k), device="cuda", dtype=torch.int8),
+                         torch.randint(-128, 127, (n, k), device="cuda", dtype=torch.int8).T),
+                lambda a, wt: torch._int_mm(a, wt))
+        except Exception:
+            pass
+    return out
+
+
+def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes=(False, True), peers: bool = True,
+          progress=None, iters: int = 30) -> dict:
+    """Everything `qgemm bench` reports, as a dict (environment, copy bandwidth, rows)."""
+    rng = np.random.default_rng(0)
+    weights = {}
+    for fmt in fmts:
+        for k in ks:
+            weights[(fmt, n, k)] = F.quantize(rng.standard_normal((n, k), dtype=np.float32), fmt)
+    rows = []
+    jobs = [(cold, k, m, fmt) for cold in modes for k in ks for m in ms for fmt in fmts]
+    peer_cache: dict = {}
+    for cold, k, m, fmt in jobs:
+        r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters)
+        if peers:
+            key = (m, k, cold)
+            if key not in peer_cache:
+                peer_cache[key] = torch_peer_times(m, n, k, cold, iters=iters)
+            r.update(peer_cache[key])
+        rows.append(r)
+        if progress:
+            progress(r)
+    return {"environment": environment(), "copy_bandwidth_gbps": copy_bandwidth() / 1e9, "rows": rows}
+
+
+def sweep_markdown(data: dict, command: str) -> str:
+    env = data["environment"]
+    out = [f"- device: **{env['device']}** ({env['arch']}), driver {env['driver']}, NVRTC {env['nvrtc']}"
+           + (f", torch {env['torch']}" if "torch" in env else ""),
+           f"- date: {env['date']}", f"- command: `{command}`",
+           f"- measured copy bandwidth: {data['copy_bandwidth_gbps']:.0f} GB/s (read + write)", ""]
+    for cold in (False, True):
+        rows = [r for r in data["rows"] if r["cold"] == cold]
+        if not rows:
+            continue
+        out.append(f"### {'Cold (buffers rotated through > 2x L2)' if cold else 'Hot (same buffers, back-to-back)'}\n")
+        out.append("| type | M | N | K | qgemm.matmul µs | kernel µs | kernel | TFLOPS | weight GB/s | torch fp16 µs | torch bf16 µs | torch int8 µs |")
+        out.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+        for r in rows:
+            f = lambda key: f"{r[key]:.1f}" if key in r else "-"  # noqa: E731
+            out.append(f"| {r['fmt']} | {r['M']} | {r['N']} | {r['K']} | {r['matmul_us']:.1f} | {r['kernel_us']:.1f} | "
+                       f"`{r['kernel']}` | {r['tflops']:.1f} | {r['weight_gbps']:.0f} | {f('torch_fp16_us')} | "
+                       f"{f('torch_bf16_us')} | {f('torch_int_mm_us')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def sweep_plots(data: dict, directory) -> list[str]:
+    """TFLOPS vs M and weight GB/s vs M (with the measured copy bandwidth). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = []
+    for cold in (False, True):
+        rows = [r for r in data["rows"] if r["cold"] == cold]
+        if not rows:
+            continue
+        tag = "cold" if cold else "hot"
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+        for (fmt, k) in sorted({(r["fmt"], r["K"]) for r in rows}):
+            sel = sorted((r for r in rows if r["fmt"] == fmt and r["K"] == k), key=lambda r: r["M"])
+            ms = [r["M"] for r in sel]
+            axes[0].plot(ms, [r["tflops"] for r in sel], marker="o", label=f"qgemm {fmt} K={k}")
+            axes[1].plot(ms, [r["weight_gbps"] for r in sel], marker="o", label=f"qgemm {fmt} K={k}")
+            if fmt == "q4_0" and "torch_fp16_us" in sel[0]:
+                axes[0].plot(ms, [2 * r["M"] * r["N"] * r["K"] / r["torch_fp16_us"] / 1e6 for r in sel], ls="--", label=f"torch fp16 K={k}")
+        axes[1].axhline(data["copy_bandwidth_gbps"] / 2, color="k", ls=":", label="measured copy bandwidth (read only)")
+        for ax, title in zip(axes, ("TFLOPS vs M", "weight bytes / time (GB/s) vs M")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("M (tokens)")
+            ax.set_title(f"{title}, {tag}, {data['environment']['device']}")
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+        p = directory / f"bench-{tag}.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        files.append(str(p))
+    return files

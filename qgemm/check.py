@@ -52,7 +52,8 @@ def make_inputs(op: Op, m: int, n: int, k: int, rng: np.random.Generator) -> Inp
     a_f = rng.standard_normal((m, k), dtype=np.float32)
     a = F.quantize(a_f, op.a) if op.a.quantized and op.kind == "gemm" else a_f
     if op.kind == "quantize":
-        return Inputs(a_f, None, a_f, None)
+        x = a_f.astype(op.a.dtype)
+        return Inputs(x.astype(np.float32), None, x, None)
     w_f = rng.standard_normal((n, k), dtype=np.float32)
     w = F.quantize(w_f, op.w) if op.w.quantized else w_f
     return Inputs(a_f, w_f, a, w)
@@ -101,6 +102,7 @@ def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=Non
 
 def validate(kernel: Kernel, shape: tuple[int, int, int], seed: int | None = None) -> Result:
     m, n, k = shape
+    kernel._check_m(m)
     op = kernel.op
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % (2**31))
@@ -109,7 +111,7 @@ def validate(kernel: Kernel, shape: tuple[int, int, int], seed: int | None = Non
     out = run_poisoned(kernel, inp, m, n, k)
 
     if op.kind == "quantize":
-        expect = F.quantize_q8_1(inp.a)
+        expect = F.quantize_q8_1(inp.a.astype(np.float32))
         got_b = out.view(np.uint8).reshape(m, -1)
         exp_b = expect.view(np.uint8).reshape(m, -1)
         bad_blocks = int(np.any(got_b.reshape(-1, F.Q8_1.dtype.itemsize) != exp_b.reshape(-1, F.Q8_1.dtype.itemsize), axis=1).sum())

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+import numpy as np
+import statistics
 import typer
 
 from . import jit, registry, runtime
@@ -59,6 +61,13 @@ def _shape(text: str) -> tuple[int, int, int]:
         _fail(str(e))
 
 
+def _clamp_m(spec, mnk):
+    """Decode kernels (max_m) run with M = min(M, max_m); the tables show the shape used."""
+    if spec.max_m is not None and mnk[0] > spec.max_m:
+        return (spec.max_m,) + tuple(mnk[1:])
+    return mnk
+
+
 def _command_line() -> str:
     return "qgemm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -74,7 +83,7 @@ def list_cmd(
         typer.echo(json.dumps([{"name": s.name, "op": str(s.op), "step": s.step, "min_arch": f"sm_{s.min_arch}{s.arch_suffix}",
                                 "source": f"cuda_src/{s.source}", "entry": s.entry, "description": s.description} for s in specs], indent=1))
         return
-    rows = [[s.name, s.op.title, str(s.step), f"sm_{s.min_arch}{s.arch_suffix}", s.description] for s in specs]
+    rows = [[s.name, s.op.title, str(s.step) if s.step <= 5 else "prod", f"sm_{s.min_arch}{s.arch_suffix}", s.description] for s in specs]
     typer.echo(_table(["name", "op", "step", "min arch", "description"], rows))
     typer.echo(f"\n{len(specs)} kernels. Operand formats: `qgemm list --json` or qgemm.get(NAME).op")
 
@@ -174,7 +183,7 @@ def validate(
     rows, results, details, failed = [], [], [], 0
     for s in specs:
         try:
-            r = run_validate(registry.get(s.name), mnk, seed)
+            r = run_validate(registry.get(s.name), _clamp_m(s, mnk), seed)
         except (QgemmError, ValueError) as e:
             failed += 1
             rows.append([s.name, "x".join(map(str, mnk)), "-", "-", "-", "-", f"ERROR: {e}"])
@@ -183,7 +192,7 @@ def validate(
         failed += not r.passed
         if verbose and s.op.kind == "gemm" and r.inputs is not None:
             details.append(format_breakdown(s.name, block_breakdown(registry.get(s.name), r.inputs.a, r.inputs.w)))
-        rows.append([s.name, "x".join(map(str, mnk)), f"{r.max_abs_err:.3e}", f"{r.rel_err:.2e} (<= {r.exact_tol:.0e})",
+        rows.append([s.name, "x".join(map(str, r.shape)), f"{r.max_abs_err:.3e}", f"{r.rel_err:.2e} (<= {r.exact_tol:.0e})",
                      f"{r.nmse:.2e} (<= {r.nmse_tol:.1e})", str(r.seed), ("PASS" if r.passed else "FAIL") + (f"  {r.note}" if r.note and not r.passed else "")])
     typer.echo(_table(["kernel", "MxNxK", "max abs err", "rel err vs exact", "NMSE vs float64", "seed", "result"], rows))
     for d in details:
@@ -216,12 +225,12 @@ def profile(
     rows, results = [], []
     for s in specs:
         try:
-            p = bench.profile(registry.get(s.name), mnk, warmup=warmup, iters=iters, cold=cold)
+            p = bench.profile(registry.get(s.name), _clamp_m(s, mnk), warmup=warmup, iters=iters, cold=cold)
         except (QgemmError, ValueError) as e:
             rows.append([s.name, "-", "-", "-", "-", "-", "-", "-", f"ERROR: {e}"])
             continue
         results.append(p.to_dict())
-        rows.append([s.name, f"{p.median_us:.1f}", f"{p.min_us:.1f}", f"{p.max_us:.1f}", f"{p.tflops:.2f}",
+        rows.append([s.name + ("" if p.shape == mnk else f" (M={p.shape[0]})"), f"{p.median_us:.1f}", f"{p.min_us:.1f}", f"{p.max_us:.1f}", f"{p.tflops:.2f}",
                      f"{p.bytes / 1e6:.1f}", f"{p.gbps:.0f}", f"{p.roofline_pct:.1f}% ({p.bound})", ""])
     peer_rows = bench.torch_peers(mnk, warmup=warmup, iters=iters) if peers else []
     for pr in peer_rows:
@@ -258,6 +267,123 @@ def tutorial(
         typer.echo("")
 
 
+@app.command()
+def explain(
+    shape: str = typer.Option("512x4096x4096", "--shape", help="MxNxK."),
+    fmt: str = typer.Option("q4_0", "--type", "-t", help="Weight format: q4_0 or q8_0."),
+    f16: bool = typer.Option(False, "--f16", help="float16 activations."),
+    path: Optional[str] = typer.Option(None, "--path", help="Override the GEMM kernel."),
+):
+    """Which kernels qgemm.matmul runs for a shape on this GPU, with which configuration, and why."""
+    from . import dispatch as mm
+
+    mnk = _shape(shape)
+    try:
+        typer.echo(mm.explain(*mnk, fmt=fmt, x_dtype="f16" if f16 else "f32", path=path))
+    except (KeyError, ValueError) as e:
+        _fail(str(e.args[0] if e.args else e))
+
+
+@app.command()
+def tune(
+    name: str = typer.Argument(..., help="A kernel with launch configurations (e.g. w4a8.mma, w4a8.gemv)."),
+    shape: str = typer.Option("512x4096x4096", "--shape", help="MxNxK to tune for (stored per shape bucket: M rounded up to a power of 2)."),
+    iters: int = typer.Option(20, "--iters", min=1, help="Timed samples per configuration."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Measure but do not store."),
+):
+    """Try the kernel's configurations, keep the fastest correct one for this GPU and shape bucket."""
+    from . import check, tuning
+    from . import bench as B
+
+    try:
+        spec = registry.spec(name)
+    except KeyError as e:
+        _fail(str(e.args[0]))
+    if spec.candidates is None:
+        _fail(f"{name} has no launch configurations to tune; tunable: "
+              + ", ".join(s.name for s in registry.list_kernels() if s.candidates))
+    mnk = _shape(shape)
+    _need_gpu("tune")
+    k = registry.get(name)
+    try:
+        k._check_m(mnk[0])
+    except ValueError as e:
+        _fail(str(e))
+    m, n, kk = mnk
+    rng = np.random.default_rng(0)
+    inp = check.make_inputs(k.op, m, n, kk, rng)
+    exact = k.op.exact(inp.a, inp.w)
+    da, dw = runtime.DeviceArray.from_host(inp.a), runtime.DeviceArray.from_host(inp.w)
+    dc = runtime.DeviceArray.empty((m, n), np.float32)
+    rows, best = [], None
+    cands = spec.candidates(m, n, kk)
+    with typer.progressbar(cands, label=f"tuning {name} at {m}x{n}x{kk}") as bar:
+        for d in bar:
+            try:
+                dc.fill_bytes(0xFF)
+                k.launch(da, dw, dc, m, n, kk, defines=d)
+                out = dc.to_host()
+                ok = not np.isnan(out).any() and check.reference.relative_error(out, exact) <= k.op.exact_tol
+                times, _ = B._time_launches(lambda i, stream=None: k.launch(da, dw, dc, m, n, kk, stream=stream, defines=d), 1, 3, iters)
+                us = statistics.median(times)
+            except Exception as e:  # a configuration that does not compile or launch is skipped
+                rows.append([" ".join(f"{a}={b}" for a, b in d.items()), "-", f"skipped: {str(e).splitlines()[0][:60]}"])
+                continue
+            rows.append([" ".join(f"{a}={b}" for a, b in d.items()), f"{us:.1f}", "ok" if ok else "WRONG RESULT"])
+            if ok and (best is None or us < best[1]):
+                best = (d, us)
+    typer.echo(_table(["configuration", "median us", "check"], rows, right={1}))
+    if best is None:
+        _fail("no configuration produced a correct result", code=1)
+    default = spec.config(m, n, kk, runtime.device_info().sm_count)
+    # re-validate the winner on fresh inputs before it is stored
+    inp2 = check.make_inputs(k.op, m, n, kk, np.random.default_rng())
+    dc.fill_bytes(0xFF)
+    k.launch(runtime.DeviceArray.from_host(inp2.a), runtime.DeviceArray.from_host(inp2.w), dc, m, n, kk, defines=best[0])
+    res = check.compare(name, k.op, mnk, -1, dc.to_host(), k.op.exact(inp2.a, inp2.w), check.reference.truth(inp2.a_float, inp2.w_float),
+                        inp2.a_float, inp2.w_float)
+    if not res.passed:
+        _fail(f"the fastest configuration failed re-validation ({res.note}); nothing stored", code=1)
+    typer.echo(f"\nbest: {' '.join(f'{a}={b}' for a, b in best[0].items())}  {best[1]:.1f} us "
+               f"(default {' '.join(f'{a}={b}' for a, b in default.items())})")
+    if not dry_run:
+        p = tuning.store(name, m, n, kk, best[0], best[1])
+        typer.echo(f"stored for {name} bucket {tuning.bucket(m, n, kk)} in {p}")
+
+
+@app.command()
+def bench(
+    quick: bool = typer.Option(False, "--quick", help="A few M values and K=4096 only."),
+    out_dir: Path = typer.Option(Path("bench-out"), "--out", help="Where bench.json, bench.md and the plots go."),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="Time torch (cuBLAS fp16/bf16, cuBLASLt int8) too."),
+    hot_only: bool = typer.Option(False, "--hot-only", help="Skip the cold-cache pass."),
+    iters: int = typer.Option(30, "--iters", min=1, help="Timed samples per point."),
+):
+    """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold."""
+    from . import bench as B
+
+    _need_gpu("bench")
+    ms = (1, 8, 64, 512) if quick else B.SWEEP_M
+    ks = (4096,) if quick else B.SWEEP_K
+    modes = (False,) if hot_only else (False, True)
+    total = len(ms) * len(ks) * 2 * len(modes)
+    with typer.progressbar(length=total, label="qgemm bench") as bar:
+        data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = _command_line()
+    data["command"] = cmd
+    (out_dir / "bench.json").write_text(json.dumps(data, indent=1))
+    md = B.sweep_markdown(data, cmd)
+    (out_dir / "bench.md").write_text(md)
+    typer.echo(md)
+    try:
+        files = B.sweep_plots(data, out_dir)
+        typer.echo("plots: " + ", ".join(files))
+    except ImportError:
+        typer.echo("(matplotlib is not installed: no plots; pip install matplotlib)")
+    typer.echo(f"wrote {out_dir / 'bench.json'} and {out_dir / 'bench.md'}")
+
+
 @app.command("cache")
 def cache_cmd(
     clear: bool = typer.Option(False, "--clear", help="Delete every cached cubin."),
@@ -273,6 +399,125 @@ def cache_cmd(
         typer.echo(f"removed {len(entries)} entries from {c.root}")
         return
     typer.echo(f"{c.root}: {len(entries)} entries, {sum(f.stat().st_size for e in entries for f in e.iterdir()) / 1e6:.1f} MB")
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF files and llama.cpp side by side (qgemm/gguf_io.py, qgemm/llamacpp.py)
+
+
+def _bytes_str(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@app.command("gguf")
+def gguf_cmd(
+    file: Path = typer.Argument(..., help="A .gguf model file."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+):
+    """A GGUF file's tensors: name, ggml type, shape N x K, bytes, and how qgemm.load_gguf returns each."""
+    from . import gguf_io
+
+    try:
+        f = gguf_io.open_gguf(file)
+    except (ImportError, ValueError, OSError) as e:
+        _fail(str(e))
+    keys = f.metadata_keys
+    if as_json:
+        typer.echo(json.dumps({"file": str(file), "version": f.version, "metadata_keys": keys,
+                               "tensors": [{"name": t.name, "type": t.type, "shape": list(t.shape), "ne": list(t.ne),
+                                            "bytes": t.nbytes, "offset": t.offset, "qgemm_format": t.fmt}
+                                           for t in f.tensors]}, indent=1))
+        return
+    named = [f"{k} = {f.metadata(k)}" for k in ("general.architecture", "general.name") if f.metadata(k) is not None]
+    total = sum(t.nbytes for t in f.tensors)
+    typer.echo(f"{file}: GGUF v{f.version}, {len(keys)} metadata keys" + (f" ({', '.join(named)})" if named else "")
+               + f", {len(f.tensors)} tensors, {_bytes_str(total)} of tensor data")
+    rows = [[t.name, t.type, t.shape_str, str(t.nbytes), t.loads_as()] for t in f.tensors]
+    typer.echo(_table(["name", "type", "shape (N x K)", "bytes", "qgemm.load_gguf"], rows, right={3}))
+    unsupported: dict[str, int] = {}
+    for t in f.tensors:
+        if not t.supported:
+            unsupported[t.type] = unsupported.get(t.type, 0) + 1
+    typer.echo(f"\n{len(f.tensors) - sum(unsupported.values())} of {len(f.tensors)} tensors load in qgemm "
+               f"({', '.join(gguf_io.SUPPORTED)})"
+               + (f"; not supported: {', '.join(f'{k} ({v})' for k, v in unsupported.items())}" if unsupported else ""))
+
+
+@app.command("compare-llamacpp")
+def compare_llamacpp(
+    test_backend_ops: Optional[Path] = typer.Option(None, "--test-backend-ops", help="ggml's test-backend-ops binary that you built; run as `PATH perf -o MUL_MAT`."),
+    from_file: Optional[Path] = typer.Option(None, "--from-file", help="Parse this saved test-backend-ops output instead of running a binary."),
+    types: str = typer.Option("q4_0,q8_0", "--types", help="Comma-separated ggml weight types to compare, or 'all'."),
+    backend: Optional[str] = typer.Option(None, "--backend", "-b", help="Passed to test-backend-ops as `-b BACKEND` (e.g. CUDA0)."),
+    timeout: float = typer.Option(1800.0, "--timeout", help="Seconds test-backend-ops may run."),
+    warmup: int = typer.Option(5, "--warmup", min=0, help="Untimed qgemm.matmul calls per shape."),
+    iters: int = typer.Option(20, "--iters", min=1, help="Timed samples per shape, each a CUDA-graph replay of back-to-back qgemm.matmul calls (the median is reported)."),
+    as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the rows as JSON."),
+):
+    """llama.cpp's MUL_MAT (test-backend-ops perf) and qgemm.matmul on the same shapes and types,
+    side by side. ggml's m, n, k are qgemm's N, M, K. qgemm does not build llama.cpp."""
+    from . import llamacpp
+
+    if (test_backend_ops is None) == (from_file is None):
+        _fail("pass exactly one of --test-backend-ops PATH (run your build) or --from-file TXT (a saved output)")
+    try:
+        if from_file is not None:
+            source = str(from_file)
+            text = from_file.read_text(errors="replace")
+        else:
+            source = f"{test_backend_ops} perf -o MUL_MAT" + (f" -b {backend}" if backend else "")
+            text = llamacpp.run_test_backend_ops(test_backend_ops, timeout=timeout,
+                                                 extra_args=["-b", backend] if backend else [])
+    except (OSError, RuntimeError) as e:
+        _fail(str(e))
+    rows = llamacpp.parse_test_backend_ops(text)
+    if not rows:
+        _fail(f"no timed MUL_MAT lines in {source}; expected lines like "
+              "'MUL_MAT(type_a=q4_0,type_b=f32,m=4096,n=512,k=14336,...): 3198 runs - 312.80 us/run - ...'")
+    wanted = None if types.strip().lower() == "all" else [t.strip().lower() for t in types.split(",") if t.strip()]
+    selected = [r for r in rows if wanted is None or r["type"].lower() in wanted]
+    if not selected:
+        _fail(f"no {', '.join(wanted)} lines in {source}; it has: {', '.join(sorted({r['type'] for r in rows}))}")
+    llama_dev = next((r["device"] for r in selected if r["device"]), "unknown device")
+
+    def shape(r):
+        return f"{r['M']}x{r['N']}x{r['K']}"
+
+    import qgemm as _qgemm
+
+    if not runtime.gpu_available() or not hasattr(_qgemm, "matmul"):
+        typer.echo(f"llama.cpp test-backend-ops on {llama_dev} ({source}); MxNxK is qgemm's (ggml's n x m x k)\n")
+        typer.echo(_table(["type", "MxNxK", "llama.cpp us", "TFLOPS", "runs"],
+                          [[r["type"], shape(r), f"{r['us']:.2f}", f"{r['tflops']:.2f}" if r["tflops"] is not None else "-",
+                            str(r["runs"])] for r in selected], right={2, 3, 4}))
+        if as_json:
+            as_json.write_text(json.dumps({"command": _command_line(), "llamacpp_device": llama_dev, "rows": selected}, indent=1))
+        if not runtime.gpu_available():
+            typer.echo(f"\nThe qgemm column needs an NVIDIA GPU, and none is usable here ({runtime.gpu_unavailable_reason()}); "
+                       "run this on the GPU the llama.cpp figures come from.")
+            return
+        _fail("qgemm.matmul is not available in this version")
+    info = runtime.device_info()
+    try:
+        timer = llamacpp.matmul_timer(warmup=warmup, iters=iters)
+    except RuntimeError as e:
+        _fail(str(e))
+    res = llamacpp.compare(selected, timer)
+    typer.echo(f"llama.cpp: {llama_dev} ({source}); qgemm.matmul: {info.name} ({info.arch}), "
+               f"median of {iters} CUDA-graph samples of back-to-back calls per shape")
+    if llama_dev != "unknown device" and llama_dev != info.name:
+        typer.echo(f"warning: the llama.cpp figures come from {llama_dev}, qgemm runs on {info.name}: "
+                   "the ratio compares different GPUs")
+    typer.echo("ratio = llama.cpp us / qgemm us (> 1: qgemm is faster); MxNxK is qgemm's (ggml's n x m x k)\n")
+    typer.echo(_table(["type", "MxNxK", "llama.cpp us", "qgemm us", "ratio", "note"],
+                      [[r["type"], shape(r), f"{r['us']:.2f}", f"{r['qgemm_us']:.2f}" if r["qgemm_us"] is not None else "-",
+                        f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-", r["note"]] for r in res], right={2, 3, 4}))
+    if as_json:
+        as_json.write_text(json.dumps({"command": _command_line(), "llamacpp_device": llama_dev, "qgemm_device": info.name,
+                                       "rows": res}, indent=1))
 
 
 def main() -> None:

@@ -51,8 +51,9 @@ W8A16 = Op("w8a16", "W8A16", "gemm", F.F32, F.Q8_0, F.F32, "fp32", 2e-5, 1e-3, r
 W4A8 = Op("w4a8", "W4A8", "gemm", F.Q8_1, F.Q4_0, F.F32, "dp4a", 1e-5, 2e-2, reference.exact_w4a8)
 W8A8 = Op("w8a8", "W8A8", "gemm", F.Q8_1, F.Q8_0, F.F32, "dp4a", 1e-5, 1e-3, reference.exact_w8a8)
 QUANTIZE_Q8_1 = Op("quantize_q8_1", "Quantize to Q8_1", "quantize", F.F32, None, F.Q8_1, "memory", 0.0, 1e-3)
+QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", F.F16, None, F.Q8_1, "memory", 0.0, 1e-3)
 
-OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, QUANTIZE_Q8_1)}
+OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, QUANTIZE_Q8_1, QUANTIZE_Q8_1_F16)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +131,8 @@ def _k_of(shape: tuple[int, ...], fmt: F.Format) -> int:
 class Launch:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    shmem: int = 0
+    shmem: int = 0  # dynamic shared memory bytes
+    zero_output: bool = False  # split-K kernels accumulate into C with atomics
 
 
 class Kernel:
@@ -147,37 +149,54 @@ class Kernel:
         self.name = spec.name
         self.op: Op = spec.op
         self._arch = arch
-        self._loaded: runtime.LoadedKernel | None = None
+        self._loaded: dict[tuple, runtime.LoadedKernel] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<qgemm kernel {self.name}: {self.op}>"
 
     # -- compilation ---------------------------------------------------------------------------
-    def compile(self, arch: str | None = None, **kw) -> jit.CompiledKernel:
-        """NVRTC-compile (or fetch from the cache) for `arch`, default the GPU's. Needs no GPU
-        when `arch` is given."""
+    def compile(self, arch: str | None = None, defines: dict | None = None, **kw) -> jit.CompiledKernel:
+        """NVRTC-compile (or fetch from the cache) for `arch`, default the GPU's, with the
+        kernel's default configuration or `defines`. Needs no GPU when `arch` is given."""
         arch = jit.normalize_arch(arch or self._arch or runtime.device_arch())
         cc, _ = jit.parse_arch(arch)
         if cc < self.spec.min_arch:
             raise UnsupportedArchError(f"{self.name} needs sm_{self.spec.min_arch} or newer; {arch} was requested")
         if self.spec.arch_suffix and not arch.endswith(self.spec.arch_suffix):
             arch = arch + self.spec.arch_suffix
-        return jit.compile_kernel(self.name, self.spec.source, [self.spec.entry], arch, self.spec.defines, **kw)
+        full = {**self.spec.defines, **(defines or {})}
+        return jit.compile_kernel(self.name, self.spec.source, [self.spec.entry], arch, full, **kw)
 
-    def _module(self) -> runtime.LoadedKernel:
-        if self._loaded is None:
+    def _module(self, defines: dict | None = None) -> runtime.LoadedKernel:
+        key = tuple(sorted((defines or {}).items()))
+        mod = self._loaded.get(key)
+        if mod is None:
             with self._lock:
-                if self._loaded is None:
+                mod = self._loaded.get(key)
+                if mod is None:
                     runtime.require_gpu(f"running {self.name}")
                     info = runtime.device_info()
                     if info.cc < self.spec.min_arch:
                         raise UnsupportedArchError(
                             f"{self.name} needs sm_{self.spec.min_arch} or newer, but the GPU ({info.name}) is {info.arch}"
                         )
-                    ck = self.compile(info.arch)
-                    self._loaded = runtime.LoadedKernel(ck.cubin, [self.spec.entry], self.name)
-        return self._loaded
+                    ck = self.compile(info.arch, defines)
+                    mod = runtime.LoadedKernel(ck.cubin, [self.spec.entry], self.name)
+                    self._loaded[key] = mod
+        return mod
+
+    def config_for(self, m: int, n: int, k: int) -> dict:
+        """The #defines a launch of this shape uses: a tuned entry if `qgemm tune` stored one for
+        this GPU and shape bucket, else the kernel's default heuristic."""
+        if self.spec.config is None:
+            return {}
+        from . import tuning
+
+        tuned = tuning.lookup(self.name, m, n, k)
+        if tuned is not None:
+            return tuned
+        return self.spec.config(m, n, k, runtime.device_info().sm_count if runtime.gpu_available() else 132)
 
     # -- calling -------------------------------------------------------------------------------
     def __call__(self, a, w=None, *, out=None, stream=None):
@@ -188,6 +207,10 @@ class Kernel:
         if w is None:
             raise ValueError(f"{self.name} takes two operands: A ({self.op.a}) and W ({self.op.w})")
         return self._call_gemm(a, w, out=out, stream=stream)
+
+    def _check_m(self, m: int) -> None:
+        if self.spec.max_m is not None and m > self.spec.max_m:
+            raise ValueError(f"{self.name} handles at most M={self.spec.max_m} rows of activations (a decode kernel); got M={m}")
 
     def shape_of(self, a, w) -> tuple[int, int, int]:
         """(M, N, K) of operands in this kernel's formats, validating them."""
@@ -206,6 +229,7 @@ class Kernel:
             raise ValueError(f"{self.name}: K must be a positive multiple of {self.op.k_multiple}, got K={ka}")
         if m <= 0 or n <= 0:
             raise ValueError(f"{self.name}: M and N must be positive, got M={m}, N={n}")
+        self._check_m(m)
         return m, n, ka
 
     def _out(self, out, shape, dtype):
@@ -236,10 +260,14 @@ class Kernel:
             return out if out is not None else dc
         return dc.to_host()
 
-    def launch(self, da, dw, dc, m: int, n: int, k: int, stream=None) -> None:
+    def launch(self, da, dw, dc, m: int, n: int, k: int, stream=None, defines: dict | None = None) -> None:
         """Launch on device arrays already in this kernel's formats (no checks: the hot path)."""
-        mod = self._module()
-        g = self.spec.geometry(m, n, k)
+        if defines is None:
+            defines = self.config_for(m, n, k)
+        mod = self._module(defines)
+        g = self.spec.geometry(m, n, k, defines) if self.spec.config is not None else self.spec.geometry(m, n, k)
+        if g.zero_output:
+            dc.fill_bytes(0, stream)
         args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr), np.int32(m), np.int32(n), np.int32(k))
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream)
 
@@ -253,6 +281,8 @@ class Kernel:
             dx = None
             _check_host(x, fmt, "X", self.op)
         m, k = dx.shape if device else x.shape
+        if not device and x.ndim != 2:
+            raise ValueError(f"{self.name}: X must be 2-D [M, K], got shape {x.shape}")
         if k <= 0 or k % F.QK:
             raise ValueError(f"{self.name}: K must be a positive multiple of {F.QK}, got K={k}")
         if m <= 0:

@@ -29,6 +29,12 @@ class KernelSpec:
     min_arch: int = 75  # NVRTC 13 targets sm_75 and newer
     arch_suffix: str = ""  # "a" for arch-specific features (wgmma needs sm_90a)
     defines: dict = field(default_factory=dict)
+    # Kernels with launch-time configurations (tile sizes, stages, split-K as #defines):
+    # config(M, N, K, sm_count) -> defines (the untuned default); geometry then takes the defines
+    # as a 4th argument; candidates(M, N, K) -> the configurations `qgemm tune` tries.
+    config: Callable[[int, int, int, int], dict] | None = None
+    candidates: Callable[[int, int, int], list] | None = None
+    max_m: int | None = None  # decode kernels handle at most this many activation rows
 
     @property
     def family(self) -> str:
@@ -56,6 +62,64 @@ def _warp_dot(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(n, 16), cdiv(m, 4), 1), block=(128, 1, 1))
 
 
+# ---- int8 tensor-core GEMM (common/mma_gemm.cuh) -------------------------------------------
+_MMA_W_ROW = {"q4_0": 80, "q8_0": 144}  # padded shared-memory row of a stage of weight blocks
+
+
+def _mma_geometry(wfmt: str):
+    def geometry(m: int, n: int, k: int, d: dict) -> Launch:
+        bm, bn = d["MMA_BM"], d["MMA_BN"]
+        threads = 32 * d["MMA_WARPS_M"] * d["MMA_WARPS_N"]
+        smem = d["MMA_STAGES"] * (bm * 144 + bn * _MMA_W_ROW[wfmt])
+        split = d["MMA_SPLITK"]
+        return Launch(grid=(cdiv(n, bn), cdiv(m, bm), split), block=(threads, 1, 1), shmem=smem, zero_output=split > 1)
+    return geometry
+
+
+def _mma_config(m: int, n: int, k: int, sm_count: int) -> dict:
+    """Default tile: 128x128 for prefill, smaller M tiles for few tokens; split K when the grid
+    would leave SMs idle (each split keeps >= 4 stages of 128 K)."""
+    bm = 128 if m > 64 else (64 if m > 32 else 32)
+    ctas = cdiv(m, bm) * cdiv(n, 128)
+    stages_k = cdiv(k // 32, 4)
+    split = 1
+    if ctas < sm_count:
+        split = max(1, min(sm_count // ctas, stages_k // 4, 8))
+    return {"MMA_BM": bm, "MMA_BN": 128, "MMA_WARPS_M": 2, "MMA_WARPS_N": 4, "MMA_STAGES": 4, "MMA_SPLITK": split}
+
+
+def _mma_candidates(m: int, n: int, k: int) -> list[dict]:
+    out = []
+    for bm, bn, wm, wn in ((128, 128, 2, 4), (128, 128, 4, 2), (64, 128, 2, 4), (128, 64, 4, 2), (64, 64, 2, 2), (32, 128, 2, 4)):
+        for stages in (3, 4):
+            for split in (1, 2, 4, 8):
+                ctas = cdiv(m, bm) * cdiv(n, bn)
+                if split > 1 and ctas * split > 4 * 132:
+                    continue
+                if bm > 2 * max(m, 16) and bm > 32:
+                    continue
+                out.append({"MMA_BM": bm, "MMA_BN": bn, "MMA_WARPS_M": wm, "MMA_WARPS_N": wn, "MMA_STAGES": stages, "MMA_SPLITK": split})
+    return out
+
+
+# ---- decode GEMV (common/gemv.cuh) ----------------------------------------------------------
+def _gemv_geometry(m: int, n: int, k: int, d: dict) -> Launch:
+    per_cta = d["GEMV_COLS"] * d["GEMV_WARPS"]
+    return Launch(grid=(cdiv(n, per_cta), 1, 1), block=(32 * d["GEMV_WARPS"], 1, 1))
+
+
+def _gemv_m(m: int) -> int:
+    return next((v for v in (1, 2, 4, 8) if v >= m), 8)
+
+
+def _gemv_config(m: int, n: int, k: int, sm_count: int) -> dict:
+    return {"GEMV_M": _gemv_m(m), "GEMV_COLS": 2, "GEMV_WARPS": 4}
+
+
+def _gemv_candidates(m: int, n: int, k: int) -> list[dict]:
+    return [{"GEMV_M": _gemv_m(m), "GEMV_COLS": c, "GEMV_WARPS": w} for c in (1, 2, 4) for w in (2, 4, 8)]
+
+
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
 
@@ -67,6 +131,8 @@ _SPECS = [
                "FP32 GEMM, 64x64 shared-memory tiles, 4x4 outputs per thread"),
     KernelSpec("quantize.q8_1", ops.QUANTIZE_Q8_1, 2, "quantize/q8_1.cu", "quantize_q8_1", _quantize_rows,
                "float32 activations -> Q8_1 blocks (d, s = sum x), as ggml-cuda's quantize_q8_1"),
+    KernelSpec("quantize.q8_1_f16", ops.QUANTIZE_Q8_1_F16, 2, "quantize/q8_1_f16.cu", "quantize_q8_1_f16", _quantize_rows,
+               "float16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)"),
     KernelSpec("w4a16.naive", ops.W4A16, 3, "w4a16/naive.cu", "w4a16_naive", _thread_per_output,
                "Q4_0 weights x float32 activations, one thread per output, unpacked on the fly"),
     KernelSpec("w4a16.tiled", ops.W4A16, 3, "w4a16/tiled.cu", "w4a16_tiled", _tile_64x64,
@@ -91,6 +157,18 @@ _SPECS = [
                "Q8_1 x Q8_0, DP4A, a warp per 4x4 outputs, coalesced loads"),
     KernelSpec("w8a8.tiled_dp4a", ops.W8A8, 4, "w8a8/tiled_dp4a.cu", "w8a8_tiled_dp4a", _tile_64x64,
                "Q8_1 x Q8_0, 64x64 shared-memory tiles, 4x4 outputs per thread, DP4A"),
+    KernelSpec("w4a8.mma", ops.W4A8, 6, "w4a8/mma.cu", "w4a8_mma", _mma_geometry("q4_0"),
+               "production: Q8_1 x Q4_0 on int8 tensor cores (mma.sync m16n8k32), cp.async stages, split-K",
+               min_arch=80, config=_mma_config, candidates=_mma_candidates),
+    KernelSpec("w8a8.mma", ops.W8A8, 6, "w8a8/mma.cu", "w8a8_mma", _mma_geometry("q8_0"),
+               "production: Q8_1 x Q8_0 on int8 tensor cores (mma.sync m16n8k32), cp.async stages, split-K",
+               min_arch=80, config=_mma_config, candidates=_mma_candidates),
+    KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
+               "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
+               config=_gemv_config, candidates=_gemv_candidates, max_m=8),
+    KernelSpec("w8a8.gemv", ops.W8A8, 6, "w8a8/gemv.cu", "w8a8_gemv", _gemv_geometry,
+               "production decode (M <= 8): Q8_1 x Q8_0, each weight row streamed once by one warp",
+               config=_gemv_config, candidates=_gemv_candidates, max_m=8),
 ]
 
 REGISTRY: dict[str, KernelSpec] = {s.name: s for s in _SPECS}

@@ -472,10 +472,28 @@ class LoadedKernel:
         self.label = label
         self.object_code = _wrap(f"ObjectCode.from_cubin({label})", ObjectCode.from_cubin, cubin, name=label)
         self.kernels = {e: _wrap(f"get_kernel({e})", self.object_code.get_kernel, e) for e in entries}
+        self._smem_ok: dict[str, int] = {}
+
+    def _allow_dynamic_smem(self, entry: str, shmem: int) -> None:
+        """Kernels get more than 48 KB of dynamic shared memory only after opting in."""
+        from cuda.bindings import driver
+
+        if shmem <= self._smem_ok.get(entry, 48 * 1024):
+            return
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        handle = self.kernels[entry].handle
+        if isinstance(handle, driver.CUkernel):
+            dev = check(driver.cuDeviceGet(0), "cuDeviceGet")
+            check(driver.cuKernelSetAttribute(attr, int(shmem), handle, dev), f"cuKernelSetAttribute({entry}, {shmem} B smem)")
+        else:
+            check(driver.cuFuncSetAttribute(handle, attr, int(shmem)), f"cuFuncSetAttribute({entry}, {shmem} B smem)")
+        self._smem_ok[entry] = int(shmem)
 
     def launch(self, entry: str, grid, block, shmem: int, args, stream=None) -> None:
         from cuda.core import LaunchConfig, launch
 
+        if shmem > 48 * 1024:
+            self._allow_dynamic_smem(entry, shmem)
         s = as_stream(stream)
         cfg = LaunchConfig(grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block), shmem_size=int(shmem))
         _wrap(f"launch({entry}, grid={tuple(grid)}, block={tuple(block)})", launch, s, cfg, self.kernels[entry], *args)

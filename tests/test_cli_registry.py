@@ -21,9 +21,13 @@ def test_registry_entries_are_complete():
         assert re.fullmatch(r"[a-z0-9_]+\.[a-z0-9_]+", s.name)
         src = (jit.cuda_src_dir() / s.source).read_text()
         assert f'extern "C" __global__' in src and s.entry in src, f"{s.name}: entry {s.entry} not in {s.source}"
-        g = s.geometry(7, 33, 64)
+        g = s.geometry(7, 33, 64, s.config(7, 33, 64, 132)) if s.config else s.geometry(7, 33, 64)
         assert all(x >= 1 for x in g.grid + g.block) and np.prod(g.block) <= 1024
         assert s.step >= 1 and s.min_arch >= 75 and s.description
+        if s.candidates:
+            assert s.config is not None
+            for d in s.candidates(512, 4096, 4096):
+                assert set(d) == set(s.config(512, 4096, 4096, 132))
 
 
 def test_get_is_memoized_and_unknown_names_suggest():
@@ -187,3 +191,65 @@ def test_block_breakdown_hand_case():
     w["qs"][0, 0] = (q_w[:16] | (q_w[16:] << 4)).astype(np.uint8)
     (row,) = check.block_breakdown(_ExactKernel("w4a8.naive"), a, w)
     assert row["sumi"] == 1000 and row["reference"] == 141.0 and row["kernel_sumi"] == pytest.approx(1000)
+
+
+@pytest.mark.parametrize("m,expect", [(1, "gemv"), (8, "gemv"), (9, "mma"), (512, "mma"), (4096, "mma")])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_matmul_plan_picks_a_path(m, expect, fmt):
+    p = qgemm.plan(m, 4096, 4096, fmt)
+    assert p.kernel == ("w4a8." if fmt == "q4_0" else "w8a8.") + expect
+    assert p.quantizer == "quantize.q8_1" and p.reason
+    assert qgemm.plan(m, 4096, 4096, fmt, x_dtype="f16").quantizer == "quantize.q8_1_f16"
+    text = qgemm.explain(m, 4096, 4096, fmt)
+    assert p.kernel in text and "why:" in text
+
+
+def test_matmul_plan_override_and_errors():
+    assert qgemm.plan(64, 4096, 4096, "q4_0", path="w4a8.tiled_dp4a").kernel == "w4a8.tiled_dp4a"
+    with pytest.raises(ValueError, match="q4_0 weights"):
+        qgemm.plan(64, 4096, 4096, "q4_0", path="w8a8.mma")
+    with pytest.raises(ValueError, match="M <= 8"):
+        qgemm.plan(64, 4096, 4096, "q4_0", path="w4a8.gemv")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qgemm.plan(64, 4096, 4010, "q4_0")
+    with pytest.raises(ValueError, match="q4_0 or q8_0"):
+        qgemm.plan(64, 4096, 4096, "q8_1")
+
+
+def test_mma_default_config_splits_k_when_the_grid_is_small():
+    from qgemm import registry as R
+
+    big = R.spec("w4a8.mma").config(512, 4096, 4096, 132)
+    small = R.spec("w4a8.mma").config(64, 4096, 4096, 132)
+    assert big["MMA_SPLITK"] == 1 and small["MMA_SPLITK"] > 1
+    g = R.spec("w4a8.mma").geometry(64, 4096, 4096, small)
+    assert g.zero_output and g.grid[2] == small["MMA_SPLITK"] and g.shmem > 48 * 1024
+
+
+def test_matmul_bad_inputs(rng):
+    w = qgemm.quantize_q4_0(rng.standard_normal((8, 64), dtype=np.float32))
+    with pytest.raises(ValueError, match="float32 or float16"):
+        qgemm.matmul(np.ones((2, 64), np.int32), w)
+    with pytest.raises(ValueError, match="K mismatch"):
+        qgemm.matmul(np.ones((2, 96), np.float32), w)
+    with pytest.raises(ValueError, match="Q4_0 or Q8_0"):
+        qgemm.matmul(np.ones((2, 64), np.float32), np.ones((8, 64), np.float32))
+    with pytest.raises(ValueError, match="q4_0 or q8_0"):
+        qgemm.matmul(np.ones((2, 64), np.float32), w.view(np.uint8).reshape(8, -1), fmt="q5_0")
+
+
+def test_tuning_file_corrupt_is_ignored_with_warning(tmp_path, monkeypatch):
+    from qgemm import tuning
+
+    p = tmp_path / "t.json"
+    p.write_text("{definitely not json")
+    tuning.forget_cache()
+    with pytest.warns(RuntimeWarning, match="ignoring tuning file"):
+        assert tuning._load(p) == {}
+    p.write_text('{"version": 1, "entries": {"w4a8.mma|512x4096x4096": {"defines": {"MMA_BM": "big"}}}}')
+    tuning.forget_cache()
+    entries = tuning._load(p)
+    assert not tuning._valid("w4a8.mma", entries["w4a8.mma|512x4096x4096"]["defines"])
+    assert tuning._valid("w4a8.mma", qgemm.spec("w4a8.mma").config(512, 4096, 4096, 132))
+    assert tuning.bucket(300, 4096, 4096) == "512x4096x4096"
+    tuning.forget_cache()

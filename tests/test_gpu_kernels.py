@@ -24,6 +24,11 @@ QUANTIZERS = [s.name for s in registry.list_kernels() if s.op.kind == "quantize"
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("name", GEMMS)
 def test_gemm_matches_references(name, m, n, k):
+    spec = registry.spec(name)
+    if spec.max_m is not None and m > spec.max_m:
+        with pytest.raises(ValueError, match=f"at most M={spec.max_m}"):
+            check.validate(qgemm.get(name), (m, n, k))
+        return
     r = check.validate(qgemm.get(name), (m, n, k))
     assert r.unwritten == 0, f"seed {r.seed}: {r.unwritten} outputs never written"
     assert r.rel_err <= r.exact_tol, f"seed {r.seed}: rel err {r.rel_err:.3e} vs exact-math reference"
@@ -245,3 +250,84 @@ def test_vec_dp4a_misaligned_fallback(rng):
     for k in (96, 4128):
         r = check.validate(qgemm.get("w4a8.vec_dp4a"), (33, 65, k))
         assert r.passed, r
+
+
+
+# ------------------------------------------------------------------------------------------
+# production path: qgemm.matmul, split-K, tuning
+
+@pytest.mark.parametrize("k", [32, 4096])
+@pytest.mark.parametrize("n", [1, 33, 4097])
+@pytest.mark.parametrize("m", [1, 7, 33, 513])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_matmul_matches_references(fmt, m, n, k, rng):
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w_f = rng.standard_normal((n, k), dtype=np.float32)
+    w = F.quantize(w_f, fmt)
+    c = qgemm.matmul(x, w)
+    a = F.quantize_q8_1(x)
+    exact = (qgemm.reference.exact_w4a8 if fmt == "q4_0" else qgemm.reference.exact_w8a8)(a, w)
+    op = qgemm.get("w4a8.mma" if fmt == "q4_0" else "w8a8.mma").op
+    r = check.compare("matmul", op, (m, n, k), 0, c, exact, qgemm.reference.truth(x, w_f), x, w_f)
+    assert r.passed, (qgemm.plan(m, n, k, fmt).kernel, r)
+
+
+def test_matmul_f16_and_override(rng):
+    x = rng.standard_normal((40, 256), dtype=np.float32).astype(np.float16)
+    w = qgemm.quantize_q4_0(rng.standard_normal((70, 256), dtype=np.float32))
+    exact = qgemm.reference.exact_w4a8(F.quantize_q8_1(x.astype(np.float32)), w)
+    for path in (None, "w4a8.tiled_dp4a", "w4a8.dp4a", "w4a8.mma"):
+        np.testing.assert_allclose(qgemm.matmul(x, w, path=path), exact, rtol=1e-5, atol=1e-3)
+
+
+def test_matmul_device_tensors_torch(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    wq = qgemm.quantize_q8_0(rng.standard_normal((96, 512), dtype=np.float32))
+    w = torch.from_numpy(wq.view(np.uint8).reshape(96, -1).copy()).cuda()
+    for m in (3, 300):
+        x = torch.randn(m, 512, device="cuda")
+        out = torch.full((m, 96), float("nan"), device="cuda")
+        assert qgemm.matmul(x, w, fmt="q8_0", out=out) is out
+        torch.cuda.synchronize()
+        exact = qgemm.reference.exact_w8a8(F.quantize_q8_1(x.cpu().numpy()), wq)
+        np.testing.assert_allclose(out.cpu().numpy(), exact, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["w4a8.mma", "w8a8.mma"])
+def test_mma_configurations(name, split, rng):
+    k = qgemm.get(name)
+    for (m, n, kk) in ((70, 200, 1024), (33, 129, 96)):
+        inp = check.make_inputs(k.op, m, n, kk, rng)
+        exact = k.op.exact(inp.a, inp.w)
+        for d in ({"MMA_BM": 64, "MMA_BN": 64, "MMA_WARPS_M": 2, "MMA_WARPS_N": 2, "MMA_STAGES": 3, "MMA_SPLITK": split},
+                  {"MMA_BM": 32, "MMA_BN": 128, "MMA_WARPS_M": 2, "MMA_WARPS_N": 4, "MMA_STAGES": 4, "MMA_SPLITK": split}):
+            da, dw = qgemm.DeviceArray.from_host(inp.a), qgemm.DeviceArray.from_host(inp.w)
+            dc = qgemm.DeviceArray.empty((m, n), np.float32)
+            dc.fill_bytes(0xFF)
+            k.launch(da, dw, dc, m, n, kk, defines=d)
+            out = dc.to_host()
+            assert not np.isnan(out).any(), d
+            np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-3, err_msg=str(d))
+
+
+def test_tune_stores_and_matmul_uses_it(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from qgemm import tuning
+    from qgemm.cli import app
+
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(tmp_path))
+    tuning.forget_cache()
+    r = CliRunner().invoke(app, ["tune", "w4a8.gemv", "--shape", "3x1024x1024", "--iters", "3"])
+    assert r.exit_code == 0, r.output
+    assert "stored for w4a8.gemv" in r.output
+    p = qgemm.plan(4, 1024, 1024, "q4_0")
+    assert p.kernel == "w4a8.gemv" and p.source == "tuned"
+    tuning.path().write_text("garbage")
+    tuning.forget_cache()
+    with pytest.warns(RuntimeWarning):
+        assert qgemm.plan(4, 1024, 1024, "q4_0").source == "default"
+    tuning.forget_cache()

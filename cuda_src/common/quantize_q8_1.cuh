@@ -1,0 +1,69 @@
+// The Q8_1 activation quantizer shared by quantize/q8_1.cu (float32 input) and
+// quantize/q8_1_f16.cu (float16 input, converted exactly to float first).
+//
+// Lane l of a warp owns value l of a block of 32, exactly as in ggml: amax and the sum are warp
+// reductions, the sum a __shfl_xor_sync butterfly (offsets 16, 8, 4, 2, 1) after which every lane
+// holds the same bits; qgemm.formats.warp_sum_32 mirrors that tree, which is what makes the CPU
+// quantizer byte-identical (float addition is not associative, so the order is part of the format).
+//
+// Unlike ggml's one-block-per-warp launch, each warp here quantizes Q8_1_BLOCKS_PER_WARP blocks
+// that lie next to each other in the row, issuing all their loads before the first reduction.
+// With one 4-byte load per thread a warp keeps too few bytes in flight to cover DRAM latency
+// (Little's law); four independent loads per thread quadruple that without touching the
+// per-block arithmetic, so the bytes written are the same.
+//
+// `status` reports what the Python caller must turn into a ValueError (a kernel cannot raise):
+//   bit 0: a non-finite input value;  bit 1: d or s overflows half.
+#pragma once
+#include "common/blocks.cuh"
+
+#define Q8_1_THREADS 256
+#define Q8_1_BLOCKS_PER_WARP 4
+#define Q8_1_VALUES_PER_CTA (Q8_1_THREADS * Q8_1_BLOCKS_PER_WARP)
+
+static __device__ __forceinline__ float q8_1_load(const float* p) { return *p; }
+static __device__ __forceinline__ float q8_1_load(const __half* p) { return __half2float(*p); }
+
+template <typename T>
+static __device__ __forceinline__ void quantize_q8_1_rows(const T* __restrict__ X, block_q8_1* __restrict__ Y, int M, int K,
+                                                          int* __restrict__ status) {
+    const int row = blockIdx.y;
+    const int lane = threadIdx.x % QK;
+    const int warp = threadIdx.x / QK;
+    // first value of this warp's run of blocks within the row
+    const int k0 = blockIdx.x * Q8_1_VALUES_PER_CTA + warp * (QK * Q8_1_BLOCKS_PER_WARP);
+    if (row >= M) return;
+
+    float xi[Q8_1_BLOCKS_PER_WARP];
+#pragma unroll
+    for (int b = 0; b < Q8_1_BLOCKS_PER_WARP; ++b) {
+        const int k = k0 + b * QK + lane;
+        xi[b] = k < K ? q8_1_load(X + (size_t)row * K + k) : 0.0f;  // K % 32 == 0: a block is all in or all out
+    }
+
+#pragma unroll
+    for (int b = 0; b < Q8_1_BLOCKS_PER_WARP; ++b) {
+        const int kb = k0 + b * QK;
+        if (kb >= K) break;  // warp-uniform
+        float amax = fabsf(xi[b]);
+        float sum = xi[b];
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+            sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        }
+        const float d = amax / 127.0f;
+        const qg_i8 q = amax == 0.0f ? 0 : (qg_i8)roundf(xi[b] / d);
+
+        block_q8_1* y = Y + (size_t)row * (K / QK) + kb / QK;
+        y->qs[lane] = q;
+        if (lane == 0) {
+            y->d = __float2half_rn(d);
+            y->s = __float2half_rn(sum);
+            int bad = 0;
+            if (!isfinite(amax) || !isfinite(sum)) bad |= 1;
+            else if (isinf(__half2float(y->d)) || isinf(__half2float(y->s))) bad |= 2;
+            if (bad) atomicOr(status, bad);
+        }
+    }
+}

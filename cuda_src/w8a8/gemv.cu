@@ -1,0 +1,9 @@
+// Decode W8A8 GEMV for M <= 8: Q8_1 x Q8_0, each weight row streamed once by one warp
+// (common/gemv.cuh).
+#include "common/gemv.cuh"
+
+extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)
+w8a8_gemv(const block_q8_1* __restrict__ A, const block_q8_0* __restrict__ W, float* __restrict__ C,
+          int M, int N, int K) {
+    gemv<WarpDotQ8_0>(A, W, C, M, N, K);
+}

@@ -1,0 +1,199 @@
+"""`qgemm.matmul`: float activations x pre-quantized ggml weights, on the fastest registered path.
+
+    c = qgemm.matmul(x, w)                       # x float32/float16 [M, K]; w Q4_0/Q8_0 [N, K/32]
+    print(qgemm.explain(512, 4096, 4096, "q4_0"))  # which kernels, which configuration, and why
+
+The whole op, as llama.cpp's MUL_MAT does it: the activations are quantized to Q8_1 on the GPU
+(`quantize.q8_1`), then an integer GEMM runs on Q8_1 x Q4_0/Q8_0:
+- M <= 8 (decode): `w4a8.gemv` / `w8a8.gemv`, which stream each weight byte once;
+- otherwise on sm_80+: `w4a8.mma` / `w8a8.mma` (int8 tensor cores), tile/split-K from `qgemm tune`
+  results when present, else the default heuristic;
+- below sm_80 (no int8 mma.sync m16n8k32): the DP4A kernels `w4a8.vec_dp4a` / `w8a8.tiled_dp4a`.
+`path=` overrides the GEMM kernel (any registered kernel of the right op).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import formats as F
+from . import registry, runtime
+
+_DEFAULTS = {
+    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a8.mma", "dp4a": "w4a8.vec_dp4a"},
+    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a8.mma", "dp4a": "w8a8.tiled_dp4a"},
+}
+GEMV_MAX_M = 8
+
+
+@dataclass
+class Plan:
+    m: int
+    n: int
+    k: int
+    fmt: str
+    x_dtype: str
+    quantizer: str
+    kernel: str
+    defines: dict = field(default_factory=dict)
+    source: str = "default"  # "default", "tuned", "override"
+    reason: str = ""
+
+    def __str__(self) -> str:
+        cfg = " ".join(f"{k}={v}" for k, v in self.defines.items())
+        return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights, {self.x_dtype} activations:\n"
+                f"  1. {self.quantizer}: x -> Q8_1 blocks on the GPU\n"
+                f"  2. {self.kernel}{' (' + cfg + ')' if cfg else ''} [{self.source}]\n"
+                f"  why: {self.reason}")
+
+    def launch(self, dx, dw, dq, dc, status, stream=None) -> None:
+        """Queue the two kernels on device arrays (the hot path: no checks, no allocation)."""
+        registry.get(self.quantizer).launch_quantize(dx, dq, self.m, self.k, status, stream=stream)
+        registry.get(self.kernel).launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=self.defines or None)
+
+
+def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None) -> Plan:
+    fmt = F.get_format(fmt).name
+    if fmt not in _DEFAULTS:
+        raise ValueError(f"matmul: weights must be q4_0 or q8_0 blocks, got {fmt}")
+    if x_dtype not in ("f32", "f16"):
+        raise ValueError(f"matmul: activations must be float32 or float16, got {x_dtype}")
+    if m <= 0 or n <= 0 or k <= 0 or k % F.QK:
+        raise ValueError(f"matmul: need M, N > 0 and K a positive multiple of 32, got M={m} N={n} K={k}")
+    quantizer = "quantize.q8_1" if x_dtype == "f32" else "quantize.q8_1_f16"
+    cc = runtime.device_info().cc if runtime.gpu_available() else None
+    choice = _DEFAULTS[fmt]
+    if path is not None:
+        s = registry.spec(path)
+        if s.op.kind != "gemm" or s.op.w.name != fmt or s.op.a.name != "q8_1":
+            raise ValueError(f"matmul: path {path!r} computes {s.op}; for {fmt} weights it must take Q8_1 activations "
+                             f"and {fmt} weights (e.g. {choice['mma']}, {choice['gemv']}, {choice['dp4a']})")
+        if s.max_m is not None and m > s.max_m:
+            raise ValueError(f"matmul: path {path} handles M <= {s.max_m}, got M={m}")
+        name, source, reason = path, "override", "requested with path="
+    elif m <= GEMV_MAX_M:
+        name, source = choice["gemv"], "default"
+        reason = f"M={m} <= {GEMV_MAX_M}: decode is bound by reading the weights once; a GEMV streams them"
+    elif cc is None or cc >= 80:
+        name, source = choice["mma"], "default"
+        reason = "int8 tensor cores (mma.sync m16n8k32) for M > 8" + ("" if cc else " (no GPU here: assuming sm_80+)")
+    else:
+        name, source = choice["dp4a"], "default"
+        reason = f"sm_{cc} has no int8 mma.sync m16n8k32: DP4A fallback"
+    k_obj = registry.get(name)
+    defines = {}
+    if k_obj.spec.config is not None:
+        from . import tuning
+
+        tuned = tuning.lookup(name, m, n, k)
+        if tuned is not None:
+            defines, source = tuned, "tuned" if source == "default" else source
+        else:
+            defines = k_obj.config_for(m, n, k)
+    return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason)
+
+
+def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None) -> str:
+    """Which kernels `matmul` runs for this shape on this GPU, with which configuration, and why."""
+    where = runtime.device_info().name + f" ({runtime.device_arch()})" if runtime.gpu_available() else "no GPU"
+    return f"qgemm.matmul on {where}\n" + str(plan(m, n, k, fmt, x_dtype, path))
+
+
+# ---------------------------------------------------------------------------------------------
+
+_workspace_lock = threading.Lock()
+_workspace: dict[str, runtime.DeviceArray] = {}
+
+
+def _scratch(tag: str, shape, dtype) -> runtime.DeviceArray:
+    """Reusable device scratch (Q8_1 activations, status word): no cuMemAlloc per call."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    with _workspace_lock:
+        buf = _workspace.get(tag)
+        if buf is None or buf.nbytes < nbytes:
+            buf = runtime.DeviceArray.empty((max(nbytes, 1),), np.uint8)
+            _workspace[tag] = buf
+    return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
+
+
+def _weights(w, fmt: str | None, on_device: bool):
+    """(blocks as host or device array in their block dtype, format name)."""
+    if on_device:
+        d = runtime.as_device_array(w)
+        if fmt is None:
+            fmt = {F.Q4_0.dtype: "q4_0", F.Q8_0.dtype: "q8_0"}.get(d.dtype)
+            if fmt is None:
+                raise ValueError(f"matmul: cannot tell the weight format of a {d.dtype} device array; pass fmt='q4_0' or 'q8_0'")
+        f = F.get_format(fmt)
+        if d.dtype == np.uint8:
+            if d.ndim != 2 or d.shape[1] % f.dtype.itemsize:
+                raise ValueError(f"matmul: raw {f.name} weights must be uint8 [N, (K/32)*{f.dtype.itemsize}], got {d.shape}")
+            d = d.view(f.dtype)
+        elif d.dtype != f.dtype:
+            raise ValueError(f"matmul: weights must be {f.name} blocks, got {d.dtype}")
+        if d.ndim != 2:
+            raise ValueError(f"matmul: weights must be 2-D [N, K/32] blocks, got shape {d.shape}")
+        return d, f.name
+    a = np.asarray(w)
+    if fmt is None:
+        fmt = {F.Q4_0.dtype: "q4_0", F.Q8_0.dtype: "q8_0"}.get(a.dtype)
+        if fmt is None:
+            raise ValueError(f"matmul: weights must be Q4_0 or Q8_0 blocks (qgemm.quantize_q4_0/q8_0, or raw "
+                             f"gguf bytes with fmt=), got {a.dtype} {a.shape}")
+    if fmt not in ("q4_0", "q8_0"):
+        raise ValueError(f"matmul: weights must be q4_0 or q8_0, got {fmt}")
+    b = F.as_blocks(a, fmt, "matmul: weights")
+    if b.ndim != 2:
+        raise ValueError(f"matmul: weights must be 2-D [N, K/32] blocks, got shape {b.shape}")
+    return np.ascontiguousarray(b), fmt
+
+
+def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, stream=None):
+    """C[M, N] = x[M, K] . dequant(W)[N, K]^T with W pre-quantized (ggml Q4_0 or Q8_0 blocks).
+
+    Host numpy in -> numpy float32 out. Device arrays (torch, CuPy, qgemm.DeviceArray) in ->
+    device float32 out (`out=` to write into your own), queued on `stream`, no host copies.
+    """
+    on_device = runtime.is_device_array(x) and not isinstance(x, np.ndarray)
+    w_on_device = runtime.is_device_array(w) and not isinstance(w, np.ndarray)
+    if on_device != w_on_device:
+        raise ValueError("matmul: x and w must both be host (numpy) arrays or both device arrays")
+    if on_device:
+        dx = runtime.as_device_array(x)
+    else:
+        dx = np.asarray(x)
+    if dx.dtype not in (np.float32, np.float16):
+        raise ValueError(f"matmul: activations must be float32 or float16 [M, K], got {dx.dtype}")
+    if dx.ndim != 2:
+        raise ValueError(f"matmul: activations must be 2-D [M, K], got shape {dx.shape}")
+    wb, fmt = _weights(w, fmt, on_device)
+    m, k = dx.shape
+    n, kw = wb.shape[0], wb.shape[1] * F.QK
+    if k != kw:
+        raise ValueError(f"matmul: K mismatch: x has K={k}, weights have K={kw} ({wb.shape[1]} blocks of 32)")
+    p = plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path)
+    runtime.require_gpu("qgemm.matmul")
+    if not on_device:
+        if not np.isfinite(dx).all():
+            raise ValueError("matmul: activations must be finite")
+        dx = runtime.DeviceArray.from_host(np.ascontiguousarray(dx))
+        wb = runtime.DeviceArray.from_host(wb)
+    dq = _scratch("q8_1", (m, k // F.QK), F.Q8_1.dtype)
+    status = _scratch("status", (1,), np.int32)
+    status.fill_bytes(0, stream)
+    if out is not None:
+        dc = runtime.as_device_array(out)
+        if dc.shape != (m, n) or dc.dtype != np.float32:
+            raise ValueError(f"matmul: out must be float32 ({m}, {n}), got {dc.dtype} {dc.shape}")
+    else:
+        dc = runtime.DeviceArray.empty((m, n), np.float32)
+    p.launch(dx, wb, dq, dc, status, stream=stream)
+    if not on_device:
+        flag = int(status.to_host()[0])
+        if flag:
+            raise ValueError("matmul: the activations overflow Q8_1 (a block scale or sum beyond half's range)")
+        return dc.to_host()
+    return out if out is not None else dc

@@ -1,0 +1,98 @@
+"""Stored tuning results: the fastest correct configuration per (GPU, arch, kernel, shape bucket).
+
+`qgemm tune NAME --shape MxNxK` writes them; Kernel.config_for() reads them. The file lives in the
+cache directory (tuning/<gpu>-<arch>.json). A file that does not parse, or an entry that does not
+look like a configuration of that kernel, is ignored with a warning, never trusted: the kernel
+falls back to its default heuristic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+from . import jit, runtime
+
+_lock = threading.Lock()
+_cache: dict[str, dict] = {}
+TUNING_VERSION = 1
+
+
+def bucket(m: int, n: int, k: int) -> str:
+    """Shapes that share a configuration: M rounded up to a power of two, N and K exact."""
+    mb = 1
+    while mb < m:
+        mb *= 2
+    return f"{mb}x{n}x{k}"
+
+
+def path() -> Path:
+    info = runtime.device_info()
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-").lower()
+    return jit.cache_dir() / "tuning" / f"{slug}-{info.arch}.json"
+
+
+def _load(p: Path) -> dict:
+    key = str(p)
+    if key in _cache:
+        return _cache[key]
+    data: dict = {}
+    if p.is_file():
+        try:
+            raw = json.loads(p.read_text())
+            if not isinstance(raw, dict) or raw.get("version") != TUNING_VERSION or not isinstance(raw.get("entries"), dict):
+                raise ValueError("not a qgemm tuning file of version %d" % TUNING_VERSION)
+            data = raw["entries"]
+        except (OSError, ValueError) as e:
+            warnings.warn(f"qgemm: ignoring tuning file {p}: {e}", RuntimeWarning, stacklevel=3)
+            data = {}
+    _cache[key] = data
+    return data
+
+
+def _valid(name: str, defines) -> bool:
+    from .registry import spec
+
+    s = spec(name)
+    if not isinstance(defines, dict) or s.config is None:
+        return False
+    expected = set(s.config(64, 64, 128, 132))
+    return set(defines) == expected and all(isinstance(v, int) and v > 0 for v in defines.values())
+
+
+def lookup(name: str, m: int, n: int, k: int) -> dict | None:
+    if not runtime.gpu_available():
+        return None
+    with _lock:
+        entry = _load(path()).get(f"{name}|{bucket(m, n, k)}")
+    if entry is None:
+        return None
+    defines = entry.get("defines") if isinstance(entry, dict) else None
+    if not _valid(name, defines):
+        warnings.warn(f"qgemm: ignoring a malformed tuning entry for {name} {bucket(m, n, k)}", RuntimeWarning, stacklevel=3)
+        return None
+    return dict(defines)
+
+
+def store(name: str, m: int, n: int, k: int, defines: dict, median_us: float) -> Path:
+    p = path()
+    with _lock:
+        entries = dict(_load(p))
+        entries[f"{name}|{bucket(m, n, k)}"] = {"defines": defines, "median_us": median_us, "shape": [m, n, k]}
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tuning-")
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"version": TUNING_VERSION, "device": runtime.device_info().name, "entries": entries}, fh, indent=1, sort_keys=True)
+        os.replace(tmp, p)
+        _cache[str(p)] = entries
+    return p
+
+
+def forget_cache() -> None:
+    with _lock:
+        _cache.clear()
