@@ -30,6 +30,7 @@ parses it (the reader trusts the lengths it reads and can spin on a corrupt one)
 from __future__ import annotations
 
 import difflib
+import hashlib
 import mmap
 import os
 import struct
@@ -219,6 +220,9 @@ def _scan(path: str) -> None:
         except ValueError:
             raise ValueError(f"{path}: tensor {name!r} has ggml type id {raw_type}, which the installed gguf package "
                              f"({getattr(gguf, '__version__', '?')}) does not know: corrupt, or a newer ggml type") from None
+        if qtype not in gguf.GGML_QUANT_SIZES:
+            raise ValueError(f"{path}: tensor {name!r} has ggml type {qtype.name}, whose block size the installed "
+                             "gguf package does not know")
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         k = ne[0] if ne else 1
         if block > 1 and k % block:
@@ -275,7 +279,12 @@ class GGUFFile:
     def metadata(self, key: str, default=None):
         """One metadata value as a Python object (str, int, float, bool or a list)."""
         field = self.reader.get_field(key)
-        return default if field is None else field.contents()
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as e:  # e.g. a string that is not UTF-8
+            raise ValueError(f"{self.path}: metadata {key!r} cannot be read: {type(e).__name__}: {e}") from e
 
     # -- tensors -------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -341,11 +350,14 @@ _cache_lock = threading.Lock()
 
 def _cached(path: str | os.PathLike) -> GGUFFile:
     """The functions below parse a file's header once while it stays the same file (same inode,
-    size, mtime and ctime): on a real model, GGUFReader's parse of the vocabulary takes seconds."""
+    size, mtime, ctime and first MiB: timestamps can be too coarse to see a quick rewrite): on a
+    real model, GGUFReader's parse of the vocabulary takes seconds."""
     p = os.path.realpath(path)
     try:
         st = os.stat(p)
-        key = (p, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with open(p, "rb") as fh:
+            head = hashlib.blake2b(fh.read(1 << 20), digest_size=16).digest()
+        key = (p, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, head)
     except OSError:
         return GGUFFile(path)  # let GGUFFile raise the error with the name as given
     with _cache_lock:

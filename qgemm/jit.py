@@ -531,6 +531,11 @@ def _compile_and_store(name, source_rel, source, headers, entries, arch, options
     cubin, log = _nvrtc_compile(name, source_rel, source, arch, options, headers)
     seconds = time.perf_counter() - t0
     res = parse_ptxas_report(log)
+    # Some NVRTC releases omit the ptxas report for some programs; the cubin's symbol table
+    # still tells whether the entry exists (its resources are then reported as unknown, 0).
+    for e in entries:
+        if e not in res and e.encode() + b"\0" in cubin:
+            res[e] = Resources()
     missing = [e for e in entries if e not in res]
     if missing:
         raise CompileError(name, arch, options, f"entry symbol(s) {missing} not found in the compiled code; "

@@ -113,11 +113,13 @@ def _gemv_m(m: int) -> int:
 
 
 def _gemv_config(m: int, n: int, k: int, sm_count: int) -> dict:
-    return {"GEMV_M": _gemv_m(m), "GEMV_COLS": 2, "GEMV_WARPS": 4}
+    # more weight rows per warp when there are more activation rows: each loaded activation
+    # fragment is then reused GEMV_COLS times
+    return {"GEMV_M": _gemv_m(m), "GEMV_COLS": 2 if m <= 2 else 4, "GEMV_WARPS": 4}
 
 
 def _gemv_candidates(m: int, n: int, k: int) -> list[dict]:
-    return [{"GEMV_M": _gemv_m(m), "GEMV_COLS": c, "GEMV_WARPS": w} for c in (1, 2, 4) for w in (2, 4, 8)]
+    return [{"GEMV_M": _gemv_m(m), "GEMV_COLS": c, "GEMV_WARPS": w} for c in (1, 2, 4, 8) for w in (2, 4, 8)]
 
 
 def _quantize_rows(m: int, n: int, k: int) -> Launch:

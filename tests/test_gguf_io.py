@@ -122,6 +122,12 @@ def test_stacked_tensor_keeps_leading_dims(model):
     assert w[1].tobytes() == qgemm.quantize_q4_0(src["blk.0.ffn_up_exps.weight"][1]).tobytes()
 
 
+def _root(a):
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a  # the mmap.mmap under a memory map
+
+
 def _is_memmap_view(a):
     b = a
     while b is not None:
@@ -336,3 +342,21 @@ def test_kernel_on_loaded_weights(model, rng):
     c8 = qgemm.get("w8a16.tiled")(a, w8)
     ref8 = qgemm.reference.exact_w8a16(a, qgemm.quantize_q8_0(src["blk.0.attn_q.weight"]))
     assert qgemm.reference.relative_error(c8, ref8) < 2e-5
+
+
+def test_repeated_loads_parse_once_and_see_a_rewritten_file(model, tmp_path, rng):
+    path, src, _ = model
+    a = qgemm.load_gguf(path, "blk.0.ffn_down.weight")
+    b = qgemm.load_gguf(path, "blk.0.attn_q.weight")
+    assert _root(a) is _root(b) and not isinstance(_root(a), np.ndarray)  # one memory map: one parse
+    # rewrite the same path at once with other weights of the same shapes (same size, maybe same mtime)
+    x = rng.standard_normal((N, K), dtype=np.float32)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_down.weight", gguf.quants.quantize(x, T.Q8_0), raw_dtype=T.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    c = qgemm.load_gguf(path, "blk.0.ffn_down.weight")
+    assert c.dtype == qgemm.block_q8_0 and c.tobytes() == qgemm.quantize_q8_0(x).tobytes()
+    assert gguf_io.list_tensors(path)[0].type == "Q8_0" and len(gguf_io.list_tensors(path)) == 1

@@ -2,7 +2,7 @@
 an H100 and an H200), the subprocess runner, compare(), and `qgemm compare-llamacpp`."""
 
 import json
-import os
+import re
 import stat
 from collections import Counter
 from pathlib import Path
@@ -225,7 +225,7 @@ def test_cli_runs_the_binary(tmp_path):
 def test_cli_errors(args, match):
     r = runner.invoke(app, ["compare-llamacpp", *args])
     assert r.exit_code == 2
-    assert __import__("re").search(match, r.output), r.output
+    assert re.search(match, r.output), r.output
 
 
 def test_cli_no_lines(tmp_path):
