@@ -28,7 +28,8 @@ from .ops import Kernel
 #   fp32: FFMA lanes x 2 (64 lanes on sm_75/sm_80, 128 on sm_86+)
 #   dp4a: 64 IDP4A per SM per clock on sm_80+ (x 4 MACs x 2) = 512; H100: 132 SMs x 1.98 GHz x 512
 #         = 134 TOPS, the ~133 TOPS ceiling measured for DP4A on Hopper
-#   imma: dense int8 tensor-core rate (mma.sync) per SM per clock
+#   imma: dense int8 tensor-core rate per SM per clock (datasheet dense INT8 / SMs / boost clock:
+#         H100 SXM 1979 TOPS -> 8192; mma.sync reaches about 2/3 of it on Hopper, wgmma the rest)
 PEAKS = {
     "fp32": {75: 128, 80: 128, 86: 256, 87: 256, 89: 256, 90: 256, 100: 256, 120: 256},
     "dp4a": {75: 256, 80: 512, 86: 512, 87: 512, 89: 512, 90: 512, 100: 512, 120: 512},
@@ -170,7 +171,8 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
     med = statistics.median(times)
     fl = flops(kernel, m, n, k)
     bw = copy_bandwidth()
-    peak = peak_ops(op.unit, info)
+    unit = kernel.spec.unit or op.unit
+    peak = peak_ops(unit, info)
     t_mem = nbytes / bw * 1e6
     t_cmp = fl / peak * 1e6 if peak else 0.0
     floor = max(t_mem, t_cmp)
@@ -178,7 +180,7 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
         kernel=kernel.name, shape=shape, cold=cold, iters=iters, median_us=med, min_us=min(times), max_us=max(times),
         tflops=fl / (med * 1e-6) / 1e12 if fl else 0.0, bytes=nbytes, gbps=nbytes / (med * 1e-6) / 1e9,
         floor_us=floor, roofline_pct=100.0 * floor / med, bound="compute" if t_cmp > t_mem else "memory",
-        extra={"copy_bandwidth_gbps": bw / 1e9, "peak_tops": (peak or 0) / 1e12, "unit": op.unit, "buffer_sets": sets, **how},
+        extra={"copy_bandwidth_gbps": bw / 1e9, "peak_tops": (peak or 0) / 1e12, "unit": unit, "buffer_sets": sets, **how},
     )
 
 

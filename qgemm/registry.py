@@ -35,6 +35,7 @@ class KernelSpec:
     config: Callable[[int, int, int, int], dict] | None = None
     candidates: Callable[[int, int, int], list] | None = None
     max_m: int | None = None  # decode kernels handle at most this many activation rows
+    unit: str | None = None  # the arithmetic unit that bounds it, when not the op's (e.g. "imma")
 
     @property
     def family(self) -> str:
@@ -161,10 +162,10 @@ _SPECS = [
                "Q8_1 x Q8_0, 64x64 shared-memory tiles, 4x4 outputs per thread, DP4A"),
     KernelSpec("w4a8.mma", ops.W4A8, 6, "w4a8/mma.cu", "w4a8_mma", _mma_geometry("q4_0"),
                "production: Q8_1 x Q4_0 on int8 tensor cores (mma.sync m16n8k32), cp.async stages, split-K",
-               min_arch=80, config=_mma_config, candidates=_mma_candidates),
+               min_arch=80, config=_mma_config, candidates=_mma_candidates, unit="imma"),
     KernelSpec("w8a8.mma", ops.W8A8, 6, "w8a8/mma.cu", "w8a8_mma", _mma_geometry("q8_0"),
                "production: Q8_1 x Q8_0 on int8 tensor cores (mma.sync m16n8k32), cp.async stages, split-K",
-               min_arch=80, config=_mma_config, candidates=_mma_candidates),
+               min_arch=80, config=_mma_config, candidates=_mma_candidates, unit="imma"),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),
