@@ -1,10 +1,16 @@
 // Decode GEMV (M <= 8): Q8_1 activations x Q4_0 / Q8_0 weights, every weight byte read once.
 //
 // A warp owns GEMV_COLS rows of W and all M (<= GEMV_M) activation rows; its 32 lanes split K
-// exactly as in common/warp_dot.cuh (lane = 8 blocks x 4 int-pairs per iteration, coalesced), so
-// each weight row is streamed once by one warp while the few activation rows (M x K x 1.125
-// bytes, a few KB) stay in L1/L2. GEMV_M is a compile-time bound so the accumulators live in
-// registers; rows past M are skipped.
+// as in common/warp_dot.cuh (8 blocks x 4 int-pairs per iteration, coalesced), so each weight
+// row is streamed once, by one warp.
+//
+// The activations are tiny (M x K x 1.125 bytes) but every warp needs all of them: read from
+// global memory, each block costs every lane 3 loads per activation row, and at M = 8 the kernel
+// was bound by L1 load wavefronts (an early version: M = 8 took 4.5x the time of M = 1 for the
+// same weight bytes). So the CTA first stages a chunk of GEMV_CHUNK blocks of all M rows in
+// shared memory (16-byte loads when rows are aligned), and the warps read activations from
+// there. Rows past M are skipped; GEMV_M is a compile-time bound so accumulators stay in
+// registers.
 #pragma once
 #include "common/warp_dot.cuh"
 
@@ -15,15 +21,39 @@
 #define GEMV_COLS 2
 #endif
 #ifndef GEMV_WARPS
-#define GEMV_WARPS 8
+#define GEMV_WARPS 4
 #endif
+#ifndef GEMV_CHUNK
+#define GEMV_CHUNK 64  // Q8_1 blocks of each activation row staged at a time
+#endif
+#define GEMV_ROW_BYTES (GEMV_CHUNK * 36)
+
+// Stage blocks [c0, c0 + cnt) of activation rows [0, M) into sh[r][...] (raw Q8_1 bytes).
+static __device__ __forceinline__ void gemv_stage(unsigned char* sh, const block_q8_1* __restrict__ A, int M, int nb,
+                                                  int c0, int cnt) {
+    const int bytes = cnt * 36;
+    const bool vec = (nb % 4) == 0 && (c0 % 4) == 0 && (((size_t)A) & 15) == 0;  // 36 * 4 = 144 = 9 x 16
+    for (int r = 0; r < GEMV_M && r < M; ++r) {
+        const unsigned char* src = (const unsigned char*)(A + (size_t)r * nb + c0);
+        unsigned char* dst = sh + r * GEMV_ROW_BYTES;
+        if (vec) {
+            for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+                ((int4*)dst)[i] = ((const int4*)src)[i];
+            if (threadIdx.x < (bytes % 16) / 4)  // cnt % 4 != 0 only in the last chunk
+                ((int*)dst)[bytes / 4 - (bytes % 16) / 4 + threadIdx.x] = ((const int*)src)[bytes / 4 - (bytes % 16) / 4 + threadIdx.x];
+        } else {
+            for (int i = threadIdx.x; i < bytes / 4; i += blockDim.x) ((int*)dst)[i] = ((const int*)src)[i];
+        }
+    }
+}
 
 template <typename Fmt>
 static __device__ __forceinline__ void gemv(const block_q8_1* __restrict__ A, const typename Fmt::block_w* __restrict__ W,
                                             float* __restrict__ C, int M, int N, int K) {
+    __shared__ __align__(16) unsigned char sh[GEMV_M * GEMV_ROW_BYTES];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int n0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_COLS;
-    if (n0 >= N) return;
+    const bool active = n0 < N;  // idle warps still help stage and reach the barriers
     const int nb = K / QK;
     const int i = lane % WD_LANES_PER_BLOCK;
     const typename Fmt::block_w* w_rows[GEMV_COLS];
@@ -36,29 +66,38 @@ static __device__ __forceinline__ void gemv(const block_q8_1* __restrict__ A, co
 #pragma unroll
         for (int c = 0; c < GEMV_COLS; ++c) acc[r][c] = 0.0f;
 
-    for (int b = lane / WD_LANES_PER_BLOCK; b < nb; b += WD_BLOCKS_PER_ITER) {
-        int w0[GEMV_COLS], w1[GEMV_COLS];
-        float dw[GEMV_COLS];
-#pragma unroll
-        for (int c = 0; c < GEMV_COLS; ++c) {
-            Fmt::load(w_rows[c] + b, i, w0[c], w1[c]);
-            dw[c] = __half2float(w_rows[c][b].d);
-        }
-#pragma unroll
-        for (int r = 0; r < GEMV_M; ++r) {
-            if (r >= M) break;
-            const block_q8_1* blk = A + (size_t)r * nb + b;
-            const int a0 = load_int_b4(blk->qs, Fmt::a_int(i, 0));
-            const int a1 = load_int_b4(blk->qs, Fmt::a_int(i, 1));
-            const float2 ds = __half22float2(*(const __half2*)&blk->d);
+    for (int c0 = 0; c0 < nb; c0 += GEMV_CHUNK) {
+        const int cnt = min(GEMV_CHUNK, nb - c0);
+        __syncthreads();  // the previous chunk is no longer read
+        gemv_stage(sh, A, M, nb, c0, cnt);
+        __syncthreads();
+        if (!active) continue;
+        for (int bl = lane / WD_LANES_PER_BLOCK; bl < cnt; bl += WD_BLOCKS_PER_ITER) {
+            const int b = c0 + bl;
+            int w0[GEMV_COLS], w1[GEMV_COLS];
+            float dw[GEMV_COLS];
 #pragma unroll
             for (int c = 0; c < GEMV_COLS; ++c) {
-                const int sumi = dp4a(w1[c], a1, dp4a(w0[c], a0, 0));
-                acc[r][c] += Fmt::offset8 ? dw[c] * (ds.x * (float)sumi - (8.0f / WD_LANES_PER_BLOCK) * ds.y)
-                                          : dw[c] * ds.x * (float)sumi;
+                Fmt::load(w_rows[c] + b, i, w0[c], w1[c]);
+                dw[c] = __half2float(w_rows[c][b].d);
+            }
+#pragma unroll
+            for (int r = 0; r < GEMV_M; ++r) {
+                if (r >= M) break;
+                const unsigned char* blk = sh + r * GEMV_ROW_BYTES + bl * 36;
+                const int a0 = *(const int*)(blk + 4 + 4 * Fmt::a_int(i, 0));
+                const int a1 = *(const int*)(blk + 4 + 4 * Fmt::a_int(i, 1));
+                const float2 ds = __half22float2(*(const __half2*)blk);
+#pragma unroll
+                for (int c = 0; c < GEMV_COLS; ++c) {
+                    const int sumi = dp4a(w1[c], a1, dp4a(w0[c], a0, 0));
+                    acc[r][c] += Fmt::offset8 ? dw[c] * (ds.x * (float)sumi - (8.0f / WD_LANES_PER_BLOCK) * ds.y)
+                                              : dw[c] * ds.x * (float)sumi;
+                }
             }
         }
     }
+    if (!active) return;
 #pragma unroll
     for (int r = 0; r < GEMV_M; ++r) {
         if (r >= M) break;
