@@ -34,6 +34,7 @@ PEAKS = {
     "fp32": {75: 128, 80: 128, 86: 256, 87: 256, 89: 256, 90: 256, 100: 256, 120: 256},
     "dp4a": {75: 256, 80: 512, 86: 512, 87: 512, 89: 512, 90: 512, 100: 512, 120: 512},
     "imma": {75: 2048, 80: 4096, 86: 2048, 87: 4096, 89: 2048, 90: 8192, 100: 8192, 120: 4096},
+    "hmma": {75: 1024, 80: 2048, 86: 1024, 87: 2048, 89: 1024, 90: 4096, 100: 4096, 120: 2048},
 }
 
 
@@ -71,7 +72,7 @@ def operand_bytes(kernel: Kernel, m: int, n: int, k: int) -> int:
     """Fewest bytes the op must move: each input read once, the output written once."""
     op = kernel.op
     if op.kind == "quantize":
-        return op.a.nbytes(m, k) + op.out.nbytes(m, k)
+        return op.a.nbytes(m, k) + op.out.nbytes(m, k)  # Format.nbytes(rows, K)
     return op.a.nbytes(m, k) + op.w.nbytes(n, k) + m * n * 4
 
 
@@ -153,7 +154,7 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
     kernel._module()  # compile and load before any timing
     if op.kind == "quantize":
         xs = [runtime.DeviceArray.from_host(inp.a) for _ in range(sets)]
-        ys = [runtime.DeviceArray.empty((m, k // F.QK), op.out.dtype) for _ in range(sets)]
+        ys = [runtime.DeviceArray.empty((m, k // op.out.block), op.out.dtype) for _ in range(sets)]
         status = runtime.DeviceArray.from_host(np.zeros(1, np.int32))
 
         def launch(i, stream=None):
@@ -288,7 +289,8 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
     sets = _sets_for(nbytes, cold)
     xs = [runtime.DeviceArray.from_host(rng.standard_normal((m, k), dtype=np.float32)) for _ in range(sets)]
     ws = [runtime.DeviceArray.from_host(wq) for _ in range(sets)]
-    qs = [runtime.DeviceArray.empty((m, k // F.QK), F.Q8_1.dtype) for _ in range(sets)]
+    staged = p.staged_format
+    qs = [runtime.DeviceArray.empty(*staged) if staged else xs[i] for i in range(sets)]
     cs = [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets)]
     status = runtime.DeviceArray.from_host(np.zeros(1, np.int32))
 
@@ -303,7 +305,7 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
     t_all, how = _time_launches(launch, sets, warmup, iters)
     t_k, _ = _time_launches(kernel_only, sets, warmup, iters)
     med, kmed = statistics.median(t_all), statistics.median(t_k)
-    for arr in xs + ws + qs + cs:
+    for arr in xs + ws + cs + ([] if staged is None else qs):
         arr.free()
     return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "kernel": p.kernel, "config": p.defines, "config_source": p.source,
             "matmul_us": med, "kernel_us": kmed, "quantize_us": max(med - kmed, 0.0), "tflops": 2 * m * n * k / med / 1e6,

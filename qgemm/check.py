@@ -50,7 +50,12 @@ def make_inputs(op: Op, m: int, n: int, k: int, rng: np.random.Generator) -> Inp
     if k % op.k_multiple:
         raise ValueError(f"{op.name}: K must be a multiple of {op.k_multiple}, got K={k}")
     a_f = rng.standard_normal((m, k), dtype=np.float32)
-    a = F.quantize(a_f, op.a) if op.a.quantized and op.kind == "gemm" else a_f
+    if op.kind == "gemm" and op.a.quantized:
+        a = F.quantize(a_f, op.a)
+    elif op.kind == "gemm" and op.a.dtype != np.float32:
+        a = a_f.astype(op.a.dtype)  # fp16 activations: the truth still uses the float32 originals
+    else:
+        a = a_f
     if op.kind == "quantize":
         x = a_f.astype(op.a.dtype)
         return Inputs(x.astype(np.float32), None, x, None)
@@ -86,7 +91,7 @@ def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=Non
     op = kernel.op
     if op.kind == "quantize":
         dx = runtime.DeviceArray.from_host(inp.a)
-        dy = runtime.DeviceArray.empty((m, k // F.QK), op.out.dtype)
+        dy = runtime.DeviceArray.empty((m, k // op.out.block), op.out.dtype)
         dy.fill_bytes(0xFF, stream)
         status = runtime.DeviceArray.from_host(np.zeros(1, np.int32))
         kernel.launch_quantize(dx, dy, m, k, status, stream=stream)
@@ -111,17 +116,19 @@ def validate(kernel: Kernel, shape: tuple[int, int, int], seed: int | None = Non
     out = run_poisoned(kernel, inp, m, n, k)
 
     if op.kind == "quantize":
-        expect = F.quantize_q8_1(inp.a.astype(np.float32))
-        got_b = out.view(np.uint8).reshape(m, -1)
-        exp_b = expect.view(np.uint8).reshape(m, -1)
-        bad_blocks = int(np.any(got_b.reshape(-1, F.Q8_1.dtype.itemsize) != exp_b.reshape(-1, F.Q8_1.dtype.itemsize), axis=1).sum())
-        deq_gpu = F.dequantize_q8_1(out).astype(np.float64)
-        deq_cpu = F.dequantize_q8_1(expect).astype(np.float64)
-        poisoned = int(np.all(got_b.reshape(-1, 36) == 0xFF, axis=1).sum())
+        expect = op.cpu(inp.a)
+        item = op.out.dtype.itemsize
+        got_b = out.view(np.uint8).reshape(-1, item)
+        exp_b = expect.view(np.uint8).reshape(-1, item)
+        bad_blocks = int(np.any(got_b != exp_b, axis=1).sum())
+        deq = (lambda v: F.dequantize(v, op.out)) if op.out.quantized else (lambda v: v.astype(np.float32))
+        deq_gpu = deq(out).astype(np.float64)
+        deq_cpu = deq(expect).astype(np.float64)
+        poisoned = int(np.all(got_b == 0xFF, axis=1).sum())
         max_abs = float(np.nanmax(np.abs(deq_gpu - deq_cpu))) if deq_gpu.size else 0.0
         return Result(kernel.name, shape, seed, bad_blocks == 0, max_abs,
                       reference.relative_error(np.nan_to_num(deq_gpu), deq_cpu), F.nmse(np.nan_to_num(deq_gpu), inp.a_float),
-                      poisoned, 0.0, op.nmse_tol, note=f"{bad_blocks} of {m * k // F.QK} blocks differ from qgemm.quantize_q8_1",
+                      poisoned, 0.0, op.nmse_tol, note=f"{bad_blocks} of {got_b.shape[0]} {op.out.name} elements differ from the CPU",
                       detail={"mismatched_blocks": bad_blocks})
 
     exact = op.exact(inp.a, inp.w)

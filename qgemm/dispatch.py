@@ -3,13 +3,15 @@
     c = qgemm.matmul(x, w)                       # x float32/float16 [M, K]; w Q4_0/Q8_0 [N, K/32]
     print(qgemm.explain(512, 4096, 4096, "q4_0"))  # which kernels, which configuration, and why
 
-The whole op, as llama.cpp's MUL_MAT does it: the activations are quantized to Q8_1 on the GPU
-(`quantize.q8_1`), then an integer GEMM runs on Q8_1 x Q4_0/Q8_0:
-- M <= 8 (decode): `w4a8.gemv` / `w8a8.gemv`, which stream each weight byte once;
-- otherwise on sm_80+: `w4a8.mma` / `w8a8.mma` (int8 tensor cores), tile/split-K from `qgemm tune`
-  results when present, else the default heuristic;
-- below sm_80 (no int8 mma.sync m16n8k32): the DP4A kernels `w4a8.vec_dp4a` / `w8a8.tiled_dp4a`.
-`path=` overrides the GEMM kernel (any registered kernel of the right op).
+A prologue kernel prepares the activations on the GPU, then the GEMM runs:
+- M <= 8 (decode): `quantize.q8_1` + `w4a8.gemv` / `w8a8.gemv`, which stream each weight byte
+  once (llama.cpp's own scheme: Q8_1 activations, integer dot products);
+- otherwise on sm_80+: `convert.f16` + `w4a16.mma` / `w8a16.mma` (fp16 tensor cores, the block
+  scales folded into the dequantized weights: measured faster than the int8 `w4a8.mma`, whose
+  per-block float epilogue costs more than its MMAs, and closer to the float result than Q8_1);
+  tile/split-K come from `qgemm tune` results when present, else the default heuristic;
+- below sm_80: the DP4A kernels `w4a8.vec_dp4a` / `w8a8.tiled_dp4a` after `quantize.q8_1`.
+`path=` overrides the GEMM kernel (any registered kernel taking these weights: `w4a8.mma`, ...).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from . import formats as F
 from . import registry, runtime
 
 _DEFAULTS = {
-    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a8.mma", "dp4a": "w4a8.vec_dp4a"},
-    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a8.mma", "dp4a": "w8a8.tiled_dp4a"},
+    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a"},
+    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a"},
 }
 GEMV_MAX_M = 8
 
@@ -36,7 +38,7 @@ class Plan:
     k: int
     fmt: str
     x_dtype: str
-    quantizer: str
+    quantizer: str | None  # the prologue kernel (quantize / convert), None when x is already in the kernel's format
     kernel: str
     defines: dict = field(default_factory=dict)
     source: str = "default"  # "default", "tuned", "override"
@@ -44,14 +46,26 @@ class Plan:
 
     def __str__(self) -> str:
         cfg = " ".join(f"{k}={v}" for k, v in self.defines.items())
-        return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights, {self.x_dtype} activations:\n"
-                f"  1. {self.quantizer}: x -> Q8_1 blocks on the GPU\n"
+        pro = registry.get(self.quantizer).op if self.quantizer else None
+        step1 = f"  1. {self.quantizer}: x -> {pro.out.name} on the GPU\n" if pro else "  1. (x is already in the kernel's format)\n"
+        return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights, {self.x_dtype} activations:\n" + step1 +
                 f"  2. {self.kernel}{' (' + cfg + ')' if cfg else ''} [{self.source}]\n"
                 f"  why: {self.reason}")
 
+    @property
+    def staged_format(self):
+        """(shape, dtype) of the prologue's output buffer, or None."""
+        if self.quantizer is None:
+            return None
+        out = registry.get(self.quantizer).op.out
+        return (self.m, self.k // out.block), out.dtype
+
     def launch(self, dx, dw, dq, dc, status, stream=None) -> None:
-        """Queue the two kernels on device arrays (the hot path: no checks, no allocation)."""
-        registry.get(self.quantizer).launch_quantize(dx, dq, self.m, self.k, status, stream=stream)
+        """Queue the kernels on device arrays (the hot path: no checks, no allocation)."""
+        if self.quantizer is not None:
+            registry.get(self.quantizer).launch_quantize(dx, dq, self.m, self.k, status, stream=stream)
+        else:
+            dq = dx
         registry.get(self.kernel).launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=self.defines or None)
 
 
@@ -63,13 +77,12 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         raise ValueError(f"matmul: activations must be float32 or float16, got {x_dtype}")
     if m <= 0 or n <= 0 or k <= 0 or k % F.QK:
         raise ValueError(f"matmul: need M, N > 0 and K a positive multiple of 32, got M={m} N={n} K={k}")
-    quantizer = "quantize.q8_1" if x_dtype == "f32" else "quantize.q8_1_f16"
     cc = runtime.device_info().cc if runtime.gpu_available() else None
     choice = _DEFAULTS[fmt]
     if path is not None:
         s = registry.spec(path)
-        if s.op.kind != "gemm" or s.op.w.name != fmt or s.op.a.name != "q8_1":
-            raise ValueError(f"matmul: path {path!r} computes {s.op}; for {fmt} weights it must take Q8_1 activations "
+        if s.op.kind != "gemm" or s.op.w is None or s.op.w.name != fmt or s.op.a.name not in ("q8_1", "f16"):
+            raise ValueError(f"matmul: path {path!r} computes {s.op}; for {fmt} weights it must take Q8_1 or f16 activations "
                              f"and {fmt} weights (e.g. {choice['mma']}, {choice['gemv']}, {choice['dp4a']})")
         if s.max_m is not None and m > s.max_m:
             raise ValueError(f"matmul: path {path} handles M <= {s.max_m}, got M={m}")
@@ -79,11 +92,17 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         reason = f"M={m} <= {GEMV_MAX_M}: decode is bound by reading the weights once; a GEMV streams them"
     elif cc is None or cc >= 80:
         name, source = choice["mma"], "default"
-        reason = "int8 tensor cores (mma.sync m16n8k32) for M > 8" + ("" if cc else " (no GPU here: assuming sm_80+)")
+        reason = ("M > 8: fp16 tensor cores with the block scales folded into the dequantized weights "
+                  "(no per-block epilogue)" + ("" if cc else " (no GPU here: assuming sm_80+)"))
     else:
         name, source = choice["dp4a"], "default"
         reason = f"sm_{cc} has no int8 mma.sync m16n8k32: DP4A fallback"
     k_obj = registry.get(name)
+    a_fmt = k_obj.op.a.name
+    if a_fmt == "q8_1":
+        quantizer = "quantize.q8_1" if x_dtype == "f32" else "quantize.q8_1_f16"
+    else:  # f16 activations
+        quantizer = "convert.f16" if x_dtype == "f32" else None
     defines = {}
     if k_obj.spec.config is not None:
         from . import tuning
@@ -181,7 +200,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
             raise ValueError("matmul: activations must be finite")
         dx = runtime.DeviceArray.from_host(np.ascontiguousarray(dx))
         wb = runtime.DeviceArray.from_host(wb)
-    dq = _scratch("q8_1", (m, k // F.QK), F.Q8_1.dtype)
+    staged = p.staged_format
+    dq = _scratch("prologue", *staged) if staged else None
     status = _scratch("status", (1,), np.int32)
     status.fill_bytes(0, stream)
     if out is not None:

@@ -32,10 +32,11 @@ class Op:
     exact_tol: float  # max relative error vs the exact-math reference
     nmse_tol: float  # max NMSE vs float64 ground truth (quantization level)
     exact: Callable | None = None
+    cpu: Callable | None = None  # quantize-kind ops: the CPU function the kernel must match byte for byte
 
     def __str__(self) -> str:
         if self.kind == "quantize":
-            return f"{self.title}: X {self.a} [M,K] -> Y {self.out} [M,K/32]"
+            return f"{self.title}: X {self.a} [M,K] -> Y {self.out} {'[M,K/32]' if self.out.quantized else '[M,K]'}"
         wshape = "[N,K/32]" if self.w.quantized else "[N,K]"
         ashape = "[M,K/32]" if self.a.quantized else "[M,K]"
         return f"{self.title}: A {self.a} {ashape} x W {self.w} {wshape}^T -> C {self.out} [M,N]"
@@ -50,10 +51,16 @@ W4A16 = Op("w4a16", "W4A16", "gemm", F.F32, F.Q4_0, F.F32, "fp32", 2e-5, 2e-2, r
 W8A16 = Op("w8a16", "W8A16", "gemm", F.F32, F.Q8_0, F.F32, "fp32", 2e-5, 1e-3, reference.exact_w8a16)
 W4A8 = Op("w4a8", "W4A8", "gemm", F.Q8_1, F.Q4_0, F.F32, "dp4a", 1e-5, 2e-2, reference.exact_w4a8)
 W8A8 = Op("w8a8", "W8A8", "gemm", F.Q8_1, F.Q8_0, F.F32, "dp4a", 1e-5, 1e-3, reference.exact_w8a8)
-QUANTIZE_Q8_1 = Op("quantize_q8_1", "Quantize to Q8_1", "quantize", F.F32, None, F.Q8_1, "memory", 0.0, 1e-3)
-QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", F.F16, None, F.Q8_1, "memory", 0.0, 1e-3)
+W4A16H = Op("w4a16h", "W4A16 (fp16 MMA)", "gemm", F.F16, F.Q4_0, F.F32, "hmma", 5e-5, 2e-2, reference.exact_w4a16h)
+W8A16H = Op("w8a16h", "W8A16 (fp16 MMA)", "gemm", F.F16, F.Q8_0, F.F32, "hmma", 5e-5, 1e-3, reference.exact_w8a16h)
+QUANTIZE_Q8_1 = Op("quantize_q8_1", "Quantize to Q8_1", "quantize", F.F32, None, F.Q8_1, "memory", 0.0, 1e-3,
+                   cpu=lambda x: F.quantize_q8_1(x))
+QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", F.F16, None, F.Q8_1, "memory", 0.0, 1e-3,
+                       cpu=lambda x: F.quantize_q8_1(np.asarray(x, dtype=np.float32)))
+CONVERT_F16 = Op("convert_f16", "Convert to f16", "quantize", F.F32, None, F.F16, "memory", 0.0, 1e-6,
+                 cpu=lambda x: np.asarray(x, dtype=np.float32).astype(np.float16))
 
-OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, QUANTIZE_Q8_1, QUANTIZE_Q8_1_F16)}
+OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, QUANTIZE_Q8_1, QUANTIZE_Q8_1_F16, CONVERT_F16)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,8 +290,8 @@ class Kernel:
         m, k = dx.shape if device else x.shape
         if not device and x.ndim != 2:
             raise ValueError(f"{self.name}: X must be 2-D [M, K], got shape {x.shape}")
-        if k <= 0 or k % F.QK:
-            raise ValueError(f"{self.name}: K must be a positive multiple of {F.QK}, got K={k}")
+        if k <= 0 or k % self.op.out.block:
+            raise ValueError(f"{self.name}: K must be a positive multiple of {self.op.out.block}, got K={k}")
         if m <= 0:
             raise ValueError(f"{self.name}: M must be positive, got M={m}")
         if not device:
@@ -292,14 +299,14 @@ class Kernel:
                 raise ValueError(f"{self.name}: input must be finite")
             dx = runtime.DeviceArray.from_host(x)
         self._module()
-        dy = self._out(out, (m, k // F.QK), self.op.out.dtype)
+        dy = self._out(out, (m, k // self.op.out.block), self.op.out.dtype)
         status = runtime.DeviceArray.from_host(np.zeros(1, dtype=np.int32))
         self.launch_quantize(dx, dy, m, k, status, stream=stream)
         flag = int(status.to_host()[0])  # one int: the price of turning bad data into an exception
         if flag & 1:
             raise ValueError(f"{self.name}: input must be finite; found inf or NaN")
         if flag & 2:
-            raise ValueError(f"{self.name}: a block's scale d or sum s overflows half (max 65504); scale the input down")
+            raise ValueError(f"{self.name}: a value, a block's scale d or sum s overflows half (max 65504); scale the input down")
         if device:
             return out if out is not None else dy
         return dy.to_host()

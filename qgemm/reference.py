@@ -36,6 +36,26 @@ def exact_w8a16(a: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
     return truth(np.asarray(a, dtype=np.float32), F.dequantize_q8_0(w_q8_0))
 
 
+def dequantize_to_f16(w: np.ndarray, fmt: str) -> np.ndarray:
+    """Weights as the fp16 tensor-core kernels see them: d * (q - 8) (Q4_0) or d * q (Q8_0)
+    computed from the half d and rounded once to float16 (HMUL2, round to nearest even)."""
+    f = F.get_format(fmt)
+    b = F.as_blocks(w, f, "W")
+    q = F.unpack_q4_0(b).astype(np.float32) - 8 if f.name == "q4_0" else b["qs"].reshape(b.shape[0], -1).astype(np.float32)
+    d = np.repeat(b["d"].astype(np.float32), F.QK, axis=-1).reshape(q.shape)
+    return (d * q).astype(np.float16)  # the float32 product of two halves is exact; one rounding
+
+
+def exact_w4a16h(a_f16: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
+    """W4A16 on fp16 tensor cores: float16 activations x fp16-rounded dequantized Q4_0, exactly."""
+    return truth(np.asarray(a_f16, dtype=np.float16), dequantize_to_f16(w_q4_0, "q4_0"))
+
+
+def exact_w8a16h(a_f16: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
+    """W8A16 on fp16 tensor cores: float16 activations x fp16-rounded dequantized Q8_0, exactly."""
+    return truth(np.asarray(a_f16, dtype=np.float16), dequantize_to_f16(w_q8_0, "q8_0"))
+
+
 def block_sumi(qa: np.ndarray, qw: np.ndarray) -> np.ndarray:
     """Per-block integer dot products: qa [M, nb, 32] x qw [N, nb, 32] -> int64 [M, N, nb].
 
@@ -97,6 +117,8 @@ EXACT = {
     "w8a16": exact_w8a16,
     "w4a8": exact_w4a8,
     "w8a8": exact_w8a8,
+    "w4a16h": exact_w4a16h,
+    "w8a16h": exact_w8a16h,
 }
 
 

@@ -103,6 +103,25 @@ def _mma_candidates(m: int, n: int, k: int) -> list[dict]:
     return out
 
 
+# ---- fp16 tensor-core W4A16 / W8A16 (common/mma_f16.cuh) ------------------------------------
+def _hf_geometry(wfmt: str):
+    def geometry(m: int, n: int, k: int, d: dict) -> Launch:
+        bm, bn = d["MMA_BM"], d["MMA_BN"]
+        threads = 32 * d["MMA_WARPS_M"] * d["MMA_WARPS_N"]
+        smem = d["MMA_STAGES"] * (bm * 272 + bn * _MMA_W_ROW[wfmt])
+        split = d["MMA_SPLITK"]
+        return Launch(grid=(cdiv(n, bn), cdiv(m, bm), split), block=(threads, 1, 1), shmem=smem, zero_output=split > 1)
+    return geometry
+
+
+def _hf_config(m: int, n: int, k: int, sm_count: int) -> dict:
+    return {**_mma_config(m, n, k, sm_count), "MMA_STAGES": 3}
+
+
+def _hf_candidates(m: int, n: int, k: int) -> list[dict]:
+    return [d for d in _mma_candidates(m, n, k) if d["MMA_BM"] * 272 * d["MMA_STAGES"] + d["MMA_BN"] * 144 * d["MMA_STAGES"] <= 227 * 1024]
+
+
 # ---- decode GEMV (common/gemv.cuh) ----------------------------------------------------------
 def _gemv_geometry(m: int, n: int, k: int, d: dict) -> Launch:
     per_cta = d["GEMV_COLS"] * d["GEMV_WARPS"]
@@ -134,6 +153,9 @@ _SPECS = [
                "FP32 GEMM, 64x64 shared-memory tiles, 4x4 outputs per thread"),
     KernelSpec("quantize.q8_1", ops.QUANTIZE_Q8_1, 2, "quantize/q8_1.cu", "quantize_q8_1", _quantize_rows,
                "float32 activations -> Q8_1 blocks (d, s = sum x), as ggml-cuda's quantize_q8_1"),
+    KernelSpec("convert.f16", ops.CONVERT_F16, 2, "convert/f32_to_f16.cu", "convert_f32_to_f16",
+               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
+               "float32 activations -> float16 (round to nearest even), the prologue of the fp16 tensor-core path"),
     KernelSpec("quantize.q8_1_f16", ops.QUANTIZE_Q8_1_F16, 2, "quantize/q8_1_f16.cu", "quantize_q8_1_f16", _quantize_rows,
                "float16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)"),
     KernelSpec("w4a16.naive", ops.W4A16, 3, "w4a16/naive.cu", "w4a16_naive", _thread_per_output,
@@ -166,6 +188,12 @@ _SPECS = [
     KernelSpec("w8a8.mma", ops.W8A8, 6, "w8a8/mma.cu", "w8a8_mma", _mma_geometry("q8_0"),
                "production: Q8_1 x Q8_0 on int8 tensor cores (mma.sync m16n8k32), cp.async stages, split-K",
                min_arch=80, config=_mma_config, candidates=_mma_candidates, unit="imma"),
+    KernelSpec("w4a16.mma", ops.W4A16H, 6, "w4a16/mma.cu", "w4a16_mma", _hf_geometry("q4_0"),
+               "production: f16 activations x Q4_0 on fp16 tensor cores (mma.sync m16n8k16), scales folded into the dequant",
+               min_arch=80, config=_hf_config, candidates=_hf_candidates, unit="hmma"),
+    KernelSpec("w8a16.mma", ops.W8A16H, 6, "w8a16/mma.cu", "w8a16_mma", _hf_geometry("q8_0"),
+               "production: f16 activations x Q8_0 on fp16 tensor cores (mma.sync m16n8k16), scales folded into the dequant",
+               min_arch=80, config=_hf_config, candidates=_hf_candidates, unit="hmma"),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

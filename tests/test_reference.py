@@ -11,6 +11,8 @@ import pytest
 from qgemm import formats as F
 from qgemm import reference as R
 
+import qgemm
+
 F32 = np.float32
 
 
@@ -165,7 +167,7 @@ def test_exact_w8a16_matches_slow_loop(small_case):
 
 
 def test_exact_table_and_fp32():
-    assert set(R.EXACT) == {"fp32", "w4a16", "w8a16", "w4a8", "w8a8"}
+    assert set(R.EXACT) == {"fp32", "w4a16", "w8a16", "w4a8", "w8a8", "w4a16h", "w8a16h"}
     a = np.array([[1.0, 2.0, 3.0]], dtype=np.float64)
     w = np.array([[0.1, 0.2, 0.3], [1.0, 0.0, -1.0]])
     got = R.exact_fp32(a, w)
@@ -262,3 +264,15 @@ def test_relative_error_and_nmse_properties():
     a32 = np.array([1.0, 1.0 + 2**-20], dtype=F32)
     b32 = np.array([1.0, 1.0], dtype=F32)
     assert F.nmse(a32, b32) == pytest.approx(2.0**-40 / 2, rel=1e-12)
+
+
+def test_fp16_dequant_reference_rounds_once():
+    rng = np.random.default_rng()
+    w = qgemm.quantize_q4_0(rng.standard_normal((3, 64), dtype=np.float32))
+    h = R.dequantize_to_f16(w, "q4_0")
+    exact = qgemm.dequantize_q4_0(w)  # float32 d*(q-8), exact
+    assert h.dtype == np.float16 and np.array_equal(h, exact.astype(np.float16))
+    w8 = qgemm.quantize_q8_0(rng.standard_normal((3, 64), dtype=np.float32))
+    assert np.array_equal(R.dequantize_to_f16(w8, "q8_0"), qgemm.dequantize_q8_0(w8).astype(np.float16))
+    a = rng.standard_normal((2, 64)).astype(np.float16)
+    np.testing.assert_allclose(R.exact_w4a16h(a, w), a.astype(np.float64) @ h.astype(np.float64).T, rtol=1e-12)

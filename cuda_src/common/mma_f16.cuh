@@ -1,0 +1,203 @@
+// Q4_0 / Q8_0 weights x float16 activations on fp16 tensor cores (mma.sync m16n8k16, fp32
+// accumulate): the W4A16 production path.
+//
+// Why a second production path: with int8 MMA (common/mma_gemm.cuh) every 32-wide block adds a
+// float epilogue per *output* (convert sumi, two FMAs), which costs more issue slots than the MMA.
+// Here the block scale is folded into the weights while they are dequantized to fp16 -- a cost per
+// *weight element*, shared by the BM rows of the tile -- and the MMAs accumulate across blocks
+// with no epilogue at all. Activations stay fp16 (no Q8_1 rounding), so the result is closer to
+// the float truth than llama.cpp's W4A8.
+//
+// Fragments (PTX ISA, mma.m16n8k16 .f16): with g = lane / 4, t = lane % 4,
+//     A 16x16 row-major: loaded with ldmatrix.x4 from the fp16 tile (rows padded to 136 halves =
+//                        272 B = 17 x 16 B: the 8 row addresses of each 8x8 matrix hit distinct banks)
+//     B 16x8 col-major:  b0 = {B[2t][g], B[2t+1][g]},  b1 = {B[2t+8][g], B[2t+9][g]}
+// A 32-value quant block is two k16 steps. For Q4_0 the values 2t, 2t+1, 2t+8, 2t+9 of step 0 are
+// the LOW nibbles of qs[2t], qs[2t+1], qs[2t+8], qs[2t+9] and those of step 1 are the HIGH nibbles
+// of the same four bytes: one 32-bit gather gives a thread both steps. A nibble v becomes the
+// half 1024 + v by byte-permuting it under 0x64 (the exponent of 1024), subtracting 1032 gives
+// v - 8 exactly, and one HMUL2 by d gives d (v - 8) rounded once to fp16 -- which is what
+// qgemm.reference.exact_w4a16h models. Q8_0 bytes get the same treatment with x ^ 0x80 and 1152.
+//
+// Staging: cp.async, MMA_STAGES deep: fp16 activations in 16-byte pieces, weight blocks in 8-byte
+// pieces (raw bytes, rows padded to 80 B for Q4_0 / 144 B for Q8_0); the same 2-byte fallback as
+// the int8 kernel when rows are not aligned or K is not a multiple of 128.
+#pragma once
+#include "common/mma_gemm.cuh"
+
+#define HF_A_ROW 272  // 128 halves of K per stage + 8 halves of padding, in bytes
+
+static __device__ __forceinline__ void mma_f16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                               unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+// 4 bytes [x0 x1 x2 x3] (each < 256 after the bias) -> half2(1024 + x0, 1024 + x1), half2(1024 + x2, 1024 + x3)
+static __device__ __forceinline__ void bytes_to_h2(unsigned x, unsigned& lo, unsigned& hi) {
+    lo = __byte_perm(x, 0x64646464u, 0x5140);
+    hi = __byte_perm(x, 0x64646464u, 0x7362);
+}
+
+static __device__ __forceinline__ unsigned h2_affine(unsigned v, __half2 bias, __half2 d) {
+    __half2 h = *reinterpret_cast<__half2*>(&v);
+    h = __hmul2(__hsub2(h, bias), d);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+struct HfQ4_0 {
+    typedef block_q4_0 block_w;
+    static constexpr int BYTES = 18;
+    static constexpr int ROW = 80;
+    // B fragments of k-steps 0 and 1 of block b for W row `row`
+    static __device__ __forceinline__ void frags(const unsigned char* row, int b, int t, unsigned (&bf)[2][2]) {
+        const unsigned char* qs = row + b * 18 + 2;
+        const unsigned x = (unsigned)lds16(qs + 2 * t) | ((unsigned)lds16(qs + 2 * t + 8) << 16);
+        const __half d = *(const __half*)(row + b * 18);
+        const __half2 d2 = __half2half2(d);
+        const __half2 bias = __float2half2_rn(1032.0f);
+        unsigned l0, l1, h0, h1;
+        bytes_to_h2(x & 0x0F0F0F0Fu, l0, l1);
+        bytes_to_h2((x >> 4) & 0x0F0F0F0Fu, h0, h1);
+        bf[0][0] = h2_affine(l0, bias, d2);
+        bf[0][1] = h2_affine(l1, bias, d2);
+        bf[1][0] = h2_affine(h0, bias, d2);
+        bf[1][1] = h2_affine(h1, bias, d2);
+    }
+};
+
+struct HfQ8_0 {
+    typedef block_q8_0 block_w;
+    static constexpr int BYTES = 34;
+    static constexpr int ROW = 144;
+    static __device__ __forceinline__ void frags(const unsigned char* row, int b, int t, unsigned (&bf)[2][2]) {
+        const unsigned char* qs = row + b * 34 + 2;
+        const __half d = *(const __half*)(row + b * 34);
+        const __half2 d2 = __half2half2(d);
+        const __half2 bias = __float2half2_rn(1152.0f);  // 1024 + 128: the sign bias below
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            const unsigned x = ((unsigned)lds16(qs + 16 * s + 2 * t) | ((unsigned)lds16(qs + 16 * s + 2 * t + 8) << 16)) ^ 0x80808080u;
+            unsigned v0, v1;
+            bytes_to_h2(x, v0, v1);
+            bf[s][0] = h2_affine(v0, bias, d2);
+            bf[s][1] = h2_affine(v1, bias, d2);
+        }
+    }
+};
+
+// fp16 activation rows [r0, r0+BM) x K values [k0, k0 + 128) -> sA rows of HF_A_ROW bytes
+static __device__ __forceinline__ void hf_stage_a(unsigned char* sA, const __half* __restrict__ A, int M, int K, int r0,
+                                                  int k0, bool fast) {
+    if (fast) {
+        for (int i = threadIdx.x; i < MMA_BM * 16; i += MMA_THREADS) {
+            const int r = i / 16, c = i % 16;
+            cp_async16(sA + r * HF_A_ROW + c * 16, A + (size_t)min(r0 + r, M - 1) * K + k0 + c * 8);
+        }
+    } else {
+        for (int i = threadIdx.x; i < MMA_BM * 128; i += MMA_THREADS) {
+            const int r = i / 128, c = i % 128;
+            const __half v = (k0 + c < K) ? A[(size_t)min(r0 + r, M - 1) * K + k0 + c] : __float2half(0.0f);
+            *(__half*)(sA + r * HF_A_ROW + 2 * c) = v;
+        }
+    }
+}
+
+template <typename WF>
+static __device__ __forceinline__ void mma_f16_gemm(const __half* __restrict__ A, const typename WF::block_w* __restrict__ W,
+                                                    float* __restrict__ C, int M, int N, int K) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    constexpr int A_STAGE = MMA_BM * HF_A_ROW;
+    constexpr int W_STAGE = MMA_BN * WF::ROW;
+    unsigned char* sA = smem;
+    unsigned char* sW = smem + MMA_STAGES * A_STAGE;
+
+    const int nb = K / QK;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int wm = warp / MMA_WARPS_N, wn = warp % MMA_WARPS_N;
+    const int m0 = blockIdx.y * MMA_BM, n0 = blockIdx.x * MMA_BN;
+
+    const int n_stages_total = (nb + MMA_BK - 1) / MMA_BK;
+    const int per_split = (n_stages_total + MMA_SPLITK - 1) / MMA_SPLITK;
+    const int s_begin = blockIdx.z * per_split;
+    const int s_end = min(n_stages_total, s_begin + per_split);
+    const int n_stages = max(s_end - s_begin, 0);
+    const bool aligned = (nb % MMA_BK) == 0 && (((size_t)A) & 15) == 0 && (((size_t)W) & 7) == 0;
+
+    auto load_stage = [&](int s, int buf) {
+        const int b0 = (s_begin + s) * MMA_BK;
+        hf_stage_a(sA + buf * A_STAGE, A, M, K, m0, b0 * QK, aligned);
+        stage_rows<MMA_BN, WF::BYTES, WF::ROW, 8>(sW + buf * W_STAGE, (const unsigned char*)W, N, nb, n0, b0, aligned);
+    };
+
+    float acc[MMA_MT][MMA_NT][4];
+#pragma unroll
+    for (int i = 0; i < MMA_MT; ++i)
+#pragma unroll
+        for (int j = 0; j < MMA_NT; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < MMA_STAGES - 1; ++s) {
+        if (s < n_stages) load_stage(s, s);
+        cp_async_commit();
+    }
+    for (int s = 0; s < n_stages; ++s) {
+        cp_async_wait<MMA_STAGES - 2>();
+        __syncthreads();
+        const int next = s + MMA_STAGES - 1;
+        if (next < n_stages) load_stage(next, next % MMA_STAGES);
+        cp_async_commit();
+
+        const unsigned char* a_st = sA + (s % MMA_STAGES) * A_STAGE;
+        const unsigned char* w_st = sW + (s % MMA_STAGES) * W_STAGE;
+#pragma unroll
+        for (int b = 0; b < MMA_BK; ++b) {
+            unsigned bf[MMA_NT][2][2];
+#pragma unroll
+            for (int j = 0; j < MMA_NT; ++j) WF::frags(w_st + (wn * MMA_WN + j * 8 + g) * WF::ROW, b, t, bf[j]);
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+                for (int i = 0; i < MMA_MT; ++i) {
+                    unsigned af[4];
+                    const int row = wm * MMA_WM + i * 16 + (lane % 16);
+                    const int col = b * 32 + ks * 16 + (lane / 16) * 8;
+                    ldmatrix_x4(af, a_st + row * HF_A_ROW + col * 2);
+#pragma unroll
+                    for (int j = 0; j < MMA_NT; ++j) mma_f16(acc[i][j], af[0], af[1], af[2], af[3], bf[j][ks][0], bf[j][ks][1]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int i = 0; i < MMA_MT; ++i)
+#pragma unroll
+        for (int j = 0; j < MMA_NT; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = m0 + wm * MMA_WM + i * 16 + g + 8 * h;
+                const int n = n0 + wn * MMA_WN + j * 8 + 2 * t;
+                if (m >= M) continue;
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    if (n + q >= N) continue;
+                    float* dst = &C[(size_t)m * N + n + q];
+                    if (MMA_SPLITK > 1) atomicAdd(dst, acc[i][j][2 * h + q]);
+                    else *dst = acc[i][j][2 * h + q];
+                }
+            }
+}
