@@ -60,6 +60,18 @@ class Plan:
         out = registry.get(self.quantizer).op.out
         return (self.m, self.k // out.block), out.dtype
 
+    def reference(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The exact-math result of this plan on host arrays (float64): the prologue's output as
+        the CPU computes it, byte for byte, then the kernel's reference."""
+        op = registry.get(self.kernel).op
+        x = np.asarray(x)
+        staged = registry.get(self.quantizer).op.cpu(x) if self.quantizer else x
+        return op.exact(staged, w)
+
+    @property
+    def op(self):
+        return registry.get(self.kernel).op
+
     def launch(self, dx, dw, dq, dc, status, stream=None) -> None:
         """Queue the kernels on device arrays (the hot path: no checks, no allocation)."""
         if self.quantizer is not None:

@@ -272,19 +272,17 @@ def test_matmul_matches_references(fmt, m, n, k, rng):
     w_f = rng.standard_normal((n, k), dtype=np.float32)
     w = F.quantize(w_f, fmt)
     c = qgemm.matmul(x, w)
-    a = F.quantize_q8_1(x)
-    exact = (qgemm.reference.exact_w4a8 if fmt == "q4_0" else qgemm.reference.exact_w8a8)(a, w)
-    op = qgemm.get("w4a8.mma" if fmt == "q4_0" else "w8a8.mma").op
-    r = check.compare("matmul", op, (m, n, k), 0, c, exact, qgemm.reference.truth(x, w_f), x, w_f)
-    assert r.passed, (qgemm.plan(m, n, k, fmt).kernel, r)
+    p = qgemm.plan(m, n, k, fmt)
+    r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(x, w), qgemm.reference.truth(x, w_f), x, w_f)
+    assert r.passed, (p.kernel, r)
 
 
 def test_matmul_f16_and_override(rng):
     x = rng.standard_normal((40, 256), dtype=np.float32).astype(np.float16)
     w = qgemm.quantize_q4_0(rng.standard_normal((70, 256), dtype=np.float32))
-    exact = qgemm.reference.exact_w4a8(F.quantize_q8_1(x.astype(np.float32)), w)
-    for path in (None, "w4a8.tiled_dp4a", "w4a8.dp4a", "w4a8.mma"):
-        np.testing.assert_allclose(qgemm.matmul(x, w, path=path), exact, rtol=1e-5, atol=1e-3)
+    for path in (None, "w4a8.tiled_dp4a", "w4a8.dp4a", "w4a8.mma", "w4a16.mma"):
+        p = qgemm.plan(40, 70, 256, "q4_0", x_dtype="f16", path=path)
+        np.testing.assert_allclose(qgemm.matmul(x, w, path=path), p.reference(x, w), rtol=1e-5, atol=1e-3, err_msg=str(path))
 
 
 def test_matmul_device_tensors_torch(rng):
@@ -298,7 +296,7 @@ def test_matmul_device_tensors_torch(rng):
         out = torch.full((m, 96), float("nan"), device="cuda")
         assert qgemm.matmul(x, w, fmt="q8_0", out=out) is out
         torch.cuda.synchronize()
-        exact = qgemm.reference.exact_w8a8(F.quantize_q8_1(x.cpu().numpy()), wq)
+        exact = qgemm.plan(m, 96, 512, "q8_0").reference(x.cpu().numpy(), wq)
         np.testing.assert_allclose(out.cpu().numpy(), exact, rtol=1e-5, atol=1e-3)
 
 
