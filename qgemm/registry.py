@@ -86,7 +86,7 @@ def _mma_config(m: int, n: int, k: int, sm_count: int) -> dict:
     split = 1
     if ctas < sm_count:
         split = max(1, min(sm_count // ctas, stages_k // 4, 8))
-    return {"MMA_BM": bm, "MMA_BN": 128, "MMA_WARPS_M": 2, "MMA_WARPS_N": 4, "MMA_STAGES": 4, "MMA_SPLITK": split}
+    return {"MMA_BM": bm, "MMA_BN": 128, "MMA_WARPS_M": 2, "MMA_WARPS_N": 4, "MMA_STAGES": 4, "MMA_SPLITK": split, "MMA_MINB": 1}
 
 
 def _mma_candidates(m: int, n: int, k: int) -> list[dict]:
@@ -99,7 +99,11 @@ def _mma_candidates(m: int, n: int, k: int) -> list[dict]:
                     continue
                 if bm > 2 * max(m, 16) and bm > 32:
                     continue
-                out.append({"MMA_BM": bm, "MMA_BN": bn, "MMA_WARPS_M": wm, "MMA_WARPS_N": wn, "MMA_STAGES": stages, "MMA_SPLITK": split})
+                out.append({"MMA_BM": bm, "MMA_BN": bn, "MMA_WARPS_M": wm, "MMA_WARPS_N": wn, "MMA_STAGES": stages, "MMA_SPLITK": split,
+                            "MMA_MINB": 1})
+    # two CTAs per SM: registers capped by __launch_bounds__, two stages to fit the shared memory
+    for bm, bn, wm, wn in ((128, 128, 2, 4), (64, 128, 2, 4), (128, 64, 4, 2)):
+        out.append({"MMA_BM": bm, "MMA_BN": bn, "MMA_WARPS_M": wm, "MMA_WARPS_N": wn, "MMA_STAGES": 2, "MMA_SPLITK": 1, "MMA_MINB": 2})
     return out
 
 
@@ -119,7 +123,8 @@ def _hf_config(m: int, n: int, k: int, sm_count: int) -> dict:
 
 
 def _hf_candidates(m: int, n: int, k: int) -> list[dict]:
-    return [d for d in _mma_candidates(m, n, k) if d["MMA_BM"] * 272 * d["MMA_STAGES"] + d["MMA_BN"] * 144 * d["MMA_STAGES"] <= 227 * 1024]
+    return [d for d in _mma_candidates(m, n, k)
+            if (d["MMA_BM"] * 272 + d["MMA_BN"] * 144) * d["MMA_STAGES"] * d["MMA_MINB"] <= 227 * 1024]
 
 
 # ---- decode GEMV (common/gemv.cuh) ----------------------------------------------------------

@@ -50,6 +50,16 @@
 #ifndef MMA_SPLITK
 #define MMA_SPLITK 1
 #endif
+#ifndef MMA_MINB
+#define MMA_MINB 1  // __launch_bounds__ min blocks per SM: 2 caps registers so two CTAs fit
+#endif
+// (an explicit min-blocks of 1 made ptxas for sm_80 use 255 registers and spill, so it is only
+// passed when > 1)
+#if MMA_MINB > 1
+#define MMA_LAUNCH_BOUNDS __launch_bounds__(MMA_THREADS, MMA_MINB)
+#else
+#define MMA_LAUNCH_BOUNDS __launch_bounds__(MMA_THREADS)
+#endif
 #define MMA_BK 4  // quant blocks per stage (128 values of K)
 #define MMA_THREADS (32 * MMA_WARPS_M * MMA_WARPS_N)
 #define MMA_WM (MMA_BM / MMA_WARPS_M)
