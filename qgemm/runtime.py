@@ -283,6 +283,10 @@ def synchronize(stream=None) -> None:
 # device arrays
 
 
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+_DL_CUDA_TYPES = (_DL_CUDA, _DL_CUDA_MANAGED)
+
+
 def _typestr(dtype: np.dtype) -> str:
     return dtype.str if dtype.fields is None else f"|V{dtype.itemsize}"
 
@@ -346,6 +350,51 @@ class DeviceArray:
         if ptr == 0 and int(np.prod(shape)) > 0:
             raise ValueError("device array has a null data pointer")
         return cls(ptr, shape, dtype, owner=obj)
+
+    @classmethod
+    def from_dlpack(cls, obj, stream=None) -> "DeviceArray":
+        """Wrap (without copying) an object exposing __dlpack__ (torch, CuPy, JAX...), through
+        cuda.core's StridedMemoryView; the producer's pending work is ordered before `stream`."""
+        from cuda.core.utils import StridedMemoryView
+
+        dev_type, dev_id = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else (None, None)
+        if dev_type == _DL_CPU:
+            raise ValueError(f"expected a device (CUDA) array, got a host array ({type(obj).__name__} on the CPU); "
+                             "pass a numpy array for host data, or move it to the GPU first")
+        if dev_type is not None and dev_type not in _DL_CUDA_TYPES:
+            raise ValueError(f"expected a CUDA device array, got a DLPack tensor on device type {dev_type}")
+        if dev_id not in (None, 0):
+            raise ValueError(f"expected an array on CUDA device 0 (qgemm's device), got one on device {dev_id}")
+        s = as_stream(stream)
+        view = _wrap("StridedMemoryView(__dlpack__)", StridedMemoryView, obj, int(s.handle))
+        if not view.is_device_accessible:
+            raise ValueError(f"expected a device array, got host memory from {type(obj).__name__}")
+        shape = tuple(view.shape)
+        strides = view.strides
+        if strides is not None:
+            expected, acc = [], 1
+            for d in reversed(shape):
+                expected.append(acc)
+                acc *= d
+            if tuple(strides) != tuple(reversed(expected)) and int(np.prod(shape)) > 1:
+                raise ValueError(f"device array must be C-contiguous: shape {shape}, strides {tuple(strides)} (elements)")
+        return cls(int(view.ptr), shape, np.dtype(view.dtype), owner=(view, obj))
+
+    # -- DLPack export -------------------------------------------------------------------------
+    def __dlpack_device__(self):
+        return (_DL_CUDA, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """Export through cuda.core's StridedMemoryView, so torch.from_dlpack / cupy.from_dlpack
+        take qgemm's results without a copy. Block dtypes have no DLPack type: export
+        `.bytes_view()` instead."""
+        if self.dtype.fields is not None:
+            raise BufferError(f"{self.dtype} blocks have no DLPack dtype; export arr.bytes_view() (uint8) instead")
+        from cuda.core.utils import StridedMemoryView
+
+        view = StridedMemoryView.from_cuda_array_interface(self, stream_ptr=-1)
+        kw = {k: v for k, v in (("stream", stream), ("max_version", max_version), ("dl_device", dl_device), ("copy", copy)) if v is not None}
+        return view.__dlpack__(**kw)
 
     # -- properties ----------------------------------------------------------------------------
     @property
@@ -449,13 +498,26 @@ class DeviceArray:
 
 
 def is_device_array(obj) -> bool:
-    return isinstance(obj, DeviceArray) or hasattr(obj, "__cuda_array_interface__")
+    """True for qgemm/torch/CuPy device arrays (CUDA Array Interface, or DLPack on a CUDA device);
+    numpy arrays and CPU tensors are host arrays."""
+    if isinstance(obj, DeviceArray) or hasattr(obj, "__cuda_array_interface__"):
+        return True
+    if isinstance(obj, np.ndarray) or not hasattr(obj, "__dlpack_device__"):
+        return False
+    try:
+        return obj.__dlpack_device__()[0] != _DL_CPU
+    except Exception:
+        return False
 
 
-def as_device_array(obj) -> DeviceArray:
+def as_device_array(obj, stream=None) -> DeviceArray:
     if isinstance(obj, DeviceArray):
         return obj
-    return DeviceArray.from_cai(obj)
+    if hasattr(obj, "__cuda_array_interface__"):
+        return DeviceArray.from_cai(obj)
+    if hasattr(obj, "__dlpack__"):
+        return DeviceArray.from_dlpack(obj, stream)
+    raise ValueError(f"expected a device array (__cuda_array_interface__ or __dlpack__), got {type(obj).__name__}")
 
 
 # ---------------------------------------------------------------------------------------------

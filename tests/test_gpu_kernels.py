@@ -336,3 +336,50 @@ def test_tune_stores_and_matmul_uses_it(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning):
         assert qgemm.plan(4, 1024, 1024, "q4_0").source == "default"
     tuning.forget_cache()
+
+
+# ------------------------------------------------------------------------------------------
+# DLPack in and out, caller streams
+
+class _DLPackOnly:
+    """Exposes only DLPack (no __cuda_array_interface__), to force that path."""
+
+    def __init__(self, t):
+        self._t = t
+
+    def __dlpack__(self, **kw):
+        return self._t.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._t.__dlpack_device__()
+
+
+def test_dlpack_inputs_outputs_and_streams(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    wq = qgemm.quantize_q4_0(rng.standard_normal((64, 256), dtype=np.float32))
+    w = torch.from_numpy(wq.view(np.uint8).reshape(64, -1).copy()).cuda()
+    x = torch.randn(5, 256, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        c = qgemm.matmul(_DLPackOnly(x), _DLPackOnly(w), fmt="q4_0", stream=torch.cuda.current_stream())
+    s.synchronize()
+    t = torch.from_dlpack(c)  # qgemm's result, wrapped without a copy
+    assert t.data_ptr() == c.ptr and t.shape == (5, 64)
+    np.testing.assert_allclose(t.cpu().numpy(), qgemm.plan(5, 64, 256, "q4_0").reference(x.cpu().numpy(), wq), rtol=1e-5, atol=1e-3)
+    q = qgemm.get("quantize.q8_1")(_DLPackOnly(x))
+    assert q.bytes_view().to_host().tobytes() == F.quantize_q8_1(x.cpu().numpy()).tobytes()
+    with pytest.raises(BufferError, match="bytes_view"):
+        torch.from_dlpack(q)
+    with pytest.raises(ValueError, match="host array|both be host"):
+        qgemm.matmul(x.cpu(), w, fmt="q4_0")
+
+
+def test_cupy_dlpack_roundtrip(rng):
+    cp = pytest.importorskip("cupy")
+    x = cp.asarray(rng.standard_normal((4, 128), dtype=np.float32))
+    w = cp.asarray(rng.standard_normal((8, 128), dtype=np.float32))
+    c = qgemm.get("fp32.tiled")(_DLPackOnly(x), _DLPackOnly(w))
+    y = cp.from_dlpack(c)
+    np.testing.assert_allclose(cp.asnumpy(y), cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(w).T, rtol=1e-5, atol=1e-4)
