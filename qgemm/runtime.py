@@ -365,8 +365,10 @@ class DeviceArray:
             raise ValueError(f"expected a CUDA device array, got a DLPack tensor on device type {dev_type}")
         if dev_id not in (None, 0):
             raise ValueError(f"expected an array on CUDA device 0 (qgemm's device), got one on device {dev_id}")
-        s = as_stream(stream)
-        view = _wrap("StridedMemoryView(__dlpack__)", StridedMemoryView, obj, int(s.handle))
+        # -1: no extra ordering. Right for the legacy default stream (handle 0), which already
+        # orders itself after other blocking streams; a real stream gets the producer's event.
+        handle = int(as_stream(stream).handle) if stream is not None else 0
+        view = _wrap("StridedMemoryView(__dlpack__)", StridedMemoryView, obj, handle if handle else -1)
         if not view.is_device_accessible:
             raise ValueError(f"expected a device array, got host memory from {type(obj).__name__}")
         shape = tuple(view.shape)
