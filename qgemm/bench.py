@@ -140,7 +140,7 @@ def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[flo
 
 
 def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters: int = 50,
-            cold: bool = False, seed: int = 0) -> Profile:
+            cold: bool = False, seed: int = 0, weights: np.ndarray | None = None) -> Profile:
     m, n, k = shape
     op = kernel.op
     info = runtime.device_info()
@@ -150,7 +150,7 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
         sets = max(2, int(np.ceil(2 * max(info.l2_bytes, 1) / max(nbytes, 1))) + 1)
         sets = min(sets, 64)
     rng = np.random.default_rng(seed)
-    inp = make_inputs(op, m, n, k, rng)
+    inp = make_inputs(op, m, n, k, rng, weights)
     kernel._module()  # compile and load before any timing
     if op.kind == "quantize":
         xs = [runtime.DeviceArray.from_host(inp.a) for _ in range(sets)]

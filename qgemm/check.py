@@ -46,7 +46,10 @@ class Inputs:
     w: np.ndarray | None
 
 
-def make_inputs(op: Op, m: int, n: int, k: int, rng: np.random.Generator) -> Inputs:
+def make_inputs(op: Op, m: int, n: int, k: int, rng: np.random.Generator, weights: np.ndarray | None = None) -> Inputs:
+    """Fresh Gaussian operands in the op's formats. `weights` (e.g. a tensor loaded from a GGUF
+    file, in the op's W format) replaces the random weights; the float64 truth then uses its
+    dequantized values, so the NMSE measures the activation side alone."""
     if k % op.k_multiple:
         raise ValueError(f"{op.name}: K must be a multiple of {op.k_multiple}, got K={k}")
     a_f = rng.standard_normal((m, k), dtype=np.float32)
@@ -59,6 +62,10 @@ def make_inputs(op: Op, m: int, n: int, k: int, rng: np.random.Generator) -> Inp
     if op.kind == "quantize":
         x = a_f.astype(op.a.dtype)
         return Inputs(x.astype(np.float32), None, x, None)
+    if weights is not None:
+        w = weights
+        w_f = F.dequantize(w, op.w) if op.w.quantized else np.asarray(w, dtype=np.float32)
+        return Inputs(a_f, w_f, a, w)
     w_f = rng.standard_normal((n, k), dtype=np.float32)
     w = F.quantize(w_f, op.w) if op.w.quantized else w_f
     return Inputs(a_f, w_f, a, w)
@@ -105,14 +112,14 @@ def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=Non
     return dc.to_host()
 
 
-def validate(kernel: Kernel, shape: tuple[int, int, int], seed: int | None = None) -> Result:
+def validate(kernel: Kernel, shape: tuple[int, int, int], seed: int | None = None, weights: np.ndarray | None = None) -> Result:
     m, n, k = shape
     kernel._check_m(m)
     op = kernel.op
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % (2**31))
     rng = np.random.default_rng(seed)
-    inp = make_inputs(op, m, n, k, rng)
+    inp = make_inputs(op, m, n, k, rng, weights)
     out = run_poisoned(kernel, inp, m, n, k)
 
     if op.kind == "quantize":

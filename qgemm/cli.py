@@ -61,6 +61,38 @@ def _shape(text: str) -> tuple[int, int, int]:
         _fail(str(e))
 
 
+def _gguf_source(gguf, tensor, m_rows, mnk):
+    """(M, weights, K, fmt) from --gguf/--tensor/--m, or None. Exits 2 with the reason on a bad file."""
+    if gguf is None and tensor is None:
+        return None
+    if gguf is None or tensor is None:
+        _fail("--gguf and --tensor go together (e.g. --gguf model.gguf --tensor blk.0.ffn_down.weight)")
+    from . import gguf_io
+
+    try:
+        n, k, fmt = gguf_io.weight_shape(gguf, tensor)
+        w = gguf_io.load_gguf(gguf, tensor)
+    except (KeyError, ValueError, ImportError, OSError) as e:
+        _fail(str(e.args[0] if e.args else e))
+    return (m_rows or mnk[0], w, k, fmt)
+
+
+def _with_gguf(spec, gg, mnk):
+    """The shape and weights a kernel runs on: the GGUF tensor's when given (its format must be
+    the kernel's W format), else random weights of --shape."""
+    if gg is None:
+        return mnk, None
+    m, w, k, fmt = gg
+    want = spec.op.w.name if spec.op.w is not None else None
+    if want != fmt and not (want in ("f32", "f16") and fmt in ("f32", "f16")):
+        raise ValueError(f"{spec.name} takes {want} weights; the GGUF tensor is {fmt}")
+    if want in ("f32", "f16"):
+        w = np.ascontiguousarray(w, dtype=spec.op.w.dtype)
+    else:
+        w = np.ascontiguousarray(w)
+    return (m, w.shape[0], k), w
+
+
 def _clamp_m(spec, mnk):
     """Decode kernels (max_m) run with M = min(M, max_m); the tables show the shape used."""
     if spec.max_m is not None and mnk[0] > spec.max_m:
@@ -172,6 +204,9 @@ def validate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: fresh every run, printed)."),
     as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Break C[0,0] down block by block: sumi, d_a, s_a, d_w, kernel vs reference."),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Take the weights from this GGUF file (with --tensor); N and K come from the tensor."),
+    tensor: Optional[str] = typer.Option(None, "--tensor", help="The GGUF tensor, e.g. blk.0.ffn_down.weight."),
+    m_rows: Optional[int] = typer.Option(None, "--m", min=1, help="Activation rows M with --gguf (default: the M of --shape)."),
 ):
     """Run on the GPU and compare with the numpy references; exit 1 on any FAIL."""
     from .check import block_breakdown, format_breakdown
@@ -181,9 +216,11 @@ def validate(
     mnk = _shape(shape)
     _need_gpu("validate")
     rows, results, details, failed = [], [], [], 0
+    gg = _gguf_source(gguf, tensor, m_rows, mnk)
     for s in specs:
         try:
-            r = run_validate(registry.get(s.name), _clamp_m(s, mnk), seed)
+            shp, wts = _with_gguf(s, gg, mnk)
+            r = run_validate(registry.get(s.name), _clamp_m(s, shp), seed, weights=wts)
         except (QgemmError, ValueError) as e:
             failed += 1
             rows.append([s.name, "x".join(map(str, mnk)), "-", "-", "-", "-", f"ERROR: {e}"])
@@ -214,6 +251,9 @@ def profile(
     cold: bool = typer.Option(False, "--cold", help="Rotate buffer sets larger than 2x L2, so operands come from DRAM."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also time torch (cuBLAS fp16/bf16/fp32, cuBLASLt int8) when present."),
     as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the results (with device, date, command) as JSON."),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Take the weights from this GGUF file (with --tensor); N and K come from the tensor."),
+    tensor: Optional[str] = typer.Option(None, "--tensor", help="The GGUF tensor, e.g. blk.0.ffn_down.weight."),
+    m_rows: Optional[int] = typer.Option(None, "--m", min=1, help="Activation rows M with --gguf (default: the M of --shape)."),
 ):
     """CUDA-event timing: median/min/max us, TFLOPS, bytes and GB/s, % of the device roofline."""
     from . import bench
@@ -222,10 +262,14 @@ def profile(
     mnk = _shape(shape)
     _need_gpu("profile")
     env = bench.environment()
+    gg = _gguf_source(gguf, tensor, m_rows, mnk)
+    if gg is not None:
+        mnk = (gg[0], gg[1].shape[0], gg[2])
     rows, results = [], []
     for s in specs:
         try:
-            p = bench.profile(registry.get(s.name), _clamp_m(s, mnk), warmup=warmup, iters=iters, cold=cold)
+            shp, wts = _with_gguf(s, gg, mnk)
+            p = bench.profile(registry.get(s.name), _clamp_m(s, shp), warmup=warmup, iters=iters, cold=cold, weights=wts)
         except (QgemmError, ValueError) as e:
             rows.append([s.name, "-", "-", "-", "-", "-", "-", "-", f"ERROR: {e}"])
             continue

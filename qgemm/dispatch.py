@@ -150,10 +150,10 @@ def _scratch(tag: str, shape, dtype) -> runtime.DeviceArray:
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
 
 
-def _weights(w, fmt: str | None, on_device: bool):
+def _weights(w, fmt: str | None, on_device: bool, stream=None):
     """(blocks as host or device array in their block dtype, format name)."""
     if on_device:
-        d = runtime.as_device_array(w)
+        d = runtime.as_device_array(w, stream)
         if fmt is None:
             fmt = {F.Q4_0.dtype: "q4_0", F.Q8_0.dtype: "q8_0"}.get(d.dtype)
             if fmt is None:
@@ -193,14 +193,14 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if on_device != w_on_device:
         raise ValueError("matmul: x and w must both be host (numpy) arrays or both device arrays")
     if on_device:
-        dx = runtime.as_device_array(x)
+        dx = runtime.as_device_array(x, stream)
     else:
         dx = np.asarray(x)
     if dx.dtype not in (np.float32, np.float16):
         raise ValueError(f"matmul: activations must be float32 or float16 [M, K], got {dx.dtype}")
     if dx.ndim != 2:
         raise ValueError(f"matmul: activations must be 2-D [M, K], got shape {dx.shape}")
-    wb, fmt = _weights(w, fmt, on_device)
+    wb, fmt = _weights(w, fmt, on_device, stream)
     m, k = dx.shape
     n, kw = wb.shape[0], wb.shape[1] * F.QK
     if k != kw:

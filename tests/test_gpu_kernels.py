@@ -383,3 +383,31 @@ def test_cupy_dlpack_roundtrip(rng):
     c = qgemm.get("fp32.tiled")(_DLPackOnly(x), _DLPackOnly(w))
     y = cp.from_dlpack(c)
     np.testing.assert_allclose(cp.asnumpy(y), cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(w).T, rtol=1e-5, atol=1e-4)
+
+
+def test_validate_and_profile_on_gguf_weights(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from typer.testing import CliRunner
+
+    from qgemm.cli import app
+
+    rng = np.random.default_rng()
+    path = tmp_path / "tiny.gguf"
+    wr = gguf.GGUFWriter(str(path), "llama")
+    for name, t, fmt in (("blk.0.ffn_down.weight", gguf.GGMLQuantizationType.Q4_0, "q4_0"),
+                         ("blk.0.attn_q.weight", gguf.GGMLQuantizationType.Q8_0, "q8_0")):
+        q = gguf.quants.quantize(rng.standard_normal((96, 512), dtype=np.float32), t)
+        wr.add_tensor(name, q, raw_dtype=t)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    r = CliRunner().invoke(app, ["validate", "w4a8.mma", "w4a16.mma", "w4a8.gemv", "--gguf", str(path),
+                                 "--tensor", "blk.0.ffn_down.weight", "--m", "33"])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("PASS") == 3 and "33x96x512" in r.output
+    r = CliRunner().invoke(app, ["validate", "w8a8.mma", "--gguf", str(path), "--tensor", "blk.0.ffn_down.weight"])
+    assert r.exit_code == 1 and "takes q8_0 weights; the GGUF tensor is q4_0" in r.output
+    r = CliRunner().invoke(app, ["profile", "w8a16.mma", "--gguf", str(path), "--tensor", "blk.0.attn_q.weight", "--m", "64",
+                                 "--iters", "3", "--no-peers"])
+    assert r.exit_code == 0 and "w8a16.mma" in r.output, r.output
