@@ -368,7 +368,8 @@ class DeviceArray:
         # -1: no extra ordering. Right for the legacy default stream (handle 0), which already
         # orders itself after other blocking streams; a real stream gets the producer's event.
         handle = int(as_stream(stream).handle) if stream is not None else 0
-        view = _wrap("StridedMemoryView(__dlpack__)", StridedMemoryView, obj, handle if handle else -1)
+        make = getattr(StridedMemoryView, "from_dlpack", None) or StridedMemoryView  # older cuda.core: the constructor
+        view = _wrap("StridedMemoryView.from_dlpack", make, obj, handle if handle else -1)
         if not view.is_device_accessible:
             raise ValueError(f"expected a device array, got host memory from {type(obj).__name__}")
         shape = tuple(view.shape)

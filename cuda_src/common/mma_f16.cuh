@@ -162,22 +162,34 @@ static __device__ __forceinline__ void mma_f16_gemm(const __half* __restrict__ A
 
         const unsigned char* a_st = sA + (s % MMA_STAGES) * A_STAGE;
         const unsigned char* w_st = sW + (s % MMA_STAGES) * W_STAGE;
+        // Issue order matters: the ldmatrix and mma asm statements are volatile, so the compiler
+        // keeps them in program order. All A fragments of a k-step are loaded first, then its
+        // MT x NT independent MMAs go back to back; the next block's weight dequantization
+        // (ordinary loads and ALU work, free to move) is written before them so it overlaps.
+        unsigned bf[2][MMA_NT][2][2];
+#pragma unroll
+        for (int j = 0; j < MMA_NT; ++j) WF::frags(w_st + (wn * MMA_WN + j * 8 + g) * WF::ROW, 0, t, bf[0][j]);
 #pragma unroll
         for (int b = 0; b < MMA_BK; ++b) {
-            unsigned bf[MMA_NT][2][2];
-#pragma unroll
-            for (int j = 0; j < MMA_NT; ++j) WF::frags(w_st + (wn * MMA_WN + j * 8 + g) * WF::ROW, b, t, bf[j]);
 #pragma unroll
             for (int ks = 0; ks < 2; ++ks) {
+                unsigned af[MMA_MT][4];
 #pragma unroll
                 for (int i = 0; i < MMA_MT; ++i) {
-                    unsigned af[4];
                     const int row = wm * MMA_WM + i * 16 + (lane % 16);
                     const int col = b * 32 + ks * 16 + (lane / 16) * 8;
-                    ldmatrix_x4(af, a_st + row * HF_A_ROW + col * 2);
-#pragma unroll
-                    for (int j = 0; j < MMA_NT; ++j) mma_f16(acc[i][j], af[0], af[1], af[2], af[3], bf[j][ks][0], bf[j][ks][1]);
+                    ldmatrix_x4(af[i], a_st + row * HF_A_ROW + col * 2);
                 }
+                if (ks == 1 && b + 1 < MMA_BK) {
+#pragma unroll
+                    for (int j = 0; j < MMA_NT; ++j)
+                        WF::frags(w_st + (wn * MMA_WN + j * 8 + g) * WF::ROW, b + 1, t, bf[(b + 1) & 1][j]);
+                }
+#pragma unroll
+                for (int i = 0; i < MMA_MT; ++i)
+#pragma unroll
+                    for (int j = 0; j < MMA_NT; ++j)
+                        mma_f16(acc[i][j], af[i][0], af[i][1], af[i][2], af[i][3], bf[b & 1][j][ks][0], bf[b & 1][j][ks][1]);
             }
         }
     }

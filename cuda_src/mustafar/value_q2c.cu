@@ -1,0 +1,7 @@
+// Mustafar value kernel, 2-bit codes, compact metadata (fp16 dq constants, one offset per 16 tiles): out += p . V (fp32 out, accumulated).
+// The work is in common/mustafar.cuh (layouts: qgemm/kvcache.py, docs/mustafar.md).
+#include "common/mustafar.cuh"
+
+extern "C" __global__ void __launch_bounds__(MF_THREADS, MF_MIN_CTAS) mustafar_value_q2c(MF_PARAMS) {
+    mf_value<2, true>(MF_ARGS);
+}
