@@ -13,7 +13,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export QGEMM_CACHE_DIR=${QGEMM_CACHE_DIR:-/tmp/qgemm-cache}
 PY=${PYTHON:-python3}
-STEPS=${QGEMM_CHECK:-"info tests validate tutorial profile report"}
+STEPS=${QGEMM_CHECK:-"info tests validate tutorial profile bench report"}
 SHAPE=${QGEMM_SHAPE:-512x4096x4096}
 LOG="$OUT/gpu_check.log"
 rc=0
@@ -23,7 +23,7 @@ for step in $STEPS; do
   case $step in
     info)     run $PY -m qgemm info; run $PY -m qgemm compile --all ;;
     tests)    run $PY -m pytest -q -m gpu tests -p no:cacheprovider ;;
-    validate) run $PY -m qgemm validate --all --json "$OUT/validate.json"
+    validate) run $PY -m qgemm validate --all
               run $PY -m qgemm validate --all --shape 1x4096x4096
               run $PY -m qgemm validate --all --shape 513x4097x4128
               run $PY -m qgemm validate w4a8 w8a8 --shape 1x1x32 --verbose ;;
@@ -31,7 +31,11 @@ for step in $STEPS; do
               $PY -m qgemm tutorial 1 2 3 4 5 > "$OUT/tutorial.log" 2>&1 || { echo "!! tutorial failed" | tee -a "$LOG"; rc=1; } ;;
     profile)  run $PY -m qgemm profile --all --shape "$SHAPE" --json "$OUT/profile-hot.json"
               run $PY -m qgemm profile --all --shape "$SHAPE" --cold --no-peers --json "$OUT/profile-cold.json" ;;
-    report)   run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" --notes docs/performance-notes.md -o "$OUT/performance.md" ;;
+    bench)    run $PY -m qgemm bench --out "$OUT/bench" --iters 20
+              for f in bench.json bench-hot.png bench-cold.png; do [ -f "$OUT/bench/$f" ] && mv "$OUT/bench/$f" "$OUT/$f"; done
+              rm -rf "$OUT/bench" ;;  # bench.md is folded into performance.md (the device returns 8 files at most)
+    report)   run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" --bench "$OUT/bench.json" \
+                  --notes docs/performance-notes.md -o "$OUT/performance.md" ;;
     *) echo "unknown step $step" | tee -a "$LOG"; rc=1 ;;
   esac
 done

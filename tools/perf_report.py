@@ -63,11 +63,55 @@ def section(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+# The targets for qgemm.matmul (whole op, hot) on the H100, against llama.cpp's figures.
+TARGETS = {  # (type, M, N, K) -> target us
+    ("q4_0", 1, 4096, 4096): 4.0, ("q8_0", 1, 4096, 4096): 5.0,
+    ("q4_0", 1, 4096, 14336): 10.0, ("q8_0", 1, 4096, 14336): 17.0,
+    ("q4_0", 8, 4096, 4096): 5.0, ("q8_0", 8, 4096, 4096): 6.5,
+    ("q4_0", 64, 4096, 4096): 10.0, ("q8_0", 64, 4096, 4096): 11.0,
+    ("q4_0", 512, 4096, 4096): 30.0, ("q8_0", 512, 4096, 4096): 30.0,
+    ("q4_0", 512, 4096, 14336): 100.0, ("q8_0", 512, 4096, 14336): 100.0,
+    ("q4_0", 2048, 4096, 4096): 100.0, ("q8_0", 2048, 4096, 4096): 100.0,
+}
+
+
+def bench_section(data: dict) -> str:
+    from qgemm.bench import sweep_markdown
+    from qgemm.tutorial import llamacpp_figures
+
+    env = data["environment"]
+    dev = "h200" if "H200" in env["device"] else "h100"
+    llama = {(f["type"], f["M"], f["N"], f["K"]): f["us"] for f in llamacpp_figures(dev)}
+    out = ["## qgemm.matmul against llama.cpp and cuBLAS (`qgemm bench`)\n"]
+    out.append(f"llama.cpp: `test-backend-ops perf -o MUL_MAT` on the {dev.upper()} "
+               f"(`qgemm/data/ggml-test-backend-ops-perf-mul_mat-{dev}.txt`), the whole op including the activation "
+               "quantization, hot. qgemm.matmul is timed the same way (prologue kernel + GEMM, hot, back-to-back). "
+               "Targets are the issue's, for the H100.\n")
+    out.append("| type | MxNxK | llama.cpp µs | target µs | qgemm.matmul µs | path | vs llama.cpp | target met |")
+    out.append("|---|---|---:|---:|---:|---|---:|---|")
+    hot = {(r["fmt"], r["M"], r["N"], r["K"]): r for r in data["rows"] if not r["cold"]}
+    for key, target in TARGETS.items():
+        r = hot.get(key)
+        if r is None:
+            continue
+        lu = llama.get(key)
+        ratio = f"{lu / r['matmul_us']:.2f}x faster" if lu and lu >= r["matmul_us"] else (f"{r['matmul_us'] / lu:.2f}x slower" if lu else "-")
+        met = "yes" if r["matmul_us"] <= target else f"no ({r['matmul_us'] / target:.1f}x over)"
+        out.append(f"| {key[0]} | {key[1]}x{key[2]}x{key[3]} | {lu if lu else '-'} | {target:.1f} | {r['matmul_us']:.1f} | "
+                   f"`{r['kernel']}` | {ratio} | {met} |")
+    out.append("")
+    out.append(sweep_markdown(data, data.get("command", "qgemm bench")))
+    for tag in ("hot", "cold"):
+        out.append(f"![bench {tag}](perf/bench-{tag}.png)")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", type=Path, help="qgemm profile --json outputs")
     ap.add_argument("-o", "--output", type=Path, help="write here (default: stdout)")
     ap.add_argument("--notes", type=Path, help="markdown appended after the tables (analysis written by people)")
+    ap.add_argument("--bench", type=Path, help="qgemm bench's bench.json: adds the sweep and the llama.cpp comparison")
     args = ap.parse_args(argv)
     parts = [HEADER]
     for p in args.json:
@@ -75,6 +119,8 @@ def main(argv=None) -> int:
             print(f"perf_report: {p} does not exist", file=sys.stderr)
             return 1
         parts.append(section(json.loads(p.read_text())))
+    if args.bench and args.bench.is_file():
+        parts.append(bench_section(json.loads(args.bench.read_text())))
     if args.notes and args.notes.is_file():
         parts.append(args.notes.read_text())
     text = "\n".join(parts)

@@ -43,7 +43,7 @@ typedef unsigned char uint8_t;
 #define MF_WARPS 8
 #endif
 #ifndef MF_MIN_CTAS
-#define MF_MIN_CTAS 2  // resident CTAs per SM the register allocation must allow (__launch_bounds__)
+#define MF_MIN_CTAS (MF_R <= 8 ? 4 : (MF_R <= 16 ? 2 : 1))  // resident CTAs per SM the registers must allow
 #endif
 #define MF_THREADS (MF_WARPS * 32)
 #define MF_FULL 0xffffffffu
