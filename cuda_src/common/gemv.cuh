@@ -23,6 +23,9 @@
 #ifndef GEMV_WARPS
 #define GEMV_WARPS 4
 #endif
+#ifndef GEMV_UNROLL
+#define GEMV_UNROLL 4  // iterations of weight loads in flight per lane
+#endif
 #ifndef GEMV_CHUNK
 #define GEMV_CHUNK 64  // Q8_1 blocks of each activation row staged at a time
 #endif
@@ -72,27 +75,37 @@ static __device__ __forceinline__ void gemv(const block_q8_1* __restrict__ A, co
         gemv_stage(sh, A, M, nb, c0, cnt);
         __syncthreads();
         if (!active) continue;
-        for (int bl = lane / WD_LANES_PER_BLOCK; bl < cnt; bl += WD_BLOCKS_PER_ITER) {
-            const int b = c0 + bl;
-            int w0[GEMV_COLS], w1[GEMV_COLS];
-            float dw[GEMV_COLS];
+        // GEMV_UNROLL iterations' weight loads are issued before any of them is used: one
+        // iteration alone keeps too few bytes in flight per SM to cover DRAM/L2 latency.
+        for (int bl0 = lane / WD_LANES_PER_BLOCK; bl0 < cnt; bl0 += WD_BLOCKS_PER_ITER * GEMV_UNROLL) {
+            int w0[GEMV_UNROLL][GEMV_COLS], w1[GEMV_UNROLL][GEMV_COLS];
+            float dw[GEMV_UNROLL][GEMV_COLS];
 #pragma unroll
-            for (int c = 0; c < GEMV_COLS; ++c) {
-                Fmt::load(w_rows[c] + b, i, w0[c], w1[c]);
-                dw[c] = __half2float(w_rows[c][b].d);
-            }
-#pragma unroll
-            for (int r = 0; r < GEMV_M; ++r) {
-                if (r >= M) break;
-                const unsigned char* blk = sh + r * GEMV_ROW_BYTES + bl * 36;
-                const int a0 = *(const int*)(blk + 4 + 4 * Fmt::a_int(i, 0));
-                const int a1 = *(const int*)(blk + 4 + 4 * Fmt::a_int(i, 1));
-                const float2 ds = __half22float2(*(const __half2*)blk);
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int b = c0 + min(bl0 + u * WD_BLOCKS_PER_ITER, cnt - 1);  // clamped: loads stay in bounds
 #pragma unroll
                 for (int c = 0; c < GEMV_COLS; ++c) {
-                    const int sumi = dp4a(w1[c], a1, dp4a(w0[c], a0, 0));
-                    acc[r][c] += Fmt::offset8 ? dw[c] * (ds.x * (float)sumi - (8.0f / WD_LANES_PER_BLOCK) * ds.y)
-                                              : dw[c] * ds.x * (float)sumi;
+                    Fmt::load(w_rows[c] + b, i, w0[u][c], w1[u][c]);
+                    dw[u][c] = __half2float(w_rows[c][b].d);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; ++u) {
+                const int bl = bl0 + u * WD_BLOCKS_PER_ITER;
+                if (bl >= cnt) break;
+#pragma unroll
+                for (int r = 0; r < GEMV_M; ++r) {
+                    if (r >= M) break;
+                    const unsigned char* blk = sh + r * GEMV_ROW_BYTES + bl * 36;
+                    const int a0 = *(const int*)(blk + 4 + 4 * Fmt::a_int(i, 0));
+                    const int a1 = *(const int*)(blk + 4 + 4 * Fmt::a_int(i, 1));
+                    const float2 ds = __half22float2(*(const __half2*)blk);
+#pragma unroll
+                    for (int c = 0; c < GEMV_COLS; ++c) {
+                        const int sumi = dp4a(w1[u][c], a1, dp4a(w0[u][c], a0, 0));
+                        acc[r][c] += Fmt::offset8 ? dw[u][c] * (ds.x * (float)sumi - (8.0f / WD_LANES_PER_BLOCK) * ds.y)
+                                                  : dw[u][c] * ds.x * (float)sumi;
+                    }
                 }
             }
         }

@@ -43,7 +43,11 @@ typedef unsigned char uint8_t;
 #define MF_WARPS 8
 #endif
 #ifndef MF_MIN_CTAS
-#define MF_MIN_CTAS (MF_R <= 8 ? 4 : (MF_R <= 16 ? 2 : 1))  // resident CTAs per SM the registers must allow
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define MF_MIN_CTAS (MF_R <= 8 ? 2 : 1)  // resident CTAs per SM the registers must allow
+#else
+#define MF_MIN_CTAS (MF_R <= 8 ? 4 : 2)
+#endif
 #endif
 #define MF_THREADS (MF_WARPS * 32)
 #define MF_FULL 0xffffffffu
@@ -224,41 +228,67 @@ __device__ __forceinline__ void mf_half_tile(const MfMeta &m, int lpos, const ui
         dq = __float2half2_rn(0.0f);
     }
     uint32_t bits = __brev(m.word);
+    // one non-zero: the next set bit's position picks the X row; v is its value
+    auto fma_row = [&](__half v) {
+        const int pos = __clz(bits);                        // next set bit of the word; 32 once none is left
+        bits &= __funnelshift_rc(0x7fffffffu, 0u, pos);     // clear it
+        const __half2 v2 = __half2half2(v);
+        const char *xp = xaddr + pos * xstride;
+        if (MF_R == 4) {
+            const uint2 xx = *reinterpret_cast<const uint2 *>(xp);
+            acc[0] = __hfma2(mf_as_h2(xx.x), v2, acc[0]);
+            acc[1] = __hfma2(mf_as_h2(xx.y), v2, acc[1]);
+        } else {
 #pragma unroll
-    for (int k0 = 0; k0 < 32; k0 += 4) {
-        if (k0 >= kmax) break;
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const int k = k0 + kk;
-            const int pos = __clz(bits);                        // next set bit of the word; 32 once none is left
-            bits &= __funnelshift_rc(0x7fffffffu, 0u, pos);     // clear it
-            __half v;
-            if (BITS == 16) {
-                v = k < n ? vptr[k] : __float2half_rn(0.0f);
-            } else {
-                constexpr int PER = 32 / BITS;                  // codes per word
-                const uint32_t cw = c[k / PER];
-                constexpr int MB = 10 - BITS;                   // code -> fp16 mantissa bits [10-BITS, 10): h = 1 + q / 2^BITS
-                const int t = (k % PER) * BITS;
-                const uint32_t s = t <= MB ? (cw << (MB - t)) : (cw >> (t - MB));
-                const unsigned short hb = (unsigned short)((s & (((1u << BITS) - 1u) << MB)) | 0x3C00u);
-                v = __hfma(__ushort_as_half(hb), __low2half(dq), __high2half(dq));
+            for (int j = 0; j < MF_R / 8; ++j) {
+                const uint4 xx = *reinterpret_cast<const uint4 *>(xp + 16 * j);
+                acc[4 * j + 0] = __hfma2(mf_as_h2(xx.x), v2, acc[4 * j + 0]);
+                acc[4 * j + 1] = __hfma2(mf_as_h2(xx.y), v2, acc[4 * j + 1]);
+                acc[4 * j + 2] = __hfma2(mf_as_h2(xx.z), v2, acc[4 * j + 2]);
+                acc[4 * j + 3] = __hfma2(mf_as_h2(xx.w), v2, acc[4 * j + 3]);
             }
-            const __half2 v2 = __half2half2(v);
-            const char *xp = xaddr + pos * xstride;
-            if (MF_R == 4) {
-                const uint2 xx = *reinterpret_cast<const uint2 *>(xp);
-                acc[0] = __hfma2(mf_as_h2(xx.x), v2, acc[0]);
-                acc[1] = __hfma2(mf_as_h2(xx.y), v2, acc[1]);
-            } else {
+        }
+    };
+    // code bits of word cw at bit t -> the fp16 h = 1 + q / 2^BITS (code in mantissa bits [10-BITS, 10))
+    auto dequant = [&](uint32_t cw, int t) {
+        constexpr int MB = 10 - BITS;
+        const uint32_t sh = t <= MB ? (cw << (MB - t)) : (cw >> (t - MB));
+        const unsigned short hb = (unsigned short)((sh & (((1u << BITS) - 1u) << MB)) | 0x3C00u);
+        return __hfma(__ushort_as_half(hb), __low2half(dq), __high2half(dq));
+    };
+    if (MF_R <= 8) {
+        // few rows: fully unrolled, every code at a constant bit position
 #pragma unroll
-                for (int j = 0; j < MF_R / 8; ++j) {
-                    const uint4 xx = *reinterpret_cast<const uint4 *>(xp + 16 * j);
-                    acc[4 * j + 0] = __hfma2(mf_as_h2(xx.x), v2, acc[4 * j + 0]);
-                    acc[4 * j + 1] = __hfma2(mf_as_h2(xx.y), v2, acc[4 * j + 1]);
-                    acc[4 * j + 2] = __hfma2(mf_as_h2(xx.z), v2, acc[4 * j + 2]);
-                    acc[4 * j + 3] = __hfma2(mf_as_h2(xx.w), v2, acc[4 * j + 3]);
+        for (int k0 = 0; k0 < 32; k0 += 4) {
+            if (k0 >= kmax) break;
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                const int k = k0 + kk;
+                if (BITS == 16) {
+                    fma_row(k < n ? vptr[k] : __float2half_rn(0.0f));
+                } else {
+                    constexpr int PER = BITS == 16 ? 1 : 32 / BITS;  // codes per word
+                    fma_row(dequant(c[k / PER], (k % PER) * BITS));
                 }
+            }
+        }
+    } else {
+        // many rows (registers go to the row loads): a rolled loop over groups of 4 non-zeros,
+        // the codes streamed through c[] by 4 * BITS bits per group
+#pragma unroll 1
+        for (int k0 = 0; k0 < kmax; k0 += 4) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                if (BITS == 16) {
+                    fma_row(k0 + kk < n ? vptr[k0 + kk] : __float2half_rn(0.0f));
+                } else {
+                    fma_row(dequant(c[0], kk * BITS));
+                }
+            }
+            if (BITS != 16) {
+#pragma unroll
+                for (int i = 0; i < NCW - 1; ++i) c[i] = __funnelshift_r(c[i], c[i + 1], 4 * BITS);
+                c[NCW - 1] >>= 4 * BITS;
             }
         }
     }
