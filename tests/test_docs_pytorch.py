@@ -1,0 +1,29 @@
+"""docs/pytorch.md's Python examples run as written (in order, in one namespace). Without a GPU,
+torch or CuPy the examples skip their GPU parts themselves."""
+
+from pathlib import Path
+
+from test_docs_gguf import python_blocks
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "pytorch.md"
+
+
+def test_docs_pytorch_examples_run(capsys):
+    import qgemm
+
+    blocks = python_blocks(DOC.read_text())
+    assert len(blocks) == 4, "docs/pytorch.md lost its examples"
+    ns: dict = {"__name__": "docs_pytorch"}
+    for i, code in enumerate(blocks):
+        try:
+            exec(compile(code, f"{DOC.name} python block {i + 1}", "exec"), ns)
+        except Exception as e:
+            raise AssertionError(f"docs/pytorch.md python block {i + 1} failed: {type(e).__name__}: {e}\n{code}") from e
+    out = capsys.readouterr().out
+    assert "(256, 576) uint8" in out
+    torch = ns.get("torch")
+    if qgemm.gpu_available() and torch is not None and torch.cuda.is_available():
+        assert "torch.Size([8, 256]) torch.float32 True" in out
+        assert out.count("True") >= 3 and "w4a16.mma" in out
+    if qgemm.gpu_available() and ns.get("cp") is not None:
+        assert "(4, 32) (4, 1152) True" in out
