@@ -140,7 +140,9 @@ def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[flo
 
 
 def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters: int = 50,
-            cold: bool = False, seed: int = 0, weights: np.ndarray | None = None) -> Profile:
+            cold: bool = False, seed: int = 0, weights: np.ndarray | None = None, opts: dict | None = None) -> Profile:
+    if getattr(kernel.spec, "runner", None) is not None:  # kernels outside the GEMM convention (mustafar.*)
+        return kernel.spec.runner.profile(kernel, shape, warmup, iters, cold, opts or {})
     m, n, k = shape
     op = kernel.op
     info = runtime.device_info()

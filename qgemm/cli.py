@@ -100,6 +100,19 @@ def _clamp_m(spec, mnk):
     return mnk
 
 
+def _skip_runner(spec, mnk, all_: bool, rows: list, ncols: int) -> bool:
+    """--all with a shape a runner kernel (mustafar.*: BxSxD, D in 64/128/256) cannot take: a
+    'skipped' row, not a failure. Named explicitly, the kernel runs and reports the error."""
+    runner = getattr(spec, "runner", None)
+    if runner is None or not all_:
+        return False
+    why = runner.shape_problem(mnk)
+    if why is None:
+        return False
+    rows.append([spec.name] + ["-"] * (ncols - 2) + [f"skipped: {why}"])
+    return True
+
+
 def _command_line() -> str:
     return "qgemm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -207,6 +220,9 @@ def validate(
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="Take the weights from this GGUF file (with --tensor); N and K come from the tensor."),
     tensor: Optional[str] = typer.Option(None, "--tensor", help="The GGUF tensor, e.g. blk.0.ffn_down.weight."),
     m_rows: Optional[int] = typer.Option(None, "--m", min=1, help="Activation rows M with --gguf (default: the M of --shape)."),
+    lq: int = typer.Option(1, "--lq", min=1, help="mustafar.*: query length Lq (--shape is BxSxD: B = batch x kv-heads)."),
+    groups: int = typer.Option(4, "--groups", min=1, help="mustafar.*: query heads per kv head (num_key_value_groups)."),
+    sparsity: float = typer.Option(0.7, "--sparsity", help="mustafar.*: per-token pruning sparsity in [0, 1)."),
 ):
     """Run on the GPU and compare with the numpy references; exit 1 on any FAIL."""
     from .check import block_breakdown, format_breakdown
@@ -217,10 +233,13 @@ def validate(
     _need_gpu("validate")
     rows, results, details, failed = [], [], [], 0
     gg = _gguf_source(gguf, tensor, m_rows, mnk)
+    opts = {"lq": lq, "groups": groups, "sparsity": sparsity}
     for s in specs:
+        if _skip_runner(s, mnk, all_, rows, 7):
+            continue
         try:
             shp, wts = _with_gguf(s, gg, mnk)
-            r = run_validate(registry.get(s.name), _clamp_m(s, shp), seed, weights=wts)
+            r = run_validate(registry.get(s.name), _clamp_m(s, shp), seed, weights=wts, opts=opts)
         except (QgemmError, ValueError) as e:
             failed += 1
             rows.append([s.name, "x".join(map(str, mnk)), "-", "-", "-", "-", f"ERROR: {e}"])
@@ -254,6 +273,9 @@ def profile(
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="Take the weights from this GGUF file (with --tensor); N and K come from the tensor."),
     tensor: Optional[str] = typer.Option(None, "--tensor", help="The GGUF tensor, e.g. blk.0.ffn_down.weight."),
     m_rows: Optional[int] = typer.Option(None, "--m", min=1, help="Activation rows M with --gguf (default: the M of --shape)."),
+    lq: int = typer.Option(1, "--lq", min=1, help="mustafar.*: query length Lq (--shape is BxSxD: B = batch x kv-heads)."),
+    groups: int = typer.Option(4, "--groups", min=1, help="mustafar.*: query heads per kv head (num_key_value_groups)."),
+    sparsity: float = typer.Option(0.7, "--sparsity", help="mustafar.*: per-token pruning sparsity in [0, 1)."),
 ):
     """CUDA-event timing: median/min/max us, TFLOPS, bytes and GB/s, % of the device roofline."""
     from . import bench
@@ -266,16 +288,23 @@ def profile(
     if gg is not None:
         mnk = (gg[0], gg[1].shape[0], gg[2])
     rows, results = [], []
+    opts = {"lq": lq, "groups": groups, "sparsity": sparsity}
     for s in specs:
+        if _skip_runner(s, mnk, all_, rows, 9):
+            continue
         try:
             shp, wts = _with_gguf(s, gg, mnk)
-            p = bench.profile(registry.get(s.name), _clamp_m(s, shp), warmup=warmup, iters=iters, cold=cold, weights=wts)
+            p = bench.profile(registry.get(s.name), _clamp_m(s, shp), warmup=warmup, iters=iters, cold=cold, weights=wts, opts=opts)
         except (QgemmError, ValueError) as e:
             rows.append([s.name, "-", "-", "-", "-", "-", "-", "-", f"ERROR: {e}"])
             continue
         results.append(p.to_dict())
+        note = (f"compressed {p.extra['compressed_gbps']:.0f} GB/s = {p.extra['compressed_pct_of_copy']:.0f}% of copy, "
+                f"{100 * p.extra['ratio']:.1f}% of dense") if "compressed_gbps" in p.extra else ""
         rows.append([s.name + ("" if p.shape == mnk else f" (M={p.shape[0]})"), f"{p.median_us:.1f}", f"{p.min_us:.1f}", f"{p.max_us:.1f}", f"{p.tflops:.2f}",
-                     f"{p.bytes / 1e6:.1f}", f"{p.gbps:.0f}", f"{p.roofline_pct:.1f}% ({p.bound})", ""])
+                     f"{p.bytes / 1e6:.1f}", f"{p.gbps:.0f}", f"{p.roofline_pct:.1f}% ({p.bound})", note])
+    if all(s.runner is not None for s in specs):
+        peers = False  # the GEMM peers mean nothing for attention kernels (qgemm bench --suite kvcache has torch's)
     peer_rows = bench.torch_peers(mnk, warmup=warmup, iters=iters) if peers else []
     for pr in peer_rows:
         if "error" in pr:
@@ -402,11 +431,20 @@ def bench(
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Time torch (cuBLAS fp16/bf16, cuBLASLt int8) too."),
     hot_only: bool = typer.Option(False, "--hot-only", help="Skip the cold-cache pass."),
     iters: int = typer.Option(30, "--iters", min=1, help="Timed samples per point."),
+    suite: str = typer.Option("gemm", "--suite", help="gemm: the matmul sweep; kvcache: Mustafar sparse KV-cache attention vs dense torch."),
 ):
-    """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold."""
+    """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold.
+    --suite kvcache: the mustafar.* kernels over S, Lq, sparsity and bits against dense torch attention."""
     from . import bench as B
 
+    if suite not in ("gemm", "kvcache"):
+        _fail(f"--suite must be gemm or kvcache, got {suite!r}")
     _need_gpu("bench")
+    if suite == "kvcache":
+        from . import kvcache_bench
+
+        kvcache_bench.run_cli(out_dir, quick=quick, iters=iters, cold=not hot_only, echo=typer.echo, command=_command_line())
+        return
     ms = (1, 8, 64, 512) if quick else B.SWEEP_M
     ks = (4096,) if quick else B.SWEEP_K
     modes = (False,) if hot_only else (False, True)

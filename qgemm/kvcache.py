@@ -22,8 +22,9 @@ bits = 4 / 2: `offsets [B, T] int32` (byte offset of each tile's codes in `packe
            min-max over the tile's non-zeros: x ~ (q - zero) * scale, zero in code units).
 compact (bits 4 / 2, an extra layout): `dq [B, T, 2] float16` (the two fp16 constants the kernels
            dequantize with, see below: bit-identical values, half the bytes of scale + zero) and
-           `group_offsets [B, G+1] int32`, one offset per 16 tiles (G = ceil(T/16)); the kernels
-           recover each tile's offset from the bitmaps' popcounts.
+           `group_offsets [B, G+1] int32`: the byte offset of every group of 16 consecutive tiles of
+           a tile row (keys: one row of T tiles; values: one row per channel), then the end; the
+           kernels recover each tile's offset from the bitmaps' popcounts.
 
 Dequantization (the kernels' arithmetic, reproduced exactly by `decompress`): with L = 2**bits,
     mult = fp16(L * scale),  add = fp16(fp32(-zero * scale) - L * scale)
@@ -158,6 +159,15 @@ def unpack_bits(bitmaps: np.ndarray) -> np.ndarray:
 
 def tile_nbytes(n: np.ndarray, bits: int) -> np.ndarray:
     return (np.asarray(n, dtype=np.int64) * bits + 7) // 8
+
+
+def group_starts(kind: str, s: int, d: int) -> np.ndarray:
+    """First tile of each compact group: 16 consecutive tiles of one tile row (keys: the whole
+    [T] is one row; values: one row per channel, ceil(S/64) tiles), as the kernels' warp steps."""
+    row = num_tiles(kind, s, d) if kind == "key" else -(-s // TILE)
+    rows = 1 if kind == "key" else d
+    per = -(-row // GROUP)
+    return (np.arange(rows)[:, None] * row + np.arange(per)[None, :] * GROUP).ravel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,12 +351,10 @@ def _compress(x: np.ndarray, kind: str, bits, sparsity=None, compact: bool = Fal
     if packed.size >= 2**31:
         raise ValueError(f"{kind} cache: {packed.size} packed bytes; offsets are int32")
     if compact:
-        g = -(-t // GROUP)
-        gidx = np.minimum(np.arange(g + 1) * GROUP, t)
-        ends = starts + nb
-        go = np.empty((b, g + 1), dtype=np.int64)
-        go[:, :g] = starts[:, gidx[:g]]
-        go[:, g] = ends[:, -1]
+        gs = group_starts(kind, s, d)
+        go = np.empty((b, gs.size + 1), dtype=np.int64)
+        go[:, :-1] = starts[:, gs]
+        go[:, -1] = (starts + nb)[:, -1]
         return CompressedKV(kind, bits, (b, s, d), bm, packed=packed, dq=np.ascontiguousarray(dq),
                             group_offsets=go.astype(np.int32))
     return CompressedKV(kind, bits, (b, s, d), bm, offsets=starts.astype(np.int32), packed=packed,
@@ -371,11 +379,11 @@ def compact(ck: CompressedKV) -> CompressedKV:
     if ck.bits == 16 or ck.compact:
         raise ValueError(f"compact() takes a 4/2-bit CompressedKV in the plain layout, got {ck.layout}")
     b, t = ck.bitmaps.shape
-    g = -(-t // GROUP)
     nb = tile_nbytes(popcount(ck.bitmaps), ck.bits)
-    go = np.empty((b, g + 1), dtype=np.int64)
-    go[:, :g] = ck.offsets[:, np.arange(g) * GROUP]
-    go[:, g] = ck.offsets[:, -1].astype(np.int64) + nb[:, -1]
+    gs = group_starts(ck.kind, ck.shape[1], ck.shape[2])
+    go = np.empty((b, gs.size + 1), dtype=np.int64)
+    go[:, :-1] = ck.offsets[:, gs]
+    go[:, -1] = ck.offsets[:, -1].astype(np.int64) + nb[:, -1]
     return CompressedKV(ck.kind, ck.bits, ck.shape, ck.bitmaps, packed=ck.packed,
                         dq=dequant_constants(ck.scales, ck.zeros, ck.bits), group_offsets=go.astype(np.int32))
 
@@ -452,7 +460,8 @@ def validate_compressed(ck) -> None:
     if ck.compact:
         if ck.offsets is not None or ck.scales is not None or ck.zeros is not None:
             raise ValueError(f"{what}: the compact layout has group_offsets and dq, not offsets/scales/zeros")
-        g = -(-t // GROUP)
+        gs = group_starts(ck.kind, s, d)
+        g = gs.size
         go = _arr(ck, "group_offsets", (np.int32, np.int64), (b, g + 1), what).astype(np.int64)
         dq = _arr(ck, "dq", (np.float16,), (b, t, 2), what)
         if not np.isfinite(dq.astype(np.float32)).all():
@@ -463,7 +472,7 @@ def validate_compressed(ck) -> None:
         flat = start + np.concatenate([[0], np.cumsum(nb.ravel())])
         tile_start = flat[:-1].reshape(b, t)
         want = np.empty((b, g + 1), dtype=np.int64)
-        want[:, :g] = tile_start[:, np.arange(g) * GROUP]
+        want[:, :g] = tile_start[:, gs]
         want[:, g] = flat[1:].reshape(b, t)[:, -1]
         if np.any(go != want):
             bad = np.argwhere(go != want)[0]
@@ -576,3 +585,438 @@ def rel_error(x: np.ndarray, ref: np.ndarray) -> float:
     den = float(np.sqrt(np.sum(ref * ref)))
     num = float(np.sqrt(np.sum((x - ref) ** 2)))
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# device side: upload, launch configuration, the `mustafar.*` kernels' runner
+
+NUM_WARPS = 8
+_STEP_MAX = {16: 2048, 4: 512, 2: 256}
+
+
+def _win(bits: int) -> int:
+    return _STEP_MAX[bits] + 128  # cuda_src/common/mustafar.cuh: mf_win()
+
+
+def _pad16(a: np.ndarray) -> np.ndarray:
+    """Bytes of `a`, zero-padded to a multiple of 16 (the kernels copy 16-byte aligned chunks)."""
+    by = np.ascontiguousarray(a).view(np.uint8).ravel()
+    n = max(16, -(-by.size // 16) * 16)
+    out = np.zeros(n, dtype=np.uint8)
+    out[:by.size] = by
+    return out
+
+
+class DeviceKV:
+    """A validated CompressedKV in device memory (what the kernels read)."""
+
+    def __init__(self, ck: CompressedKV, arrays: dict):
+        self.kind, self.bits, self.shape, self.compact, self.layout = ck.kind, ck.bits, tuple(ck.shape), ck.compact, ck.layout
+        self.nbytes = ck.nbytes  # the compressed form's bytes (what a launch reads, plus padding)
+        self.arrays = arrays
+
+    @classmethod
+    def upload(cls, ck: CompressedKV) -> "DeviceKV":
+        from . import runtime
+
+        validate_compressed(ck)
+        up = runtime.DeviceArray.from_host
+        arr = {"bmp": up(np.ascontiguousarray(ck.bitmaps).view(np.uint32).reshape(-1))}
+        if ck.bits == 16:
+            arr["offs"] = up(ck.counts.astype(np.int32).reshape(-1))
+            arr["data"] = up(_pad16(ck.values))
+        elif ck.compact:
+            arr["offs"] = up(ck.group_offsets.astype(np.int32).reshape(-1))
+            arr["scl"] = up(np.ascontiguousarray(ck.dq).view(np.uint32).reshape(-1))
+            arr["data"] = up(_pad16(ck.packed))
+        else:
+            arr["offs"] = up(ck.offsets.astype(np.int32).reshape(-1))
+            arr["scl"] = up(ck.scales.reshape(-1))
+            arr["zer"] = up(ck.zeros.reshape(-1))
+            arr["data"] = up(_pad16(ck.packed))
+        return cls(ck, arr)
+
+    def ptr(self, name: str) -> int:
+        a = self.arrays.get(name)
+        return 0 if a is None else a.ptr
+
+    def free(self) -> None:
+        for a in self.arrays.values():
+            a.free()
+
+
+@dataclass
+class LaunchPlan:
+    defines: dict
+    grid: tuple
+    block: tuple
+    shmem: int
+    per_cta: int
+    rows: int  # R = groups * Lq
+
+
+def block_rows(r: int) -> int:
+    """MF_R for R query rows: 4, or a multiple of 8 up to 32 (more rows: grid.z row blocks)."""
+    return 4 if r <= 4 else min(32, -(-r // 8) * 8)
+
+
+def plan(kind: str, shape, rows: int, sm_count: int = 132) -> LaunchPlan:
+    """Launch geometry and compile-time defines for a cache shape and R = groups * Lq rows
+    (shared memory without the per-warp windows, which depend on the bits: plan_for adds them)."""
+    b, s, d = shape
+    mr = block_rows(rows)
+    rb = -(-rows // mr)
+    if kind == "key":
+        rep = 16
+        while rep > 1 and (d // 32) * 33 * rep * mr * 2 > 40960:
+            rep //= 2
+        steps_b = -(-(s * (d // TILE)) // GROUP)
+        per = max(2 * NUM_WARPS, -(-steps_b * b * rb // (4 * sm_count)))
+        per = min(per, steps_b)
+        grid = (-(-steps_b // per), b, rb)
+        shmem = (d // 32) * 33 * rep * mr * 2
+        defines = {"MF_R": mr, "MF_D": d, "MF_REP": rep, "MF_WARPS": NUM_WARPS}
+    else:
+        nst = -(-s // TILE)
+        tpc_max = max(GROUP, (65536 // (33 * 2 * mr * 2)) // GROUP * GROUP)
+        tpc = -(-(-(-nst * b * rb // (4 * sm_count))) // GROUP) * GROUP  # ~4 CTAs per SM
+        tpc = max(GROUP, min(tpc, tpc_max, -(-nst // GROUP) * GROUP))
+        grid = (-(-nst // tpc), b, rb)
+        shmem = 33 * 2 * tpc * mr * 2
+        per = tpc
+        defines = {"MF_R": mr, "MF_D": d, "MF_WARPS": NUM_WARPS}
+    return LaunchPlan(defines, grid, (32 * NUM_WARPS, 1, 1), shmem, per, rows)
+
+
+def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132) -> LaunchPlan:
+    p = plan(kind, shape, rows, sm_count)
+    p.shmem += NUM_WARPS * 2 * _win(bits)
+    return p
+
+
+def _is_device(x) -> bool:
+    from . import runtime
+
+    return runtime.is_device_array(x) and not isinstance(x, np.ndarray)
+
+
+class MustafarRunner:
+    """Launch, validation and timing of one `mustafar.*` kernel (the registry's `runner` hook)."""
+
+    def __init__(self, kind: str, bits: int, compact: bool = False):
+        self.kind, self.bits, self.compact = kind, bits, compact
+        self.layout = "fp16" if bits == 16 else f"q{bits}" + ("c" if compact else "")
+
+    def __repr__(self) -> str:
+        return f"<MustafarRunner {self.kind} {self.layout}>"
+
+    # -- shapes and operands -------------------------------------------------------------------
+    def shape_problem(self, shape) -> str | None:
+        """Why BxSxD cannot run on this kernel (None if it can)."""
+        try:
+            b, s, d = (int(v) for v in shape)
+        except Exception:
+            return f"shape must be BxSxD, got {shape!r}"
+        if min(b, s, d) <= 0:
+            return f"B, S, D must be positive, got {b}x{s}x{d}"
+        if d not in HEAD_DIMS:
+            return f"head dim D must be one of {HEAD_DIMS} (shape BxSxD), got D={d}"
+        return None
+
+    def _check_cache(self, kernel, w):
+        """The compressed cache, validated (host) and of this kernel's kind and layout; not uploaded."""
+        if isinstance(w, CompressedKV):
+            validate_compressed(w)
+            dkv = w
+        elif isinstance(w, DeviceKV):
+            dkv = w
+        else:
+            raise ValueError(f"{kernel.name}: the second operand must be a CompressedKV (qgemm.kvcache.compress_"
+                             f"{self.kind}s) or its .to_device(), got {type(w).__name__}")
+        if dkv.kind != self.kind or dkv.layout != self.layout:
+            raise ValueError(f"{kernel.name} takes a compressed {self.kind} cache in the {self.layout} layout, got a "
+                             f"{dkv.kind} cache in the {dkv.layout} layout (use mustafar.{dkv.kind}_{dkv.layout})")
+        return dkv
+
+    def _check_x(self, kernel, x, dkv, device: bool):
+        from . import runtime
+
+        b, s, d = dkv.shape
+        what = "queries" if self.kind == "key" else "probabilities"
+        last = d if self.kind == "key" else s
+        if device:
+            dx = runtime.as_device_array(x)
+            dtype, shape = dx.dtype, dx.shape
+        else:
+            if not isinstance(x, np.ndarray):
+                raise ValueError(f"{kernel.name}: {what} must be a numpy or device array, got {type(x).__name__}")
+            dx, dtype, shape = x, x.dtype, x.shape
+        if dtype != np.float16:
+            raise ValueError(f"{kernel.name}: {what} must be float16, got {dtype}")
+        if len(shape) != 3 or shape[2] != last or shape[0] <= 0 or shape[1] <= 0:
+            raise ValueError(f"{kernel.name}: {what} must be [B*groups, Lq, {'D' if self.kind == 'key' else 'S'}="
+                             f"{last}] float16, got {tuple(shape)}")
+        if shape[0] % b:
+            raise ValueError(f"{kernel.name}: {what} have {shape[0]} heads, not a multiple of the cache's B={b} "
+                             "(B x num_key_value_groups expected)")
+        if not device and not x.flags.c_contiguous:
+            raise ValueError(f"{kernel.name}: {what} must be C-contiguous")
+        return dx, shape[0] // b, shape[1]
+
+    def out_shape(self, dkv, bg: int, lq: int):
+        b, s, d = dkv.shape
+        return ((bg, lq, s), np.float16) if self.kind == "key" else ((bg, lq, d), np.float32)
+
+    # -- calling ---------------------------------------------------------------------------------
+    def __call__(self, kernel, x, w=None, *, out=None, stream=None):
+        """kernel(q, ck) -> scores [B*groups, Lq, S] float16 (key kernels);
+        kernel(p, cv) -> output [B*groups, Lq, D] float32 (value kernels).
+        Host numpy operands -> numpy result; device operands (and a DeviceKV) -> device result."""
+        from . import runtime
+
+        ck = self._check_cache(kernel, w)
+        device = _is_device(x)
+        dx, groups, lq = self._check_x(kernel, x, ck, device)
+        dkv = ck.to_device() if isinstance(ck, CompressedKV) else ck
+        oshape, odt = self.out_shape(dkv, dx.shape[0], lq)
+        if not device:
+            if out is not None:
+                raise ValueError(f"{kernel.name}: out= must be a device array; host calls return a new numpy array")
+            dx = runtime.DeviceArray.from_host(np.ascontiguousarray(x))
+        if out is None:
+            dout = runtime.DeviceArray.empty(oshape, odt)
+        else:
+            dout = runtime.as_device_array(out)
+            if dout.shape != oshape or dout.dtype != np.dtype(odt):
+                raise ValueError(f"{kernel.name}: out must be {np.dtype(odt)} {oshape}, got {dout.dtype} {dout.shape}")
+        self.launch(kernel, dkv, dx, dout, groups * lq, stream=stream)
+        if device:
+            return out if out is not None else dout
+        return dout.to_host()
+
+    def launch(self, kernel, dkv: DeviceKV, dx, dout, rows: int, stream=None, plan_: LaunchPlan | None = None) -> None:
+        """Launch on device operands already checked (the hot path). Value kernels accumulate:
+        the output is zeroed first, on the same stream."""
+        from . import runtime
+
+        b, s, d = dkv.shape
+        if plan_ is None:
+            sms = runtime.device_info().sm_count if runtime.gpu_available() else 132
+            plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, sms)
+        mod = kernel._module(plan_.defines)
+        if self.kind == "value":
+            dout.fill_bytes(0, stream)
+        args = (np.uint64(dkv.ptr("bmp")), np.uint64(dkv.ptr("offs")), np.uint64(dkv.ptr("scl")), np.uint64(dkv.ptr("zer")),
+                np.uint64(dkv.ptr("data")), np.uint64(dx.ptr), np.uint64(dout.ptr), np.int32(s), np.int32(rows),
+                np.int32(plan_.per_cta))
+        mod.launch(kernel.spec.entry, plan_.grid, plan_.block, plan_.shmem, args, stream=stream)
+
+    # -- validation ------------------------------------------------------------------------------
+    def make_case(self, shape, seed: int, opts: dict):
+        """Random cache (Gaussian fp16), pruned and compressed; queries or probabilities."""
+        b, s, d = shape
+        lq, groups, sparsity = _opts(opts)
+        rng = np.random.default_rng(seed)
+        cache = rng.standard_normal((b, s, d), dtype=np.float32).astype(np.float16)
+        ck = _compress(prune(cache, sparsity), self.kind, self.bits, None, self.compact)
+        if self.kind == "key":
+            x = rng.standard_normal((b * groups, lq, d), dtype=np.float32).astype(np.float16)
+        else:
+            x = random_probs(rng, (b * groups, lq, s))
+        return cache, ck, x
+
+    def validate(self, kernel, shape, seed=None, opts=None):
+        from . import check, runtime
+
+        why = self.shape_problem(shape)
+        if why:
+            raise ValueError(f"{kernel.name}: {why}")
+        shape = tuple(int(v) for v in shape)
+        if seed is None:
+            seed = int(np.random.SeedSequence().entropy % (2**31))
+        cache, ck, x = self.make_case(shape, seed, opts or {})
+        dkv = ck.to_device()
+        dx = runtime.DeviceArray.from_host(x)
+        oshape, odt = self.out_shape(dkv, x.shape[0], x.shape[1])
+        dout = runtime.DeviceArray.empty(oshape, odt)
+        dout.fill_bytes(0xFF)  # NaN in fp16 and fp32: an output the kernel never writes shows up
+        self.launch(kernel, dkv, dx, dout, x.shape[0] // shape[0] * x.shape[1])
+        runtime.check_last_error(kernel.name)
+        got = dout.to_host()
+        r = score(kernel.name, self.kind, shape, seed, got, x, ck, cache, kernel.op.exact_tol)
+        dkv.free()
+        return r
+
+    # -- timing ----------------------------------------------------------------------------------
+    def profile(self, kernel, shape, warmup=10, iters=50, cold=False, opts=None, seed=0):
+        from . import bench, runtime
+
+        why = self.shape_problem(shape)
+        if why:
+            raise ValueError(f"{kernel.name}: {why}")
+        shape = tuple(int(v) for v in shape)
+        _, ck, x = self.make_case(shape, seed, opts or {})
+        t = time_kernel(kernel, self, ck, x, warmup=warmup, iters=iters, cold=cold)
+        info = runtime.device_info()
+        bw = bench.copy_bandwidth()
+        moved = t["bytes"]
+        floor = moved / bw * 1e6
+        med = t["median_us"]
+        flops = 2 * ck.nnz * (x.shape[0] // shape[0]) * x.shape[1]
+        return bench.Profile(
+            kernel=kernel.name, shape=shape, cold=cold, iters=iters, median_us=med, min_us=t["min_us"], max_us=t["max_us"],
+            tflops=flops / (med * 1e-6) / 1e12, bytes=moved, gbps=moved / (med * 1e-6) / 1e9, floor_us=floor,
+            roofline_pct=100.0 * floor / med, bound="memory",
+            extra={"copy_bandwidth_gbps": bw / 1e9, "compressed_bytes": ck.nbytes, "compressed_gbps": ck.nbytes / (med * 1e-6) / 1e9,
+                   "compressed_pct_of_copy": 100.0 * ck.nbytes / (med * 1e-6) / bw, "ratio": ck.ratio,
+                   "breakdown": ck.breakdown(), "opts": dict(zip(("lq", "groups", "sparsity"), _opts(opts or {}))),
+                   "sm_count": info.sm_count, **t["how"]})
+
+
+def _opts(opts: dict):
+    lq = int(opts.get("lq", 1) or 1)
+    groups = int(opts.get("groups", 4) or 4)
+    sparsity = _check_sparsity(opts.get("sparsity", 0.7))
+    if lq <= 0 or groups <= 0:
+        raise ValueError(f"lq and groups must be positive, got lq={lq}, groups={groups}")
+    return lq, groups, sparsity
+
+
+def random_probs(rng, shape) -> np.ndarray:
+    """Attention probabilities: softmax of N(0, 2^2) logits over the last axis, float16."""
+    z = rng.standard_normal(shape, dtype=np.float32) * 2.0
+    z -= z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float16)
+
+
+def product_energy(x: np.ndarray, cache: np.ndarray, kind: str) -> float:
+    """sum over outputs of sum over the reduction of (x * cache)^2: the scale errors are measured
+    against (robust to outputs that cancel to ~0)."""
+    x2 = np.square(np.asarray(x, dtype=np.float64))
+    c2 = np.square(np.asarray(cache, dtype=np.float64))
+    return float(reference_scores(x2, c2).sum() if kind == "key" else reference_output(x2, c2).sum())
+
+
+def score(name: str, kind: str, shape, seed, got, x, ck: CompressedKV, cache, exact_tol: float):
+    """A kernel's output against the numpy reference on the decompressed cache (tight: float
+    rounding only) and against the dense, unpruned, unquantized computation (reported; must be no
+    worse than the reference's own)."""
+    from .check import Result
+
+    dec = decompress(ck)
+    ref = reference_scores if kind == "key" else reference_output
+    exact = ref(x, dec)
+    truth = ref(x, cache)
+    unwritten = int(np.isnan(got).sum())
+    fin = np.nan_to_num(got.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    energy = max(product_energy(x, dec, kind), np.finfo(np.float64).tiny)
+    rel = float(np.sqrt(np.sum((fin - exact) ** 2) / energy))
+    max_abs = float(np.max(np.abs(fin - exact))) if fin.size else 0.0
+    den = max(float(np.sum(truth ** 2)), np.finfo(np.float64).tiny)
+    nm = float(np.sum((fin - truth) ** 2) / den)
+    nm_ref = float(np.sum((exact - truth) ** 2) / den)
+    nm_tol = 1.05 * nm_ref + 1e-6
+    passed = unwritten == 0 and bool(np.isfinite(got).all()) and rel <= exact_tol and nm <= nm_tol
+    note = []
+    if unwritten:
+        note.append(f"{unwritten} outputs never written")
+    if rel > exact_tol:
+        note.append(f"rel err {rel:.2e} > {exact_tol:.0e}")
+    if nm > nm_tol:
+        note.append(f"NMSE vs dense {nm:.3e} > {nm_tol:.3e} (the reference's x1.05)")
+    return Result(name, tuple(shape), seed, bool(passed), max_abs, rel, nm, unwritten, exact_tol, nm_tol, "; ".join(note),
+                  detail={"rel_err_vs_dense": float(np.sqrt(nm)), "reference_rel_err_vs_dense": float(np.sqrt(nm_ref)),
+                          "ratio": ck.ratio, "nbytes": ck.nbytes, "nnz": ck.nnz, "layout": ck.layout,
+                          "rows": int(x.shape[0] // shape[0] * x.shape[1])})
+
+
+def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray, warmup=10, iters=50, cold=False) -> dict:
+    """Median/min/max us of one launch (graph-batched, bench._time_launches); cold: buffer sets
+    rotated through > 2x L2."""
+    import statistics
+
+    from . import bench, runtime
+
+    b = ck.shape[0]
+    rows = x.shape[0] // b * x.shape[1]
+    oshape, odt = runner.out_shape(ck, x.shape[0], x.shape[1])
+    out_bytes = int(np.prod(oshape)) * np.dtype(odt).itemsize
+    moved = ck.nbytes + x.nbytes + out_bytes
+    sets = 1
+    if cold:
+        l2 = max(runtime.device_info().l2_bytes, 1)
+        sets = min(64, max(2, int(np.ceil(2 * l2 / max(moved, 1))) + 1))
+    kernel._module(plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count).defines)
+    dkvs = [DeviceKV.upload(ck) for _ in range(sets)]
+    dxs = [runtime.DeviceArray.from_host(x) for _ in range(sets)]
+    outs = [runtime.DeviceArray.empty(oshape, odt) for _ in range(sets)]
+    p = plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count)
+
+    def launch(i, stream=None):
+        runner.launch(kernel, dkvs[i], dxs[i], outs[i], rows, stream=stream, plan_=p)
+
+    times, how = bench._time_launches(launch, sets, warmup, iters)
+    runtime.check_last_error(kernel.name)
+    for a in dkvs:
+        a.free()
+    for a in dxs + outs:
+        a.free()
+    how = dict(how, buffer_sets=sets, grid=list(p.grid), shmem=p.shmem, defines=p.defines)
+    return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times), "bytes": moved, "how": how}
+
+
+# ---------------------------------------------------------------------------------------------
+# the user-facing calls
+
+
+def kernel_name(kind: str, ck) -> str:
+    layout = ck.layout
+    return f"mustafar.{kind}_{layout}"
+
+
+def scores(q, ck, *, out=None, stream=None):
+    """q . K^T on the compressed key cache: q [B*groups, Lq, D] float16 -> [B*groups, Lq, S] float16
+    (grouped-query attention: query head h reads kv head h // groups)."""
+    from . import registry
+
+    if not isinstance(ck, (CompressedKV, DeviceKV)) or ck.kind != "key":
+        raise ValueError(f"scores() takes a compressed key cache, got {getattr(ck, 'kind', type(ck).__name__)}")
+    return registry.get(kernel_name("key", ck))(q, ck, out=out, stream=stream)
+
+
+def attend(p, cv, *, out=None, stream=None):
+    """p . V on the compressed value cache: p [B*groups, Lq, S] float16 -> [B*groups, Lq, D] float32."""
+    from . import registry
+
+    if not isinstance(cv, (CompressedKV, DeviceKV)) or cv.kind != "value":
+        raise ValueError(f"attend() takes a compressed value cache, got {getattr(cv, 'kind', type(cv).__name__)}")
+    return registry.get(kernel_name("value", cv))(p, cv, out=out, stream=stream)
+
+
+def error_report(k: np.ndarray, v: np.ndarray, q: np.ndarray, sparsity: float, bits: int, compact: bool = False) -> dict:
+    """Relative errors (Frobenius) of the compressed path against the dense fp16 computation, on
+    the numpy references: scores q.K^T, p.V with the dense probabilities, and the attention output
+    softmax(q.K^T / sqrt(D)).V; split into pruning (fp16 sparse vs dense) and quantization
+    (bits vs fp16 sparse)."""
+    d = k.shape[2]
+    kp, vp = prune(k, sparsity), prune(v, sparsity)
+    kd = decompress(compress_keys(kp, bits, compact=compact))
+    vd = decompress(compress_values(vp, bits, compact=compact))
+
+    def softmax(z):
+        z = z - z.max(axis=-1, keepdims=True)
+        e = np.exp(z)
+        return e / e.sum(axis=-1, keepdims=True)
+
+    s_dense, s_sparse, s_q = reference_scores(q, k), reference_scores(q, kp), reference_scores(q, kd)
+    p_dense = softmax(s_dense / np.sqrt(d)).astype(np.float16)
+    o_dense = reference_output(p_dense, v)
+    o_v = reference_output(p_dense, vd)
+    o_vs = reference_output(p_dense, vp)
+    attn = reference_output(softmax(s_q / np.sqrt(d)).astype(np.float16), vd)
+    return {"sparsity": sparsity, "bits": bits, "compact": compact,
+            "scores_vs_dense": rel_error(s_q, s_dense), "scores_pruning": rel_error(s_sparse, s_dense),
+            "scores_quantization": rel_error(s_q, s_sparse),
+            "pv_vs_dense": rel_error(o_v, o_dense), "pv_pruning": rel_error(o_vs, o_dense), "pv_quantization": rel_error(o_v, o_vs),
+            "attention_vs_dense": rel_error(attn, o_dense)}

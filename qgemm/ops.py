@@ -207,6 +207,8 @@ class Kernel:
 
     # -- calling -------------------------------------------------------------------------------
     def __call__(self, a, w=None, *, out=None, stream=None):
+        if getattr(self.spec, "runner", None) is not None:  # e.g. mustafar.*: (queries, compressed cache)
+            return self.spec.runner(self, a, w, out=out, stream=stream)
         if self.op.kind == "quantize":
             if w is not None:
                 raise ValueError(f"{self.name} takes one operand (the float32 activations), got two")
@@ -316,3 +318,36 @@ class Kernel:
         g = self.spec.geometry(m, 0, k)
         args = (np.uint64(dx.ptr), np.uint64(dy.ptr), np.int32(m), np.int32(k), np.uint64(status.ptr))
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention on a compressed KV cache (qgemm/kvcache.py, cuda_src/mustafar/): these kernels are
+# launched through their KernelSpec.runner, not the GEMM convention above
+
+
+@dataclass(frozen=True)
+class AttentionOp(Op):
+    """An attention op: `a` = queries or probabilities (f16), `w` = the compressed cache (its
+    dequantized values are f16), `out` = scores (f16) or outputs (f32)."""
+
+    role: str = "key"  # "key": scores = q . K^T; "value": out = p . V
+
+    def __str__(self) -> str:
+        if self.role == "key":
+            return (f"{self.title}: q f16 [B*groups, Lq, D] x compressed K [B, S, D] -> scores f16 "
+                    "[B*groups, Lq, S] (grouped-query attention)")
+        return (f"{self.title}: p f16 [B*groups, Lq, S] x compressed V [B, S, D] -> out f32 "
+                "[B*groups, Lq, D] (grouped-query attention)")
+
+    @property
+    def k_multiple(self) -> int:
+        return 1
+
+
+# exact_tol: vs the numpy reference on the decompressed cache, relative to the products' energy
+# (half2 accumulation over <= 32 products, fp16 scores); nmse_tol: unused (the runner compares
+# with the reference's own error against the dense computation)
+MUSTAFAR_KEY = AttentionOp("mustafar_key", "Mustafar sparse K", "attention", F.F16, F.F16, F.F16, "memory", 5e-3, 0.0, role="key")
+MUSTAFAR_VALUE = AttentionOp("mustafar_value", "Mustafar sparse V", "attention", F.F16, F.F16, F.F32, "memory", 5e-3, 0.0, role="value")
+OPS[MUSTAFAR_KEY.name] = MUSTAFAR_KEY
+OPS[MUSTAFAR_VALUE.name] = MUSTAFAR_VALUE

@@ -36,6 +36,10 @@ class KernelSpec:
     candidates: Callable[[int, int, int], list] | None = None
     max_m: int | None = None  # decode kernels handle at most this many activation rows
     unit: str | None = None  # the arithmetic unit that bounds it, when not the op's (e.g. "imma")
+    # Kernels outside the GEMM launch convention: an object with validate(kernel, shape, seed, opts)
+    # -> check.Result and profile(kernel, shape, warmup, iters, cold, opts) -> bench.Profile (and
+    # __call__(kernel, a, w, out=, stream=)); check.validate / bench.profile delegate to it.
+    runner: object = None
 
     @property
     def family(self) -> str:
@@ -206,6 +210,36 @@ _SPECS = [
                "production decode (M <= 8): Q8_1 x Q8_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),
 ]
+
+
+# ---- Mustafar: attention on a bitmap-sparse fp16 / 4-bit / 2-bit KV cache (qgemm/kvcache.py) ----
+def _mustafar_geometry(b: int, s: int, d: int) -> Launch:
+    """(B, S, D) with groups=4, Lq=1 (the launch itself is planned by qgemm.kvcache.plan_for)."""
+    from . import kvcache
+
+    p = kvcache.plan_for("key", 16, (b, s, d if d in kvcache.HEAD_DIMS else 128), 4)
+    return Launch(grid=p.grid, block=p.block, shmem=p.shmem)
+
+
+def _mustafar_specs() -> list:
+    from . import kvcache
+
+    layouts = {"fp16": (16, False, "fp16 non-zeros (cumulative counts + packed values)"),
+               "q4": (4, False, "4-bit codes, float32 scale/zero and int32 offsets per tile"),
+               "q2": (2, False, "2-bit codes, float32 scale/zero and int32 offsets per tile"),
+               "q4c": (4, True, "4-bit codes, compact metadata (fp16 dequant constants, one offset per 16 tiles)"),
+               "q2c": (2, True, "2-bit codes, compact metadata (fp16 dequant constants, one offset per 16 tiles)")}
+    out = []
+    for kind, op, what in (("key", ops.MUSTAFAR_KEY, "scores q.K^T"), ("value", ops.MUSTAFAR_VALUE, "output p.V")):
+        for lay, (bits, compact, desc) in layouts.items():
+            out.append(KernelSpec(f"mustafar.{kind}_{lay}", op, 7, f"mustafar/{kind}_{lay}.cu", f"mustafar_{kind}_{lay}",
+                                  _mustafar_geometry, f"{what} on a bitmap-sparse KV cache: {desc}",
+                                  defines={"MF_R": 4, "MF_D": 128, "MF_WARPS": 8} | ({"MF_REP": 16} if kind == "key" else {}),
+                                  runner=kvcache.MustafarRunner(kind, bits, compact)))
+    return out
+
+
+_SPECS += _mustafar_specs()
 
 REGISTRY: dict[str, KernelSpec] = {s.name: s for s in _SPECS}
 assert len(REGISTRY) == len(_SPECS), "duplicate kernel names in the registry"

@@ -46,7 +46,7 @@ typedef unsigned char uint8_t;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MF_MIN_CTAS (MF_R <= 8 ? 2 : 1)  // resident CTAs per SM the registers must allow
 #else
-#define MF_MIN_CTAS (MF_R <= 8 ? 4 : 2)
+#define MF_MIN_CTAS (MF_R <= 8 ? 4 : (MF_R <= 16 ? 2 : 1))
 #endif
 #endif
 #define MF_THREADS (MF_WARPS * 32)
@@ -61,7 +61,7 @@ static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_R
 __host__ __device__ constexpr int mf_step_max(int bits) { return bits == 16 ? 16 * 64 * 2 : 16 * 64 * bits / 8; }
 __host__ __device__ constexpr int mf_win(int bits) { return mf_step_max(bits) + 128; }
 // Shared memory of the key kernel's query copies: [D/32 blocks][33 positions][REP][R] halfs
-// (position 32 of every block is a zero row: lanes that ran out of non-zeros read it).
+// (row 0 of every block is zeros, "position -1": lanes that ran out of non-zeros read it).
 #define MF_XS_BYTES ((MF_D / 32) * 33 * MF_REP * MF_R * 2)
 
 // Kernel parameters, the same for all eight entries:
@@ -118,6 +118,19 @@ __device__ __forceinline__ int mf_warp_max(int v) {
 }
 
 __device__ __forceinline__ __half2 mf_as_h2(uint32_t u) { return *reinterpret_cast<__half2 *>(&u); }
+
+// shared-memory loads at a 32-bit shared address (one IMAD per gather address, no generic pointers);
+// "memory": never moved above the barrier that publishes the rows
+__device__ __forceinline__ uint2 mf_lds64(uint32_t a) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint4 mf_lds128(uint32_t a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
+    return v;
+}
 
 // Per-step metadata of one lane (its half-tile), loaded two steps ahead.
 struct MfMeta {
@@ -202,19 +215,27 @@ __device__ __forceinline__ int mf_issue_window(const MfMeta &m, const uint8_t *_
 }
 
 // The half-tile's sparse dot product: acc[r] += sum over set bits j of word of
-//   value_k * X[j][r]   (value_k = k-th non-zero; X row j at xaddr + j * xstride, R halfs; row 32 = 0)
+//   value(j) * X[j][r]   (X row of position j at xrow0 + j * xstride, R halfs; the row at
+//   xrow0 - xstride, "position -1", is zeros: lanes that ran out of non-zeros read it)
+// The set bits are walked from the top (FLO, -1 when none is left), so the codes are consumed
+// from the last one down; they are read from the window left-aligned (code n-1 at the top of
+// c[NCW-1]) and dequantized two at a time into a half2.
 template <int BITS>
-__device__ __forceinline__ void mf_half_tile(const MfMeta &m, int lpos, const uint8_t *buf, const char *xaddr,
+__device__ __forceinline__ void mf_half_tile(const MfMeta &m, int lpos, const uint8_t *buf, uint32_t xrow0,
                                              int xstride, __half2 (&acc)[MF_R / 2]) {
     constexpr int NCW = BITS == 16 ? 1 : BITS;  // 32-bit code words of a half-tile: 2 (2-bit), 4 (4-bit)
+    constexpr int PER = BITS == 16 ? 1 : 32 / BITS;
     const int n = __popc(m.word);
     const int kmax = mf_warp_max(n);
     uint32_t c[NCW];
-    __half2 dq;
-    const __half *vptr = reinterpret_cast<const __half *>(buf) + (BITS == 16 ? lpos : 0);
+    __half2 dqm, dqa;
+    const __half *vlast = reinterpret_cast<const __half *>(buf) + (BITS == 16 ? lpos + n - 1 : 0);
     if (BITS != 16) {
-        const uint32_t *w = reinterpret_cast<const uint32_t *>(buf) + (lpos >> 5);
-        const int sh = lpos & 31;
+        // the NCW words ending at this half-tile's last code bit (may start before the buffer:
+        // those bits, below code 0, are only used by padding iterations that multiply zeros)
+        const int e = lpos + n * BITS - 32 * NCW;
+        const uint32_t *w = reinterpret_cast<const uint32_t *>(buf) + (e >> 5);
+        const int sh = e & 31;
         uint32_t lo = w[0];
 #pragma unroll
         for (int i = 0; i < NCW; ++i) {
@@ -222,26 +243,27 @@ __device__ __forceinline__ void mf_half_tile(const MfMeta &m, int lpos, const ui
             c[i] = __funnelshift_r(lo, hi, sh);
             lo = hi;
         }
-        dq = mf_as_h2(m.dq);
+        const __half2 dq = mf_as_h2(m.dq);
+        dqm = __low2half2(dq);
+        dqa = __high2half2(dq);
     } else {
         c[0] = 0;
-        dq = __float2half2_rn(0.0f);
+        dqm = dqa = __float2half2_rn(0.0f);
     }
-    uint32_t bits = __brev(m.word);
-    // one non-zero: the next set bit's position picks the X row; v is its value
-    auto fma_row = [&](__half v) {
-        const int pos = __clz(bits);                        // next set bit of the word; 32 once none is left
-        bits &= __funnelshift_rc(0x7fffffffu, 0u, pos);     // clear it
-        const __half2 v2 = __half2half2(v);
-        const char *xp = xaddr + pos * xstride;
+    uint32_t bits = m.word;
+    // one non-zero: the highest set bit left picks the X row; v2 holds its value twice
+    auto fma_row = [&](__half2 v2) {
+        const int pos = 31 - __clz(bits);                    // FLO: -1 once no bit is left
+        bits &= ~__funnelshift_l(0u, 1u, pos);               // clear it (1 << (pos & 31); harmless at -1)
+        const uint32_t xp = xrow0 + pos * xstride;
         if (MF_R == 4) {
-            const uint2 xx = *reinterpret_cast<const uint2 *>(xp);
+            const uint2 xx = mf_lds64(xp);
             acc[0] = __hfma2(mf_as_h2(xx.x), v2, acc[0]);
             acc[1] = __hfma2(mf_as_h2(xx.y), v2, acc[1]);
         } else {
 #pragma unroll
             for (int j = 0; j < MF_R / 8; ++j) {
-                const uint4 xx = *reinterpret_cast<const uint4 *>(xp + 16 * j);
+                const uint4 xx = mf_lds128(xp + 16 * j);
                 acc[4 * j + 0] = __hfma2(mf_as_h2(xx.x), v2, acc[4 * j + 0]);
                 acc[4 * j + 1] = __hfma2(mf_as_h2(xx.y), v2, acc[4 * j + 1]);
                 acc[4 * j + 2] = __hfma2(mf_as_h2(xx.z), v2, acc[4 * j + 2]);
@@ -249,46 +271,52 @@ __device__ __forceinline__ void mf_half_tile(const MfMeta &m, int lpos, const ui
             }
         }
     };
-    // code bits of word cw at bit t -> the fp16 h = 1 + q / 2^BITS (code in mantissa bits [10-BITS, 10))
-    auto dequant = [&](uint32_t cw, int t) {
-        constexpr int MB = 10 - BITS;
-        const uint32_t sh = t <= MB ? (cw << (MB - t)) : (cw >> (t - MB));
-        const unsigned short hb = (unsigned short)((sh & (((1u << BITS) - 1u) << MB)) | 0x3C00u);
-        return __hfma(__ushort_as_half(hb), __low2half(dq), __high2half(dq));
+    // codes k and k+1 (k even) of the descending walk, from word cw whose top holds code k at
+    // bits [32 - BITS (j+1), 32 - BITS j), j = k % PER -> (value k+1, value k) as (low, high)
+    auto pair = [&](uint32_t cw, int j) {
+        constexpr int MB = 10 - BITS;                        // h = 1 + q / 2^BITS: code in mantissa bits [MB, 10)
+        const int low = 32 - BITS * (j + 2);
+        const uint32_t t = (cw >> low) & ((1u << (2 * BITS)) - 1u);
+        const uint32_t spread = t * ((1u << MB) + (1u << (16 + MB - BITS)));
+        const uint32_t q = (1u << BITS) - 1u;
+        const uint32_t h = (spread & ((q << MB) | (q << (16 + MB)))) | 0x3C003C00u;
+        return __hfma2(mf_as_h2(h), dqm, dqa);
     };
     if (MF_R <= 8) {
         // few rows: fully unrolled, every code at a constant bit position
 #pragma unroll
-        for (int k0 = 0; k0 < 32; k0 += 4) {
+        for (int k0 = 0; k0 < 32; k0 += 2) {
             if (k0 >= kmax) break;
+            if (BITS == 16) {
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                const int k = k0 + kk;
-                if (BITS == 16) {
-                    fma_row(k < n ? vptr[k] : __float2half_rn(0.0f));
-                } else {
-                    constexpr int PER = BITS == 16 ? 1 : 32 / BITS;  // codes per word
-                    fma_row(dequant(c[k / PER], (k % PER) * BITS));
+                for (int kk = 0; kk < 2; ++kk) {
+                    const int k = k0 + kk;
+                    fma_row(__half2half2(k < n ? vlast[-k] : __float2half_rn(0.0f)));
+                }
+            } else {
+                {
+                    const int k = k0;
+                    const __half2 v = pair(c[NCW - 1 - k / PER], k % PER);
+                    fma_row(__high2half2(v));
+                    fma_row(__low2half2(v));
                 }
             }
         }
     } else {
-        // many rows (registers go to the row loads): a rolled loop over groups of 4 non-zeros,
-        // the codes streamed through c[] by 4 * BITS bits per group
+        // many rows (registers go to the row loads): a rolled loop over pairs of non-zeros,
+        // the codes shifted up through c[] by 2 * BITS bits per pair
 #pragma unroll 1
-        for (int k0 = 0; k0 < kmax; k0 += 4) {
+        for (int k0 = 0; k0 < kmax; k0 += 2) {
+            if (BITS == 16) {
+                fma_row(__half2half2(k0 < n ? vlast[-k0] : __float2half_rn(0.0f)));
+                fma_row(__half2half2(k0 + 1 < n ? vlast[-k0 - 1] : __float2half_rn(0.0f)));
+            } else {
+                const __half2 v = pair(c[NCW - 1], 0);
+                fma_row(__high2half2(v));
+                fma_row(__low2half2(v));
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                if (BITS == 16) {
-                    fma_row(k0 + kk < n ? vptr[k0 + kk] : __float2half_rn(0.0f));
-                } else {
-                    fma_row(dequant(c[0], kk * BITS));
-                }
-            }
-            if (BITS != 16) {
-#pragma unroll
-                for (int i = 0; i < NCW - 1; ++i) c[i] = __funnelshift_r(c[i], c[i + 1], 4 * BITS);
-                c[NCW - 1] >>= 4 * BITS;
+                for (int i = NCW - 1; i > 0; --i) c[i] = __funnelshift_l(c[i - 1], c[i], 2 * BITS);
+                c[0] <<= 2 * BITS;
             }
         }
     }
@@ -335,25 +363,25 @@ __device__ __forceinline__ void mf_key(MF_PARAMS) {
         return mf_load_meta<BITS, COMPACT>(bmp, offs, scl, zer, tile_base, st * 16, min(16, T - st * 16), lane, offs_base, st);
     };
 
-    MfMeta m0{}, m1{}, m2{};
-    int p0 = 0, p1 = 0;
+    MfMeta m0{}, m1{};
+    int p0 = 0;
     if (n > 0) m0 = meta(0);
     if (n > 1) m1 = meta(1);
     if (n > 0) p0 = mf_issue_window<BITS, COMPACT>(m0, data, win, lane);
     mf_commit();
 
-    // queries of this batch, REP interleaved copies, zero rows for padding
+    // queries of this batch, REP interleaved copies; row 0 of each block of 32 dims is zeros
     for (int i = threadIdx.x; i < (MF_D / 32) * 33 * MF_REP; i += MF_THREADS) {
         const int rep = i % MF_REP, e = i / MF_REP;
-        const int blk = e / 33, pos = e % 33;
-        const int d = blk * 32 + pos;
+        const int blk = e / 33, row = e % 33;
+        const int d = blk * 32 + row - 1;
 #pragma unroll
         for (int r4 = 0; r4 < MF_R; r4 += 4) {
             __half h[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int r = r4 + j;
-                h[j] = (pos < 32 && r < nr) ? x[((size_t)b * R + row0 + r) * MF_D + d] : __float2half_rn(0.0f);
+                h[j] = (row > 0 && r < nr) ? x[((size_t)b * R + row0 + r) * MF_D + d] : __float2half_rn(0.0f);
             }
             uint2 w;
             __half2 lo = __halves2half2(h[0], h[1]), hi = __halves2half2(h[2], h[3]);
@@ -366,39 +394,47 @@ __device__ __forceinline__ void mf_key(MF_PARAMS) {
 
     __half *scores = reinterpret_cast<__half *>(out);
     const int hf = lane & 1;
-    for (int i = 0; i < n; ++i) {
-        if (i + 2 < n) m2 = meta(i + 2);
-        if (i + 1 < n) p1 = mf_issue_window<BITS, COMPACT>(m1, data, win + ((i + 1) & 1) * WIN, lane);
+    const int jl = lane % LPT;
+    int pcur = p0;
+    // One step: the window of step i+1 is issued from meta(i+1) (loaded one step ago), meta(i+2)
+    // is loaded into the registers meta(i) leaves free. The loop runs two steps per trip with the
+    // two register sets swapped, so no in-flight load is ever moved between registers (a move
+    // would wait for it: the prefetch would be lost).
+    auto one = [&](int i, MfMeta &A, MfMeta &B) {
+        MfMeta cur = A;
+        if (i + 2 < n) A = meta(i + 2);
+        int pnext = 0;
+        if (i + 1 < n) pnext = mf_issue_window<BITS, COMPACT>(B, data, win + ((i + 1) & 1) * WIN, lane);
         mf_commit();
         mf_wait1();
         __syncwarp();
-        if (BITS != 16 && !COMPACT) mf_plain_dq<BITS>(m0);
+        if (BITS != 16 && !COMPACT) mf_plain_dq<BITS>(cur);
         const int t = step_of(i) * 16 + (lane >> 1);
         const int blk = (t % TPT) * 2 + hf;
-        const char *xaddr = reinterpret_cast<const char *>(xs) + (size_t)((blk * 33) * MF_REP + (lane % MF_REP)) * MF_R * 2;
+        const uint32_t xaddr = (uint32_t)__cvta_generic_to_shared(xs) + ((blk * 33 + 1) * MF_REP + (lane % MF_REP)) * MF_R * 2;
         __half2 acc[MF_R / 2];
 #pragma unroll
         for (int j = 0; j < MF_R / 2; ++j) acc[j] = __float2half2_rn(0.0f);
-        mf_half_tile<BITS>(m0, p0, win + (i & 1) * WIN, xaddr, MF_REP * MF_R * 2, acc);
+        mf_half_tile<BITS>(cur, pcur, win + (i & 1) * WIN, xaddr, MF_REP * MF_R * 2, acc);
         __syncwarp();
-        // the token's LPT lanes sum their half-tiles; lane j of the token stores rows j, j+LPT, ...
+        // the token's LPT lanes sum their half-tiles; lane jl of the token stores rows jl, jl+LPT, ...
 #pragma unroll
         for (int o = 1; o < LPT; o <<= 1) {
 #pragma unroll
             for (int j = 0; j < MF_R / 2; ++j) acc[j] = __hadd2(acc[j], __shfl_xor_sync(MF_FULL, acc[j], o));
         }
-        if (m0.valid) {
-            const int token = t / TPT;
-            const int jl = lane % LPT;
+        if (cur.valid) {
+            __half *o = scores + ((size_t)b * R + row0) * S + t / TPT;
 #pragma unroll
             for (int r = 0; r < MF_R; ++r) {
-                if (r % LPT == jl && r < nr)
-                    scores[((size_t)b * R + row0 + r) * S + token] = (r & 1) ? __high2half(acc[r >> 1]) : __low2half(acc[r >> 1]);
+                if (r % LPT == jl && r < nr) o[(size_t)r * S] = (r & 1) ? __high2half(acc[r >> 1]) : __low2half(acc[r >> 1]);
             }
         }
-        m0 = m1;
-        m1 = m2;
-        p0 = p1;
+        pcur = pnext;
+    };
+    for (int i = 0; i < n; i += 2) {
+        one(i, m0, m1);
+        if (i + 1 < n) one(i + 1, m1, m0);
     }
 }
 
@@ -436,14 +472,14 @@ __device__ __forceinline__ void mf_value(MF_PARAMS) {
                                            d * gpr + (su >> 4));
     };
 
-    MfMeta m0{}, m1{}, m2{};
-    int p0 = 0, p1 = 0;
+    MfMeta m0{}, m1{};
+    int p0 = 0;
     if (n > 0) m0 = meta(0);
     if (n > 1) m1 = meta(1);
     if (n > 0) p0 = mf_issue_window<BITS, COMPACT>(m0, data, win, lane);
     mf_commit();
 
-    // probabilities of the chunk's tokens, transposed: token s0 + 32h + pos -> ps[pos][h][r]
+    // probabilities of the chunk's tokens, transposed: token s0 + 32h + pos -> ps[1 + pos][h][r]; row 0 zeros
     const int s0 = st0 * 64;
     const int groups8 = NH * 4;              // 8-token groups in the chunk
     const bool vec = (S & 7) == 0;
@@ -464,10 +500,9 @@ __device__ __forceinline__ void mf_value(MF_PARAMS) {
         const int hh = g >> 2, pos0 = (g & 3) * 8;
         __half *dst = reinterpret_cast<__half *>(ps);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) dst[((size_t)(pos0 + j) * NH + hh) * MF_R + r] = h[j];
+        for (int j = 0; j < 8; ++j) dst[((1 + pos0 + j) * NH + hh) * MF_R + r] = h[j];
     }
-    for (int i = threadIdx.x; i < NH * MF_R; i += MF_THREADS)  // position 32: zeros
-        reinterpret_cast<__half *>(ps)[(size_t)32 * NH * MF_R + i] = __float2half_rn(0.0f);
+    for (int i = threadIdx.x; i < NH * MF_R; i += MF_THREADS) reinterpret_cast<__half *>(ps)[i] = __float2half_rn(0.0f);
     __syncthreads();
 
     float facc[MF_R];
@@ -475,19 +510,24 @@ __device__ __forceinline__ void mf_value(MF_PARAMS) {
     for (int r = 0; r < MF_R; ++r) facc[r] = 0.0f;
     float *o = reinterpret_cast<float *>(out);
     const int xstride = NH * MF_R * 2;
-    for (int i = 0; i < n; ++i) {
-        if (i + 2 < n) m2 = meta(i + 2);
-        if (i + 1 < n) p1 = mf_issue_window<BITS, COMPACT>(m1, data, win + ((i + 1) & 1) * WIN, lane);
+    const uint32_t ps_s = (uint32_t)__cvta_generic_to_shared(ps);
+    int pcur = p0;
+    // as in mf_key: two steps per trip, register sets swapped (no in-flight load is moved)
+    auto one = [&](int i, MfMeta &A, MfMeta &B) {
+        MfMeta cur = A;
+        if (i + 2 < n) A = meta(i + 2);
+        int pnext = 0;
+        if (i + 1 < n) pnext = mf_issue_window<BITS, COMPACT>(B, data, win + ((i + 1) & 1) * WIN, lane);
         mf_commit();
         mf_wait1();
         __syncwarp();
-        if (BITS != 16 && !COMPACT) mf_plain_dq<BITS>(m0);
+        if (BITS != 16 && !COMPACT) mf_plain_dq<BITS>(cur);
         const int j = i % nsr;
-        const char *xaddr = reinterpret_cast<const char *>(ps) + (size_t)(32 * j + lane) * MF_R * 2;
+        const uint32_t xaddr = ps_s + (NH + 32 * j + lane) * MF_R * 2;
         __half2 acc[MF_R / 2];
 #pragma unroll
         for (int q = 0; q < MF_R / 2; ++q) acc[q] = __float2half2_rn(0.0f);
-        mf_half_tile<BITS>(m0, p0, win + (i & 1) * WIN, xaddr, xstride, acc);
+        mf_half_tile<BITS>(cur, pcur, win + (i & 1) * WIN, xaddr, xstride, acc);
         __syncwarp();
 #pragma unroll
         for (int q = 0; q < MF_R / 2; ++q) {
@@ -502,14 +542,18 @@ __device__ __forceinline__ void mf_value(MF_PARAMS) {
 #pragma unroll
                 for (int off = 16; off; off >>= 1) facc[r] += __shfl_xor_sync(MF_FULL, facc[r], off);
             }
+            float mine = 0.0f;
 #pragma unroll
             for (int r = 0; r < MF_R; ++r) {
-                if (lane == r && r < nr) atomicAdd(o + ((size_t)b * R + row0 + r) * MF_D + d, facc[r]);
+                if (lane == r) mine = facc[r];
                 facc[r] = 0.0f;
             }
+            if (lane < nr) atomicAdd(o + ((size_t)b * R + row0 + lane) * MF_D + d, mine);
         }
-        m0 = m1;
-        m1 = m2;
-        p0 = p1;
+        pcur = pnext;
+    };
+    for (int i = 0; i < n; i += 2) {
+        one(i, m0, m1);
+        if (i + 1 < n) one(i + 1, m1, m0);
     }
 }

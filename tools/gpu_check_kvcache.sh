@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# GPU check of the Mustafar sparse KV-cache kernels (mustafar.*): their GPU tests, `qgemm validate`
+# on odd shapes, `qgemm profile` at decode size (cold), and `qgemm bench --suite kvcache`
+# (QGEMM_KV_BENCH=quick|full|none). Logs and JSON under $OUT; a compact summary on stdout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out/gpu_check_kvcache}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export QGEMM_CACHE_DIR=${QGEMM_CACHE_DIR:-/tmp/qc}
+PY=${PYTHON:-python3}
+BENCH=${QGEMM_KV_BENCH:-quick}
+STEPS=${QGEMM_KV_STEPS:-"compile tests validate profile bench"}
+has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+rc=0
+step() { local name=$1 lim=$2; shift 2; echo "== $name"; timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local r=$?; [ $r = 0 ] || { echo "!! $name exit $r"; rc=1; }; return $r; }
+
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>/dev/null | head -1
+# compile every configuration the tests use, in parallel (NVRTC only)
+has compile && step compile 50 $PY - <<'PY'
+from concurrent.futures import ThreadPoolExecutor
+import qgemm
+from qgemm import kvcache as kv
+jobs = []
+for name in qgemm.list("mustafar"):
+    kind = "key" if ".key" in name else "value"
+    for d in (64, 128, 256):
+        for rows in (1, 4, 8, 32, 44):
+            jobs.append((name, kv.plan_for(kind, 16, (2, 100, d), rows).defines))
+def go(j):
+    qgemm.get(j[0]).compile("sm_90", j[1])
+with ThreadPoolExecutor(8) as ex:
+    list(ex.map(go, jobs))
+print(len(jobs), "configurations compiled")
+PY
+has compile && tail -1 "$OUT/compile.log"
+
+has tests && step tests ${QGEMM_KV_TESTS_LIMIT:-110} $PY -m pytest -q -m gpu tests/test_kvcache.py -p no:cacheprovider --maxfail=15
+has tests && { tail -3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/tests.log" | head -20; }
+
+has validate && step validate 25 $PY -m qgemm validate mustafar --shape 5x1031x128 --lq 8 --groups 4 --json "$OUT/validate.json"
+has validate && grep -E "mustafar|FAIL" "$OUT/validate.log" | awk '{print $1, $2, $4, $6, $NF}' | head -12
+
+has profile && step profile ${QGEMM_KV_PROFILE_LIMIT:-45} $PY -m qgemm profile ${QGEMM_KV_PROFILE:-mustafar} --shape 32x16384x128 --cold --json "$OUT/profile-16k-cold.json"
+has profile && grep -E "mustafar|bandwidth" "$OUT/profile.log" | cut -c1-200
+
+if has bench && [ "$BENCH" != none ]; then
+  step bench ${QGEMM_KV_BENCH_LIMIT:-60} $PY -m qgemm bench --suite kvcache $([ "$BENCH" = quick ] && echo --quick) --iters 10 --out "$OUT/bench"
+  grep -E "^- |MET" "$OUT/bench.log" | head -12
+  grep -E "^(key|value) " "$OUT/bench.log" | sed 's/  */ /g' | cut -c1-170 | head -130
+fi
+echo "gpu_check_kvcache: $([ $rc = 0 ] && echo PASS || echo FAIL)"
+exit $rc
