@@ -258,3 +258,36 @@ def test_tuning_file_corrupt_is_ignored_with_warning(tmp_path, monkeypatch):
     assert tuning._valid("w4a8.mma", qgemm.spec("w4a8.mma").config(512, 4096, 4096, 132))
     assert tuning.bucket(300, 4096, 4096) == "512x4096x4096"
     tuning.forget_cache()
+
+
+class _FakeDLPack:
+    """A DLPack producer on some device; raises if anyone actually asks for the capsule."""
+
+    def __init__(self, dev):
+        self.dev = dev
+
+    def __dlpack_device__(self):
+        return self.dev
+
+    def __dlpack__(self, **kw):  # pragma: no cover - must not be reached
+        raise AssertionError("the capsule must not be requested for a rejected device")
+
+
+@pytest.mark.parametrize("dev,match", [((2, 1), "on device 1"), ((1, 0), "host"), ((4, 0), "device type 4")])
+def test_dlpack_from_the_wrong_device_is_refused_before_launch(dev, match):
+    from qgemm import runtime
+
+    w = qgemm.quantize_q4_0(np.ones((8, 64), np.float32))
+    fake = _FakeDLPack(dev)
+    if dev[0] == 1:  # a CPU tensor is a host array: mixing it with device weights is refused
+        assert not runtime.is_device_array(fake)
+        with pytest.raises(ValueError, match=match):
+            runtime.DeviceArray.from_dlpack(fake)
+    else:
+        assert runtime.is_device_array(fake)
+        with pytest.raises(ValueError, match=match):
+            qgemm.get("w4a16.naive")(fake, fake)
+        with pytest.raises(ValueError, match=match):
+            qgemm.matmul(fake, fake, fmt="q4_0")
+    with pytest.raises(ValueError, match="both be host"):
+        qgemm.get("w4a16.naive")(np.ones((2, 64), np.float32), qgemm.DeviceArray(0x1000, (8, 2), qgemm.block_q4_0))

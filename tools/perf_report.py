@@ -101,8 +101,9 @@ def bench_section(data: dict) -> str:
                    f"`{r['kernel']}` | {ratio} | {met} |")
     out.append("")
     out.append(sweep_markdown(data, data.get("command", "qgemm bench")))
-    for tag in ("hot", "cold"):
-        out.append(f"![bench {tag}](perf/bench-{tag}.png)")
+    for tag, cold in (("hot", False), ("cold", True)):
+        if any(r["cold"] == cold for r in data["rows"]):
+            out.append(f"![bench {tag}](perf/bench-{tag}.png)")
     return "\n".join(out) + "\n"
 
 
