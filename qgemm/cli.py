@@ -568,20 +568,16 @@ def compare_llamacpp(
     def shape(r):
         return f"{r['M']}x{r['N']}x{r['K']}"
 
-    import qgemm as _qgemm
-
-    if not runtime.gpu_available() or not hasattr(_qgemm, "matmul"):
+    if not runtime.gpu_available():
         typer.echo(f"llama.cpp test-backend-ops on {llama_dev} ({source}); MxNxK is qgemm's (ggml's n x m x k)\n")
         typer.echo(_table(["type", "MxNxK", "llama.cpp us", "TFLOPS", "runs"],
                           [[r["type"], shape(r), f"{r['us']:.2f}", f"{r['tflops']:.2f}" if r["tflops"] is not None else "-",
                             str(r["runs"])] for r in selected], right={2, 3, 4}))
         if as_json:
             as_json.write_text(json.dumps({"command": _command_line(), "llamacpp_device": llama_dev, "rows": selected}, indent=1))
-        if not runtime.gpu_available():
-            typer.echo(f"\nThe qgemm column needs an NVIDIA GPU, and none is usable here ({runtime.gpu_unavailable_reason()}); "
-                       "run this on the GPU the llama.cpp figures come from.")
-            return
-        _fail("qgemm.matmul is not available in this version")
+        typer.echo(f"\nThe qgemm column needs an NVIDIA GPU, and none is usable here ({runtime.gpu_unavailable_reason()}); "
+                   "run this on the GPU the llama.cpp figures come from.")
+        return
     info = runtime.device_info()
     try:
         timer = llamacpp.matmul_timer(warmup=warmup, iters=iters)
