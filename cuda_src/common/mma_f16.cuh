@@ -127,11 +127,8 @@ static __device__ __forceinline__ void mma_f16_gemm(const __half* __restrict__ A
     const int wm = warp / MMA_WARPS_N, wn = warp % MMA_WARPS_N;
     const int m0 = blockIdx.y * MMA_BM, n0 = blockIdx.x * MMA_BN;
 
-    const int n_stages_total = (nb + MMA_BK - 1) / MMA_BK;
-    const int per_split = (n_stages_total + MMA_SPLITK - 1) / MMA_SPLITK;
-    const int s_begin = blockIdx.z * per_split;
-    const int s_end = min(n_stages_total, s_begin + per_split);
-    const int n_stages = max(s_end - s_begin, 0);
+    int s_begin, n_stages;
+    mma_k_slice(nb, s_begin, n_stages);
     const bool aligned = (nb % MMA_BK) == 0 && (((size_t)A) & 15) == 0 && (((size_t)W) & 7) == 0;
 
     auto load_stage = [&](int s, int buf) {
@@ -194,22 +191,5 @@ static __device__ __forceinline__ void mma_f16_gemm(const __half* __restrict__ A
         }
     }
     cp_async_wait<0>();
-
-#pragma unroll
-    for (int i = 0; i < MMA_MT; ++i)
-#pragma unroll
-        for (int j = 0; j < MMA_NT; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int m = m0 + wm * MMA_WM + i * 16 + g + 8 * h;
-                const int n = n0 + wn * MMA_WN + j * 8 + 2 * t;
-                if (m >= M) continue;
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    if (n + q >= N) continue;
-                    float* dst = &C[(size_t)m * N + n + q];
-                    if (MMA_SPLITK > 1) atomicAdd(dst, acc[i][j][2 * h + q]);
-                    else *dst = acc[i][j][2 * h + q];
-                }
-            }
+    mma_store(acc, C, M, N, m0, n0, wm, wn, g, t);
 }

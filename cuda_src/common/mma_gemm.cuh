@@ -146,6 +146,37 @@ static __device__ __forceinline__ void stage_rows(unsigned char* sm, const unsig
     }
 }
 
+// This CTA's slice of the K stages (MMA_BK blocks each) under split-K (blockIdx.z).
+static __device__ __forceinline__ void mma_k_slice(int nb, int& s_begin, int& n_stages) {
+    const int n_stages_total = (nb + MMA_BK - 1) / MMA_BK;
+    const int per_split = (n_stages_total + MMA_SPLITK - 1) / MMA_SPLITK;
+    s_begin = blockIdx.z * per_split;
+    n_stages = max(min(n_stages_total, s_begin + per_split) - s_begin, 0);
+}
+
+// Write a warp's MT x NT accumulator fragments (c0,c1 = row g, cols 2t, 2t+1; c2,c3 = row g+8) to
+// C, or add them atomically under split-K (C zeroed by the host).
+static __device__ __forceinline__ void mma_store(const float (&acc)[MMA_MT][MMA_NT][4], float* __restrict__ C, int M, int N,
+                                                 int m0, int n0, int wm, int wn, int g, int t) {
+#pragma unroll
+    for (int i = 0; i < MMA_MT; ++i)
+#pragma unroll
+        for (int j = 0; j < MMA_NT; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = m0 + wm * MMA_WM + i * 16 + g + 8 * h;
+                const int n = n0 + wn * MMA_WN + j * 8 + 2 * t;
+                if (m >= M) continue;
+#pragma unroll
+                for (int q = 0; q < 2; ++q) {
+                    if (n + q >= N) continue;
+                    float* dst = &C[(size_t)m * N + n + q];
+                    if (MMA_SPLITK > 1) atomicAdd(dst, acc[i][j][2 * h + q]);
+                    else *dst = acc[i][j][2 * h + q];
+                }
+            }
+}
+
 template <typename WF>
 static __device__ __forceinline__ void mma_gemm(const block_q8_1* __restrict__ A, const typename WF::block_w* __restrict__ W,
                                                 float* __restrict__ C, int M, int N, int K) {
@@ -161,12 +192,8 @@ static __device__ __forceinline__ void mma_gemm(const block_q8_1* __restrict__ A
     const int wm = warp / MMA_WARPS_N, wn = warp % MMA_WARPS_N;
     const int m0 = blockIdx.y * MMA_BM, n0 = blockIdx.x * MMA_BN;
 
-    // this CTA's slice of K (split-K), in stages of MMA_BK blocks
-    const int n_stages_total = (nb + MMA_BK - 1) / MMA_BK;
-    const int per_split = (n_stages_total + MMA_SPLITK - 1) / MMA_SPLITK;
-    const int s_begin = blockIdx.z * per_split;
-    const int s_end = min(n_stages_total, s_begin + per_split);
-    const int n_stages = max(s_end - s_begin, 0);
+    int s_begin, n_stages;
+    mma_k_slice(nb, s_begin, n_stages);
 
     const bool aligned = (nb % MMA_BK) == 0 && (((size_t)A) & 15) == 0 && (((size_t)W) & 7) == 0;
 
@@ -239,22 +266,5 @@ static __device__ __forceinline__ void mma_gemm(const block_q8_1* __restrict__ A
         }
     }
     cp_async_wait<0>();
-
-#pragma unroll
-    for (int i = 0; i < MMA_MT; ++i)
-#pragma unroll
-        for (int j = 0; j < MMA_NT; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int m = m0 + wm * MMA_WM + i * 16 + g + 8 * h;
-                const int n = n0 + wn * MMA_WN + j * 8 + 2 * t;
-                if (m >= M) continue;
-#pragma unroll
-                for (int q = 0; q < 2; ++q) {
-                    if (n + q >= N) continue;
-                    float* dst = &C[(size_t)m * N + n + q];
-                    if (MMA_SPLITK > 1) atomicAdd(dst, acc[i][j][2 * h + q]);
-                    else *dst = acc[i][j][2 * h + q];
-                }
-            }
+    mma_store(acc, C, M, N, m0, n0, wm, wn, g, t);
 }
