@@ -45,6 +45,6 @@ __all__ = [
     "QK", "block_q4_0", "block_q8_0", "block_q8_1", "quantize", "dequantize", "quantize_q4_0",
     "quantize_q8_0", "quantize_q8_1", "dequantize_q4_0", "dequantize_q8_0", "dequantize_q8_1",
     "formats", "reference", "get", "spec", "list", "Kernel", "Op", "DeviceArray", "gpu_available",
-    "matmul", "explain", "plan",
+    "matmul", "explain", "plan", "load_gguf",
     "CompileError", "CudaError", "NoGPUError", "QgemmError", "UnsupportedArchError",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+
 import shlex
 import sys
 import time

@@ -826,7 +826,7 @@ class MustafarRunner:
         return cache, ck, x
 
     def validate(self, kernel, shape, seed=None, opts=None):
-        from . import check, runtime
+        from . import runtime
 
         why = self.shape_problem(shape)
         if why:

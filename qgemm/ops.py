@@ -8,7 +8,7 @@ features (weights), K = reduction. Quantized operands are blocks along K: [rows,
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np

@@ -20,7 +20,7 @@ def test_registry_entries_are_complete():
     for s in registry.list_kernels():
         assert re.fullmatch(r"[a-z0-9_]+\.[a-z0-9_]+", s.name)
         src = (jit.cuda_src_dir() / s.source).read_text()
-        assert f'extern "C" __global__' in src and s.entry in src, f"{s.name}: entry {s.entry} not in {s.source}"
+        assert 'extern "C" __global__' in src and s.entry in src, f"{s.name}: entry {s.entry} not in {s.source}"
         g = s.geometry(7, 33, 64, s.config(7, 33, 64, 132)) if s.config else s.geometry(7, 33, 64)
         assert all(x >= 1 for x in g.grid + g.block) and np.prod(g.block) <= 1024
         assert s.step >= 1 and s.min_arch >= 75 and s.description
@@ -277,7 +277,6 @@ class _FakeDLPack:
 def test_dlpack_from_the_wrong_device_is_refused_before_launch(dev, match):
     from qgemm import runtime
 
-    w = qgemm.quantize_q4_0(np.ones((8, 64), np.float32))
     fake = _FakeDLPack(dev)
     if dev[0] == 1:  # a CPU tensor is a host array: mixing it with device weights is refused
         assert not runtime.is_device_array(fake)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qgemm
-from qgemm import check, formats as F, registry, runtime
+from qgemm import check, formats as F, registry
 
 pytestmark = pytest.mark.gpu
 

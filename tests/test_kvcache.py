@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import qgemm
-from qgemm import jit, registry, runtime
+from qgemm import registry, runtime
 from qgemm import kvcache as kv
 
 LAYOUTS = [(16, False), (4, False), (2, False), (4, True), (2, True)]

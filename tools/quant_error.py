@@ -39,7 +39,7 @@ def main() -> None:
         "uniform U(-1,1)": rng.uniform(-1, 1, (args.rows, args.k)).astype(np.float32),
     }
     print(f"NMSE of one quantize/dequantize round trip, {args.rows}x{args.k} values, seed {args.seed}\n")
-    print(f"| data | Q4_0 (ggml, d = max/-8) | Q4_0 (seeds, d = amax/7) | Q8_0 | Q8_1 |")
+    print("| data | Q4_0 (ggml, d = max/-8) | Q4_0 (seeds, d = amax/7) | Q8_0 | Q8_1 |")
     print("|---|---:|---:|---:|---:|")
     for name, x in data.items():
         r = [F.nmse(F.dequantize_q4_0(F.quantize_q4_0(x)), x), F.nmse(seed_style_q4_0(x), x),
