@@ -187,43 +187,6 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
     )
 
 
-def torch_median_us(fn, sets: list, warmup: int, iters: int) -> float:
-    """Median per-call time (us) of torch work `fn(*args)`, cycling through the argument tuples in
-    `sets`: samples of B back-to-back calls (B ~ 1 ms of work, at least one pass over the sets,
-    at most 200) between two CUDA events, so the host's per-call overhead hides behind the queue."""
-    import torch
-
-    for i in range(max(warmup, 1)):
-        fn(*sets[i % len(sets)])
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    fn(*sets[0])
-    e1.record()
-    e1.synchronize()
-    batch = int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), len(sets)), 200))
-    ts = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for j in range(batch):
-            fn(*sets[j % len(sets)])
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / batch)
-    return statistics.median(ts)
-
-
-def torch_sets(make, cold: bool) -> list:
-    """One argument tuple from `make()`, plus (cold) enough more that together they exceed 2x L2."""
-    one = make()
-    if not cold:
-        return [one]
-    nbytes = sum(t.numel() * t.element_size() for t in one)
-    l2 = max(runtime.device_info().l2_bytes, 1)
-    return [one] + [make() for _ in range(min(32, int(np.ceil(2 * l2 / nbytes))))]
-
-
 def torch_peers(shape: tuple[int, int, int], warmup: int = 10, iters: int = 50) -> list[dict]:
     """torch A @ W.T in fp32/fp16/bf16 (cuBLAS) and torch._int_mm (cuBLASLt int8) on the same
     shape, timed the same way (hot, CUDA events, median). Empty when torch/CUDA is absent."""
@@ -238,7 +201,27 @@ def torch_peers(shape: tuple[int, int, int], warmup: int = 10, iters: int = 50) 
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def timeit(fn):
-        return torch_median_us(fn, [()], warmup, iters)
+        # like qgemm's own timing: samples of B back-to-back calls (B ~ 1 ms of work), so the
+        # host's per-call overhead is hidden behind the queue; per-call time = sample / B
+        for _ in range(max(warmup, 1)):
+            fn()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        batch = int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), 1), 200))
+        ts = []
+        for _ in range(iters):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(batch):
+                fn()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1e3 / batch)
+        return statistics.median(ts)
 
     for dt, label in ((torch.float16, "torch fp16 A@W.T (cuBLAS)"), (torch.bfloat16, "torch bf16 A@W.T (cuBLAS)"),
                       (torch.float32, "torch fp32 A@W.T (cuBLAS)")):
@@ -340,8 +323,31 @@ def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters:
     if not torch.cuda.is_available():
         return {}
     out = {}
+    l2 = max(runtime.device_info().l2_bytes, 1)
+
     def measure(make, fn):
-        return torch_median_us(fn, torch_sets(make, cold), warmup, iters)
+        one = make()
+        nbytes = sum(t.numel() * t.element_size() for t in one)
+        sets = [one] + ([make() for _ in range(min(32, int(np.ceil(2 * l2 / nbytes))))] if cold else [])
+        for i in range(warmup):
+            fn(*sets[i % len(sets)])
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn(*sets[0])
+        e1.record()
+        e1.synchronize()
+        batch = int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), len(sets)), 200))
+        ts = []
+        for _ in range(iters):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for j in range(batch):
+                fn(*sets[j % len(sets)])
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1) * 1e3 / batch)
+        return statistics.median(ts)
 
     for dt, key in ((torch.float16, "torch_fp16_us"), (torch.bfloat16, "torch_bf16_us")):
         out[key] = measure(lambda: (torch.randn(m, k, device="cuda", dtype=dt), torch.randn(n, k, device="cuda", dtype=dt)),
