@@ -75,7 +75,8 @@ def _describe(x) -> str:
         except Exception:
             return f"device object {type(x).__name__}"
     a = np.asarray(x)
-    return f"{a.dtype} {a.shape}"
+    names = {f.dtype: f"{f.name} blocks" for f in F.FORMATS.values() if f.quantized}
+    return f"{names.get(a.dtype, a.dtype)} {a.shape}"
 
 
 def _check_host(x, fmt: F.Format, role: str, op: Op) -> np.ndarray:
