@@ -71,11 +71,12 @@ def _warp_dot(m: int, n: int, k: int) -> Launch:
 _MMA_W_ROW = {"q4_0": 80, "q8_0": 144}  # padded shared-memory row of a stage of weight blocks
 
 
-def _mma_geometry(wfmt: str):
+def _mma_geometry(wfmt: str, a_row: int = 144):
+    """a_row: padded shared-memory bytes per activation row per stage (Q8_1: 144, fp16: 272)."""
     def geometry(m: int, n: int, k: int, d: dict) -> Launch:
         bm, bn = d["MMA_BM"], d["MMA_BN"]
         threads = 32 * d["MMA_WARPS_M"] * d["MMA_WARPS_N"]
-        smem = d["MMA_STAGES"] * (bm * 144 + bn * _MMA_W_ROW[wfmt])
+        smem = d["MMA_STAGES"] * (bm * a_row + bn * _MMA_W_ROW[wfmt])
         split = d["MMA_SPLITK"]
         return Launch(grid=(cdiv(n, bn), cdiv(m, bm), split), block=(threads, 1, 1), shmem=smem, zero_output=split > 1)
     return geometry
@@ -113,13 +114,7 @@ def _mma_candidates(m: int, n: int, k: int) -> list[dict]:
 
 # ---- fp16 tensor-core W4A16 / W8A16 (common/mma_f16.cuh) ------------------------------------
 def _hf_geometry(wfmt: str):
-    def geometry(m: int, n: int, k: int, d: dict) -> Launch:
-        bm, bn = d["MMA_BM"], d["MMA_BN"]
-        threads = 32 * d["MMA_WARPS_M"] * d["MMA_WARPS_N"]
-        smem = d["MMA_STAGES"] * (bm * 272 + bn * _MMA_W_ROW[wfmt])
-        split = d["MMA_SPLITK"]
-        return Launch(grid=(cdiv(n, bn), cdiv(m, bm), split), block=(threads, 1, 1), shmem=smem, zero_output=split > 1)
-    return geometry
+    return _mma_geometry(wfmt, a_row=272)  # common/mma_f16.cuh: HF_A_ROW
 
 
 def _hf_config(m: int, n: int, k: int, sm_count: int) -> dict:
