@@ -28,6 +28,7 @@ from .formats import (
 from .dispatch import explain, matmul, plan
 from .gguf_io import load_gguf
 from .ops import Kernel, Op
+from .packing import PackedWeights, pack_weights
 from .registry import get, spec
 from .runtime import DeviceArray, gpu_available
 
@@ -45,6 +46,6 @@ __all__ = [
     "QK", "block_q4_0", "block_q8_0", "block_q8_1", "quantize", "dequantize", "quantize_q4_0",
     "quantize_q8_0", "quantize_q8_1", "dequantize_q4_0", "dequantize_q8_0", "dequantize_q8_1",
     "formats", "reference", "get", "spec", "list", "Kernel", "Op", "DeviceArray", "gpu_available",
-    "matmul", "explain", "plan", "load_gguf",
+    "matmul", "explain", "plan", "load_gguf", "pack_weights", "PackedWeights",
     "CompileError", "CudaError", "NoGPUError", "QgemmError", "UnsupportedArchError",
 ]

@@ -163,7 +163,7 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
             kernel.launch_quantize(xs[i], ys[i], m, k, status, stream=stream)
     else:
         da = [runtime.DeviceArray.from_host(inp.a) for _ in range(sets)]
-        dw = [runtime.DeviceArray.from_host(inp.w) for _ in range(sets)]
+        dw = [kernel.upload_weights(inp.w) for _ in range(sets)]
         dc = [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets)]
 
         def launch(i, stream=None):
@@ -281,16 +281,20 @@ def _sets_for(nbytes: int, cold: bool) -> int:
 
 
 def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict, warmup: int = 5, iters: int = 30,
-                path: str | None = None) -> dict:
-    """The whole op as qgemm.matmul runs it (quantize + GEMM), graph-batched like llama.cpp's perf mode."""
+                path: str | None = None, packed: bool = True) -> dict:
+    """The whole op as qgemm.matmul runs it (prologue + GEMM), graph-batched like llama.cpp's perf
+    mode. packed: the weights were made by qgemm.pack_weights (their one-time repacking is timed
+    separately, by `sweep`), so the skinny kernels may run; else raw ggml blocks."""
     from . import dispatch as mm
+    from . import packing
 
-    p = mm.plan(m, n, k, fmt, "f32", path)
+    p = mm.plan(m, n, k, fmt, "f32", path, packed)
     wq = weights[(fmt, n, k)]
+    wbuf = packing.pack(wq, fmt) if p.packed else wq
     nbytes = m * k * 4 + wq.nbytes + m * n * 4
     sets = _sets_for(nbytes, cold)
     xs = [runtime.DeviceArray.from_host(rng.standard_normal((m, k), dtype=np.float32)) for _ in range(sets)]
-    ws = [runtime.DeviceArray.from_host(wq) for _ in range(sets)]
+    ws = [runtime.DeviceArray.from_host(wbuf) for _ in range(sets)]
     staged = p.staged_format
     qs = [runtime.DeviceArray.empty(*staged) if staged else xs[i] for i in range(sets)]
     cs = [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets)]
@@ -309,7 +313,8 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
     med, kmed = statistics.median(t_all), statistics.median(t_k)
     for arr in xs + ws + cs + ([] if staged is None else qs):
         arr.free()
-    return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "kernel": p.kernel, "config": p.defines, "config_source": p.source,
+    return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "kernel": p.kernel, "packed": p.packed,
+            "config": p.defines, "config_source": p.source,
             "matmul_us": med, "kernel_us": kmed, "quantize_us": max(med - kmed, 0.0), "tflops": 2 * m * n * k / med / 1e6,
             "weight_gbps": wq.nbytes / med / 1e3, "buffer_sets": sets, "method": how["method"]}
 
@@ -371,11 +376,22 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     for fmt in fmts:
         for k in ks:
             weights[(fmt, n, k)] = F.quantize(rng.standard_normal((n, k), dtype=np.float32), fmt)
+    from . import packing
+
+    pack_ms = {}  # the one-time repacking (host repack + upload), not part of any matmul time
+    for (fmt, nn, k), wq in weights.items():
+        pw = packing.pack_weights(wq)
+        pack_ms[f"{fmt} {nn}x{k}"] = pw.pack_seconds * 1e3
+        pw.packed.free()
+        pw.blocks.free()
     rows = []
     jobs = [(cold, k, m, fmt) for cold in modes for k in ks for m in ms for fmt in fmts]
     peer_cache: dict = {}
     for cold, k, m, fmt in jobs:
         r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters)
+        if r["packed"]:  # the same op on raw ggml blocks (no pack_weights): what an unpacked caller gets
+            rb = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, packed=False)
+            r.update(blocks_kernel=rb["kernel"], blocks_matmul_us=rb["matmul_us"])
         if peers:
             key = (m, k, cold)
             if key not in peer_cache:
@@ -384,7 +400,7 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
         rows.append(r)
         if progress:
             progress(r)
-    return {"environment": environment(), "copy_bandwidth_gbps": copy_bandwidth() / 1e9, "rows": rows}
+    return {"environment": environment(), "copy_bandwidth_gbps": copy_bandwidth() / 1e9, "pack_ms": pack_ms, "rows": rows}
 
 
 def sweep_markdown(data: dict, command: str) -> str:
@@ -392,18 +408,26 @@ def sweep_markdown(data: dict, command: str) -> str:
     out = [f"- device: **{env['device']}** ({env['arch']}), driver {env['driver']}, NVRTC {env['nvrtc']}"
            + (f", torch {env['torch']}" if "torch" in env else ""),
            f"- date: {env['date']}", f"- command: `{command}`",
-           f"- measured copy bandwidth: {data['copy_bandwidth_gbps']:.0f} GB/s (read + write)", ""]
+           f"- measured copy bandwidth: {data['copy_bandwidth_gbps']:.0f} GB/s (read + write)"]
+    if data.get("pack_ms"):
+        out.append("- one-time weight repacking for the skinny kernels (`qgemm.pack_weights`: host repack + upload, "
+                   "not in any time below): " + ", ".join(f"{k} {v:.1f} ms" for k, v in data["pack_ms"].items()))
+    out.append("- `qgemm.matmul µs` takes packed weights; `ggml blocks µs` is the same call on raw ggml blocks "
+               "(where that picks another kernel)")
+    out.append("")
     for cold in (False, True):
         rows = [r for r in data["rows"] if r["cold"] == cold]
         if not rows:
             continue
         out.append(f"### {'Cold (buffers rotated through > 2x L2)' if cold else 'Hot (same buffers, back-to-back)'}\n")
-        out.append("| type | M | N | K | qgemm.matmul µs | kernel µs | kernel | TFLOPS | weight GB/s | torch fp16 µs | torch bf16 µs | torch int8 µs |")
-        out.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+        out.append("| type | M | N | K | qgemm.matmul µs | kernel µs | kernel | TFLOPS | weight GB/s | ggml blocks µs (kernel) "
+                   "| torch fp16 µs | torch bf16 µs | torch int8 µs |")
+        out.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             f = lambda key: f"{r[key]:.1f}" if key in r else "-"  # noqa: E731
+            blocks = f"{r['blocks_matmul_us']:.1f} (`{r['blocks_kernel']}`)" if "blocks_matmul_us" in r else "-"
             out.append(f"| {r['fmt']} | {r['M']} | {r['N']} | {r['K']} | {r['matmul_us']:.1f} | {r['kernel_us']:.1f} | "
-                       f"`{r['kernel']}` | {r['tflops']:.1f} | {r['weight_gbps']:.0f} | {f('torch_fp16_us')} | "
+                       f"`{r['kernel']}` | {r['tflops']:.1f} | {r['weight_gbps']:.0f} | {blocks} | {f('torch_fp16_us')} | "
                        f"{f('torch_bf16_us')} | {f('torch_int_mm_us')} |")
         out.append("")
     return "\n".join(out)

@@ -104,7 +104,7 @@ def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=Non
         kernel.launch_quantize(dx, dy, m, k, status, stream=stream)
         return dy.to_host()
     da = runtime.DeviceArray.from_host(inp.a)
-    dw = runtime.DeviceArray.from_host(inp.w)
+    dw = kernel.upload_weights(inp.w)
     dc = runtime.DeviceArray.empty((m, n), np.float32)
     dc.fill_bytes(0xFF, stream)
     kernel.launch(da, dw, dc, m, n, k, stream=stream)

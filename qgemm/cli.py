@@ -346,13 +346,14 @@ def explain(
     fmt: str = typer.Option("q4_0", "--type", "-t", help="Weight format: q4_0 or q8_0."),
     f16: bool = typer.Option(False, "--f16", help="float16 activations."),
     path: Optional[str] = typer.Option(None, "--path", help="Override the GEMM kernel."),
+    packed: bool = typer.Option(False, "--packed", help="Weights made by qgemm.pack_weights (the skinny kernels may run)."),
 ):
     """Which kernels qgemm.matmul runs for a shape on this GPU, with which configuration, and why."""
     from . import dispatch as mm
 
     mnk = _shape(shape)
     try:
-        typer.echo(mm.explain(*mnk, fmt=fmt, x_dtype="f16" if f16 else "f32", path=path))
+        typer.echo(mm.explain(*mnk, fmt=fmt, x_dtype="f16" if f16 else "f32", path=path, packed=packed))
     except (KeyError, ValueError) as e:
         _fail(str(e.args[0] if e.args else e))
 
@@ -386,7 +387,7 @@ def tune(
     rng = np.random.default_rng(0)
     inp = check.make_inputs(k.op, m, n, kk, rng)
     exact = k.op.exact(inp.a, inp.w)
-    da, dw = runtime.DeviceArray.from_host(inp.a), runtime.DeviceArray.from_host(inp.w)
+    da, dw = runtime.DeviceArray.from_host(inp.a), k.upload_weights(inp.w)
     dc = runtime.DeviceArray.empty((m, n), np.float32)
     rows, best = [], None
     cands = spec.candidates(m, n, kk)
@@ -412,7 +413,7 @@ def tune(
     # re-validate the winner on fresh inputs before it is stored
     inp2 = check.make_inputs(k.op, m, n, kk, np.random.default_rng())
     dc.fill_bytes(0xFF)
-    k.launch(runtime.DeviceArray.from_host(inp2.a), runtime.DeviceArray.from_host(inp2.w), dc, m, n, kk, defines=best[0])
+    k.launch(runtime.DeviceArray.from_host(inp2.a), k.upload_weights(inp2.w), dc, m, n, kk, defines=best[0])
     res = check.compare(name, k.op, mnk, -1, dc.to_host(), k.op.exact(inp2.a, inp2.w), check.reference.truth(inp2.a_float, inp2.w_float),
                         inp2.a_float, inp2.w_float)
     if not res.passed:
@@ -432,6 +433,8 @@ def bench(
     hot_only: bool = typer.Option(False, "--hot-only", help="Skip the cold-cache pass."),
     iters: int = typer.Option(30, "--iters", min=1, help="Timed samples per point."),
     suite: str = typer.Option("gemm", "--suite", help="gemm: the matmul sweep; kvcache: Mustafar sparse KV-cache attention vs dense torch."),
+    m_list: str = typer.Option("", "--m", help="Comma-separated M values instead of the sweep's (e.g. 1,8,64)."),
+    k_list: str = typer.Option("", "--k", help="Comma-separated K values instead of the sweep's (e.g. 4096)."),
 ):
     """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold.
     --suite kvcache: the mustafar.* kernels over S, Lq, sparsity and bits against dense torch attention."""
@@ -439,15 +442,26 @@ def bench(
 
     if suite not in ("gemm", "kvcache"):
         _fail(f"--suite must be gemm or kvcache, got {suite!r}")
-    _need_gpu("bench")
     if suite == "kvcache":
+        _need_gpu("bench")
         from . import kvcache_bench
 
         kvcache_bench.run_cli(out_dir, quick=quick, iters=iters, cold=not hot_only, echo=typer.echo, command=_command_line())
         return
-    ms = (1, 8, 64, 512) if quick else B.SWEEP_M
-    ks = (4096,) if quick else B.SWEEP_K
+
+    def ints(text: str, what: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            vals = ()
+        if not vals or any(v <= 0 for v in vals) or (what == "K" and any(v % 32 for v in vals)):
+            _fail(f"--{what.lower()} must be comma-separated positive integers{' (multiples of 32)' if what == 'K' else ''}, got {text!r}")
+        return vals
+
+    ms = ints(m_list, "M") if m_list else ((1, 8, 64, 512) if quick else B.SWEEP_M)
+    ks = ints(k_list, "K") if k_list else ((4096,) if quick else B.SWEEP_K)
     modes = (False,) if hot_only else (False, True)
+    _need_gpu("bench")
     total = len(ms) * len(ks) * 2 * len(modes)
     with typer.progressbar(length=total, label="qgemm bench") as bar:
         data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters)

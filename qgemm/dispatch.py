@@ -25,10 +25,11 @@ from . import formats as F
 from . import registry, runtime
 
 _DEFAULTS = {
-    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a"},
-    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a"},
+    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny"},
+    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a", "skinny": "w8a16.skinny"},
 }
 GEMV_MAX_M = 8
+SKINNY_MAX_M = 64  # packed weights, float32 activations: the skinny kernel up to this M
 
 
 @dataclass
@@ -43,12 +44,16 @@ class Plan:
     defines: dict = field(default_factory=dict)
     source: str = "default"  # "default", "tuned", "override"
     reason: str = ""
+    packed: bool = False  # the kernel reads the skinny layout (qgemm.pack_weights), not ggml blocks
 
     def __str__(self) -> str:
         cfg = " ".join(f"{k}={v}" for k, v in self.defines.items())
         pro = registry.get(self.quantizer).op if self.quantizer else None
         step1 = f"  1. {self.quantizer}: x -> {pro.out.name} on the GPU\n" if pro else "  1. (x is already in the kernel's format)\n"
-        return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights, {self.x_dtype} activations:\n" + step1 +
+        if self.quantizer is None and self.packed:
+            step1 = "  1. (none: the kernel reads the float32 activations itself)\n"
+        return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights{' (packed)' if self.packed else ''}, "
+                f"{self.x_dtype} activations:\n" + step1 +
                 f"  2. {self.kernel}{' (' + cfg + ')' if cfg else ''} [{self.source}]\n"
                 f"  why: {self.reason}")
 
@@ -81,7 +86,9 @@ class Plan:
         registry.get(self.kernel).launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=self.defines or None)
 
 
-def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None) -> Plan:
+def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
+         packed: bool = False) -> Plan:
+    """packed: the weights are a qgemm.PackedWeights (the skinny kernels may be used)."""
     fmt = F.get_format(fmt).name
     if fmt not in _DEFAULTS:
         raise ValueError(f"matmul: weights must be q4_0 or q8_0 blocks, got {fmt}")
@@ -93,12 +100,24 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
     choice = _DEFAULTS[fmt]
     if path is not None:
         s = registry.spec(path)
-        if s.op.kind != "gemm" or s.op.w is None or s.op.w.name != fmt or s.op.a.name not in ("q8_1", "f16"):
+        layout = s.weight_layout is not None
+        if (s.op.kind != "gemm" or s.op.w is None or s.op.w.name != fmt
+                or s.op.a.name not in (("f32",) if layout else ("q8_1", "f16"))):
             raise ValueError(f"matmul: path {path!r} computes {s.op}; for {fmt} weights it must take Q8_1 or f16 activations "
-                             f"and {fmt} weights (e.g. {choice['mma']}, {choice['gemv']}, {choice['dp4a']})")
+                             f"and {fmt} weights (e.g. {choice['mma']}, {choice['gemv']}, {choice['dp4a']}), or be "
+                             f"{choice['skinny']} with packed weights")
         if s.max_m is not None and m > s.max_m:
             raise ValueError(f"matmul: path {path} handles M <= {s.max_m}, got M={m}")
+        if layout and not packed:
+            raise ValueError(f"matmul: path {path} reads the skinny weight layout: pass w = qgemm.pack_weights(w) "
+                             "(a one-time repacking at load)")
+        if layout and x_dtype != "f32":
+            raise ValueError(f"matmul: path {path} takes float32 activations, got {x_dtype}")
         name, source, reason = path, "override", "requested with path="
+    elif packed and x_dtype == "f32" and m <= SKINNY_MAX_M and (cc is None or cc >= 80):
+        name, source = choice["skinny"], "default"
+        reason = (f"M={m} <= {SKINNY_MAX_M} with packed weights: tokens on the MMA's N side, each weight byte read once "
+                  "in 16-byte loads, the float32 activations read directly (no prologue kernel)")
     elif m <= GEMV_MAX_M:
         name, source = choice["gemv"], "default"
         reason = f"M={m} <= {GEMV_MAX_M}: decode is bound by reading the weights once; a GEMV streams them"
@@ -111,7 +130,9 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         reason = f"sm_{cc} has no int8 mma.sync m16n8k32: DP4A fallback"
     k_obj = registry.get(name)
     a_fmt = k_obj.op.a.name
-    if a_fmt == "q8_1":
+    if a_fmt == "f32":
+        quantizer = None
+    elif a_fmt == "q8_1":
         quantizer = "quantize.q8_1" if x_dtype == "f32" else "quantize.q8_1_f16"
     else:  # f16 activations
         quantizer = "convert.f16" if x_dtype == "f32" else None
@@ -124,13 +145,15 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
             defines, source = tuned, "tuned" if source == "default" else source
         else:
             defines = k_obj.config_for(m, n, k)
-    return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason)
+    return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed)
 
 
-def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None) -> str:
-    """Which kernels `matmul` runs for this shape on this GPU, with which configuration, and why."""
+def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
+            packed: bool = False) -> str:
+    """Which kernels `matmul` runs for this shape on this GPU, with which configuration, and why
+    (packed=True: for weights made by qgemm.pack_weights)."""
     where = runtime.device_info().name + f" ({runtime.device_arch()})" if runtime.gpu_available() else "no GPU"
-    return f"qgemm.matmul on {where}\n" + str(plan(m, n, k, fmt, x_dtype, path))
+    return f"qgemm.matmul on {where}\n" + str(plan(m, n, k, fmt, x_dtype, path, packed))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,31 +210,45 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
 
     Host numpy in -> numpy float32 out. Device arrays (torch, CuPy, qgemm.DeviceArray) in ->
     device float32 out (`out=` to write into your own), queued on `stream`, no host copies.
+    `w` may be a `qgemm.pack_weights(w)` result (weights repacked once at load): then decode and
+    small batches (M <= 64, float32 x) run the skinny kernels; the result follows x (host or device).
     """
-    on_device = runtime.is_device_array(x) and not isinstance(x, np.ndarray)
-    w_on_device = runtime.is_device_array(w) and not isinstance(w, np.ndarray)
-    if on_device != w_on_device:
-        raise ValueError("matmul: x and w must both be host (numpy) arrays or both device arrays")
-    if on_device:
-        dx = runtime.as_device_array(x, stream)
+    from .packing import PackedWeights
+
+    x_on_device = runtime.is_device_array(x) and not isinstance(x, np.ndarray)
+    packed = w if isinstance(w, PackedWeights) else None
+    if packed is not None:  # weights already on the GPU; host activations are uploaded, the result comes back
+        if fmt is not None and F.get_format(fmt).name != packed.fmt:
+            raise ValueError(f"matmul: fmt={fmt!r} but the packed weights are {packed.fmt}")
+        fmt = packed.fmt
+        w_on_device = True
     else:
-        dx = np.asarray(x)
+        w_on_device = runtime.is_device_array(w) and not isinstance(w, np.ndarray)
+        if x_on_device != w_on_device:
+            raise ValueError("matmul: x and w must both be host (numpy) arrays or both device arrays "
+                             "(or w a qgemm.pack_weights result)")
+    dx = runtime.as_device_array(x, stream) if x_on_device else np.asarray(x)
     if dx.dtype not in (np.float32, np.float16):
         raise ValueError(f"matmul: activations must be float32 or float16 [M, K], got {dx.dtype}")
     if dx.ndim != 2:
         raise ValueError(f"matmul: activations must be 2-D [M, K], got shape {dx.shape}")
-    wb, fmt = _weights(w, fmt, on_device, stream)
+    wb, fmt = (packed.blocks, fmt) if packed is not None else _weights(w, fmt, w_on_device, stream)
     m, k = dx.shape
     n, kw = wb.shape[0], wb.shape[1] * F.QK
     if k != kw:
         raise ValueError(f"matmul: K mismatch: x has K={k}, weights have K={kw} ({wb.shape[1]} blocks of 32)")
-    p = plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path)
+    p = plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path, packed is not None)
     runtime.require_gpu("qgemm.matmul")
-    if not on_device:
+    if not x_on_device:
         if not np.isfinite(dx).all():
             raise ValueError("matmul: activations must be finite")
         dx = runtime.DeviceArray.from_host(np.ascontiguousarray(dx))
+    if not w_on_device:
         wb = runtime.DeviceArray.from_host(wb)
+    if p.packed:
+        wb = packed.packed
+        if dx.ptr % 16:
+            raise ValueError(f"matmul: {p.kernel} needs the activations on a 16-byte boundary, got address {dx.ptr:#x}")
     staged = p.staged_format
     dq = _scratch("prologue", *staged) if staged else None
     status = _scratch("status", (1,), np.int32)
@@ -223,7 +260,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     else:
         dc = runtime.DeviceArray.empty((m, n), np.float32)
     p.launch(dx, wb, dq, dc, status, stream=stream)
-    if not on_device:
+    if not x_on_device:
         flag = int(status.to_host()[0])
         if flag:
             raise ValueError("matmul: the activations overflow Q8_1 (a block scale or sum beyond half's range)")

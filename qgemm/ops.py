@@ -53,6 +53,10 @@ W4A8 = Op("w4a8", "W4A8", "gemm", F.Q8_1, F.Q4_0, F.F32, "dp4a", 1e-5, 2e-2, ref
 W8A8 = Op("w8a8", "W8A8", "gemm", F.Q8_1, F.Q8_0, F.F32, "dp4a", 1e-5, 1e-3, reference.exact_w8a8)
 W4A16H = Op("w4a16h", "W4A16 (fp16 MMA)", "gemm", F.F16, F.Q4_0, F.F32, "hmma", 5e-5, 2e-2, reference.exact_w4a16h)
 W8A16H = Op("w8a16h", "W8A16 (fp16 MMA)", "gemm", F.F16, F.Q8_0, F.F32, "hmma", 5e-5, 1e-3, reference.exact_w8a16h)
+# skinny kernels: float32 activations rounded to fp16 in registers, weights in the skinny layout
+# (qgemm.packing) but given as ggml blocks (the kernel object packs them)
+W4A16S = Op("w4a16s", "W4A16 skinny (f32 in, fp16 MMA)", "gemm", F.F32, F.Q4_0, F.F32, "hmma", 5e-5, 2e-2, reference.exact_w4a16s)
+W8A16S = Op("w8a16s", "W8A16 skinny (f32 in, fp16 MMA)", "gemm", F.F32, F.Q8_0, F.F32, "hmma", 5e-5, 1e-3, reference.exact_w8a16s)
 QUANTIZE_Q8_1 = Op("quantize_q8_1", "Quantize to Q8_1", "quantize", F.F32, None, F.Q8_1, "memory", 0.0, 1e-3,
                    cpu=lambda x: F.quantize_q8_1(x))
 QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", F.F16, None, F.Q8_1, "memory", 0.0, 1e-3,
@@ -60,7 +64,8 @@ QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", 
 CONVERT_F16 = Op("convert_f16", "Convert to f16", "quantize", F.F32, None, F.F16, "memory", 0.0, 1e-6,
                  cpu=lambda x: np.asarray(x, dtype=np.float32).astype(np.float16))
 
-OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, QUANTIZE_Q8_1, QUANTIZE_Q8_1_F16, CONVERT_F16)}
+OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, W4A16S, W8A16S, QUANTIZE_Q8_1,
+                              QUANTIZE_Q8_1_F16, CONVERT_F16)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,8 +227,42 @@ class Kernel:
         if self.spec.max_m is not None and m > self.spec.max_m:
             raise ValueError(f"{self.name} handles at most M={self.spec.max_m} rows of activations (a decode kernel); got M={m}")
 
+    # -- weights in a kernel-specific layout (KernelSpec.weight_layout, qgemm.packing) ------------
+    @property
+    def packed(self) -> bool:
+        return getattr(self.spec, "weight_layout", None) is not None
+
+    def upload_weights(self, w: np.ndarray) -> runtime.DeviceArray:
+        """Host weights in the op's W format -> the device buffer this kernel reads (repacked for
+        kernels with a weight layout: a one-time cost, not part of a launch)."""
+        if self.packed:
+            from . import packing
+
+            return runtime.DeviceArray.from_host(packing.pack(w, self.op.w.name))
+        return runtime.DeviceArray.from_host(w)
+
+    def _device_weights(self, w) -> runtime.DeviceArray:
+        """Device weights as this kernel reads them: a PackedWeights' skinny buffer, or ggml
+        blocks (repacked through the host when the kernel needs its layout)."""
+        from . import packing
+
+        if isinstance(w, packing.PackedWeights):
+            if w.fmt != self.op.w.name:
+                raise ValueError(f"{self.name}: W must be {self.op.w.name} weights, got PackedWeights of {w.fmt}")
+            return w.packed if self.packed else w.blocks
+        d = _check_device(w, self.op.w, "W", self.op)
+        if self.packed:
+            return self.upload_weights(d.to_host())
+        return d
+
     def shape_of(self, a, w) -> tuple[int, int, int]:
         """(M, N, K) of operands in this kernel's formats, validating them."""
+        from . import packing
+
+        if isinstance(w, packing.PackedWeights):
+            if w.fmt != self.op.w.name:
+                raise ValueError(f"{self.name}: W must be {self.op.w.name} weights, got PackedWeights of {w.fmt}")
+            w = runtime.DeviceArray(w.blocks.ptr, w.blocks.shape, w.blocks.dtype, owner=w.blocks)
         on_device = [runtime.is_device_array(x) and not isinstance(x, np.ndarray) for x in (a, w)]
         if on_device[0] != on_device[1]:
             raise ValueError(
@@ -260,10 +299,12 @@ class Kernel:
         self._module()  # no GPU, or a GPU too old: fail before allocating anything
         if device:
             da = _check_device(a, self.op.a, "A", self.op)
-            dw = _check_device(w, self.op.w, "W", self.op)
+            dw = self._device_weights(w)
+            if self.packed and da.ptr % 16:
+                raise ValueError(f"{self.name}: A must start on a 16-byte boundary (float4 loads), got address {da.ptr:#x}")
         else:
             da = runtime.DeviceArray.from_host(_check_host(a, self.op.a, "A", self.op))
-            dw = runtime.DeviceArray.from_host(_check_host(w, self.op.w, "W", self.op))
+            dw = self.upload_weights(_check_host(w, self.op.w, "W", self.op))
         dc = self._out(out, (m, n), np.float32)
         self.launch(da, dw, dc, m, n, k, stream=stream)
         if device:

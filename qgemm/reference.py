@@ -56,6 +56,17 @@ def exact_w8a16h(a_f16: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
     return truth(np.asarray(a_f16, dtype=np.float16), dequantize_to_f16(w_q8_0, "q8_0"))
 
 
+def exact_w4a16s(a_f32: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
+    """The skinny kernels (w4a16.skinny): float32 activations rounded to float16 in registers
+    (round to nearest even, as numpy's astype), then exactly exact_w4a16h."""
+    return exact_w4a16h(np.asarray(a_f32, dtype=np.float32).astype(np.float16), w_q4_0)
+
+
+def exact_w8a16s(a_f32: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
+    """w8a16.skinny: float32 activations rounded to float16, then exactly exact_w8a16h."""
+    return exact_w8a16h(np.asarray(a_f32, dtype=np.float32).astype(np.float16), w_q8_0)
+
+
 def block_sumi(qa: np.ndarray, qw: np.ndarray) -> np.ndarray:
     """Per-block integer dot products: qa [M, nb, 32] x qw [N, nb, 32] -> int64 [M, N, nb].
 
@@ -119,6 +130,8 @@ EXACT = {
     "w8a8": exact_w8a8,
     "w4a16h": exact_w4a16h,
     "w8a16h": exact_w8a16h,
+    "w4a16s": exact_w4a16s,
+    "w8a16s": exact_w8a16s,
 }
 
 

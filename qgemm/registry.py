@@ -40,6 +40,9 @@ class KernelSpec:
     # -> check.Result and profile(kernel, shape, warmup, iters, cold, opts) -> bench.Profile (and
     # __call__(kernel, a, w, out=, stream=)); check.validate / bench.profile delegate to it.
     runner: object = None
+    # The kernel reads its weights in a layout of its own (qgemm.packing), made once from the ggml
+    # blocks: Kernel.upload_weights packs, qgemm.pack_weights makes a PackedWeights for matmul.
+    weight_layout: str | None = None
 
     @property
     def family(self) -> str:
@@ -146,6 +149,43 @@ def _gemv_candidates(m: int, n: int, k: int) -> list[dict]:
     return [{"GEMV_M": _gemv_m(m), "GEMV_COLS": c, "GEMV_WARPS": w} for c in (1, 2, 4, 8) for w in (2, 4, 8)]
 
 
+# ---- skinny fp16 MMA for decode and small batches (common/skinny_f16.cuh) --------------------
+SKINNY_MAX_M = 64
+
+
+def _skinny_geometry(m: int, n: int, k: int, d: dict) -> Launch:
+    split = d.get("SK_GSPLIT", 1)  # K split across CTAs (gridDim.y): atomics into a zeroed C
+    return Launch(grid=(cdiv(cdiv(n, 16), d["SK_R"]), split, 1), block=(32 * d["SK_WARPS"], 1, 1), zero_output=split > 1)
+
+
+def _skinny_ok(d: dict, wfmt: str) -> bool:
+    pieces = 2 if wfmt == "q4_0" else 4
+    return (d["SK_WARPS"] * d["SK_R"] * d["SK_MT"] * 512 <= 48 * 1024  # the split-K reduction buffer
+            and d["SK_UNROLL"] * d["SK_R"] * (pieces + 1) <= 24)  # uint4 registers of weights in flight
+
+
+def _skinny_config(wfmt: str):
+    def config(m: int, n: int, k: int, sm_count: int) -> dict:
+        mt = cdiv(min(m, SKINNY_MAX_M), 8)
+        r = 2 if mt <= 2 else 1
+        warps = 4
+        ctas = cdiv(cdiv(n, 16), r)
+        groups = cdiv(k // 32, 4)
+        split = 2 if ctas * warps < 8 * sm_count and groups >= 4 * warps else 1
+        d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": 2 if wfmt == "q4_0" else 1, "SK_GSPLIT": split}
+        return d if _skinny_ok(d, wfmt) else {**d, "SK_UNROLL": 1}
+    return config
+
+
+def _skinny_candidates(wfmt: str):
+    def candidates(m: int, n: int, k: int) -> list[dict]:
+        mt = cdiv(min(m, SKINNY_MAX_M), 8)
+        out = [{"SK_R": r, "SK_MT": mt, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s}
+               for r in (1, 2, 4) for w in (4, 8) for u in (1, 2, 4) for s in (1, 2)]
+        return [d for d in out if _skinny_ok(d, wfmt)]
+    return candidates
+
+
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
 
@@ -198,6 +238,14 @@ _SPECS = [
     KernelSpec("w8a16.mma", ops.W8A16H, 6, "w8a16/mma.cu", "w8a16_mma", _hf_geometry("q8_0"),
                "production: f16 activations x Q8_0 on fp16 tensor cores (mma.sync m16n8k16), scales folded into the dequant",
                min_arch=80, config=_hf_config, candidates=_hf_candidates, unit="hmma"),
+    KernelSpec("w4a16.skinny", ops.W4A16S, 6, "w4a16/skinny.cu", "w4a16_skinny", _skinny_geometry,
+               "production decode / small batch (M <= 64): f32 x Q4_0 (repacked once, 16-byte loads) on fp16 tensor "
+               "cores, tokens on the MMA's N side", min_arch=80, config=_skinny_config("q4_0"),
+               candidates=_skinny_candidates("q4_0"), max_m=SKINNY_MAX_M, weight_layout="skinny"),
+    KernelSpec("w8a16.skinny", ops.W8A16S, 6, "w8a16/skinny.cu", "w8a16_skinny", _skinny_geometry,
+               "production decode / small batch (M <= 64): f32 x Q8_0 (repacked once, 16-byte loads) on fp16 tensor "
+               "cores, tokens on the MMA's N side", min_arch=80, config=_skinny_config("q8_0"),
+               candidates=_skinny_candidates("q8_0"), max_m=SKINNY_MAX_M, weight_layout="skinny"),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

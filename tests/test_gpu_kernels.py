@@ -411,3 +411,68 @@ def test_validate_and_profile_on_gguf_weights(tmp_path):
     r = CliRunner().invoke(app, ["profile", "w8a16.mma", "--gguf", str(path), "--tensor", "blk.0.attn_q.weight", "--m", "64",
                                  "--iters", "3", "--no-peers"])
     assert r.exit_code == 0 and "w8a16.mma" in r.output, r.output
+
+
+# ------------------------------------------------------------------------------------------
+# skinny kernels (tokens on the MMA's N side, weights in the skinny layout) and packed matmul
+
+SKINNY = ["w4a16.skinny", "w8a16.skinny"]
+
+
+@pytest.mark.parametrize("name", SKINNY)
+def test_skinny_every_candidate_configuration(name, rng):
+    """Every configuration `qgemm tune` may pick, on shapes that are multiples of nothing: N not a
+    multiple of 16, K of 5 and 129 blocks (groups of 4 padded), M across the 8-token fragments."""
+    k = qgemm.get(name)
+    for (m, n, kk) in ((1, 33, 160), (9, 4097, 4128), (57, 47, 32)):
+        inp = check.make_inputs(k.op, m, n, kk, rng)
+        exact = k.op.exact(inp.a, inp.w)
+        da, dw = qgemm.DeviceArray.from_host(inp.a), k.upload_weights(inp.w)
+        dc = qgemm.DeviceArray.empty((m, n), np.float32)
+        for d in k.spec.candidates(m, n, kk):
+            dc.fill_bytes(0xFF)
+            k.launch(da, dw, dc, m, n, kk, defines=d)
+            out = dc.to_host()
+            assert not np.isnan(out).any(), (m, n, kk, d)
+            r = qgemm.reference.relative_error(out, exact)
+            assert r <= 1e-5, (m, n, kk, d, r)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 8, 17, 64, 65])
+def test_matmul_packed_weights(fmt, m, rng):
+    n, k = 4097, 4128
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w_f = rng.standard_normal((n, k), dtype=np.float32)
+    w = F.quantize(w_f, fmt)
+    pw = qgemm.pack_weights(w)
+    assert pw.fmt == fmt and pw.shape == w.shape and pw.pack_seconds > 0
+    p = qgemm.plan(m, n, k, fmt, packed=True)
+    assert (p.kernel.endswith(".skinny")) == (m <= 64), p
+    c = qgemm.matmul(x, pw)  # host x: result on the host
+    r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(x, w), qgemm.reference.truth(x, w_f), x, w_f)
+    assert r.passed, (p.kernel, r)
+    dx = qgemm.DeviceArray.from_host(x)
+    out = qgemm.DeviceArray.empty((m, n), np.float32)
+    out.fill_bytes(0xFF)
+    assert qgemm.matmul(dx, pw, out=out) is out
+    np.testing.assert_allclose(out.to_host(), c, rtol=0, atol=0)
+
+
+def test_skinny_needs_packed_weights_and_f32(rng):
+    w = qgemm.quantize_q4_0(rng.standard_normal((64, 256), dtype=np.float32))
+    x = rng.standard_normal((4, 256), dtype=np.float32)
+    with pytest.raises(ValueError, match="pack_weights"):
+        qgemm.matmul(x, w, path="w4a16.skinny")
+    pw = qgemm.pack_weights(w)
+    with pytest.raises(ValueError, match="float32"):
+        qgemm.matmul(x.astype(np.float16), pw, path="w4a16.skinny")
+    with pytest.raises(ValueError, match="q8_0"):
+        qgemm.get("w8a16.skinny")(qgemm.DeviceArray.from_host(x), pw)
+    # the kernel object itself takes ggml blocks (it packs them) and PackedWeights alike
+    k = qgemm.get("w4a16.skinny")
+    np.testing.assert_array_equal(k(x, w), k(qgemm.DeviceArray.from_host(x), pw).to_host())
+    # fp16 activations with packed weights still work, through the blocks (no skinny kernel)
+    c16 = qgemm.matmul(x.astype(np.float16), pw)
+    assert qgemm.plan(4, 64, 256, "q4_0", "f16", packed=True).kernel == "w4a8.gemv"
+    assert c16.shape == (4, 64) and np.isfinite(c16).all()

@@ -167,7 +167,7 @@ def test_exact_w8a16_matches_slow_loop(small_case):
 
 
 def test_exact_table_and_fp32():
-    assert set(R.EXACT) == {"fp32", "w4a16", "w8a16", "w4a8", "w8a8", "w4a16h", "w8a16h"}
+    assert set(R.EXACT) == {"fp32", "w4a16", "w8a16", "w4a8", "w8a8", "w4a16h", "w8a16h", "w4a16s", "w8a16s"}
     a = np.array([[1.0, 2.0, 3.0]], dtype=np.float64)
     w = np.array([[0.1, 0.2, 0.3], [1.0, 0.0, -1.0]])
     got = R.exact_fp32(a, w)

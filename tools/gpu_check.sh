@@ -5,6 +5,7 @@
 #
 #   bash tools/gpu_check.sh                 # everything
 #   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh
+#   QGEMM_CHECK="skinny decode ncu" bash tools/gpu_check.sh    # decode path: tests, tune, bench M <= 64, ncu
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check}
@@ -15,6 +16,7 @@ export QGEMM_CACHE_DIR=${QGEMM_CACHE_DIR:-/tmp/qgemm-cache}
 PY=${PYTHON:-python3}
 STEPS=${QGEMM_CHECK:-"info tests validate tutorial profile bench report"}
 SHAPE=${QGEMM_SHAPE:-512x4096x4096}
+TUNE_SHAPES=${QGEMM_TUNE_SHAPES:-1x4096x4096,8x4096x4096,1x4096x14336,8x4096x14336,16x4096x4096,32x4096x4096,64x4096x4096}
 LOG="$OUT/gpu_check.log"
 rc=0
 run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | tee -a "$LOG"; local r=${PIPESTATUS[0]}; [ "$r" = 0 ] || { echo "!! exit $r: $*" | tee -a "$LOG"; rc=1; }; }
@@ -23,6 +25,15 @@ for step in $STEPS; do
   case $step in
     info)     run $PY -m qgemm info; run $PY -m qgemm compile --all ;;
     tests)    run $PY -m pytest -q -m gpu tests -p no:cacheprovider ;;
+    skinny)   # the decode / small-batch path: precompile, its GPU tests, tune it (stored, so the bench below uses it)
+              run $PY tools/precompile.py w4a16.skinny w8a16.skinny --shapes "1x33x160,9x4097x4128,57x47x32,$TUNE_SHAPES"
+              run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny or packed or matmul"
+              for s in ${TUNE_SHAPES//,/ }; do for k in w4a16.skinny w8a16.skinny; do
+                  run $PY -m qgemm tune $k --shape $s --iters 10; done; done ;;
+    decode)   run $PY -m qgemm bench --m ${QGEMM_DECODE_M:-1,2,4,8,16,32,64} --k 4096,14336 --iters 20 --out "$OUT/decode"
+              [ -f "$OUT/decode/bench.json" ] && mv "$OUT/decode/bench.json" "$OUT/bench-decode.json"; rm -rf "$OUT/decode" ;;
+    ncu)      OUT="$OUT" KERNELS="w4a16.skinny" SHAPE=8x4096x4096 run bash tools/gpu_ncu.sh
+              OUT="$OUT" KERNELS="w4a16.mma" SHAPE=512x4096x4096 run bash tools/gpu_ncu.sh ;;
     validate) run $PY -m qgemm validate --all
               run $PY -m qgemm validate --all --shape 1x4096x4096
               run $PY -m qgemm validate --all --shape 513x4097x4128

@@ -1,0 +1,205 @@
+// Skinny GEMM for decode and small batches (M <= 64): float32 activations x Q4_0 / Q8_0 weights
+// on fp16 tensor cores with the operands swapped -- the weights are the MMA's A operand (16 rows
+// of W per fragment) and the tokens its N side (8 per fragment), so M = 1 wastes 7/8 of an MMA
+// that costs nothing next to the weight bytes, instead of 15/16 of every A fragment.
+//
+// Weights come in the "skinny" layout made once by qgemm.packing (one device buffer):
+//
+//   qs: [tile = 16 rows][group = 4 blocks = 128 K][16-byte piece][lane]     (32 lanes x 16 B = 512 B)
+//       Q4_0: pieces h = 0, 1 -> rows g + 8h (g = lane / 4, t = lane % 4); the 16 bytes are
+//             qs word t (bytes 4t..4t+3) of the group's blocks 0..3
+//       Q8_0: pieces 2h + p -> rows g + 8h, blocks 2p and 2p + 1; per block qs words t and t + 4
+//   d:  [tile][group][g][8 halves]  -> d(row g + 8h, block j) at half index 4h + j
+//
+// so every weight byte is read once, by one lane, in 16-byte coalesced loads (a warp load is
+// 512 contiguous bytes), with no alignment question (ggml blocks are 18 / 34 bytes).
+//
+// The k permutation. An MMA sums over its 16 k values, so any bijection between the fragment's
+// logical k and the physical K index, applied to both operands, gives the same sum. The
+// fragment wants, for lane (g, t), logical k pairs (2t, 2t+1) and (2t+8, 2t+9) of each k16 step
+// (PTX mma.m16n8k16 A and B layouts). Map step s of block b to
+//     (2t, 2t+1) -> physical 32b + 16s + 4t + (0, 1),   (2t+8, 2t+9) -> 32b + 16s + 4t + (2, 3).
+// Then a lane's weights are whole qs words (for Q4_0, word t of a block holds physical 4t..4t+3 in
+// its low nibbles and 16+4t..16+4t+3 in its high nibbles: both k-steps from one word), and its
+// activations are two float4 loads per block, x[32b + 4t ..] and x[32b + 16 + 4t ..], each
+// giving the b0 = (x, y) and b1 = (z, w) halves of a B fragment.
+//
+// Dequantization is that of common/mma_f16.cuh (nibble or byte under the exponent of 1024, one
+// HSUB2 to the exact signed value, one HMUL2 by d: d (q - 8) rounded once to fp16), activations
+// are rounded to fp16 in registers (cvt.rn), the MMAs accumulate in fp32:
+// qgemm.reference.exact_w4a16s models exactly this.
+//
+// Work split: a CTA owns SK_R tiles (16 SK_R rows of W) and SK_MT 8-token fragments; its SK_WARPS
+// warps split the K groups and are summed through shared memory; gridDim.y > 1 splits K across
+// CTAs too, and those add into C with atomics (the launcher zeroes C first). Each lane issues
+// SK_UNROLL groups of weight loads before using any, so enough bytes are in flight per SM.
+#pragma once
+#include "common/mma_f16.cuh"
+
+#ifndef SK_R
+#define SK_R 2
+#endif
+#ifndef SK_MT
+#define SK_MT 1
+#endif
+#ifndef SK_WARPS
+#define SK_WARPS 4
+#endif
+#ifndef SK_UNROLL
+#define SK_UNROLL 2
+#endif
+
+struct SkQ4_0 {
+    static constexpr int PIECES = 2;  // 16-byte pieces per lane per (tile, group)
+    // weights of block j (0..3) of the group, rows g (h = 0) and g + 8 (h = 1): the A fragments
+    // of its two k-steps
+    static __device__ __forceinline__ void frags(const uint4 (&q)[PIECES], const uint4& dq, int j, unsigned (&a)[2][4]) {
+        const __half2 bias = __float2half2_rn(1032.0f);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned w = (&q[h].x)[j];
+            const unsigned dw = (&dq.x)[2 * h + j / 2];
+            const unsigned d2u = __byte_perm(dw, 0, (j & 1) ? 0x3232 : 0x1010);
+            const __half2 d2 = *reinterpret_cast<const __half2*>(&d2u);
+            unsigned l0, l1, h0, h1;
+            bytes_to_h2(w & 0x0F0F0F0Fu, l0, l1);         // physical 4t + (0,1), 4t + (2,3): step 0
+            bytes_to_h2((w >> 4) & 0x0F0F0F0Fu, h0, h1);  // 16 + the same: step 1
+            a[0][h] = h2_affine(l0, bias, d2);      // A regs: {row g pair 0, row g+8 pair 0,
+            a[0][2 + h] = h2_affine(l1, bias, d2);  //          row g pair 1, row g+8 pair 1}
+            a[1][h] = h2_affine(h0, bias, d2);
+            a[1][2 + h] = h2_affine(h1, bias, d2);
+        }
+    }
+};
+
+struct SkQ8_0 {
+    static constexpr int PIECES = 4;
+    static __device__ __forceinline__ void frags(const uint4 (&q)[PIECES], const uint4& dq, int j, unsigned (&a)[2][4]) {
+        const __half2 bias = __float2half2_rn(1152.0f);  // 1024 + 128: the sign bias below
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint4& piece = q[2 * h + j / 2];
+            const unsigned dw = (&dq.x)[2 * h + j / 2];
+            const unsigned d2u = __byte_perm(dw, 0, (j & 1) ? 0x3232 : 0x1010);
+            const __half2 d2 = *reinterpret_cast<const __half2*>(&d2u);
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                const unsigned w = (&piece.x)[2 * (j & 1) + s] ^ 0x80808080u;  // word t (s = 0), t + 4 (s = 1)
+                unsigned v0, v1;
+                bytes_to_h2(w, v0, v1);
+                a[s][h] = h2_affine(v0, bias, d2);
+                a[s][2 + h] = h2_affine(v1, bias, d2);
+            }
+        }
+    }
+};
+
+static __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
+    uint4 v;  // read once: do not keep it in L1 (not volatile: the compiler may schedule it early)
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+static __device__ __forceinline__ unsigned f2_to_h2(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+
+template <typename SF>
+static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, const unsigned char* __restrict__ Wp,
+                                                  float* __restrict__ C, int M, int N, int K) {
+    __shared__ float red[SK_WARPS][SK_R * SK_MT * 4][32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int nb = K / QK, ngroups = (nb + 3) / 4, ntiles = (N + 15) / 16;
+    constexpr int GROUP_PIECES = SF::PIECES * 32;  // uint4 per (tile, group)
+    const uint4* qs = reinterpret_cast<const uint4*>(Wp);
+    const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
+    const int tile0 = blockIdx.x * SK_R;
+    const int slices = gridDim.y * SK_WARPS, slice = blockIdx.y * SK_WARPS + warp;
+    const int gb = (int)((long long)ngroups * slice / slices), ge = (int)((long long)ngroups * (slice + 1) / slices);
+
+    // B operand rows: token 8 nt + g; rows >= M read row M - 1 and their results are never stored
+    const float* xrow[SK_MT];
+#pragma unroll
+    for (int nt = 0; nt < SK_MT; ++nt) xrow[nt] = X + (size_t)min(nt * 8 + g, M - 1) * K + 4 * t;
+
+    float acc[SK_R][SK_MT][4];
+#pragma unroll
+    for (int r = 0; r < SK_R; ++r)
+#pragma unroll
+        for (int nt = 0; nt < SK_MT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.0f;
+
+    for (int G = gb; G < ge; G += SK_UNROLL) {
+        uint4 wq[SK_UNROLL][SK_R][SF::PIECES], wd[SK_UNROLL][SK_R];
+#pragma unroll
+        for (int u = 0; u < SK_UNROLL; ++u) {
+            const int Gu = min(G + u, ge - 1);  // clamped: the loads stay in bounds, the math is skipped
+#pragma unroll
+            for (int r = 0; r < SK_R; ++r) {
+                const size_t base = (size_t)min(tile0 + r, ntiles - 1) * ngroups + Gu;
+#pragma unroll
+                for (int p = 0; p < SF::PIECES; ++p) wq[u][r][p] = ld_stream16(qs + base * GROUP_PIECES + p * 32 + lane);
+                wd[u][r] = __ldg(ds + base * 8 + g);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < SK_UNROLL; ++u) {
+            if (G + u >= ge) break;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int b = (G + u) * 4 + j;
+                unsigned bf[SK_MT][2][2];
+#pragma unroll
+                for (int nt = 0; nt < SK_MT; ++nt) {
+                    float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;  // blocks past K (padding) read zeros
+                    if (b < nb) {
+                        x0 = __ldg(reinterpret_cast<const float4*>(xrow[nt] + b * QK));
+                        x1 = __ldg(reinterpret_cast<const float4*>(xrow[nt] + b * QK + 16));
+                    }
+                    bf[nt][0][0] = f2_to_h2(x0.x, x0.y);
+                    bf[nt][0][1] = f2_to_h2(x0.z, x0.w);
+                    bf[nt][1][0] = f2_to_h2(x1.x, x1.y);
+                    bf[nt][1][1] = f2_to_h2(x1.z, x1.w);
+                }
+#pragma unroll
+                for (int r = 0; r < SK_R; ++r) {
+                    unsigned af[2][4];
+                    SF::frags(wq[u][r], wd[u][r], j, af);
+#pragma unroll
+                    for (int s = 0; s < 2; ++s)
+#pragma unroll
+                        for (int nt = 0; nt < SK_MT; ++nt)
+                            mma_f16(acc[r][nt], af[s][0], af[s][1], af[s][2], af[s][3], bf[nt][s][0], bf[nt][s][1]);
+                }
+            }
+        }
+    }
+
+    // C fragment: acc[..][0..1] -> W row g, tokens 2t, 2t+1; acc[..][2..3] -> row g + 8
+#pragma unroll
+    for (int r = 0; r < SK_R; ++r)
+#pragma unroll
+        for (int nt = 0; nt < SK_MT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[warp][(r * SK_MT + nt) * 4 + i][lane] = acc[r][nt][i];
+    __syncthreads();
+    const bool atomic = gridDim.y > 1;
+    for (int idx = threadIdx.x; idx < SK_R * SK_MT * 4 * 32; idx += SK_WARPS * 32) {
+        const int l = idx % 32, i = (idx / 32) % 4, nt = (idx / 128) % SK_MT, r = idx / (128 * SK_MT);
+        const int row = (tile0 + r) * 16 + l / 4 + (i >= 2 ? 8 : 0);
+        const int tok = nt * 8 + (l % 4) * 2 + (i & 1);
+        if (row >= N || tok >= M) continue;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < SK_WARPS; ++w) v += red[w][idx / 32][l];
+        if (atomic)
+            atomicAdd(C + (size_t)tok * N + row, v);
+        else
+            C[(size_t)tok * N + row] = v;
+    }
+}

@@ -1,0 +1,9 @@
+// Production decode / small batch: float32 activations x Q4_0 weights (repacked once by
+// qgemm.packing into the skinny layout) on fp16 tensor cores with the tokens on the MMA's N side
+// (common/skinny_f16.cuh).
+#include "common/skinny_f16.cuh"
+
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32)
+w4a16_skinny(const float* __restrict__ X, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
+    skinny_f16<SkQ4_0>(X, W, C, M, N, K);
+}

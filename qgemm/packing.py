@@ -1,0 +1,144 @@
+"""One-time repacking of ggml Q4_0 / Q8_0 weights into the layout the skinny kernels read.
+
+ggml blocks are 18 (Q4_0) or 34 (Q8_0) bytes, so rows of blocks are only 2-byte aligned and a
+kernel that reads them directly cannot use 16-byte loads. The *skinny* layout
+(`w4a16.skinny`, `w8a16.skinny`; drawn out in docs/formats.md and cuda_src/common/skinny_f16.cuh)
+separates the scales from the quants and orders the quants so that each lane of a warp loads
+exactly the bytes of its MMA fragments, 16 at a time, 512 contiguous bytes per warp load:
+
+    qs  [tiles of 16 rows][groups of 4 blocks][pieces][32 lanes][16 B]
+        Q4_0: 2 pieces (h):      lane (g, t) of piece h holds qs word t of blocks 0..3, row 16T + g + 8h
+        Q8_0: 4 pieces (h, p):   ... qs words t and t+4 of blocks 2p and 2p+1, row 16T + g + 8h
+    d   [tiles][groups][8 (g)][8 halves]: d(row 16T + g + 8h, block 4G + j) at half 4h + j
+
+Rows are padded to a multiple of 16 and blocks to a multiple of 4 with d = 0 and quants that
+dequantize to exactly 0, so padding contributes exact zeros. The packed buffer is as large as the
+blocks (plus padding): Q4_0 4096x4096 is 9.44 MB either way.
+
+`pack(blocks, fmt)` / `unpack(buf, fmt, n, k)` are exact inverses (tested); `pack_weights`
+uploads once and returns a `PackedWeights` that `qgemm.matmul` takes in place of the blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import formats as F
+from . import runtime
+
+LAYOUT = "skinny"
+_PIECES = {"q4_0": 2, "q8_0": 4}
+_QS_BYTES = {"q4_0": 16, "q8_0": 32}
+_ZERO_QS = {"q4_0": 0x88, "q8_0": 0x00}  # nibble 8 -> 8 - 8 = 0; int8 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded(n: int, k: int) -> tuple[int, int]:
+    """(rows, blocks) after padding: rows to a multiple of 16, blocks to a multiple of 4."""
+    return cdiv(n, 16) * 16, cdiv(k // F.QK, 4) * 4
+
+
+def packed_nbytes(fmt: str, n: int, k: int) -> int:
+    n16, nb4 = padded(n, k)
+    return n16 * nb4 * (_QS_BYTES[fmt] + 2)
+
+
+def _fmt(fmt) -> str:
+    name = F.get_format(fmt).name
+    if name not in _PIECES:
+        raise ValueError(f"the skinny layout packs q4_0 or q8_0 weights, got {name}")
+    return name
+
+
+def pack(blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """ggml blocks [N, K/32] -> the skinny layout as one uint8 buffer (see the module docstring)."""
+    fmt = _fmt(fmt)
+    b = F.as_blocks(np.asarray(blocks), fmt, "pack: weights")
+    if b.ndim != 2:
+        raise ValueError(f"pack: weights must be 2-D [N, K/32] {fmt} blocks, got shape {b.shape}")
+    n, nb = b.shape
+    n16, nb4 = padded(n, nb * F.QK)
+    tiles, groups = n16 // 16, nb4 // 4
+    qb = _QS_BYTES[fmt]
+    qs = np.full((n16, nb4, qb), _ZERO_QS[fmt], dtype=np.uint8)
+    qs[:n, :nb] = b["qs"].view(np.uint8).reshape(n, nb, qb)
+    d = np.zeros((n16, nb4), dtype=np.float16)
+    d[:n, :nb] = b["d"]
+    if fmt == "q4_0":
+        # [T, h, g, G, j, t, byte] -> [T, G, h, g, t, j, byte]
+        q = qs.reshape(tiles, 2, 8, groups, 4, 4, 4).transpose(0, 3, 1, 2, 5, 4, 6)
+    else:
+        # qs bytes of a block: [half s (words t / t+4), t, byte]; blocks j = 2p + jj
+        # [T, h, g, G, p, jj, s, t, byte] -> [T, G, h, p, g, t, jj, s, byte]
+        q = qs.reshape(tiles, 2, 8, groups, 2, 2, 2, 4, 4).transpose(0, 3, 1, 4, 2, 7, 5, 6, 8)
+    dd = d.reshape(tiles, 2, 8, groups, 4).transpose(0, 3, 2, 1, 4)  # [T, G, g, h, j]
+    return np.concatenate([np.ascontiguousarray(q).reshape(-1), np.ascontiguousarray(dd).reshape(-1).view(np.uint8)])
+
+
+def unpack(buf: np.ndarray, fmt: str, n: int, k: int) -> np.ndarray:
+    """The inverse of `pack`: the skinny buffer of an [N, K] matrix -> ggml blocks [N, K/32]."""
+    fmt = _fmt(fmt)
+    buf = np.asarray(buf, dtype=np.uint8).reshape(-1)
+    if buf.size != packed_nbytes(fmt, n, k):
+        raise ValueError(f"unpack: a {n}x{k} {fmt} matrix packs to {packed_nbytes(fmt, n, k)} bytes, got {buf.size}")
+    n16, nb4 = padded(n, k)
+    tiles, groups, nb = n16 // 16, nb4 // 4, k // F.QK
+    qb = _QS_BYTES[fmt]
+    qpart, dpart = buf[: n16 * nb4 * qb], buf[n16 * nb4 * qb:]
+    if fmt == "q4_0":
+        qs = qpart.reshape(tiles, groups, 2, 8, 4, 4, 4).transpose(0, 2, 3, 1, 5, 4, 6).reshape(n16, nb4, qb)
+    else:
+        qs = qpart.reshape(tiles, groups, 2, 2, 8, 4, 2, 2, 4).transpose(0, 2, 4, 1, 3, 6, 7, 5, 8).reshape(n16, nb4, qb)
+    d = dpart.view(np.float16).reshape(tiles, groups, 8, 2, 4).transpose(0, 3, 2, 1, 4).reshape(n16, nb4)
+    out = np.empty((n, nb), dtype=F.get_format(fmt).dtype)
+    out["d"] = d[:n, :nb]
+    out["qs"] = qs[:n, :nb].view(out.dtype["qs"].base).reshape(n, nb, qb)
+    return out
+
+
+class PackedWeights:
+    """Weights on the GPU in the skinny layout, ready for `qgemm.matmul` (and the ggml blocks
+    beside them, for the prefill kernels that read those): made once, at load, by `pack_weights`.
+
+    `.pack_seconds` is what the one-time repacking cost (host repack + upload), reported
+    separately from the matmul time; `.nbytes` counts both copies."""
+
+    def __init__(self, fmt: str, n: int, k: int, packed: runtime.DeviceArray, blocks: runtime.DeviceArray,
+                 pack_seconds: float = 0.0):
+        self.fmt, self.n, self.k = fmt, n, k
+        self.packed, self.blocks = packed, blocks
+        self.pack_seconds = pack_seconds
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k // F.QK)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.blocks.nbytes
+
+    def __repr__(self) -> str:
+        return (f"<PackedWeights {self.fmt} N={self.n} K={self.k}: {self.packed.nbytes / 1e6:.2f} MB skinny layout + "
+                f"{self.blocks.nbytes / 1e6:.2f} MB ggml blocks, packed in {self.pack_seconds * 1e3:.1f} ms>")
+
+
+def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
+    """ggml Q4_0 / Q8_0 blocks [N, K/32] (numpy, or a device array: torch, CuPy, DeviceArray) ->
+    `PackedWeights` on the GPU. Device input is copied to the host, repacked and uploaded: a
+    one-time cost at load (`.pack_seconds`), never paid per matmul."""
+    from .dispatch import _weights
+
+    runtime.require_gpu("qgemm.pack_weights")
+    t0 = time.perf_counter()
+    on_device = runtime.is_device_array(w) and not isinstance(w, np.ndarray)
+    blocks, fmt = _weights(w, fmt, on_device, stream)
+    host = blocks.to_host() if on_device else blocks
+    n, k = host.shape[0], host.shape[1] * F.QK
+    packed = runtime.DeviceArray.from_host(pack(host, fmt))
+    dblocks = blocks if on_device else runtime.DeviceArray.from_host(np.ascontiguousarray(host))
+    return PackedWeights(fmt, n, k, packed, dblocks, time.perf_counter() - t0)

@@ -1,0 +1,154 @@
+"""The skinny weight layout (qgemm.packing) and a lane-by-lane emulation of the skinny kernels'
+fragment math (cuda_src/common/skinny_f16.cuh), so a wrong index fails here, without a GPU."""
+
+import numpy as np
+import pytest
+
+import qgemm
+from qgemm import formats as F
+from qgemm import packing
+from qgemm import reference as R
+
+
+def _blocks(fmt, n, k, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    return F.quantize(w, F.get_format(fmt))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("n,k", [(1, 32), (16, 128), (33, 160), (47, 4128)])
+def test_pack_roundtrip_and_size(fmt, n, k):
+    b = _blocks(fmt, n, k, seed=n + k)
+    buf = packing.pack(b, fmt)
+    assert buf.dtype == np.uint8 and buf.size == packing.packed_nbytes(fmt, n, k)
+    back = packing.unpack(buf, fmt, n, k)
+    assert back.tobytes() == b.tobytes()
+
+
+def test_pack_padding_dequantizes_to_zero():
+    b = _blocks("q4_0", 3, 32)
+    buf = packing.pack(b, "q4_0")
+    n16, nb4 = packing.padded(3, 32)
+    full = packing.unpack(buf, "q4_0", n16, nb4 * 32)
+    deq = F.dequantize(full, F.Q4_0)
+    assert np.all(deq[3:] == 0) and np.all(deq[:, 32:] == 0)
+    np.testing.assert_array_equal(deq[:3, :32], F.dequantize(b, F.Q4_0))
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match="q4_0 or q8_0"):
+        packing.pack(np.zeros((2, 32), np.float32), "f32")
+    with pytest.raises(ValueError, match="2-D"):
+        packing.pack(_blocks("q4_0", 2, 64).reshape(-1), "q4_0")
+    with pytest.raises(ValueError, match="packs to"):
+        packing.unpack(np.zeros(10, np.uint8), "q4_0", 16, 128)
+
+
+# --- emulation of the kernel: what each lane loads, the fragments it builds, what the MMA sums ---
+
+
+def _byte_perm(x, y, s):
+    src = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(src[(s >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def _h2(u):  # 32-bit word -> (lo, hi) halves as float64
+    return np.array([u & 0xFFFF, u >> 16], dtype=np.uint16).view(np.float16).astype(np.float64)
+
+
+def _affine(v, bias, d):  # h2_affine: (h - bias) exact, times d rounded once to fp16
+    h = _h2(v)
+    return ((h - bias).astype(np.float16) * np.float16(d)).astype(np.float16).astype(np.float64)
+
+
+def _frags(fmt, q, dq, j):
+    """SkQ4_0 / SkQ8_0::frags: -> a[s][reg] = 2 values each (the pair of that A register)."""
+    a = [[None] * 4 for _ in range(2)]
+    for h in range(2):
+        dw = dq[2 * h + j // 2]
+        d = np.array([(dw >> 16) if j & 1 else (dw & 0xFFFF)], np.uint16).view(np.float16)[0]
+        if fmt == "q4_0":
+            w = q[h][j]
+            lo, hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
+            pairs = [(_byte_perm(lo, 0x64646464, 0x5140), _byte_perm(lo, 0x64646464, 0x7362)),
+                     (_byte_perm(hi, 0x64646464, 0x5140), _byte_perm(hi, 0x64646464, 0x7362))]
+            bias = 1032.0
+        else:
+            piece = q[2 * h + j // 2]
+            pairs = []
+            for s in range(2):
+                w = piece[2 * (j & 1) + s] ^ 0x80808080
+                pairs.append((_byte_perm(w, 0x64646464, 0x5140), _byte_perm(w, 0x64646464, 0x7362)))
+            bias = 1152.0
+        for s in range(2):
+            a[s][h] = _affine(pairs[s][0], bias, d)
+            a[s][2 + h] = _affine(pairs[s][1], bias, d)
+    return a
+
+
+def emulate_skinny(fmt, x, blocks):
+    m, k = x.shape
+    n = blocks.shape[0]
+    nb = k // 32
+    buf = packing.pack(blocks, fmt)
+    pieces = 2 if fmt == "q4_0" else 4
+    n16, nb4 = packing.padded(n, k)
+    ntiles, ngroups = n16 // 16, nb4 // 4
+    words = buf[: n16 * nb4 * (16 if fmt == "q4_0" else 32)].view("<u4").reshape(ntiles, ngroups, pieces, 32, 4)
+    dwords = buf[n16 * nb4 * (16 if fmt == "q4_0" else 32):].view("<u4").reshape(ntiles, ngroups, 8, 4)
+    xh = x.astype(np.float16).astype(np.float64)
+    mt = -(-m // 8)
+    c = np.zeros((m, n))
+    for T in range(ntiles):
+        for G in range(ngroups):
+            # the 16 x 16 A and 16 x 8 B matrices of each k-step, rebuilt from the lanes' registers
+            for j in range(4):
+                b = 4 * G + j
+                A = np.zeros((2, 16, 16))
+                B = np.zeros((mt, 2, 16, 8))
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    q = [[int(v) for v in words[T, G, p, lane]] for p in range(pieces)]
+                    dq = [int(v) for v in dwords[T, G, g]]
+                    a = _frags(fmt, q, dq, j)
+                    for s in range(2):  # PTX m16n8k16 A layout: reg0 (g, 2t..), reg1 (g+8, 2t..), reg2 (g, 2t+8..), reg3
+                        A[s, g, 2 * t:2 * t + 2] = a[s][0]
+                        A[s, g + 8, 2 * t:2 * t + 2] = a[s][1]
+                        A[s, g, 2 * t + 8:2 * t + 10] = a[s][2]
+                        A[s, g + 8, 2 * t + 8:2 * t + 10] = a[s][3]
+                    for nt in range(mt):
+                        row = min(nt * 8 + g, m - 1)
+                        for s in range(2):
+                            xs = xh[row, 32 * b + 16 * s + 4 * t: 32 * b + 16 * s + 4 * t + 4] if b < nb else np.zeros(4)
+                            B[nt, s, 2 * t:2 * t + 2, g] = xs[0:2]  # b0 = (x, y), b1 = (z, w)
+                            B[nt, s, 2 * t + 8:2 * t + 10, g] = xs[2:4]
+                for nt in range(mt):
+                    prod = A[0] @ B[nt, 0] + A[1] @ B[nt, 1]  # [16 rows, 8 tokens]
+                    for r in range(16):
+                        for tok in range(8):
+                            mm, nn = nt * 8 + tok, T * 16 + r
+                            if mm < m and nn < n:
+                                c[mm, nn] += prod[r, tok]
+    return c
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 128), (3, 33, 160), (9, 17, 96)])
+def test_emulated_skinny_matches_reference(fmt, m, n, k):
+    rng = np.random.default_rng(m * 100 + n + k)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = _blocks(fmt, n, k, seed=k)
+    got = emulate_skinny(fmt, x, w)
+    exact = (R.exact_w4a16s if fmt == "q4_0" else R.exact_w8a16s)(x, w)
+    np.testing.assert_allclose(got, exact, rtol=1e-9, atol=1e-9)
+
+
+def test_skinny_kernels_registered():
+    for name, fmt in (("w4a16.skinny", "q4_0"), ("w8a16.skinny", "q8_0")):
+        spec = qgemm.registry.spec(name)
+        assert spec.weight_layout == "skinny" and spec.op.w.name == fmt and spec.max_m == 64 and spec.min_arch == 80
+        for m in (1, 8, 33, 64):
+            d = spec.config(m, 4096, 4096, 132)
+            assert d["SK_MT"] == -(-m // 8)
+            assert d in spec.candidates(m, 4096, 4096) or d["SK_UNROLL"] == 1

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""Compile kernels' default and candidate configurations for some shapes in parallel (NVRTC
+only, no GPU needed with --arch), so that `qgemm tune` and the tests find them in the cache.
+
+    python3 tools/precompile.py w4a16.skinny w8a16.skinny --shapes 1x4096x4096,8x4096x14336 [--arch sm_90]
+"""
+
+import argparse
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _compile(job):
+    import qgemm
+
+    name, arch, defines = job
+    try:
+        qgemm.get(name).compile(arch, defines)
+        return None
+    except Exception as e:  # reported, not fatal: tune skips what does not compile
+        return f"{name} {defines}: {str(e).splitlines()[0]}"
+
+
+def main() -> int:
+    import qgemm
+    from qgemm import check, runtime
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernels", nargs="+")
+    ap.add_argument("--shapes", required=True, help="comma-separated MxNxK")
+    ap.add_argument("--arch", default=None, help="default: the GPU's")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
+    a = ap.parse_args()
+    arch = a.arch or runtime.device_arch()
+    jobs = set()
+    for name in a.kernels:
+        spec = qgemm.spec(name)
+        for text in a.shapes.split(","):
+            m, n, k = check.parse_shape(text)
+            cands = [spec.config(m, n, k, 132)] if spec.config else [{}]
+            cands += spec.candidates(m, n, k) if spec.candidates else []
+            jobs.update((name, arch, tuple(sorted(d.items()))) for d in cands)
+    jobs = [(n, ar, dict(d)) for n, ar, d in sorted(jobs)]
+    with ProcessPoolExecutor(a.jobs) as ex:
+        errors = [e for e in ex.map(_compile, jobs) if e]
+    print(f"{len(jobs) - len(errors)} of {len(jobs)} configurations compiled for {arch}")
+    for e in errors:
+        print("  failed:", e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
