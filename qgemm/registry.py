@@ -161,19 +161,29 @@ def _skinny_geometry(m: int, n: int, k: int, d: dict) -> Launch:
 def _skinny_ok(d: dict, wfmt: str) -> bool:
     pieces = 2 if wfmt == "q4_0" else 4
     return (d["SK_WARPS"] * d["SK_R"] * d["SK_MT"] * 512 <= 48 * 1024  # the split-K reduction buffer
-            and d["SK_UNROLL"] * d["SK_R"] * (pieces + 1) <= 24)  # uint4 registers of weights in flight
+            # registers: two pipelined sets of uint4 weights in flight, and the accumulators
+            # (larger configurations spill under the 255-register cap: checked with `qgemm compile`)
+            and d["SK_UNROLL"] * d["SK_R"] * (pieces + 1) <= 12 and d["SK_R"] * d["SK_MT"] <= 8
+            and d["SK_UNROLL"] * d["SK_MT"] <= 8)
 
 
 def _skinny_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
+        # The untuned default follows `qgemm tune` on the H100 (docs/perf/NOTES.md): 8 warps per
+        # CTA splitting K; one 16-row tile per CTA at M <= 8 and K = 4096 (the most CTAs), two
+        # tiles otherwise (B fragments reused); a second K split across CTAs when each warp
+        # would otherwise stream a long K slice (K = 14336) or for two token fragments.
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
-        r = 2 if mt <= 2 else 1
-        warps = 4
-        ctas = cdiv(cdiv(n, 16), r)
+        warps = 8
+        r = 1 if (mt == 1 and k < 8192) or mt > 4 else 2
         groups = cdiv(k // 32, 4)
-        split = 2 if ctas * warps < 8 * sm_count and groups >= 4 * warps else 1
+        split = 2 if (k >= 8192 or mt == 2) and groups >= 4 * warps and cdiv(cdiv(n, 16), r) < 4 * sm_count else 1
         d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": 2 if wfmt == "q4_0" else 1, "SK_GSPLIT": split}
-        return d if _skinny_ok(d, wfmt) else {**d, "SK_UNROLL": 1}
+        while not _skinny_ok(d, wfmt) and d["SK_UNROLL"] > 1:
+            d = {**d, "SK_UNROLL": d["SK_UNROLL"] // 2}
+        if not _skinny_ok(d, wfmt):
+            d = {**d, "SK_WARPS": 4}
+        return d
     return config
 
 

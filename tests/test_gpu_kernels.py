@@ -439,7 +439,7 @@ def test_skinny_every_candidate_configuration(name, rng):
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-@pytest.mark.parametrize("m", [1, 2, 8, 17, 64, 65])
+@pytest.mark.parametrize("m", [1, 2, 8, 17, 32, 33])
 def test_matmul_packed_weights(fmt, m, rng):
     n, k = 4097, 4128
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -448,7 +448,7 @@ def test_matmul_packed_weights(fmt, m, rng):
     pw = qgemm.pack_weights(w)
     assert pw.fmt == fmt and pw.shape == w.shape and pw.pack_seconds > 0
     p = qgemm.plan(m, n, k, fmt, packed=True)
-    assert (p.kernel.endswith(".skinny")) == (m <= 64), p
+    assert (p.kernel.endswith(".skinny")) == (m <= qgemm.dispatch.SKINNY_MAX_M), p
     c = qgemm.matmul(x, pw)  # host x: result on the host
     r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(x, w), qgemm.reference.truth(x, w_f), x, w_f)
     assert r.passed, (p.kernel, r)
@@ -456,7 +456,8 @@ def test_matmul_packed_weights(fmt, m, rng):
     out = qgemm.DeviceArray.empty((m, n), np.float32)
     out.fill_bytes(0xFF)
     assert qgemm.matmul(dx, pw, out=out) is out
-    np.testing.assert_allclose(out.to_host(), c, rtol=0, atol=0)
+    # same kernels on the device path (split-K atomics may add in another order: not bitwise)
+    np.testing.assert_allclose(out.to_host(), c, rtol=1e-5, atol=1e-4)
 
 
 def test_skinny_needs_packed_weights_and_f32(rng):

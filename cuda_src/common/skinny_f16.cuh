@@ -31,8 +31,9 @@
 //
 // Work split: a CTA owns SK_R tiles (16 SK_R rows of W) and SK_MT 8-token fragments; its SK_WARPS
 // warps split the K groups and are summed through shared memory; gridDim.y > 1 splits K across
-// CTAs too, and those add into C with atomics (the launcher zeroes C first). Each lane issues
-// SK_UNROLL groups of weight loads before using any, so enough bytes are in flight per SM.
+// CTAs too, and those add into C with atomics (the launcher zeroes C first). Each lane keeps
+// SK_UNROLL groups of weight loads in flight while it computes the previous SK_UNROLL (two
+// register sets, software-pipelined), so enough bytes are in flight per SM.
 #pragma once
 #include "common/mma_f16.cuh"
 
@@ -134,8 +135,13 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.0f;
 
-    for (int G = gb; G < ge; G += SK_UNROLL) {
-        uint4 wq[SK_UNROLL][SK_R][SF::PIECES], wd[SK_UNROLL][SK_R];
+    // Weight loads are software-pipelined: set A holds groups [G, G + U) while set B's loads for
+    // [G + U, G + 2U) are in flight, then the roles swap. The loop body is written out twice
+    // rather than copying B into A, because a register move of a load still in flight would
+    // wait for it (the scoreboard), which is exactly the stall the pipeline is there to hide.
+    typedef uint4 WSet[SK_UNROLL][SK_R][SF::PIECES];
+    typedef uint4 DSet[SK_UNROLL][SK_R];
+    auto load = [&](WSet& wq, DSet& wd, int G) {
 #pragma unroll
         for (int u = 0; u < SK_UNROLL; ++u) {
             const int Gu = min(G + u, ge - 1);  // clamped: the loads stay in bounds, the math is skipped
@@ -147,6 +153,8 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
                 wd[u][r] = __ldg(ds + base * 8 + g);
             }
         }
+    };
+    auto compute = [&](const WSet& wq, const DSet& wd, int G) {
 #pragma unroll
         for (int u = 0; u < SK_UNROLL; ++u) {
             if (G + u >= ge) break;
@@ -178,6 +186,17 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
                 }
             }
         }
+    };
+
+    WSet wqA, wqB;
+    DSet wdA, wdB;
+    if (gb < ge) load(wqA, wdA, gb);
+    for (int G = gb; G < ge; G += 2 * SK_UNROLL) {
+        if (G + SK_UNROLL < ge) load(wqB, wdB, G + SK_UNROLL);
+        compute(wqA, wdA, G);
+        if (G + SK_UNROLL >= ge) break;
+        if (G + 2 * SK_UNROLL < ge) load(wqA, wdA, G + 2 * SK_UNROLL);
+        compute(wqB, wdB, G + SK_UNROLL);
     }
 
     // C fragment: acc[..][0..1] -> W row g, tokens 2t, 2t+1; acc[..][2..3] -> row g + 8
