@@ -153,18 +153,30 @@ def _gemv_candidates(m: int, n: int, k: int) -> list[dict]:
 SKINNY_MAX_M = 64
 
 
+def _skinny_xsmem(m: int, k: int, d: dict) -> int:
+    """Dynamic shared memory of SK_XSMEM: a CTA's activations as fp16 B fragments, 64 B per
+    token row per block, over the most blocks any CTA of the K split gets."""
+    if not d.get("SK_XSMEM"):
+        return 0
+    groups = cdiv(k // 32, 4)
+    return 4 * cdiv(groups, d.get("SK_GSPLIT", 1)) * 64 * min(m, 8)
+
+
 def _skinny_geometry(m: int, n: int, k: int, d: dict) -> Launch:
     split = d.get("SK_GSPLIT", 1)  # K split across CTAs (gridDim.y): atomics into a zeroed C
-    return Launch(grid=(cdiv(cdiv(n, 16), d["SK_R"]), split, 1), block=(32 * d["SK_WARPS"], 1, 1), zero_output=split > 1)
+    return Launch(grid=(cdiv(cdiv(n, 16), d["SK_R"]), split, 1), block=(32 * d["SK_WARPS"], 1, 1),
+                  shmem=_skinny_xsmem(m, k, d), zero_output=split > 1)
 
 
-def _skinny_ok(d: dict, wfmt: str) -> bool:
+def _skinny_ok(d: dict, wfmt: str, m: int = 8, k: int = 4096) -> bool:
     pieces = 2 if wfmt == "q4_0" else 4
-    return (d["SK_WARPS"] * d["SK_R"] * d["SK_MT"] * 512 <= 48 * 1024  # the split-K reduction buffer
+    red = d["SK_WARPS"] * d["SK_R"] * d["SK_MT"] * 512  # the split-K reduction buffer (static)
+    return (red <= 48 * 1024 and red + _skinny_xsmem(m, k, d) <= 227 * 1024
+            and (not d.get("SK_XSMEM") or d["SK_MT"] == 1)
             # registers: two pipelined sets of uint4 weights in flight, and the accumulators
             # (larger configurations spill under the 255-register cap: checked with `qgemm compile`)
             and d["SK_UNROLL"] * d["SK_R"] * (pieces + 1) <= 12 and d["SK_R"] * d["SK_MT"] <= 8
-            and d["SK_UNROLL"] * d["SK_MT"] <= 8)
+            and d["SK_UNROLL"] * d["SK_MT"] <= 8 and d["SK_WARPS"] * d["SK_MT"] * pieces <= 128)
 
 
 def _skinny_config(wfmt: str):
@@ -178,10 +190,13 @@ def _skinny_config(wfmt: str):
         r = 1 if (mt == 1 and k < 8192) or mt > 4 else 2
         groups = cdiv(k // 32, 4)
         split = 2 if (k >= 8192 or mt == 2) and groups >= 4 * warps and cdiv(cdiv(n, 16), r) < 4 * sm_count else 1
-        d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": 2 if wfmt == "q4_0" else 1, "SK_GSPLIT": split}
-        while not _skinny_ok(d, wfmt) and d["SK_UNROLL"] > 1:
+        d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": 2 if wfmt == "q4_0" else 1, "SK_GSPLIT": split,
+             "SK_XSMEM": int(mt == 1)}
+        if not _skinny_ok(d, wfmt, m, k):  # activations of a long K do not fit in shared memory
+            d["SK_XSMEM"] = 0
+        while not _skinny_ok(d, wfmt, m, k) and d["SK_UNROLL"] > 1:
             d = {**d, "SK_UNROLL": d["SK_UNROLL"] // 2}
-        if not _skinny_ok(d, wfmt):
+        if not _skinny_ok(d, wfmt, m, k):
             d = {**d, "SK_WARPS": 4}
         return d
     return config
@@ -190,9 +205,9 @@ def _skinny_config(wfmt: str):
 def _skinny_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
-        out = [{"SK_R": r, "SK_MT": mt, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s}
-               for r in (1, 2, 4) for w in (4, 8) for u in (1, 2, 4) for s in (1, 2)]
-        return [d for d in out if _skinny_ok(d, wfmt)]
+        out = [{"SK_R": r, "SK_MT": mt, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_XSMEM": x}
+               for r in (1, 2, 4) for w in (4, 8) for u in (1, 2, 4) for s in (1, 2) for x in ((0, 1) if mt == 1 else (0,))]
+        return [d for d in out if _skinny_ok(d, wfmt, m, k)]
     return candidates
 
 

@@ -31,7 +31,9 @@
 //
 // Work split: a CTA owns SK_R tiles (16 SK_R rows of W) and SK_MT 8-token fragments; its SK_WARPS
 // warps split the K groups and are summed through shared memory; gridDim.y > 1 splits K across
-// CTAs too, and those add into C with atomics (the launcher zeroes C first). Each lane keeps
+// CTAs too, and those add into C with atomics (the launcher zeroes C first). With SK_XSMEM (one
+// token fragment, M <= 8) the CTA first stages its activations in shared memory as ready-made
+// fp16 B fragments, so no global activation load ever sits in front of an MMA. Each lane keeps
 // SK_UNROLL groups of weight loads in flight while it computes the previous SK_UNROLL (two
 // register sets, software-pipelined), so enough bytes are in flight per SM.
 #pragma once
@@ -48,6 +50,12 @@
 #endif
 #ifndef SK_UNROLL
 #define SK_UNROLL 2
+#endif
+#ifndef SK_XSMEM
+#define SK_XSMEM 0  // 1 (SK_MT == 1 only): stage the CTA's activations in shared memory as fp16 fragments
+#endif
+#if SK_XSMEM && SK_MT != 1
+#error "SK_XSMEM needs SK_MT == 1"
 #endif
 
 struct SkQ4_0 {
@@ -127,6 +135,19 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
 #pragma unroll
     for (int nt = 0; nt < SK_MT; ++nt) xrow[nt] = X + (size_t)min(nt * 8 + g, M - 1) * K + 4 * t;
 
+#if SK_XSMEM
+    // The CTA's activations, read once with coalesced float4 loads, rounded to fp16 and stored as
+    // the B fragments themselves: for block b (relative to the CTA's first), k-step s, token row
+    // r < M and t, one 8-byte {b0, b1} -- so a lane's fragment is one conflict-free LDS.64 and
+    // the loop below never waits on a global activation load. Rows >= M are not stored: lanes
+    // of those rows read row M - 1 (results never stored), which is a broadcast for M = 1.
+    extern __shared__ __align__(16) uint2 xs[];
+    const int cta_gb = (int)((long long)ngroups * (blockIdx.y * SK_WARPS) / slices);
+    const int cta_ge = (int)((long long)ngroups * ((blockIdx.y + 1) * SK_WARPS) / slices);
+    const int cta_b0 = cta_gb * 4, cta_nb = (cta_ge - cta_gb) * 4;
+    const int xs_row = min(g, M - 1);
+#endif
+
     float acc[SK_R][SK_MT][4];
 #pragma unroll
     for (int r = 0; r < SK_R; ++r)
@@ -154,35 +175,62 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
             }
         }
     };
+    // Activation loads: x is small and shared by every CTA, so these hit L1/L2, but each one's
+    // latency sits right before its MMA. A u step's loads are therefore issued together, before
+    // any is converted (one latency per 4 blocks instead of one per block; 8 SK_MT float4
+    // registers, so only for SK_MT <= 2). Blocks past K (the padding of the last group) re-read
+    // block nb - 1: their weights are exactly 0, so they add 0 (x is finite, or the true
+    // product is not finite anyway) -- no predicate stops the loads from being batched.
+    constexpr int XJ = SK_MT <= 2 && !SK_XSMEM ? 4 : 1;  // blocks whose activations are loaded at once
     auto compute = [&](const WSet& wq, const DSet& wd, int G) {
 #pragma unroll
         for (int u = 0; u < SK_UNROLL; ++u) {
             if (G + u >= ge) break;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int b = (G + u) * 4 + j;
+            for (int j0 = 0; j0 < 4; j0 += XJ) {
+#if SK_XSMEM
                 unsigned bf[SK_MT][2][2];
 #pragma unroll
-                for (int nt = 0; nt < SK_MT; ++nt) {
-                    float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;  // blocks past K (padding) read zeros
-                    if (b < nb) {
-                        x0 = __ldg(reinterpret_cast<const float4*>(xrow[nt] + b * QK));
-                        x1 = __ldg(reinterpret_cast<const float4*>(xrow[nt] + b * QK + 16));
+                for (int s = 0; s < 2; ++s) {
+                    const uint2 v = xs[((((G + u) * 4 + j0 - cta_b0) * 2 + s) * M + xs_row) * 4 + t];
+                    bf[0][s][0] = v.x;
+                    bf[0][s][1] = v.y;
+                }
+                {
+                    const int j = j0;
+#else
+                float4 xv[XJ][SK_MT][2];
+#pragma unroll
+                for (int jj = 0; jj < XJ; ++jj) {
+                    const int b = min((G + u) * 4 + j0 + jj, nb - 1);
+#pragma unroll
+                    for (int nt = 0; nt < SK_MT; ++nt) {
+                        xv[jj][nt][0] = __ldg(reinterpret_cast<const float4*>(xrow[nt] + b * QK));
+                        xv[jj][nt][1] = __ldg(reinterpret_cast<const float4*>(xrow[nt] + b * QK + 16));
                     }
-                    bf[nt][0][0] = f2_to_h2(x0.x, x0.y);
-                    bf[nt][0][1] = f2_to_h2(x0.z, x0.w);
-                    bf[nt][1][0] = f2_to_h2(x1.x, x1.y);
-                    bf[nt][1][1] = f2_to_h2(x1.z, x1.w);
                 }
 #pragma unroll
-                for (int r = 0; r < SK_R; ++r) {
-                    unsigned af[2][4];
-                    SF::frags(wq[u][r], wd[u][r], j, af);
+                for (int jj = 0; jj < XJ; ++jj) {
+                    const int j = j0 + jj;
+                    unsigned bf[SK_MT][2][2];
 #pragma unroll
-                    for (int s = 0; s < 2; ++s)
+                    for (int nt = 0; nt < SK_MT; ++nt)
 #pragma unroll
-                        for (int nt = 0; nt < SK_MT; ++nt)
-                            mma_f16(acc[r][nt], af[s][0], af[s][1], af[s][2], af[s][3], bf[nt][s][0], bf[nt][s][1]);
+                        for (int s = 0; s < 2; ++s) {
+                            bf[nt][s][0] = f2_to_h2(xv[jj][nt][s].x, xv[jj][nt][s].y);
+                            bf[nt][s][1] = f2_to_h2(xv[jj][nt][s].z, xv[jj][nt][s].w);
+                        }
+#endif
+#pragma unroll
+                    for (int r = 0; r < SK_R; ++r) {
+                        unsigned af[2][4];
+                        SF::frags(wq[u][r], wd[u][r], j, af);
+#pragma unroll
+                        for (int s = 0; s < 2; ++s)
+#pragma unroll
+                            for (int nt = 0; nt < SK_MT; ++nt)
+                                mma_f16(acc[r][nt], af[s][0], af[s][1], af[s][2], af[s][3], bf[nt][s][0], bf[nt][s][1]);
+                    }
                 }
             }
         }
@@ -190,7 +238,17 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
 
     WSet wqA, wqB;
     DSet wdA, wdB;
-    if (gb < ge) load(wqA, wdA, gb);
+    if (gb < ge) load(wqA, wdA, gb);  // in flight while the activations are staged
+#if SK_XSMEM
+    for (int i = threadIdx.x; i < M * cta_nb * 8; i += SK_WARPS * 32) {
+        const int q = i % 8, bl = (i / 8) % cta_nb, r = i / (8 * cta_nb);  // q = 4 s + t
+        const int b = cta_b0 + bl;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);  // padding blocks past K: zeros
+        if (b < nb) v = __ldg(reinterpret_cast<const float4*>(X + (size_t)r * K + b * QK + 4 * q));
+        xs[((bl * 2 + q / 4) * M + r) * 4 + q % 4] = make_uint2(f2_to_h2(v.x, v.y), f2_to_h2(v.z, v.w));
+    }
+    __syncthreads();
+#endif
     for (int G = gb; G < ge; G += 2 * SK_UNROLL) {
         if (G + SK_UNROLL < ge) load(wqB, wdB, G + SK_UNROLL);
         compute(wqA, wdA, G);
