@@ -181,17 +181,23 @@ def _skinny_ok(d: dict, wfmt: str, m: int = 8, k: int = 4096) -> bool:
 
 def _skinny_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # The untuned default follows `qgemm tune` on the H100 (docs/perf/NOTES.md): 8 warps per
-        # CTA splitting K; one 16-row tile per CTA at M <= 8 and K = 4096 (the most CTAs), two
-        # tiles otherwise (B fragments reused); a second K split across CTAs when each warp
-        # would otherwise stream a long K slice (K = 14336) or for two token fragments.
+        # The untuned default follows `qgemm tune` on the H100 (docs/perf/NOTES.md, tune tables
+        # in docs/perf/tune-skinny-h100.log): 8 warps per CTA splitting K; one 16-row tile per
+        # CTA for M <= 8 at K = 4096 (the most CTAs), two tiles for long K or more tokens (the B
+        # fragments are reused) with a second K split across CTAs at long K; activations staged
+        # in shared memory only for M = 1 (at M = 8 the 64 KB of staging costs occupancy).
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
-        warps = 8
-        r = 1 if (mt == 1 and k < 8192) or mt > 4 else 2
-        groups = cdiv(k // 32, 4)
-        split = 2 if (k >= 8192 or mt == 2) and groups >= 4 * warps and cdiv(cdiv(n, 16), r) < 4 * sm_count else 1
-        d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": 2 if wfmt == "q4_0" else 1, "SK_GSPLIT": split,
-             "SK_XSMEM": int(mt == 1)}
+        long_k = k >= 8192
+        if mt == 1:
+            r, split, unroll = (2, 2, 1) if long_k else (1, 1, 2 if wfmt == "q4_0" else 1)
+        elif mt <= 4:
+            r, split, unroll = 2, 2 if long_k else 1, 1
+        else:
+            r, split, unroll = 1, 1, 1
+        warps = 8 if mt <= 4 else 4
+        if cdiv(cdiv(n, 16), r) >= 4 * sm_count:  # plenty of CTAs already
+            split = 1
+        d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": split, "SK_XSMEM": int(m == 1)}
         if not _skinny_ok(d, wfmt, m, k):  # activations of a long K do not fit in shared memory
             d["SK_XSMEM"] = 0
         while not _skinny_ok(d, wfmt, m, k) and d["SK_UNROLL"] > 1:

@@ -62,7 +62,8 @@ def _valid(name: str, defines) -> bool:
     if not isinstance(defines, dict) or s.config is None:
         return False
     expected = set(s.config(64, 64, 128, 132))
-    return set(defines) == expected and all(isinstance(v, int) and v > 0 for v in defines.values())
+    # values are tile sizes, counts (> 0) or on/off switches (SK_XSMEM: 0 is a legitimate value)
+    return set(defines) == expected and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in defines.values())
 
 
 def lookup(name: str, m: int, n: int, k: int) -> dict | None:

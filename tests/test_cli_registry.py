@@ -257,6 +257,11 @@ def test_tuning_file_corrupt_is_ignored_with_warning(tmp_path, monkeypatch):
     assert not tuning._valid("w4a8.mma", entries["w4a8.mma|512x4096x4096"]["defines"])
     assert tuning._valid("w4a8.mma", qgemm.spec("w4a8.mma").config(512, 4096, 4096, 132))
     assert tuning.bucket(300, 4096, 4096) == "512x4096x4096"
+    # an on/off switch may be 0 (a stored SK_XSMEM=0 was once rejected, silently losing the tuning)
+    sk = qgemm.spec("w4a16.skinny").config(8, 4096, 4096, 132)
+    assert sk["SK_XSMEM"] == 0 and tuning._valid("w4a16.skinny", sk)
+    assert not tuning._valid("w4a16.skinny", {**sk, "SK_R": -1})
+    assert not tuning._valid("w4a16.skinny", {**sk, "SK_XSMEM": True})
     tuning.forget_cache()
 
 

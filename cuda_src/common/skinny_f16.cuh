@@ -240,13 +240,14 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
     DSet wdA, wdB;
     if (gb < ge) load(wqA, wdA, gb);  // in flight while the activations are staged
 #if SK_XSMEM
-    for (int i = threadIdx.x; i < M * cta_nb * 8; i += SK_WARPS * 32) {
-        const int q = i % 8, bl = (i / 8) % cta_nb, r = i / (8 * cta_nb);  // q = 4 s + t
-        const int b = cta_b0 + bl;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);  // padding blocks past K: zeros
-        if (b < nb) v = __ldg(reinterpret_cast<const float4*>(X + (size_t)r * K + b * QK + 4 * q));
-        xs[((bl * 2 + q / 4) * M + r) * 4 + q % 4] = make_uint2(f2_to_h2(v.x, v.y), f2_to_h2(v.z, v.w));
-    }
+    for (int r = 0; r < M; ++r)
+        for (int i = threadIdx.x; i < cta_nb * 8; i += SK_WARPS * 32) {
+            const int q = i % 8, bl = i / 8;  // q = 4 s + t
+            const int b = cta_b0 + bl;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);  // padding blocks past K: zeros
+            if (b < nb) v = __ldg(reinterpret_cast<const float4*>(X + (size_t)r * K + b * QK + 4 * q));
+            xs[((bl * 2 + q / 4) * M + r) * 4 + q % 4] = make_uint2(f2_to_h2(v.x, v.y), f2_to_h2(v.z, v.w));
+        }
     __syncthreads();
 #endif
     for (int G = gb; G < ge; G += 2 * SK_UNROLL) {
