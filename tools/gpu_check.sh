@@ -24,6 +24,9 @@ run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | tee -a "$LOG"; local r=${PIPEST
 for step in $STEPS; do
   case $step in
     info)     run $PY -m qgemm info; run $PY -m qgemm compile --all ;;
+    precompile) # every GEMM kernel's untuned configuration at the profile and bench shapes, in parallel
+              shapes=$(for k in 4096 14336; do for m in 1 2 4 8 16 32 64 128 256 512 1024 2048 4096; do printf "%sx4096x%s," $m $k; done; done)
+              run $PY tools/precompile.py all --defaults-only --shapes "${shapes}$SHAPE" ;;
     tests)    run $PY -m pytest -q -m gpu tests -p no:cacheprovider ;;
     skinny)   # the decode / small-batch path: precompile, its GPU tests, tune it (stored, so the bench below uses it)
               run $PY tools/precompile.py w4a16.skinny w8a16.skinny --shapes "1x33x160,9x4097x4128,57x47x32,$TUNE_SHAPES"

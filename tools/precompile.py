@@ -3,6 +3,7 @@
 only, no GPU needed with --arch), so that `qgemm tune` and the tests find them in the cache.
 
     python3 tools/precompile.py w4a16.skinny w8a16.skinny --shapes 1x4096x4096,8x4096x14336 [--arch sm_90]
+    python3 tools/precompile.py all --defaults-only --shapes ...   # every GEMM kernel's untuned configuration
 """
 
 import argparse
@@ -33,15 +34,17 @@ def main() -> int:
     ap.add_argument("--shapes", required=True, help="comma-separated MxNxK")
     ap.add_argument("--arch", default=None, help="default: the GPU's")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
+    ap.add_argument("--defaults-only", action="store_true", help="only the configuration each shape uses untuned")
     a = ap.parse_args()
     arch = a.arch or runtime.device_arch()
     jobs = set()
-    for name in a.kernels:
+    names = [s.name for s in qgemm.registry.list_kernels() if s.runner is None] if a.kernels == ["all"] else a.kernels
+    for name in names:
         spec = qgemm.spec(name)
         for text in a.shapes.split(","):
             m, n, k = check.parse_shape(text)
             cands = [spec.config(m, n, k, 132)] if spec.config else [{}]
-            cands += spec.candidates(m, n, k) if spec.candidates else []
+            cands += spec.candidates(m, n, k) if spec.candidates and not a.defaults_only else []
             jobs.update((name, arch, tuple(sorted(d.items()))) for d in cands)
     jobs = [(n, ar, dict(d)) for n, ar, d in sorted(jobs)]
     with ProcessPoolExecutor(a.jobs) as ex:
