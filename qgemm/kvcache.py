@@ -591,11 +591,6 @@ def rel_error(x: np.ndarray, ref: np.ndarray) -> float:
 # device side: upload, launch configuration, the `mustafar.*` kernels' runner
 
 NUM_WARPS = 8
-_STEP_MAX = {16: 2048, 4: 512, 2: 256}
-
-
-def _win(bits: int) -> int:
-    return _STEP_MAX[bits] + 128  # cuda_src/common/mustafar.cuh: mf_win()
 
 
 def _pad16(a: np.ndarray) -> np.ndarray:
@@ -613,6 +608,7 @@ class DeviceKV:
     def __init__(self, ck: CompressedKV, arrays: dict):
         self.kind, self.bits, self.shape, self.compact, self.layout = ck.kind, ck.bits, tuple(ck.shape), ck.compact, ck.layout
         self.nbytes = ck.nbytes  # the compressed form's bytes (what a launch reads, plus padding)
+        self.max_step = step_bytes_max(ck)  # sizes the kernels' windows
         self.arrays = arrays
 
     @classmethod
@@ -655,43 +651,78 @@ class LaunchPlan:
     rows: int  # R = groups * Lq
 
 
-def block_rows(r: int) -> int:
-    """MF_R for R query rows: 4, or a multiple of 8 up to 32 (more rows: grid.z row blocks)."""
-    return 4 if r <= 4 else min(32, -(-r // 8) * 8)
+STEP_LANES = 32     # a warp step = 32 lanes (keys: 32 tokens; values: 32 tiles of a channel)
+SMEM_MAX = 227 * 1024
 
 
-def plan(kind: str, shape, rows: int, sm_count: int = 132) -> LaunchPlan:
-    """Launch geometry and compile-time defines for a cache shape and R = groups * Lq rows
-    (shared memory without the per-warp windows, which depend on the bits: plan_for adds them)."""
+def step_bytes_max(ck: "CompressedKV") -> int:
+    """Bytes of the largest warp step of a compressed cache (its window): 32 tokens
+    (keys) or 32 tiles of one channel from a multiple of 32 (values)."""
+    b, s, d = ck.shape
+    n = popcount(ck.bitmaps)
+    nb = 2 * n if ck.bits == 16 else tile_nbytes(n, ck.bits)
+    if ck.kind == "key":
+        per = STEP_LANES * (d // TILE)
+        t = nb.shape[1]
+        pad = np.zeros((b, -(-t // per) * per), dtype=np.int64)
+        pad[:, :t] = nb
+        return int(pad.reshape(b, -1, per).sum(-1).max()) if pad.size else 0
+    nst = -(-s // TILE)
+    rows = nb.reshape(b, d, nst)
+    pad = np.zeros((b, d, -(-nst // STEP_LANES) * STEP_LANES), dtype=np.int64)
+    pad[:, :, :nst] = rows
+    return int(pad.reshape(b, d, -1, STEP_LANES).sum(-1).max())
+
+
+def window_bytes(kind: str, bits: int, d: int, max_step: int | None) -> int:
+    """One window stage: the largest step's bytes + 16 (alignment of its start) + 32
+    (lanes read whole words around their codes), rounded up to a power of 2 (>= 512) up to 1 KiB
+    and to a multiple of 1 KiB above (few compiled variants); without max_step, the worst case
+    (every element non-zero)."""
+    if max_step is None:
+        u = d // TILE if kind == "key" else 1
+        max_step = STEP_LANES * u * TILE * (2 if bits == 16 else bits / 8)
+    need = int(max_step) + 48
+    if need <= 1024:
+        return 512 if need <= 512 else 1024
+    return -(-need // 1024) * 1024
+
+
+def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None) -> LaunchPlan:
+    """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or a whole tile
+    (values); rows in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks
+    read its compressed bytes from L2); windows sized from the cache's largest step (max_step,
+    `step_bytes_max`; None: the worst case); about 4 CTAs per SM."""
     b, s, d = shape
-    mr = block_rows(rows)
+    mr = 4 if rows <= 4 else 8
     rb = -(-rows // mr)
+    win = window_bytes(kind, bits, d, max_step)
     if kind == "key":
-        rep = 16
-        while rep > 1 and (d // 32) * 33 * rep * mr * 2 > 40960:
-            rep //= 2
-        steps_b = -(-(s * (d // TILE)) // GROUP)
-        per = max(2 * NUM_WARPS, -(-steps_b * b * rb // (4 * sm_count)))
-        per = min(per, steps_b)
-        grid = (-(-steps_b // per), b, rb)
-        shmem = (d // 32) * 33 * rep * mr * 2
-        defines = {"MF_R": mr, "MF_D": d, "MF_REP": rep, "MF_WARPS": NUM_WARPS}
+        rep = 16 if mr == 4 else 8           # conflict-free 8-byte (half-warp) / 16-byte (quarter-warp) gathers
+        xs = (d // 32) * 33 * rep * mr * 2
+    else:
+        xs = 33 * 64 * mr * 2
+    warps = NUM_WARPS
+    while warps > 1 and xs + warps * 2 * win > SMEM_MAX:
+        warps //= 2
+    if xs + warps * 2 * win > SMEM_MAX:
+        raise ValueError(f"compressed {kind} cache: a warp step of {max_step} bytes does not fit in shared memory")
+    if kind == "key":
+        steps_b = -(-s // STEP_LANES)
+        per = -(-steps_b * b * rb // (4 * sm_count))          # ~4 CTAs per SM
+        per = max(warps, -(-per // warps) * warps)
+        per = min(per, -(-steps_b // warps) * warps)
+        grid = (-(-steps_b // per) * rb, b, 1)
+        defines = {"MF_R": mr, "MF_D": d, "MF_REP": rep, "MF_WARPS": warps, "MF_WIN2": win}
     else:
         nst = -(-s // TILE)
-        tpc_max = max(GROUP, (65536 // (33 * 2 * mr * 2)) // GROUP * GROUP)
-        tpc = -(-(-(-nst * b * rb // (4 * sm_count))) // GROUP) * GROUP  # ~4 CTAs per SM
-        tpc = max(GROUP, min(tpc, tpc_max, -(-nst // GROUP) * GROUP))
-        grid = (-(-nst // tpc), b, rb)
-        shmem = 33 * 2 * tpc * mr * 2
-        per = tpc
-        defines = {"MF_R": mr, "MF_D": d, "MF_WARPS": NUM_WARPS}
-    return LaunchPlan(defines, grid, (32 * NUM_WARPS, 1, 1), shmem, per, rows)
-
-
-def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132) -> LaunchPlan:
-    p = plan(kind, shape, rows, sm_count)
-    p.shmem += NUM_WARPS * 2 * _win(bits)
-    return p
+        chunks = -(-nst // STEP_LANES)
+        per = d                                                # channels per CTA
+        while per // 2 >= warps and chunks * b * rb * (d // per) < 2 * sm_count:  # at least ~2 CTAs per SM
+            per //= 2
+        grid = (chunks * (d // per) * rb, b, 1)
+        defines = {"MF_R": mr, "MF_D": d, "MF_WARPS": warps, "MF_WIN2": win}
+    return LaunchPlan(defines, grid, (32 * warps, 1, 1), xs + warps * 2 * win, per, rows)
 
 
 def _is_device(x) -> bool:
@@ -802,7 +833,7 @@ class MustafarRunner:
         b, s, d = dkv.shape
         if plan_ is None:
             sms = runtime.device_info().sm_count if runtime.gpu_available() else 132
-            plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, sms)
+            plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, sms, dkv.max_step)
         mod = kernel._module(plan_.defines)
         if self.kind == "value":
             dout.fill_bytes(0, stream)
@@ -947,11 +978,11 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
     if cold:
         l2 = max(runtime.device_info().l2_bytes, 1)
         sets = min(64, max(2, int(np.ceil(2 * l2 / max(moved, 1))) + 1))
-    kernel._module(plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count).defines)
+    p = plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count, step_bytes_max(ck))
+    kernel._module(p.defines)
     dkvs = [DeviceKV.upload(ck) for _ in range(sets)]
     dxs = [runtime.DeviceArray.from_host(x) for _ in range(sets)]
     outs = [runtime.DeviceArray.empty(oshape, odt) for _ in range(sets)]
-    p = plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count)
 
     def launch(i, stream=None):
         runner.launch(kernel, dkvs[i], dxs[i], outs[i], rows, stream=stream, plan_=p)

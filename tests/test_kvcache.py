@@ -373,22 +373,46 @@ def test_registry_has_the_mustafar_kernels():
 @pytest.mark.parametrize("kind", ["key", "value"])
 def test_launch_plans(kind, rows):
     for shape in [(1, 1, 64), (32, 16384, 128), (3, 1000, 256), (2, 77, 128)]:
+        b, s, d = shape
         for bits in (16, 4, 2):
-            p = kv.plan_for(kind, bits, shape, rows, 132)
-            mr = p.defines["MF_R"]
-            assert mr in (4, 8, 16, 24, 32) and mr * p.grid[2] >= rows
-            assert p.shmem <= 227 * 1024 and p.block == (256, 1, 1)
-            b, s, d = shape
-            if kind == "key":
-                assert p.grid[0] * p.per_cta * 16 >= s * d // 64 and (d // 32) * 33 * p.defines["MF_REP"] * mr * 2 <= 40960
-            else:
-                assert p.per_cta % 16 == 0 and p.grid[0] * p.per_cta >= -(-s // 64)
-            assert p.grid[1] == b
+            for max_step in (None, 0, 300, 5000):
+                p = kv.plan_for(kind, bits, shape, rows, 132, max_step)
+                mr, w = p.defines["MF_R"], p.defines["MF_WARPS"]
+                assert mr in (4, 8) and p.block == (32 * w, 1, 1)
+                rb = -(-rows // mr)
+                assert p.shmem <= 227 * 1024 and p.grid[1] == b and p.grid[2] == 1
+                win = p.defines["MF_WIN2"]
+                assert win % 16 == 0 and win >= (max_step if max_step is not None else 0) + 48
+                if kind == "key":
+                    steps = -(-s // 32)
+                    assert p.per_cta % w == 0 and p.grid[0] % rb == 0 and (p.grid[0] // rb) * p.per_cta >= steps
+                    assert p.shmem == (d // 32) * 33 * p.defines["MF_REP"] * mr * 2 + w * 2 * win
+                else:
+                    chunks = -(-(-(-s // 64)) // 32)
+                    assert d % p.per_cta == 0 and p.per_cta % w == 0
+                    assert p.grid[0] == chunks * (d // p.per_cta) * rb
+                    assert p.shmem == 33 * 64 * mr * 2 + w * 2 * win
 
 
-@pytest.mark.parametrize("defines", [dict(MF_R=8, MF_D=64, MF_REP=16), dict(MF_R=32, MF_D=256, MF_REP=2), dict(MF_R=16, MF_D=128, MF_REP=8)])
+def test_step_bytes_max(rng):
+    for kind in ("key", "value"):
+        for bits, compact in LAYOUTS:
+            x = kv.prune(cache(rng, 2, 3000, 128), 0.7)
+            ck = compress(kind, x, bits, compact)
+            n = kv.popcount(ck.bitmaps)
+            nb = 2 * n if bits == 16 else kv.tile_nbytes(n, bits)
+            if kind == "key":  # 32 tokens of 2 tiles
+                want = max(int(nb[bb, t:t + 64].sum()) for bb in range(2) for t in range(0, nb.shape[1], 64))
+            else:  # 32 tiles of one channel, from multiples of 32
+                r = nb.reshape(2, 128, -1)
+                want = max(int(r[bb, dd, u:u + 32].sum()) for bb in range(2) for dd in range(128) for u in range(0, r.shape[2], 32))
+            assert kv.step_bytes_max(ck) == want
+
+
+@pytest.mark.parametrize("defines", [dict(MF_R=8, MF_D=64, MF_REP=8), dict(MF_R=8, MF_D=256, MF_REP=8), dict(MF_R=4, MF_D=128, MF_REP=16),
+                                     dict(MF_R=4, MF_D=256, MF_REP=16, MF_WIN2=4096)])
 def test_other_configurations_compile_without_spills(defines):
-    for name in ("mustafar.key_q2", "mustafar.value_fp16", "mustafar.value_q4c"):
+    for name in ("mustafar.key_q2", "mustafar.value_fp16", "mustafar.value_q4c", "mustafar.key_fp16"):
         d = dict(defines, MF_WARPS=8)
         if "value" in name:
             d.pop("MF_REP")

@@ -5,25 +5,27 @@
 //   key kernel    scores[b*g+.., l, s] = sum_d q[.., l, d] K[s, d]        (fp16 out)
 //   value kernel  out[b*g+.., l, d]   += sum_s p[.., l, s] V[s, d]        (fp32, accumulated)
 //
-// Work unit: one lane = one half-tile (32 positions = one 32-bit word of the bitmap); one warp
-// step = 16 consecutive tiles = 32 half-tiles, whose codes / values are one contiguous byte range
-// (the "window"), copied to shared memory with 16-byte cp.async while the previous step computes.
-// Per lane, the set bits are walked in ascending order (clz of the bit-reversed word), the k-th
-// non-zero dequantized (fp16: one HFMA from the code's bits) and multiplied with the R query /
-// probability rows of its position, gathered from shared memory:
-//   keys:   the queries of the batch, 16 copies interleaved so the 16 lanes of a half-warp never
-//           hit the same bank (conflict-free 64-bit gathers at random positions);
-//   values: the probabilities of the CTA's token chunk, transposed to [pos][half-tile][row] so a
+// Work unit: a lane walks a whole token (keys: the D/32 words of its D/64 tiles) or a whole tile
+// (values: the two words of one 64-token tile of a channel); a warp step = 32 lanes of
+// consecutive tiles, whose codes / values are one contiguous byte range (the "window"), copied
+// to shared memory with 16-byte cp.async one step ahead while the metadata of the step after is
+// loaded into registers. Per word, the set bits are walked from the top (FLO), the codes from
+// the last one down, dequantized two at a time (one IMAD + one HFMA2) and multiplied with the R
+// query / probability rows of their positions, gathered from shared memory:
+//   keys:   the queries of the row block, REP copies interleaved so the lanes of a half-warp
+//           (8-byte rows) or quarter-warp (16-byte rows) never hit the same bank;
+//   values: the probabilities of the CTA's chunk, transposed to [pos][word][lane][row] so a
 //           lane's reads always fall in its own bank.
-// Products accumulate in half2 within a half-tile (<= 32 terms); keys reduce the D/32 lanes of a
-// token with shuffles and store fp16 scores; values add each half-tile into fp32 per lane and
-// reduce a channel's lanes once per chunk, then atomicAdd into the fp32 output (zeroed first).
+// Products accumulate in half2 within a word (<= 32 terms), fp32 across words. Keys store their
+// R fp16 scores per lane; values reduce-scatter a channel's R sums over the warp once per step
+// and atomicAdd them into the fp32 output (zeroed first).
 //
-// Compile-time configuration (-D from the launcher):
-//   MF_R      query rows per CTA (groups * Lq, padded): 4, 8, 16, 24 or 32
+// Compile-time configuration (-D from the launcher, qgemm.kvcache.plan_for):
+//   MF_R      query rows per CTA: 4 or 8 (more rows: row blocks)
 //   MF_D      head dim (64, 128, 256)
-//   MF_REP    copies of the query rows in shared memory (key kernels; power of 2, <= 16)
+//   MF_REP    copies of the query rows in shared memory (key kernels: 16 for 4 rows, 8 for 8)
 //   MF_WARPS  warps per CTA
+//   MF_WIN2   bytes of one window stage (sized from the cache's largest step)
 #pragma once
 #include <cuda_fp16.h>
 // NVRTC has no <stdint.h>: the fixed-width types used here
@@ -44,39 +46,40 @@ typedef unsigned char uint8_t;
 #endif
 #ifndef MF_MIN_CTAS
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define MF_MIN_CTAS (MF_R <= 8 ? 2 : 1)  // resident CTAs per SM the registers must allow
+#define MF_MIN_CTAS 2
 #else
-#define MF_MIN_CTAS (MF_R <= 8 ? 4 : (MF_R <= 16 ? 2 : 1))
+// resident CTAs per SM the registers must allow: 4 CTAs of 8 warps (64 registers), 3 where a
+// lane holds 4 tiles of metadata (D = 256) or 8 rows, 2 for both
+#define MF_MIN_CTAS ((MF_R == 4 && MF_D <= 128) ? 4 : ((MF_R == 8 && MF_D == 256) ? 2 : 3))
 #endif
 #endif
 #define MF_THREADS (MF_WARPS * 32)
 #define MF_FULL 0xffffffffu
 
-static_assert(MF_R == 4 || (MF_R % 8 == 0 && MF_R <= 32), "MF_R must be 4, 8, 16, 24 or 32");
+static_assert(MF_R == 4 || MF_R == 8, "MF_R must be 4 or 8 (more rows: row blocks)");
 static_assert(MF_D == 64 || MF_D == 128 || MF_D == 256, "MF_D must be 64, 128 or 256");
 static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_REP must be a power of 2 <= 16");
 
-// Bytes of one step's codes / values at most (16 tiles), and the per-stage window buffer: the
-// window starts 16-aligned below the first byte, and lanes read a little past their own data.
-__host__ __device__ constexpr int mf_step_max(int bits) { return bits == 16 ? 16 * 64 * 2 : 16 * 64 * bits / 8; }
-__host__ __device__ constexpr int mf_win(int bits) { return mf_step_max(bits) + 128; }
 // Shared memory of the key kernel's query copies: [D/32 blocks][33 positions][REP][R] halfs
 // (row 0 of every block is zeros, "position -1": lanes that ran out of non-zeros read it).
 #define MF_XS_BYTES ((MF_D / 32) * 33 * MF_REP * MF_R * 2)
 
-// Kernel parameters, the same for all eight entries:
+// Kernel parameters, the same for all ten entries:
 //   bmp     bitmaps [B, T] (as pairs of 32-bit words, low word = elements 0..31)
 //   offs    fp16: counts [B, T+1] (value index of each tile, then the end)
 //           plain 4/2-bit: byte offset of each tile's codes [B, T]
 //           compact: byte offset of each group of 16 tiles of a tile row [B, G+1]
+//           (only the one of each warp step's first tile is read: the rest are prefix sums of
+//           the popcounts, which validate_compressed guarantees)
 //   scl     plain: scales [B, T] float; compact: dq [B, T] half2 (mult, add); fp16: unused
 //   zer     plain: zeros [B, T] float (zero points in code units); otherwise unused
 //   data    packed codes (uint8) or fp16 values; 16-byte aligned and padded to a multiple of 16
 //   x       key: queries [B, R, D] half; value: probabilities [B, R, S] half   (R = groups * Lq)
 //   out     key: scores [B, R, S] half; value: output [B, R, D] float (accumulated: zero it first)
 //   S, R    tokens, query rows per kv head
-//   per_cta key: steps (16 tiles) per CTA; value: tiles of each channel per CTA (multiple of 16)
-// grid = (chunks, B, ceil(R / MF_R)).
+//   per_cta key: warp steps (32 tokens) per CTA; value: channels per CTA (a multiple of MF_WARPS)
+// grid = (chunks * ceil(R / MF_R), B, 1) (keys) or (chunks * D / per_cta * ceil(R / MF_R), B, 1)
+// (values), the row block fastest.
 #define MF_PARAMS                                                                                          \
     const uint32_t *__restrict__ bmp, const int *__restrict__ offs, const void *__restrict__ scl,          \
         const float *__restrict__ zer, const uint8_t *__restrict__ data, const __half *__restrict__ x,     \
@@ -132,88 +135,31 @@ __device__ __forceinline__ uint4 mf_lds128(uint32_t a) {
     return v;
 }
 
-// Per-step metadata of one lane (its half-tile), loaded two steps ahead.
-struct MfMeta {
-    uint32_t word;  // this lane's 32 bits of its tile's bitmap (0: no tile)
-    int off;        // plain: tile byte offset; fp16: index of the tile's first value
-    uint32_t dq;    // plain: scale bits; compact: dq half2 bits
-    float zero;     // plain: zero point
-    int g0, g1;     // step's byte / value range (compact, fp16): start and end
-    int valid;
+// R <= 8 rows of X at a shared address: one 8- or 16-byte load, R/2 half2 FMAs
+template <int R>
+struct MfRow;
+template <>
+struct MfRow<4> {
+    typedef uint2 T;
+    static __device__ __forceinline__ T load(uint32_t a) { return mf_lds64(a); }
+    template <int N>
+    static __device__ __forceinline__ void fma(const T &x, __half2 v, __half2 (&acc)[N]) {
+        acc[0] = __hfma2(mf_as_h2(x.x), v, acc[0]);
+        acc[1] = __hfma2(mf_as_h2(x.y), v, acc[1]);
+    }
 };
-
-template <int BITS, bool COMPACT>
-__device__ __forceinline__ MfMeta mf_load_meta(const uint32_t *__restrict__ bmp, const int *__restrict__ offs,
-                                               const void *__restrict__ scl, const float *__restrict__ zer,
-                                               size_t tile_base,  // b * T
-                                               int t_first, int ntiles, int lane, size_t offs_base, int g) {
-    MfMeta m;
-    const int i = lane >> 1;
-    const int t = t_first + i;
-    m.valid = i < ntiles;
-    const size_t gt = tile_base + (size_t)t;
-    m.word = m.valid ? __ldg(bmp + 2 * gt + (lane & 1)) : 0u;
-    m.off = 0;
-    m.dq = 0;
-    m.zero = 0.0f;
-    m.g0 = m.g1 = 0;
-    if (BITS == 16) {
-        m.off = m.valid ? __ldg(offs + offs_base + t) : 0;
-        m.g0 = __ldg(offs + offs_base + t_first);
-        m.g1 = __ldg(offs + offs_base + t_first + ntiles);
-    } else if (COMPACT) {
-        m.dq = m.valid ? __ldg(reinterpret_cast<const uint32_t *>(scl) + gt) : 0u;
-        m.g0 = __ldg(offs + offs_base + g);
-        m.g1 = __ldg(offs + offs_base + g + 1);
-    } else {
-        m.off = m.valid ? __ldg(offs + gt) : 0;
-        m.dq = m.valid ? __float_as_uint(__ldg(reinterpret_cast<const float *>(scl) + gt)) : 0u;
-        m.zero = m.valid ? __ldg(zer + gt) : 0.0f;
+template <>
+struct MfRow<8> {
+    typedef uint4 T;
+    static __device__ __forceinline__ T load(uint32_t a) { return mf_lds128(a); }
+    template <int N>
+    static __device__ __forceinline__ void fma(const T &x, __half2 v, __half2 (&acc)[N]) {
+        acc[0] = __hfma2(mf_as_h2(x.x), v, acc[0]);
+        acc[1] = __hfma2(mf_as_h2(x.y), v, acc[1]);
+        acc[2] = __hfma2(mf_as_h2(x.z), v, acc[2]);
+        acc[3] = __hfma2(mf_as_h2(x.w), v, acc[3]);
     }
-    return m;
-}
-
-// The step's window: its byte range [start, end) of `data`, copied (16-byte aligned) into `buf`.
-// Returns this lane's position in the buffer: bit position of its first code, or (fp16) the
-// half index of its first value.
-template <int BITS, bool COMPACT>
-__device__ __forceinline__ int mf_issue_window(const MfMeta &m, const uint8_t *__restrict__ data, uint8_t *buf, int lane) {
-    const uint32_t partner = __shfl_xor_sync(MF_FULL, m.word, 1);
-    const int hf = lane & 1;
-    const int nlo = __popc(hf ? partner : m.word);
-    const int ntile = __popc(m.word) + __popc(partner);
-    int start, end, lpos;
-    if (BITS == 16) {
-        start = 2 * m.g0;
-        end = 2 * m.g1;
-        lpos = m.off + (hf ? nlo : 0) - ((start & ~15) >> 1);
-    } else {
-        const int nb = (ntile * BITS + 7) >> 3;
-        int toff;
-        if (COMPACT) {
-            int incl = (hf == 0 && m.valid) ? nb : 0;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int y = __shfl_up_sync(MF_FULL, incl, o);
-                if (lane >= o) incl += y;
-            }
-            toff = m.g0 + incl - nb;
-            start = m.g0;
-            end = m.g1;
-        } else {
-            toff = m.off;
-            start = __shfl_sync(MF_FULL, m.off, 0);
-            end = mf_warp_max(m.valid ? m.off + nb : 0);
-        }
-        lpos = (toff - (start & ~15)) * 8 + (hf ? nlo * BITS : 0);
-    }
-    if (!m.valid) lpos = 0;  // no tile: the lane walks no bits; keep its reads inside the buffer
-    const int a = start & ~15;
-    const int nchunk = (((end + 15) & ~15) - a) >> 4;
-    for (int c = lane; c < nchunk; c += 32) mf_cp16(buf + 16 * c, data + a + 16 * c);
-    return lpos;
-}
-
+};
 // The half-tile's sparse dot product: acc[r] += sum over set bits j of word of
 //   value(j) * X[j][r]   (X row of position j at xrow0 + j * xstride, R halfs; the row at
 //   xrow0 - xstride, "position -1", is zeros: lanes that ran out of non-zeros read it)
@@ -221,11 +167,11 @@ __device__ __forceinline__ int mf_issue_window(const MfMeta &m, const uint8_t *_
 // from the last one down; they are read from the window left-aligned (code n-1 at the top of
 // c[NCW-1]) and dequantized two at a time into a half2.
 template <int BITS>
-__device__ __forceinline__ void mf_half_tile(const MfMeta &m, int lpos, const uint8_t *buf, uint32_t xrow0,
+__device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lpos, const uint8_t *buf, uint32_t xrow0,
                                              int xstride, __half2 (&acc)[MF_R / 2]) {
     constexpr int NCW = BITS == 16 ? 1 : BITS;  // 32-bit code words of a half-tile: 2 (2-bit), 4 (4-bit)
     constexpr int PER = BITS == 16 ? 1 : 32 / BITS;
-    const int n = __popc(m.word);
+    const int n = __popc(word);
     const int kmax = mf_warp_max(n);
     uint32_t c[NCW];
     __half2 dqm, dqa;
@@ -243,34 +189,14 @@ __device__ __forceinline__ void mf_half_tile(const MfMeta &m, int lpos, const ui
             c[i] = __funnelshift_r(lo, hi, sh);
             lo = hi;
         }
-        const __half2 dq = mf_as_h2(m.dq);
+        const __half2 dq = mf_as_h2(mdq);
         dqm = __low2half2(dq);
         dqa = __high2half2(dq);
     } else {
         c[0] = 0;
         dqm = dqa = __float2half2_rn(0.0f);
     }
-    uint32_t bits = m.word;
-    // one non-zero: the highest set bit left picks the X row; v2 holds its value twice
-    auto fma_row = [&](__half2 v2) {
-        const int pos = 31 - __clz(bits);                    // FLO: -1 once no bit is left
-        bits &= ~__funnelshift_l(0u, 1u, pos);               // clear it (1 << (pos & 31); harmless at -1)
-        const uint32_t xp = xrow0 + pos * xstride;
-        if (MF_R == 4) {
-            const uint2 xx = mf_lds64(xp);
-            acc[0] = __hfma2(mf_as_h2(xx.x), v2, acc[0]);
-            acc[1] = __hfma2(mf_as_h2(xx.y), v2, acc[1]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < MF_R / 8; ++j) {
-                const uint4 xx = mf_lds128(xp + 16 * j);
-                acc[4 * j + 0] = __hfma2(mf_as_h2(xx.x), v2, acc[4 * j + 0]);
-                acc[4 * j + 1] = __hfma2(mf_as_h2(xx.y), v2, acc[4 * j + 1]);
-                acc[4 * j + 2] = __hfma2(mf_as_h2(xx.z), v2, acc[4 * j + 2]);
-                acc[4 * j + 3] = __hfma2(mf_as_h2(xx.w), v2, acc[4 * j + 3]);
-            }
-        }
-    };
+    uint32_t bits = word;
     // codes k and k+1 (k even) of the descending walk, from word cw whose top holds code k at
     // bits [32 - BITS (j+1), 32 - BITS j), j = k % PER -> (value k+1, value k) as (low, high)
     auto pair = [&](uint32_t cw, int j) {
@@ -282,278 +208,444 @@ __device__ __forceinline__ void mf_half_tile(const MfMeta &m, int lpos, const ui
         const uint32_t h = (spread & ((q << MB) | (q << (16 + MB)))) | 0x3C003C00u;
         return __hfma2(mf_as_h2(h), dqm, dqa);
     };
-    if (MF_R <= 8) {
-        // few rows: fully unrolled, every code at a constant bit position
+    {
+        // fully unrolled, every code at a constant bit position; the X rows of the next
+        // pair are gathered before the FMAs of this one (past the last non-zero they are the zero
+        // row: harmless), so the shared-memory latency overlaps a pair's work
+        typedef typename MfRow<MF_R>::T XT;
+        auto gather = [&]() {
+            const int pos = 31 - __clz(bits);                // FLO: -1 once no bit is left
+            bits &= ~__funnelshift_l(0u, 1u, pos);
+            return MfRow<MF_R>::load(xrow0 + pos * xstride);
+        };
+        XT xa = gather(), xb = gather();
 #pragma unroll
         for (int k0 = 0; k0 < 32; k0 += 2) {
             if (k0 >= kmax) break;
-            if (BITS == 16) {
-#pragma unroll
-                for (int kk = 0; kk < 2; ++kk) {
-                    const int k = k0 + kk;
-                    fma_row(__half2half2(k < n ? vlast[-k] : __float2half_rn(0.0f)));
-                }
-            } else {
-                {
-                    const int k = k0;
-                    const __half2 v = pair(c[NCW - 1 - k / PER], k % PER);
-                    fma_row(__high2half2(v));
-                    fma_row(__low2half2(v));
-                }
+            const XT ca = xa, cb = xb;
+            if (k0 + 2 < 32) {
+                xa = gather();
+                xb = gather();
             }
-        }
-    } else {
-        // many rows (registers go to the row loads): a rolled loop over pairs of non-zeros,
-        // the codes shifted up through c[] by 2 * BITS bits per pair
-#pragma unroll 1
-        for (int k0 = 0; k0 < kmax; k0 += 2) {
+            __half2 va, vb;
             if (BITS == 16) {
-                fma_row(__half2half2(k0 < n ? vlast[-k0] : __float2half_rn(0.0f)));
-                fma_row(__half2half2(k0 + 1 < n ? vlast[-k0 - 1] : __float2half_rn(0.0f)));
+                va = __half2half2(k0 < n ? vlast[-k0] : __float2half_rn(0.0f));
+                vb = __half2half2(k0 + 1 < n ? vlast[-k0 - 1] : __float2half_rn(0.0f));
             } else {
-                const __half2 v = pair(c[NCW - 1], 0);
-                fma_row(__high2half2(v));
-                fma_row(__low2half2(v));
-#pragma unroll
-                for (int i = NCW - 1; i > 0; --i) c[i] = __funnelshift_l(c[i - 1], c[i], 2 * BITS);
-                c[0] <<= 2 * BITS;
+                const __half2 v = pair(c[NCW - 1 - k0 / PER], k0 % PER);
+                va = __high2half2(v);
+                vb = __low2half2(v);
             }
+            MfRow<MF_R>::fma(ca, va, acc);
+            MfRow<MF_R>::fma(cb, vb, acc);
         }
     }
 }
 
-// plain 4/2-bit: the fp16 constants from the float32 scale and zero point, exactly as
-// qgemm.kvcache.dequant_constants (no contraction into an FMA)
+// =============================================================================================
+// The kernels: a lane walks whole tokens (keys: the D/32 words of one token) or a whole tile
+// (values: both words of one 64-token tile), so a warp step is 32 lanes x U tiles of consecutive
+// tiles (keys U = D/64, values U = MF_U):
+//   - the per-step work (metadata loads, window bounds, the cp.async of the window) is amortized
+//     over 2-4x more non-zeros than half-tile lanes (the first version of these kernels);
+//   - keys need no reduction across lanes (a lane holds its token's R scores) and store them
+//     coalesced; values reduce a channel's R sums across the warp once per step with a
+//     reduce-scatter (log2 R halving exchanges, then a butterfly);
+//   - the only offset read per step is the step's first (counts / offsets / group offsets: one
+//     broadcast load); a lane's position in the window is an exclusive scan of the tiles' byte
+//     counts across the warp (the formats guarantee offsets == prefix sums of the popcounts);
+//   - the window stage holds MF_WIN2 bytes, sized by the launcher from the cache's largest step;
+//   - rows per CTA MF_R is 4 or 8 (more rows: row blocks, adjacent in the grid so that they read
+//     the same compressed bytes from L2).
+// The sparse dot product of a word is mf_half_tile.
+
+#ifndef MF_U
+#define MF_U 1  // value kernels: tiles per lane
+#endif
+#ifndef MF_WIN2
+#define MF_WIN2 1024  // bytes of one window stage (multiple of 16)
+#endif
+static_assert(MF_WIN2 % 16 == 0 && MF_WIN2 >= 64, "MF_WIN2 must be a multiple of 16");
+
+template <int U>
+struct Mf2Meta {
+    uint32_t w[2 * U];  // bitmap words of the lane's U tiles (0: no tile)
+    uint32_t dq[U];     // plain: scale bits; compact: dq half2 bits; fp16: unused
+    float zero[U];      // plain: zero points
+    int base;           // counts / offsets / group offset of the step's first tile (the same for all lanes)
+};
+
+// metadata of a step: the lane's U tiles start at tile index t (of the flat [B*T] arrays); oidx
+// indexes offs for the step's base
+template <int BITS, bool COMPACT, int U>
+__device__ __forceinline__ void mf2_load(Mf2Meta<U> &m, const uint32_t *__restrict__ bmp, const int *__restrict__ offs,
+                                         const void *__restrict__ scl, const float *__restrict__ zer, size_t t, bool ok,
+                                         size_t oidx) {
+#pragma unroll
+    for (int j = 0; j < 2 * U; ++j) m.w[j] = 0u;
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+        m.dq[j] = 0u;
+        m.zero[j] = 0.0f;
+    }
+    if (ok) {
+        if (U == 1) {
+            const uint2 v = __ldg(reinterpret_cast<const uint2 *>(bmp) + t);
+            m.w[0] = v.x;
+            m.w[1] = v.y;
+        } else {
+#pragma unroll
+            for (int j = 0; j < U / 2; ++j) {
+                const uint4 v = __ldg(reinterpret_cast<const uint4 *>(bmp) + t / 2 + j);
+                m.w[4 * j + 0] = v.x;
+                m.w[4 * j + 1] = v.y;
+                m.w[4 * j + 2] = v.z;
+                m.w[4 * j + 3] = v.w;
+            }
+        }
+        if (BITS != 16) {
+            const uint32_t *sp = reinterpret_cast<const uint32_t *>(scl) + t;
+            const uint32_t *zp = reinterpret_cast<const uint32_t *>(zer) + t;
+            if (U == 1) {
+                m.dq[0] = __ldg(sp);
+                if (!COMPACT) m.zero[0] = __uint_as_float(__ldg(zp));
+            } else if (U == 2) {
+                const uint2 v = __ldg(reinterpret_cast<const uint2 *>(sp));
+                m.dq[0] = v.x;
+                m.dq[1] = v.y;
+                if (!COMPACT) {
+                    const uint2 z = __ldg(reinterpret_cast<const uint2 *>(zp));
+                    m.zero[0] = __uint_as_float(z.x);
+                    m.zero[1] = __uint_as_float(z.y);
+                }
+            } else {
+                const uint4 v = __ldg(reinterpret_cast<const uint4 *>(sp));
+                m.dq[0] = v.x;
+                m.dq[1] = v.y;
+                m.dq[2] = v.z;
+                m.dq[3] = v.w;
+                if (!COMPACT) {
+                    const uint4 z = __ldg(reinterpret_cast<const uint4 *>(zp));
+                    m.zero[0] = __uint_as_float(z.x);
+                    m.zero[1] = __uint_as_float(z.y);
+                    m.zero[2] = __uint_as_float(z.z);
+                    m.zero[3] = __uint_as_float(z.w);
+                }
+            }
+        }
+    }
+    m.base = __ldg(offs + oidx);
+}
+
+// units of a tile's data: fp16 values (halfs) or code bytes
 template <int BITS>
-__device__ __forceinline__ void mf_plain_dq(MfMeta &m) {
-    const float s = __uint_as_float(m.dq);
-    const float mult = s * (float)(1 << BITS);
-    const float add = __fsub_rn(__fmul_rn(-m.zero, s), mult);
-    const __half2 h = __halves2half2(__float2half_rn(mult), __float2half_rn(add));
-    m.dq = *reinterpret_cast<const uint32_t *>(&h);
+__device__ __forceinline__ int mf2_units(int n) { return BITS == 16 ? n : (n * BITS + 7) >> 3; }
+
+// The step's window into buf (cp.async, 16-byte chunks). Returns the lane's first tile position
+// in the buffer in units (halfs for fp16, bytes otherwise).
+template <int BITS, int U>
+__device__ __forceinline__ int mf2_issue(const Mf2Meta<U> &m, const uint8_t *__restrict__ data, uint8_t *buf, int lane) {
+    int units = 0;
+#pragma unroll
+    for (int j = 0; j < U; ++j) units += mf2_units<BITS>(__popc(m.w[2 * j]) + __popc(m.w[2 * j + 1]));
+    int incl = units;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(MF_FULL, incl, o);
+        if (lane >= o) incl += y;
+    }
+    const int total = __shfl_sync(MF_FULL, incl, 31);
+    constexpr int SC = BITS == 16 ? 2 : 1;
+    const int start = m.base * SC, end = (m.base + total) * SC;
+    const int a = start & ~15;
+    const int nchunk = min((end - a + 15) >> 4, MF_WIN2 / 16);
+    for (int c = lane; c < nchunk; c += 32) mf_cp16(buf + 16 * c, data + a + 16 * c);
+    return (start - a) / SC + incl - units;
+}
+
+// The lane's U tiles: acc[r] += sum over their non-zeros of value * X[pos][r]. Word j's X rows
+// start at xw0 + j * xwstep (its row -1 is zeros), position rows xstride bytes apart.
+template <int BITS, bool COMPACT, int U>
+__device__ __forceinline__ void mf2_walk(Mf2Meta<U> m, int first, const uint8_t *buf, uint32_t xw0, int xwstep,
+                                         int xstride, float (&acc)[MF_R]) {
+    // half2 sums within a word (<= 32 products), fp32 across words (a token's up to 256 products
+    // summed in half2 miss the dense-tile accuracy)
+    auto word = [&](uint32_t w, uint32_t dq, int lpos, uint32_t xa) {
+        __half2 h[MF_R / 2];
+#pragma unroll
+        for (int j = 0; j < MF_R / 2; ++j) h[j] = __float2half2_rn(0.0f);
+        mf_half_tile<BITS>(w, dq, lpos, buf, xa, xstride, h);
+#pragma unroll
+        for (int j = 0; j < MF_R / 2; ++j) {
+            const float2 f = __half22float2(h[j]);
+            acc[2 * j] += f.x;
+            acc[2 * j + 1] += f.y;
+        }
+    };
+    int pos = first;
+    // one copy of the walk (instruction cache): a rolled loop over the tiles, the next tile's
+    // metadata shifted down into slot 0 after each
+#pragma unroll 1
+    for (int j = 0; j < U; ++j) {
+        uint32_t dq = m.dq[0];
+        if (BITS != 16 && !COMPACT) {  // the fp16 constants, exactly as qgemm.kvcache.dequant_constants
+            const float s = __uint_as_float(dq);
+            const float mult = s * (float)(1 << BITS);
+            const float add = __fsub_rn(__fmul_rn(-m.zero[0], s), mult);
+            const __half2 h = __halves2half2(__float2half_rn(mult), __float2half_rn(add));
+            dq = *reinterpret_cast<const uint32_t *>(&h);
+        }
+        const int nlo = __popc(m.w[0]), nhi = __popc(m.w[1]);
+        const int lo = BITS == 16 ? pos : pos * 8;
+        const int hi = lo + nlo * (BITS == 16 ? 1 : BITS);
+        word(m.w[0], dq, lo, xw0);
+        word(m.w[1], dq, hi, xw0 + xwstep);
+        pos += mf2_units<BITS>(nlo + nhi);
+        xw0 += 2 * xwstep;
+#pragma unroll
+        for (int k = 0; k + 1 < U; ++k) {
+            m.w[2 * k] = m.w[2 * k + 2];
+            m.w[2 * k + 1] = m.w[2 * k + 3];
+            m.dq[k] = m.dq[k + 1];
+            m.zero[k] = m.zero[k + 1];
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
-// key kernel: scores = q . K^T
+// key kernel v2: a lane = a token (its D/64 tiles); a warp step = 32 tokens
+// per_cta: steps per CTA; grid = (chunks * row blocks, B, 1), row block fastest
 
 template <int BITS, bool COMPACT>
-__device__ __forceinline__ void mf_key(MF_PARAMS) {
-    constexpr int TPT = MF_D / 64;  // tiles per token
-    constexpr int LPT = MF_D / 32;  // lanes (half-tiles) per token
-    constexpr int WIN = mf_win(BITS);
+__device__ __forceinline__ void mf2_key(MF_PARAMS) {
+    static_assert(MF_R == 4 || MF_R == 8, "version 2: MF_R must be 4 or 8");
+    constexpr int U = MF_D / 64;
+    constexpr int BLK = 33 * MF_REP * MF_R * 2;  // bytes of one 32-dim block of query rows
     extern __shared__ __align__(16) uint8_t mf_smem[];
-    uint8_t *xs = mf_smem;                                  // [D/32][33][REP][MF_R] halfs
+    uint8_t *xs = mf_smem;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    uint8_t *win = mf_smem + MF_XS_BYTES + warp * 2 * WIN;  // this warp's two window stages
+    uint8_t *win = mf_smem + MF_XS_BYTES + warp * 2 * MF_WIN2;
 
     const int b = blockIdx.y;
-    const int row0 = blockIdx.z * MF_R;
+    const int rb = (R + MF_R - 1) / MF_R;
+    const int row0 = (blockIdx.x % rb) * MF_R;
     const int nr = min(MF_R, R - row0);
-    const int T = S * TPT;
-    const int steps_b = (T + 15) >> 4;
-    const int cs = blockIdx.x * per_cta;
+    const int T = S * U;
+    const int steps_b = (S + 31) >> 5;
+    const int cs = (blockIdx.x / rb) * per_cta;
     const int ce = min(cs + per_cta, steps_b);
-    const int n = cs + warp < ce ? (ce - cs - warp + MF_WARPS - 1) / MF_WARPS : 0;  // this warp's steps
-    const size_t tile_base = (size_t)b * T;
-    const size_t offs_base = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * (steps_b + 1) : 0);
+    const int n = cs + warp < ce ? (ce - cs - warp + MF_WARPS - 1) / MF_WARPS : 0;
+    const size_t tb = (size_t)b * T;
+    const size_t ob = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * ((T + 15) / 16 + 1) : tb);
 
-    auto step_of = [&](int i) { return cs + warp + i * MF_WARPS; };
-    auto meta = [&](int i) {
-        const int st = step_of(i);
-        return mf_load_meta<BITS, COMPACT>(bmp, offs, scl, zer, tile_base, st * 16, min(16, T - st * 16), lane, offs_base, st);
+    auto meta = [&](Mf2Meta<U> &m, int i) {
+        const int st = cs + warp + i * MF_WARPS;
+        const int s = st * 32 + lane;
+        const int t0 = st * 32 * U;
+        mf2_load<BITS, COMPACT, U>(m, bmp, offs, scl, zer, tb + (size_t)s * U, s < S, ob + (COMPACT ? t0 / 16 : t0));
     };
 
-    MfMeta m0{}, m1{};
+    Mf2Meta<U> m0, m1;
     int p0 = 0;
-    if (n > 0) m0 = meta(0);
-    if (n > 1) m1 = meta(1);
-    if (n > 0) p0 = mf_issue_window<BITS, COMPACT>(m0, data, win, lane);
+    if (n > 0) meta(m0, 0);
+    if (n > 1) meta(m1, 1);
+    if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
     mf_commit();
 
-    // queries of this batch, REP interleaved copies; row 0 of each block of 32 dims is zeros
-    for (int i = threadIdx.x; i < (MF_D / 32) * 33 * MF_REP; i += MF_THREADS) {
-        const int rep = i % MF_REP, e = i / MF_REP;
-        const int blk = e / 33, row = e % 33;
-        const int d = blk * 32 + row - 1;
+    // queries of this row block, REP interleaved copies; row 0 of each block of 32 dims is zeros.
+    // A thread takes a dim: its R loads are one round of latency.
+    for (int d = threadIdx.x; d < MF_D; d += MF_THREADS) {
+        uint32_t hw[MF_R / 2];
 #pragma unroll
-        for (int r4 = 0; r4 < MF_R; r4 += 4) {
-            __half h[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int r = r4 + j;
-                h[j] = (row > 0 && r < nr) ? x[((size_t)b * R + row0 + r) * MF_D + d] : __float2half_rn(0.0f);
-            }
-            uint2 w;
-            __half2 lo = __halves2half2(h[0], h[1]), hi = __halves2half2(h[2], h[3]);
-            w.x = *reinterpret_cast<uint32_t *>(&lo);
-            w.y = *reinterpret_cast<uint32_t *>(&hi);
-            *reinterpret_cast<uint2 *>(xs + ((size_t)(e * MF_REP + rep) * MF_R + r4) * 2) = w;
+        for (int j = 0; j < MF_R / 2; ++j) {
+            const __half h0 = 2 * j < nr ? x[((size_t)b * R + row0 + 2 * j) * MF_D + d] : __float2half_rn(0.0f);
+            const __half h1 = 2 * j + 1 < nr ? x[((size_t)b * R + row0 + 2 * j + 1) * MF_D + d] : __float2half_rn(0.0f);
+            const __half2 h = __halves2half2(h0, h1);
+            hw[j] = *reinterpret_cast<const uint32_t *>(&h);
         }
+        uint8_t *dst = xs + (size_t)(((d >> 5) * 33 + 1 + (d & 31)) * MF_REP) * MF_R * 2;
+#pragma unroll
+        for (int rep = 0; rep < MF_REP; ++rep) {
+            if (MF_R == 4) *reinterpret_cast<uint2 *>(dst + rep * 8) = make_uint2(hw[0], hw[1]);
+            else *reinterpret_cast<uint4 *>(dst + rep * 16) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+        }
+    }
+    for (int i = threadIdx.x; i < (MF_D / 32) * MF_REP * MF_R / 4; i += MF_THREADS) {  // the zero rows, 8 bytes at a time
+        const int blk = i / (MF_REP * MF_R / 4), k = i % (MF_REP * MF_R / 4);
+        *reinterpret_cast<uint2 *>(xs + (size_t)blk * 33 * MF_REP * MF_R * 2 + k * 8) = make_uint2(0u, 0u);
     }
     __syncthreads();
 
-    __half *scores = reinterpret_cast<__half *>(out);
-    const int hf = lane & 1;
-    const int jl = lane % LPT;
+    __half *scores = reinterpret_cast<__half *>(out) + ((size_t)b * R + row0) * S;
+    const uint32_t xw0 = (uint32_t)__cvta_generic_to_shared(xs) + (MF_REP + (lane % MF_REP)) * MF_R * 2;
     int pcur = p0;
-    // One step: the window of step i+1 is issued from meta(i+1) (loaded one step ago), meta(i+2)
-    // is loaded into the registers meta(i) leaves free. The loop runs two steps per trip with the
-    // two register sets swapped, so no in-flight load is ever moved between registers (a move
-    // would wait for it: the prefetch would be lost).
-    auto one = [&](int i, MfMeta &A, MfMeta &B) {
-        MfMeta cur = A;
-        if (i + 2 < n) A = meta(i + 2);
+    // Step i: the window of step i+1 is issued from its metadata (loaded a step ago), the metadata
+    // of step i+2 is loaded into the register set step i's leaves free. The two sets alternate by
+    // the parity of i (a uniform branch), so no in-flight load is ever moved between registers,
+    // and the walk below is one copy.
+    for (int i = 0; i < n; ++i) {
+        Mf2Meta<U> cur;
         int pnext = 0;
-        if (i + 1 < n) pnext = mf_issue_window<BITS, COMPACT>(B, data, win + ((i + 1) & 1) * WIN, lane);
+        uint8_t *nb = win + ((i + 1) & 1) * MF_WIN2;
+        if ((i & 1) == 0) {
+            cur = m0;
+            if (i + 2 < n) meta(m0, i + 2);
+            if (i + 1 < n) pnext = mf2_issue<BITS, U>(m1, data, nb, lane);
+        } else {
+            cur = m1;
+            if (i + 2 < n) meta(m1, i + 2);
+            if (i + 1 < n) pnext = mf2_issue<BITS, U>(m0, data, nb, lane);
+        }
         mf_commit();
         mf_wait1();
         __syncwarp();
-        if (BITS != 16 && !COMPACT) mf_plain_dq<BITS>(cur);
-        const int t = step_of(i) * 16 + (lane >> 1);
-        const int blk = (t % TPT) * 2 + hf;
-        const uint32_t xaddr = (uint32_t)__cvta_generic_to_shared(xs) + ((blk * 33 + 1) * MF_REP + (lane % MF_REP)) * MF_R * 2;
-        __half2 acc[MF_R / 2];
+        float acc[MF_R];
 #pragma unroll
-        for (int j = 0; j < MF_R / 2; ++j) acc[j] = __float2half2_rn(0.0f);
-        mf_half_tile<BITS>(cur, pcur, win + (i & 1) * WIN, xaddr, MF_REP * MF_R * 2, acc);
+        for (int j = 0; j < MF_R; ++j) acc[j] = 0.0f;
+        mf2_walk<BITS, COMPACT, U>(cur, pcur, win + (i & 1) * MF_WIN2, xw0, BLK, MF_REP * MF_R * 2, acc);
         __syncwarp();
-        // the token's LPT lanes sum their half-tiles; lane jl of the token stores rows jl, jl+LPT, ...
-#pragma unroll
-        for (int o = 1; o < LPT; o <<= 1) {
-#pragma unroll
-            for (int j = 0; j < MF_R / 2; ++j) acc[j] = __hadd2(acc[j], __shfl_xor_sync(MF_FULL, acc[j], o));
-        }
-        if (cur.valid) {
-            __half *o = scores + ((size_t)b * R + row0) * S + t / TPT;
+        const int s = (cs + warp + i * MF_WARPS) * 32 + lane;
+        if (s < S) {
 #pragma unroll
             for (int r = 0; r < MF_R; ++r) {
-                if (r % LPT == jl && r < nr) o[(size_t)r * S] = (r & 1) ? __high2half(acc[r >> 1]) : __low2half(acc[r >> 1]);
+                if (r < nr) scores[(size_t)r * S + s] = __float2half_rn(acc[r]);
             }
         }
         pcur = pnext;
-    };
-    for (int i = 0; i < n; i += 2) {
-        one(i, m0, m1);
-        if (i + 1 < n) one(i + 1, m1, m0);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// value kernel: out += p . V over this CTA's chunk of tokens
+// value kernel v2: a lane = MF_U consecutive tiles of one channel (64 tokens each); a warp step =
+// 32 * MF_U tiles of one channel. A CTA takes a chunk of 32 * MF_U tiles (2048 * MF_U tokens) for
+// per_cta channels; its warps take the channels round-robin, one step each.
+// grid = (chunks * channel groups * row blocks, B, 1), row block fastest, then channel group.
 
 template <int BITS, bool COMPACT>
-__device__ __forceinline__ void mf_value(MF_PARAMS) {
-    constexpr int WIN = mf_win(BITS);
+__device__ __forceinline__ void mf2_value(MF_PARAMS) {
+    static_assert(MF_R == 4 || MF_R == 8, "version 2: MF_R must be 4 or 8");
+    static_assert(MF_U == 1, "version 2 value kernels: one tile per lane (a lane's tiles must all be inside the channel)");
+    constexpr int U = MF_U;
+    constexpr int NCOL = 64 * U;              // half-tiles of a step
+    constexpr int LR = MF_R == 4 ? 2 : 3;     // log2 MF_R
     extern __shared__ __align__(16) uint8_t mf_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int tpc = per_cta;                 // tiles of a channel per CTA (multiple of 16)
-    const int NH = 2 * tpc;                  // half-tiles of a channel per CTA (multiple of 32)
-    uint8_t *ps = mf_smem;                   // [33 positions][NH][MF_R] halfs
-    uint8_t *win = mf_smem + (size_t)33 * NH * MF_R * 2 + warp * 2 * WIN;
+    uint8_t *ps = mf_smem;                    // [33 positions][NCOL][MF_R] halfs; row 0 zeros
+    uint8_t *win = mf_smem + 33 * NCOL * MF_R * 2 + warp * 2 * MF_WIN2;
 
     const int b = blockIdx.y;
-    const int row0 = blockIdx.z * MF_R;
+    const int rb = (R + MF_R - 1) / MF_R;
+    const int ncg = MF_D / per_cta;
+    const int row0 = (blockIdx.x % rb) * MF_R;
+    const int cg = (blockIdx.x / rb) % ncg;
+    const int chunk = blockIdx.x / (rb * ncg);
     const int nr = min(MF_R, R - row0);
     const int nst = (S + 63) >> 6;           // tiles per channel
     const int T = MF_D * nst;
-    const int st0 = blockIdx.x * tpc;
-    const int st1 = min(st0 + tpc, nst);
-    const int nsr = (st1 - st0 + 15) >> 4;   // steps per channel in this chunk
+    const int u0 = chunk * 32 * U;           // first tile of the chunk (of each channel)
     const int gpr = (nst + 15) >> 4;         // compact groups per channel
-    const int dpw = MF_D / MF_WARPS;         // channels per warp
-    const int n = dpw * nsr;                 // this warp's steps
-    const size_t tile_base = (size_t)b * T;
-    const size_t offs_base = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * (MF_D * gpr + 1) : 0);
+    const int n = per_cta / MF_WARPS;        // this warp's steps (channels)
+    const size_t tb = (size_t)b * T;
+    const size_t ob = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * (MF_D * gpr + 1) : tb);
 
-    auto meta = [&](int i) {
-        const int d = warp + (i / nsr) * MF_WARPS, j = i % nsr;
-        const int su = st0 + 16 * j;
-        return mf_load_meta<BITS, COMPACT>(bmp, offs, scl, zer, tile_base, d * nst + su, min(16, st1 - su), lane, offs_base,
-                                           d * gpr + (su >> 4));
+    auto chan = [&](int i) { return cg * per_cta + warp + i * MF_WARPS; };
+    auto meta = [&](Mf2Meta<U> &m, int i) {
+        const int d = chan(i);
+        const int u = u0 + lane * U;
+        const int t0 = d * nst + u0;
+        mf2_load<BITS, COMPACT, U>(m, bmp, offs, scl, zer, tb + (size_t)d * nst + u, u < nst,
+                                   ob + (COMPACT ? (size_t)d * gpr + (u0 >> 4) : (size_t)t0));
     };
 
-    MfMeta m0{}, m1{};
+    Mf2Meta<U> m0, m1;
     int p0 = 0;
-    if (n > 0) m0 = meta(0);
-    if (n > 1) m1 = meta(1);
-    if (n > 0) p0 = mf_issue_window<BITS, COMPACT>(m0, data, win, lane);
+    if (n > 0) meta(m0, 0);
+    if (n > 1) meta(m1, 1);
+    if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
     mf_commit();
 
-    // probabilities of the chunk's tokens, transposed: token s0 + 32h + pos -> ps[1 + pos][h][r]; row 0 zeros
-    const int s0 = st0 * 64;
-    const int groups8 = NH * 4;              // 8-token groups in the chunk
+    // probabilities of the chunk: token 64 * (u0 + U * l + j) + 32 h + pos -> ps[1 + pos][(2 j + h) * 32 + l][r]
+    const int s0 = u0 * 64;
+    constexpr int G8 = 2048 * U / 8;         // 8-token groups of the chunk
     const bool vec = (S & 7) == 0;
-    for (int i = threadIdx.x; i < MF_R * groups8; i += MF_THREADS) {
-        const int r = i / groups8, g = i % groups8;
-        const int s = s0 + 8 * g;
-        __half h[8];
-        const __half *src = x + ((size_t)b * R + row0 + min(r, nr - 1)) * S;
-        if (r < nr && vec && s + 8 <= S) {
-            const uint4 u = __ldg(reinterpret_cast<const uint4 *>(src + s));
-            const __half *hu = reinterpret_cast<const __half *>(&u);
+    __half *dst = reinterpret_cast<__half *>(ps);
+    constexpr int NB = 4;  // loads in flight per thread before their stores
+    for (int i0 = threadIdx.x; i0 < MF_R * G8; i0 += NB * MF_THREADS) {
+        uint4 u[NB];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) h[j] = hu[j];
-        } else {
+        for (int k = 0; k < NB; ++k) {
+            const int i = i0 + k * MF_THREADS;
+            const int r = i / G8, g = i % G8;
+            const int s = s0 + 8 * g;
+            const __half *src = x + ((size_t)b * R + row0 + min(r, nr - 1)) * S;
+            if (i < MF_R * G8 && r < nr && vec && s + 8 <= S) {
+                u[k] = __ldg(reinterpret_cast<const uint4 *>(src + s));
+            } else {
+                __half h[8];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) h[j] = (r < nr && s + j < S) ? src[s + j] : __float2half_rn(0.0f);
+                for (int j = 0; j < 8; ++j) h[j] = (i < MF_R * G8 && r < nr && s + j < S) ? src[s + j] : __float2half_rn(0.0f);
+                u[k] = *reinterpret_cast<const uint4 *>(h);
+            }
         }
-        const int hh = g >> 2, pos0 = (g & 3) * 8;
-        __half *dst = reinterpret_cast<__half *>(ps);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) dst[((1 + pos0 + j) * NH + hh) * MF_R + r] = h[j];
+        for (int k = 0; k < NB; ++k) {
+            const int i = i0 + k * MF_THREADS;
+            if (i >= MF_R * G8) break;
+            const int r = i / G8, g = i % G8;
+            const __half *hv = reinterpret_cast<const __half *>(&u[k]);
+            const int o = 8 * g;                 // token offset in the chunk
+            const int tl = o >> 6;               // tile of the chunk: lane tl / U, its tile j = tl % U
+            const int col = (2 * (tl % U) + ((o >> 5) & 1)) * 32 + tl / U;
+            const int pos0 = o & 31;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dst[((1 + pos0 + j) * NCOL + col) * MF_R + r] = hv[j];
+        }
     }
-    for (int i = threadIdx.x; i < NH * MF_R; i += MF_THREADS) reinterpret_cast<__half *>(ps)[i] = __float2half_rn(0.0f);
+    for (int i = threadIdx.x; i < NCOL * MF_R; i += MF_THREADS) dst[i] = __float2half_rn(0.0f);
     __syncthreads();
 
-    float facc[MF_R];
-#pragma unroll
-    for (int r = 0; r < MF_R; ++r) facc[r] = 0.0f;
-    float *o = reinterpret_cast<float *>(out);
-    const int xstride = NH * MF_R * 2;
-    const uint32_t ps_s = (uint32_t)__cvta_generic_to_shared(ps);
+    float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
+    const uint32_t xw0 = (uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2;
+    const int myrow = lane >> (5 - LR);      // the row this lane holds after the reduce-scatter
     int pcur = p0;
-    // as in mf_key: two steps per trip, register sets swapped (no in-flight load is moved)
-    auto one = [&](int i, MfMeta &A, MfMeta &B) {
-        MfMeta cur = A;
-        if (i + 2 < n) A = meta(i + 2);
+    for (int i = 0; i < n; ++i) {  // as in mf2_key
+        Mf2Meta<U> cur;
         int pnext = 0;
-        if (i + 1 < n) pnext = mf_issue_window<BITS, COMPACT>(B, data, win + ((i + 1) & 1) * WIN, lane);
+        uint8_t *nb = win + ((i + 1) & 1) * MF_WIN2;
+        if ((i & 1) == 0) {
+            cur = m0;
+            if (i + 2 < n) meta(m0, i + 2);
+            if (i + 1 < n) pnext = mf2_issue<BITS, U>(m1, data, nb, lane);
+        } else {
+            cur = m1;
+            if (i + 2 < n) meta(m1, i + 2);
+            if (i + 1 < n) pnext = mf2_issue<BITS, U>(m0, data, nb, lane);
+        }
         mf_commit();
         mf_wait1();
         __syncwarp();
-        if (BITS != 16 && !COMPACT) mf_plain_dq<BITS>(cur);
-        const int j = i % nsr;
-        const uint32_t xaddr = ps_s + (NH + 32 * j + lane) * MF_R * 2;
-        __half2 acc[MF_R / 2];
+        float v[MF_R];
 #pragma unroll
-        for (int q = 0; q < MF_R / 2; ++q) acc[q] = __float2half2_rn(0.0f);
-        mf_half_tile<BITS>(cur, pcur, win + (i & 1) * WIN, xaddr, xstride, acc);
+        for (int j = 0; j < MF_R; ++j) v[j] = 0.0f;
+        mf2_walk<BITS, COMPACT, U>(cur, pcur, win + (i & 1) * MF_WIN2, xw0, 32 * MF_R * 2, NCOL * MF_R * 2, v);
         __syncwarp();
+        // reduce-scatter of the R sums over the warp: halve the rows at each of the first log2 R
+        // exchanges (lane bit 4 - k picks the upper half), then a butterfly over the rest
 #pragma unroll
-        for (int q = 0; q < MF_R / 2; ++q) {
-            const float2 f = __half22float2(acc[q]);
-            facc[2 * q] += f.x;
-            facc[2 * q + 1] += f.y;
-        }
-        if (j == nsr - 1) {  // this channel's chunk is done: reduce the warp, add into the output
-            const int d = warp + (i / nsr) * MF_WARPS;
+        for (int k = 0; k < LR; ++k) {
+            const int off = 16 >> k, half = MF_R >> (k + 1);
+            const bool up = (lane & off) != 0;
 #pragma unroll
-            for (int r = 0; r < MF_R; ++r) {
-#pragma unroll
-                for (int off = 16; off; off >>= 1) facc[r] += __shfl_xor_sync(MF_FULL, facc[r], off);
+            for (int j = 0; j < half; ++j) {
+                const float send = up ? v[j] : v[j + half];
+                const float keep = up ? v[j + half] : v[j];
+                v[j] = keep + __shfl_xor_sync(MF_FULL, send, off);
             }
-            float mine = 0.0f;
-#pragma unroll
-            for (int r = 0; r < MF_R; ++r) {
-                if (lane == r) mine = facc[r];
-                facc[r] = 0.0f;
-            }
-            if (lane < nr) atomicAdd(o + ((size_t)b * R + row0 + lane) * MF_D + d, mine);
         }
+#pragma unroll
+        for (int off = 16 >> LR; off; off >>= 1) v[0] += __shfl_xor_sync(MF_FULL, v[0], off);
+        if ((lane & ((32 >> LR) - 1)) == 0 && myrow < nr) atomicAdd(o + (size_t)myrow * MF_D + chan(i), v[0]);
         pcur = pnext;
-    };
-    for (int i = 0; i < n; i += 2) {
-        one(i, m0, m1);
-        if (i + 1 < n) one(i + 1, m1, m0);
     }
 }
+
