@@ -181,15 +181,19 @@ def _skinny_ok(d: dict, wfmt: str, m: int = 8, k: int = 4096) -> bool:
 
 def _skinny_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # The untuned default follows `qgemm tune` on the H100 (docs/perf/NOTES.md, tune tables
-        # in docs/perf/tune-skinny-h100.log): 8 warps per CTA splitting K; one 16-row tile per
-        # CTA for M <= 8 at K = 4096 (the most CTAs), two tiles for long K or more tokens (the B
-        # fragments are reused) with a second K split across CTAs at long K; activations staged
-        # in shared memory only for M = 1 (at M = 8 the 64 KB of staging costs occupancy).
+        # The untuned default follows `qgemm tune` on the H100 (docs/perf/NOTES.md): 8 warps per
+        # CTA splitting K; one 16-row tile per CTA for M <= 8 at K = 4096 (the most CTAs), more
+        # tiles for long K or more tokens (the B fragments are reused), with a second K split
+        # across CTAs for several tokens at long K; activations staged in shared memory only for
+        # M = 1 (at M = 8 the 64 KB of staging costs occupancy).
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
         long_k = k >= 8192
-        if mt == 1:
-            r, split, unroll = (2, 2, 1) if long_k else (1, 1, 2 if wfmt == "q4_0" else 1)
+        if mt == 1 and not long_k:
+            r, split, unroll = 1, 1, 1 if m == 1 else 2
+        elif mt == 1 and m == 1:
+            r, split, unroll = 2 if wfmt == "q4_0" else 1, 1, 2
+        elif mt == 1:
+            r, split, unroll = 4 if wfmt == "q4_0" else 2, 2, 1
         elif mt <= 4:
             r, split, unroll = 2, 2 if long_k else 1, 1
         else:
@@ -212,7 +216,7 @@ def _skinny_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
         out = [{"SK_R": r, "SK_MT": mt, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_XSMEM": x}
-               for r in (1, 2, 4) for w in (4, 8) for u in (1, 2, 4) for s in (1, 2) for x in ((0, 1) if mt == 1 else (0,))]
+               for r in (1, 2, 4) for w in (4, 8) for u in (1, 2, 4) for s in (1, 2, 4) for x in ((0, 1) if mt == 1 else (0,))]
         return [d for d in out if _skinny_ok(d, wfmt, m, k)]
     return candidates
 
