@@ -3,7 +3,10 @@
     c = qgemm.matmul(x, w)                       # x float32/float16 [M, K]; w Q4_0/Q8_0 [N, K/32]
     print(qgemm.explain(512, 4096, 4096, "q4_0"))  # which kernels, which configuration, and why
 
-A prologue kernel prepares the activations on the GPU, then the GEMM runs:
+With weights from `qgemm.pack_weights` (repacked once, at load) and float32 activations:
+- M <= 32: `w4a16.skinny` / `w8a16.skinny` alone -- fp16 tensor cores with the tokens on the
+  MMA's N side, 16-byte weight loads, the activations read (and rounded to fp16) by the kernel.
+Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM runs:
 - M <= 8 (decode): `quantize.q8_1` + `w4a8.gemv` / `w8a8.gemv`, which stream each weight byte
   once (llama.cpp's own scheme: Q8_1 activations, integer dot products);
 - otherwise on sm_80+: `convert.f16` + `w4a16.mma` / `w8a16.mma` (fp16 tensor cores, the block
