@@ -176,7 +176,9 @@ def _skinny_ok(d: dict, wfmt: str, m: int = 8, k: int = 4096) -> bool:
             # registers: two pipelined sets of uint4 weights in flight, and the accumulators
             # (larger configurations spill under the 255-register cap: checked with `qgemm compile`)
             and d["SK_UNROLL"] * d["SK_R"] * (pieces + 1) <= 12 and d["SK_R"] * d["SK_MT"] <= 8
-            and d["SK_UNROLL"] * d["SK_MT"] <= 8 and d["SK_WARPS"] * d["SK_MT"] * pieces <= 128)
+            and d["SK_UNROLL"] * d["SK_MT"] <= 8 and d["SK_WARPS"] * d["SK_MT"] * pieces <= 128
+            # 16 warps (512 threads) leave 128 registers per thread: half the weights in flight
+            and (d["SK_WARPS"] < 16 or (d["SK_UNROLL"] * d["SK_R"] * (pieces + 1) <= 6 and d["SK_R"] * d["SK_MT"] <= 2)))
 
 
 def _skinny_config(wfmt: str):
@@ -216,7 +218,7 @@ def _skinny_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
         out = [{"SK_R": r, "SK_MT": mt, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_XSMEM": x}
-               for r in (1, 2, 4) for w in (4, 8) for u in (1, 2, 4) for s in (1, 2, 4) for x in ((0, 1) if mt == 1 else (0,))]
+               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in (1, 2, 4) for x in ((0, 1) if mt == 1 else (0,))]
         return [d for d in out if _skinny_ok(d, wfmt, m, k)]
     return candidates
 
