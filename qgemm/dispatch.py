@@ -5,7 +5,8 @@
 
 With weights from `qgemm.pack_weights` (repacked once, at load) and float32 activations:
 - M <= 32: `w4a16.skinny` / `w8a16.skinny` alone -- fp16 tensor cores with the tokens on the
-  MMA's N side, 16-byte weight loads, the activations read (and rounded to fp16) by the kernel.
+  MMA's N side, 16-byte weight loads, the activations read (and rounded to fp16) by the kernel;
+- M > 32 on sm_90: `convert.f16` + `w4a16.wgmma` / `w8a16.wgmma` (asynchronous warpgroup MMA).
 Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM runs:
 - M <= 8 (decode): `quantize.q8_1` + `w4a8.gemv` / `w8a8.gemv`, which stream each weight byte
   once (llama.cpp's own scheme: Q8_1 activations, integer dot products);
@@ -28,8 +29,8 @@ from . import formats as F
 from . import registry, runtime
 
 _DEFAULTS = {
-    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny"},
-    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a", "skinny": "w8a16.skinny"},
+    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny", "wgmma": "w4a16.wgmma"},
+    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a", "skinny": "w8a16.skinny", "wgmma": "w8a16.wgmma"},
 }
 GEMV_MAX_M = 8
 # packed weights, float32 activations: the skinny kernels up to this M (H100: 2.5x faster than
@@ -107,7 +108,7 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         s = registry.spec(path)
         layout = s.weight_layout is not None
         if (s.op.kind != "gemm" or s.op.w is None or s.op.w.name != fmt
-                or s.op.a.name not in (("f32",) if layout else ("q8_1", "f16"))):
+                or s.op.a.name not in (("f32", "f16") if layout else ("q8_1", "f16"))):
             raise ValueError(f"matmul: path {path!r} computes {s.op}; for {fmt} weights it must take Q8_1 or f16 activations "
                              f"and {fmt} weights (e.g. {choice['mma']}, {choice['gemv']}, {choice['dp4a']}), or be "
                              f"{choice['skinny']} with packed weights")
@@ -116,13 +117,17 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         if layout and not packed:
             raise ValueError(f"matmul: path {path} reads the skinny weight layout: pass w = qgemm.pack_weights(w) "
                              "(a one-time repacking at load)")
-        if layout and x_dtype != "f32":
+        if layout and s.op.a.name == "f32" and x_dtype != "f32":
             raise ValueError(f"matmul: path {path} takes float32 activations, got {x_dtype}")
         name, source, reason = path, "override", "requested with path="
     elif packed and x_dtype == "f32" and m <= SKINNY_MAX_M and (cc is None or cc >= 80):
         name, source = choice["skinny"], "default"
         reason = (f"M={m} <= {SKINNY_MAX_M} with packed weights: tokens on the MMA's N side, each weight byte read once "
                   "in 16-byte loads, the float32 activations read directly (no prologue kernel)")
+    elif packed and cc == 90 and m > SKINNY_MAX_M:
+        name, source = choice["wgmma"], "default"
+        reason = (f"M={m} > {SKINNY_MAX_M} with packed weights on sm_90: asynchronous wgmma, the weights dequantized "
+                  "into swizzled shared memory while the previous stage multiplies")
     elif m <= GEMV_MAX_M:
         name, source = choice["gemv"], "default"
         reason = f"M={m} <= {GEMV_MAX_M}: decode is bound by reading the weights once; a GEMV streams them"

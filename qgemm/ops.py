@@ -177,6 +177,9 @@ class Kernel:
         if cc < self.spec.min_arch:
             raise UnsupportedArchError(f"{self.name} needs sm_{self.spec.min_arch} or newer; {arch} was requested")
         if self.spec.arch_suffix and not arch.endswith(self.spec.arch_suffix):
+            if cc != self.spec.min_arch:  # sm_90a features (wgmma) exist on sm_90 only, not on later archs
+                raise UnsupportedArchError(f"{self.name} uses sm_{self.spec.min_arch}{self.spec.arch_suffix} features and runs "
+                                           f"only on sm_{self.spec.min_arch} GPUs; {arch} was requested")
             arch = arch + self.spec.arch_suffix
         full = {**self.spec.defines, **(defines or {})}
         return jit.compile_kernel(self.name, self.spec.source, [self.spec.entry], arch, full, **kw)
@@ -190,7 +193,7 @@ class Kernel:
                 if mod is None:
                     runtime.require_gpu(f"running {self.name}")
                     info = runtime.device_info()
-                    if info.cc < self.spec.min_arch:
+                    if info.cc < self.spec.min_arch or (self.spec.arch_suffix and info.cc != self.spec.min_arch):
                         raise UnsupportedArchError(
                             f"{self.name} needs sm_{self.spec.min_arch} or newer, but the GPU ({info.name}) is {info.arch}"
                         )

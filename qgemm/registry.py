@@ -223,6 +223,20 @@ def _skinny_candidates(wfmt: str):
     return candidates
 
 
+# ---- Hopper wgmma prefill (common/wgmma_f16.cuh) -------------------------------------------
+def _wgmma_geometry(m: int, n: int, k: int, d: dict) -> Launch:
+    # 128 x 128 tiles; WG_STAGES buffers of two 32 KB fp16 tiles, +1 KB to align them to 1024 B
+    return Launch(grid=(cdiv(n, 128), cdiv(m, 128), 1), block=(256, 1, 1), shmem=d["WG_STAGES"] * 64 * 1024 + 1024)
+
+
+def _wgmma_config(m: int, n: int, k: int, sm_count: int) -> dict:
+    return {"WG_STAGES": 3}
+
+
+def _wgmma_candidates(m: int, n: int, k: int) -> list[dict]:
+    return [{"WG_STAGES": s} for s in (2, 3)]
+
+
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
 
@@ -283,6 +297,14 @@ _SPECS = [
                "production decode / small batch (M <= 64): f32 x Q8_0 (repacked once, 16-byte loads) on fp16 tensor "
                "cores, tokens on the MMA's N side", min_arch=80, config=_skinny_config("q8_0"),
                candidates=_skinny_candidates("q8_0"), max_m=SKINNY_MAX_M, weight_layout="skinny"),
+    KernelSpec("w4a16.wgmma", ops.W4A16H, 6, "w4a16/wgmma.cu", "w4a16_wgmma", _wgmma_geometry,
+               "production prefill on Hopper: f16 x Q4_0 (repacked once) through asynchronous wgmma, dequantized into "
+               "swizzled shared memory while the previous stage multiplies", min_arch=90, arch_suffix="a",
+               config=_wgmma_config, candidates=_wgmma_candidates, unit="hmma", weight_layout="skinny"),
+    KernelSpec("w8a16.wgmma", ops.W8A16H, 6, "w8a16/wgmma.cu", "w8a16_wgmma", _wgmma_geometry,
+               "production prefill on Hopper: f16 x Q8_0 (repacked once) through asynchronous wgmma, dequantized into "
+               "swizzled shared memory while the previous stage multiplies", min_arch=90, arch_suffix="a",
+               config=_wgmma_config, candidates=_wgmma_candidates, unit="hmma", weight_layout="skinny"),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

@@ -477,3 +477,29 @@ def test_skinny_needs_packed_weights_and_f32(rng):
     c16 = qgemm.matmul(x.astype(np.float16), pw)
     assert qgemm.plan(4, 64, 256, "q4_0", "f16", packed=True).kernel == "w4a8.gemv"
     assert c16.shape == (4, 64) and np.isfinite(c16).all()
+
+
+WGMMA = ["w4a16.wgmma", "w8a16.wgmma"]
+
+
+@pytest.mark.parametrize("name", WGMMA)
+def test_wgmma_configurations(name, rng):
+    """Both stage counts on shapes that are multiples of nothing: M and N across partial
+    128-tiles, K with a partial last group (K = 4128: 129 blocks) and a single block."""
+    k = qgemm.get(name)
+    if qgemm.runtime.device_info().cc != 90:
+        with pytest.raises(qgemm.UnsupportedArchError, match="sm_90"):
+            k._module()
+        return
+    for (m, n, kk) in ((129, 4097, 4128), (7, 33, 32), (300, 257, 1024)):
+        inp = check.make_inputs(k.op, m, n, kk, rng)
+        exact = k.op.exact(inp.a, inp.w)
+        da, dw = qgemm.DeviceArray.from_host(inp.a), k.upload_weights(inp.w)
+        dc = qgemm.DeviceArray.empty((m, n), np.float32)
+        for d in k.spec.candidates(m, n, kk):
+            dc.fill_bytes(0xFF)
+            k.launch(da, dw, dc, m, n, kk, defines=d)
+            out = dc.to_host()
+            assert not np.isnan(out).any(), (m, n, kk, d)
+            r = qgemm.reference.relative_error(out, exact)
+            assert r <= 1e-5, (m, n, kk, d, r)
