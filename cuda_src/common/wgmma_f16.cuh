@@ -31,6 +31,9 @@
 #ifndef WG_STAGES
 #define WG_STAGES 3
 #endif
+#ifndef WG_SPLITK
+#define WG_SPLITK 1  // K split across CTAs (blockIdx.z) when the tile grid would leave SMs idle; atomics into a zeroed C
+#endif
 #define WG_BM 128
 #define WG_BN 128
 #define WG_BK 128
@@ -87,6 +90,8 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
     const int g = lane / 4, t = lane % 4;
     const int m0 = blockIdx.y * WG_BM, n0 = blockIdx.x * WG_BN;
     const int nb = K / QK, ngroups = (nb + 3) / 4, ntiles = (N + 15) / 16;
+    const int g_begin = (int)((long long)ngroups * blockIdx.z / WG_SPLITK);
+    const int n_stages = (int)((long long)ngroups * (blockIdx.z + 1) / WG_SPLITK) - g_begin;
     constexpr int GROUP_PIECES = SF::PIECES * 32;
     const uint4* qs = reinterpret_cast<const uint4*>(Wp);
     const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
@@ -95,8 +100,8 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
     const int tile = min(n0 / 16 + T, ntiles - 1);  // past N: clamped (rows never stored)
 
     uint4 wq[SF::PIECES], wd;
-    auto load_w = [&](int G) {
-        const size_t bse = (size_t)tile * ngroups + G;
+    auto load_w = [&](int st) {  // stage st of this CTA's K slice
+        const size_t bse = (size_t)tile * ngroups + g_begin + st;
 #pragma unroll
         for (int p = 0; p < SF::PIECES; ++p) wq[p] = ld_stream16(qs + bse * GROUP_PIECES + p * 32 + lane);
         wd = __ldg(ds + bse * 8 + g);
@@ -118,9 +123,9 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
     // A must start on a 16-byte boundary (the launcher checks it); rows are then 16-byte aligned too
     // (K % 32 == 0). Chunks past K are zero-filled: the padded weight blocks are exact zeros, and
     // so must the activations be (0 x garbage could be NaN).
-    auto load_a = [&](int G, int buf) {
+    auto load_a = [&](int st, int buf) {
         const unsigned dst = sA + buf * WG_TILE_BYTES;
-        const int k0 = G * WG_BK;
+        const int k0 = (g_begin + st) * WG_BK;
 #pragma unroll
         for (int i = 0; i < (WG_BM * WG_BK / 8) / 256; ++i) {
             const int q = tid + i * 256, r = q / 16, c = q % 16;  // 16 chunks of 8 halves per row
@@ -137,16 +142,16 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
     // prologue: stages 0 .. WG_STAGES - 2
 #pragma unroll
     for (int s = 0; s < WG_STAGES - 1; ++s) {
-        if (s < ngroups) {
+        if (s < n_stages) {
             load_a(s, s);
             load_w(s);
             store_w(s);
         }
         cp_async_commit();
     }
-    if (WG_STAGES - 1 < ngroups) load_w(WG_STAGES - 1);
+    if (WG_STAGES - 1 < n_stages) load_w(WG_STAGES - 1);
 
-    for (int s = 0; s < ngroups; ++s) {
+    for (int s = 0; s < n_stages; ++s) {
         const int buf = s % WG_STAGES;
         cp_async_wait<WG_STAGES - 2>();
         fence_proxy_async();
@@ -163,10 +168,10 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
         wgmma_wait<1>();  // this warpgroup's previous stage is done ...
         __syncthreads();  // ... and the other's: its buffer may be refilled
         const int next = s + WG_STAGES - 1;
-        if (next < ngroups) {
+        if (next < n_stages) {
             load_a(next, next % WG_STAGES);
             store_w(next % WG_STAGES);
-            if (next + 1 < ngroups) load_w(next + 1);
+            if (next + 1 < n_stages) load_w(next + 1);
         }
         cp_async_commit();
     }
@@ -180,6 +185,11 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int tok = tok0 + 8 * (i >> 1), n = n0 + 8 * c + 2 * t + (i & 1);
-            if (tok < M && n < N) C[(size_t)tok * N + n] = d[4 * c + i];
+            if (tok < M && n < N) {
+                if (WG_SPLITK > 1)
+                    atomicAdd(C + (size_t)tok * N + n, d[4 * c + i]);
+                else
+                    C[(size_t)tok * N + n] = d[4 * c + i];
+            }
         }
 }
