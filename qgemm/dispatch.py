@@ -6,7 +6,7 @@
 With weights from `qgemm.pack_weights` (repacked once, at load) and float32 activations:
 - M <= 32: `w4a16.skinny` / `w8a16.skinny` alone -- fp16 tensor cores with the tokens on the
   MMA's N side, 16-byte weight loads, the activations read (and rounded to fp16) by the kernel;
-- M > 32 on sm_90: `convert.f16` + `w4a16.wgmma` / `w8a16.wgmma` (asynchronous warpgroup MMA).
+- M > 64 on sm_90: `convert.f16` + `w4a16.wgmma` / `w8a16.wgmma` (asynchronous warpgroup MMA).
 Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM runs:
 - M <= 8 (decode): `quantize.q8_1` + `w4a8.gemv` / `w8a8.gemv`, which stream each weight byte
   once (llama.cpp's own scheme: Q8_1 activations, integer dot products);
@@ -36,6 +36,9 @@ GEMV_MAX_M = 8
 # packed weights, float32 activations: the skinny kernels up to this M (H100: 2.5x faster than
 # w4a16.mma at M = 16, 1.35x at 32, slower at 64 where every CTA re-reads 64 rows of activations)
 SKINNY_MAX_M = 32
+# packed weights on sm_90: the wgmma kernel from this M (H100, 512x4096x4096: 48 us vs 81 for
+# w4a16.mma; at M = 64 its 128-token tiles are half empty and w4a16.mma is still faster)
+WGMMA_MIN_M = 65
 
 
 @dataclass
@@ -124,9 +127,9 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         name, source = choice["skinny"], "default"
         reason = (f"M={m} <= {SKINNY_MAX_M} with packed weights: tokens on the MMA's N side, each weight byte read once "
                   "in 16-byte loads, the float32 activations read directly (no prologue kernel)")
-    elif packed and cc == 90 and m > SKINNY_MAX_M:
+    elif packed and cc == 90 and m > WGMMA_MIN_M - 1:
         name, source = choice["wgmma"], "default"
-        reason = (f"M={m} > {SKINNY_MAX_M} with packed weights on sm_90: asynchronous wgmma, the weights dequantized "
+        reason = (f"M={m} >= {WGMMA_MIN_M} with packed weights on sm_90: asynchronous wgmma, the weights dequantized "
                   "into swizzled shared memory while the previous stage multiplies")
     elif m <= GEMV_MAX_M:
         name, source = choice["gemv"], "default"
