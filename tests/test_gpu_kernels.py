@@ -439,7 +439,7 @@ def test_skinny_every_candidate_configuration(name, rng):
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-@pytest.mark.parametrize("m", [1, 2, 8, 17, 32, 33])
+@pytest.mark.parametrize("m", [1, 2, 8, 17, 32, 33, 129])
 def test_matmul_packed_weights(fmt, m, rng):
     n, k = 4097, 4128
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -449,6 +449,8 @@ def test_matmul_packed_weights(fmt, m, rng):
     assert pw.fmt == fmt and pw.shape == w.shape and pw.pack_seconds > 0
     p = qgemm.plan(m, n, k, fmt, packed=True)
     assert (p.kernel.endswith(".skinny")) == (m <= qgemm.dispatch.SKINNY_MAX_M), p
+    hopper = qgemm.runtime.device_info().cc == 90
+    assert p.kernel.endswith(".wgmma") == (hopper and m >= qgemm.dispatch.WGMMA_MIN_M), p
     c = qgemm.matmul(x, pw)  # host x: result on the host
     r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(x, w), qgemm.reference.truth(x, w_f), x, w_f)
     assert r.passed, (p.kernel, r)
