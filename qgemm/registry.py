@@ -226,22 +226,25 @@ def _skinny_candidates(wfmt: str):
 # ---- Hopper wgmma prefill (common/wgmma_f16.cuh) -------------------------------------------
 def _wgmma_geometry(m: int, n: int, k: int, d: dict) -> Launch:
     # 128 x 128 tiles; WG_STAGES buffers of two 32 KB fp16 tiles, +1 KB to align them to 1024 B
+    # (+64 B: the producer/consumer mbarriers of WG_SPEC)
     split = d.get("WG_SPLITK", 1)
-    return Launch(grid=(cdiv(n, 128), cdiv(m, 128), split), block=(256, 1, 1), shmem=d["WG_STAGES"] * 64 * 1024 + 1024,
-                  zero_output=split > 1)
+    return Launch(grid=(cdiv(n, 128), cdiv(m, 128), split), block=(512 if d.get("WG_SPEC") else 256, 1, 1),
+                  shmem=d["WG_STAGES"] * 64 * 1024 + 1024 + 64, zero_output=split > 1)
 
 
 def _wgmma_config(m: int, n: int, k: int, sm_count: int) -> dict:
     # split K across CTAs while the tile grid leaves SMs idle, keeping >= 4 stages of 128 per split
     ctas = cdiv(n, 128) * cdiv(m, 128)
     split = max(1, min(sm_count // max(ctas, 1), cdiv(k // 32, 4) // 4, 8))
-    return {"WG_STAGES": 3, "WG_SPLITK": split}
+    return {"WG_STAGES": 3, "WG_SPLITK": split, "WG_SPEC": 0}
 
 
 def _wgmma_candidates(m: int, n: int, k: int) -> list[dict]:
+    # warp specialization needs 3 stages: with 2 the producer would wait for a release that needs
+    # the stage it has not signalled yet
     ctas = cdiv(n, 128) * cdiv(m, 128)
-    return [{"WG_STAGES": s, "WG_SPLITK": sp} for s in (2, 3) for sp in (1, 2, 4, 8)
-            if sp == 1 or (ctas * sp <= 4 * 132 and cdiv(k // 32, 4) >= 2 * sp)]
+    return [{"WG_STAGES": s, "WG_SPLITK": sp, "WG_SPEC": spec} for s in (2, 3) for sp in (1, 2, 4, 8) for spec in (0, 1)
+            if (sp == 1 or (ctas * sp <= 4 * 132 and cdiv(k // 32, 4) >= 2 * sp)) and not (spec and s < 3)]
 
 
 def _quantize_rows(m: int, n: int, k: int) -> Launch:

@@ -20,11 +20,21 @@
 // bank groups). A descriptor names a 64 x 16 (A) or 128 x 16 (B) slice by its start address;
 // stepping k by 16 inside an atom adds 32 bytes, stride between 8-row groups 1024 bytes.
 //
-// Per stage: wait for this stage's copies, make the generic-proxy writes (cp.async, st.shared)
-// visible to the async proxy (fence.proxy.async), barrier, issue the 8 wgmma of each warpgroup,
-// commit; wait until the previous stage's wgmma are done (wait_group 1) and barrier, then refill
-// that buffer with the stage WG_STAGES - 1 ahead while this stage's wgmma run. Weight registers
-// for the stage after that are loaded one iteration early.
+// WG_SPEC = 0 (all 8 warps fill and multiply): per stage, wait for this stage's copies, make the
+// generic-proxy writes (cp.async, st.shared) visible to the async proxy (fence.proxy.async),
+// barrier, issue the 8 wgmma of each warpgroup, commit; wait until the previous stage's wgmma are
+// done (wait_group 1) and barrier, then refill that buffer with the stage WG_STAGES - 1 ahead while
+// this stage's wgmma run. Weight registers for the stage after that are loaded one iteration early.
+// The two CTA barriers per stage serialize the fill with the MMAs (Nsight Compute: 0.41 issued
+// instructions per scheduler per cycle, the tensor cores waiting on the fill).
+//
+// WG_SPEC = 1 (warp specialization, 4 warpgroups): warpgroups 0 and 1 only fill -- activations by
+// cp.async one stage ahead, weights dequantized from registers loaded one stage ahead -- and
+// signal `full[buf]` (an mbarrier, 256 arrivals) after fence.proxy.async; warpgroups 2 and 3 wait
+// on `full`, issue their wgmma, and once a stage's wgmma group has completed (wait_group 1) one
+// thread of each signals `empty[buf]` (2 arrivals), which the producers wait on before refilling
+// that buffer. No CTA-wide barrier in the loop: the fill of stage s + 1 runs under stage s's MMAs.
+// (A single producer warpgroup measured slower: it was the bottleneck at twice the work per thread.)
 #pragma once
 #include "common/skinny_f16.cuh"
 
@@ -34,6 +44,11 @@
 #ifndef WG_SPLITK
 #define WG_SPLITK 1  // K split across CTAs (blockIdx.z) when the tile grid would leave SMs idle; atomics into a zeroed C
 #endif
+#ifndef WG_SPEC
+#define WG_SPEC 0  // 1: warp-specialized -- a producer warpgroup fills the stages, two consumer warpgroups only MMA
+#endif
+#define WG_THREADS (WG_SPEC ? 512 : 256)
+#define WG_PRODUCERS 256  // threads that fill a stage (WG_SPEC: warpgroups 0 and 1)
 #define WG_BM 128
 #define WG_BN 128
 #define WG_BK 128
@@ -78,6 +93,20 @@ template <int N>
 static __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 static __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+static __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// wait until the phase of parity `parity` has completed
+static __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
 template <typename SF>
 static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
                                                       float* __restrict__ C, int M, int N, int K) {
@@ -86,37 +115,45 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
     const unsigned base = (raw + 1023u) & ~1023u;  // the swizzle pattern is on absolute address bits
     const unsigned sA = base, sW = base + WG_STAGES * WG_TILE_BYTES;
 
-    const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, warp_in_wg = (tid / 32) % 4;
+    const int tid = threadIdx.x, lane = tid % 32, wgi = tid / 128, warp_in_wg = (tid / 32) % 4;
     const int g = lane / 4, t = lane % 4;
     const int m0 = blockIdx.y * WG_BM, n0 = blockIdx.x * WG_BN;
     const int nb = K / QK, ngroups = (nb + 3) / 4, ntiles = (N + 15) / 16;
     const int g_begin = (int)((long long)ngroups * blockIdx.z / WG_SPLITK);
     const int n_stages = (int)((long long)ngroups * (blockIdx.z + 1) / WG_SPLITK) - g_begin;
     constexpr int GROUP_PIECES = SF::PIECES * 32;
+    constexpr int ITEMS = 256 / WG_PRODUCERS;  // 16-row tiles of a W stage per producer lane group
     const uint4* qs = reinterpret_cast<const uint4*>(Wp);
     const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
-    // this thread's share of a W stage: 16-row tile T of the CTA's 8, rows g and g + 8
-    const int T = tid / 32;
-    const int tile = min(n0 / 16 + T, ntiles - 1);  // past N: clamped (rows never stored)
+    const int ptid = tid % WG_PRODUCERS;  // index among the producer threads (all threads if !WG_SPEC)
 
-    uint4 wq[SF::PIECES], wd;
+    // a producer thread's share of a W stage: 16-row tiles T = ptid / 32 + 8 / ITEMS * e, rows g, g + 8
+    uint4 wq[ITEMS][SF::PIECES], wd[ITEMS];
     auto load_w = [&](int st) {  // stage st of this CTA's K slice
-        const size_t bse = (size_t)tile * ngroups + g_begin + st;
 #pragma unroll
-        for (int p = 0; p < SF::PIECES; ++p) wq[p] = ld_stream16(qs + bse * GROUP_PIECES + p * 32 + lane);
-        wd = __ldg(ds + bse * 8 + g);
+        for (int e = 0; e < ITEMS; ++e) {
+            const int tile = min(n0 / 16 + ptid / 32 + (8 / ITEMS) * e, ntiles - 1);  // past N: clamped, never stored
+            const size_t bse = (size_t)tile * ngroups + g_begin + st;
+#pragma unroll
+            for (int p = 0; p < SF::PIECES; ++p) wq[e][p] = ld_stream16(qs + bse * GROUP_PIECES + p * 32 + lane);
+            wd[e] = __ldg(ds + bse * 8 + g);
+        }
     };
     auto store_w = [&](int buf) {
         const unsigned dst = sW + buf * WG_TILE_BYTES;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            unsigned a[2][4];
-            SF::frags(wq, wd, j, a);
+        for (int e = 0; e < ITEMS; ++e) {
+            const int T = ptid / 32 + (8 / ITEMS) * e;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = 16 * T + g + 8 * h;
-                wg_sts64(dst + wg_sw(row, 32 * j + 4 * t), a[0][h], a[0][2 + h]);
-                wg_sts64(dst + wg_sw(row, 32 * j + 16 + 4 * t), a[1][h], a[1][2 + h]);
+            for (int j = 0; j < 4; ++j) {
+                unsigned a[2][4];
+                SF::frags(wq[e], wd[e], j, a);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = 16 * T + g + 8 * h;
+                    wg_sts64(dst + wg_sw(row, 32 * j + 4 * t), a[0][h], a[0][2 + h]);
+                    wg_sts64(dst + wg_sw(row, 32 * j + 16 + 4 * t), a[1][h], a[1][2 + h]);
+                }
             }
         }
     };
@@ -127,18 +164,72 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
         const unsigned dst = sA + buf * WG_TILE_BYTES;
         const int k0 = (g_begin + st) * WG_BK;
 #pragma unroll
-        for (int i = 0; i < (WG_BM * WG_BK / 8) / 256; ++i) {
-            const int q = tid + i * 256, r = q / 16, c = q % 16;  // 16 chunks of 8 halves per row
+        for (int i = 0; i < (WG_BM * WG_BK / 8) / WG_PRODUCERS; ++i) {
+            const int q = ptid + i * WG_PRODUCERS, r = q / 16, c = q % 16;  // 16 chunks of 8 halves per row
             const int k = k0 + c * 8;
             const __half* src = A + (size_t)min(m0 + r, M - 1) * K + min(k, K - 8);
             wg_cp_async16_zfill(dst + wg_sw(r, c * 8), src, k < K);
         }
     };
 
-    float d[64];  // this warpgroup's 64 x 128 accumulator tile
+    float d[64];  // a consumer warpgroup's 64 x 128 accumulator tile
 #pragma unroll
     for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    auto mma_stage = [&](int buf, int cw) {  // cw: which 64 token rows of the tile
+        wgmma_fence();
+        const unsigned a_tile = sA + buf * WG_TILE_BYTES + cw * 64 * 128;
+        const unsigned w_tile = sW + buf * WG_TILE_BYTES;
+#pragma unroll
+        for (int kk = 0; kk < WG_BK / 16; ++kk) {
+            const unsigned koff = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
+            wgmma_m64n128k16(d, wg_desc(a_tile + koff), wg_desc(w_tile + koff));
+        }
+        wgmma_commit();
+    };
+    int cw = wgi;  // token block of this warpgroup's accumulators
 
+#if WG_SPEC
+    const unsigned bars = sW + WG_STAGES * WG_TILE_BYTES;  // full[WG_STAGES], empty[WG_STAGES]
+    if (tid == 0) {
+        for (int b = 0; b < WG_STAGES; ++b) {
+            mbar_init(bars + 8 * b, WG_PRODUCERS);             // full[b]
+            mbar_init(bars + 8 * (WG_STAGES + b), 2);          // empty[b]: one arrival per consumer warpgroup
+        }
+    }
+    __syncthreads();
+    if (wgi < 2) {  // producers
+        if (n_stages > 0) {
+            load_a(0, 0);
+            load_w(0);
+        }
+        cp_async_commit();
+        for (int s = 0; s < n_stages; ++s) {
+            const int buf = s % WG_STAGES;
+            if (s + 1 < n_stages) {
+                const int nbuf = (s + 1) % WG_STAGES, round = (s + 1) / WG_STAGES;
+                if (round > 0) mbar_wait(bars + 8 * (WG_STAGES + nbuf), (round - 1) & 1);  // consumers released it
+                load_a(s + 1, nbuf);
+            }
+            cp_async_commit();
+            store_w(buf);  // buffer `buf` was released before A(s) was issued into it
+            if (s + 1 < n_stages) load_w(s + 1);
+            cp_async_wait<1>();  // A(s) has landed (A(s + 1) may be in flight)
+            fence_proxy_async();
+            mbar_arrive(bars + 8 * buf);
+        }
+        cp_async_wait<0>();
+        return;
+    }
+    cw = wgi - 2;
+    for (int s = 0; s < n_stages; ++s) {
+        const int buf = s % WG_STAGES;
+        mbar_wait(bars + 8 * buf, (s / WG_STAGES) & 1);
+        mma_stage(buf, cw);
+        wgmma_wait<1>();  // stage s - 1's wgmma have completed: release its buffer
+        if (s > 0 && tid % 128 == 0) mbar_arrive(bars + 8 * (WG_STAGES + (s - 1) % WG_STAGES));
+    }
+    wgmma_wait<0>();
+#else
     // prologue: stages 0 .. WG_STAGES - 2
 #pragma unroll
     for (int s = 0; s < WG_STAGES - 1; ++s) {
@@ -156,15 +247,7 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
         cp_async_wait<WG_STAGES - 2>();
         fence_proxy_async();
         __syncthreads();
-        wgmma_fence();
-        const unsigned a_tile = sA + buf * WG_TILE_BYTES + wg * 64 * 128;  // this warpgroup's 64 rows
-        const unsigned w_tile = sW + buf * WG_TILE_BYTES;
-#pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; ++kk) {
-            const unsigned koff = (kk >> 2) * (128 * 128) + (kk & 3) * 32;
-            wgmma_m64n128k16(d, wg_desc(a_tile + koff), wg_desc(w_tile + koff));
-        }
-        wgmma_commit();
+        mma_stage(buf, cw);
         wgmma_wait<1>();  // this warpgroup's previous stage is done ...
         __syncthreads();  // ... and the other's: its buffer may be refilled
         const int next = s + WG_STAGES - 1;
@@ -176,10 +259,11 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
         cp_async_commit();
     }
     wgmma_wait<0>();
+#endif
 
     // accumulator layout (m64nNk16, f32): warp w of the warpgroup owns rows 16w .. 16w + 15;
     // d[4c + 0..1] = (row g, cols 8c + 2t + 0..1), d[4c + 2..3] = (row g + 8, same cols)
-    const int tok0 = m0 + wg * 64 + warp_in_wg * 16 + g;
+    const int tok0 = m0 + cw * 64 + warp_in_wg * 16 + g;
 #pragma unroll
     for (int c = 0; c < 16; ++c)
 #pragma unroll

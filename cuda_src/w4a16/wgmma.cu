@@ -2,7 +2,7 @@
 // once by qgemm.packing) through asynchronous warpgroup MMA (common/wgmma_f16.cuh).
 #include "common/wgmma_f16.cuh"
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(WG_THREADS)
 w4a16_wgmma(const __half* __restrict__ A, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
     wgmma_f16_gemm<SkQ4_0>(A, W, C, M, N, K);
 }
