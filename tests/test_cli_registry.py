@@ -221,6 +221,41 @@ def test_matmul_plan_override_and_errors():
         qgemm.plan(64, 4096, 4096, "q8_1")
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_matmul_plan_with_packed_weights(fmt):
+    """Without a GPU (CI) the plan assumes sm_80+ but not sm_90: packed weights take the skinny
+    kernels (no prologue) up to SKINNY_MAX_M, then the mma.sync path; wgmma needs an sm_90 GPU."""
+    w = "4" if fmt == "q4_0" else "8"
+    for m in (1, 8, qgemm.dispatch.SKINNY_MAX_M):
+        p = qgemm.plan(m, 4096, 4096, fmt, packed=True)
+        assert p.kernel == f"w{w}a16.skinny" and p.quantizer is None and p.packed
+        assert p.defines == qgemm.spec(p.kernel).config(m, 4096, 4096, 132)
+        assert "packed" in qgemm.explain(m, 4096, 4096, fmt, packed=True)
+    p = qgemm.plan(qgemm.dispatch.SKINNY_MAX_M + 1, 4096, 4096, fmt, packed=True)
+    assert p.kernel == f"w{w}a16.mma" and not p.packed
+    # fp16 activations with packed weights: the skinny kernels read float32, so the ggml-block path
+    assert qgemm.plan(4, 4096, 4096, fmt, x_dtype="f16", packed=True).kernel == f"w{w}a8.gemv"
+    # overrides: the skinny / wgmma kernels need the packed layout, and skinny float32 activations
+    with pytest.raises(ValueError, match="pack_weights"):
+        qgemm.plan(4, 4096, 4096, fmt, path=f"w{w}a16.skinny")
+    with pytest.raises(ValueError, match="pack_weights"):
+        qgemm.plan(512, 4096, 4096, fmt, path=f"w{w}a16.wgmma")
+    with pytest.raises(ValueError, match="float32"):
+        qgemm.plan(4, 4096, 4096, fmt, x_dtype="f16", path=f"w{w}a16.skinny", packed=True)
+    with pytest.raises(ValueError, match="M <= 64"):
+        qgemm.plan(65, 4096, 4096, fmt, path=f"w{w}a16.skinny", packed=True)
+    p = qgemm.plan(512, 4096, 4096, fmt, path=f"w{w}a16.wgmma", packed=True)
+    assert p.kernel == f"w{w}a16.wgmma" and p.quantizer == "convert.f16" and p.packed
+
+
+def test_wgmma_compiles_only_for_sm_90():
+    k = qgemm.get("w4a16.wgmma")
+    assert k.compile("sm_90").arch == "sm_90a"
+    for arch in ("sm_80", "sm_100"):
+        with pytest.raises(qgemm.UnsupportedArchError, match="sm_90"):
+            k.compile(arch)
+
+
 def test_mma_default_config_splits_k_when_the_grid_is_small():
     from qgemm import registry as R
 
