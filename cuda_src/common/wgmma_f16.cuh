@@ -122,38 +122,31 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
     const int g_begin = (int)((long long)ngroups * blockIdx.z / WG_SPLITK);
     const int n_stages = (int)((long long)ngroups * (blockIdx.z + 1) / WG_SPLITK) - g_begin;
     constexpr int GROUP_PIECES = SF::PIECES * 32;
-    constexpr int ITEMS = 256 / WG_PRODUCERS;  // 16-row tiles of a W stage per producer lane group
     const uint4* qs = reinterpret_cast<const uint4*>(Wp);
     const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
-    const int ptid = tid % WG_PRODUCERS;  // index among the producer threads (all threads if !WG_SPEC)
+    // a producer thread's share of a W stage (tid < WG_PRODUCERS): 16-row tile T of the CTA's 8,
+    // rows g and g + 8
+    const int T = tid / 32;
+    const int tile = min(n0 / 16 + T, ntiles - 1);  // past N: clamped (rows never stored)
 
-    // a producer thread's share of a W stage: 16-row tiles T = ptid / 32 + 8 / ITEMS * e, rows g, g + 8
-    uint4 wq[ITEMS][SF::PIECES], wd[ITEMS];
+    uint4 wq[SF::PIECES], wd;
     auto load_w = [&](int st) {  // stage st of this CTA's K slice
+        const size_t bse = (size_t)tile * ngroups + g_begin + st;
 #pragma unroll
-        for (int e = 0; e < ITEMS; ++e) {
-            const int tile = min(n0 / 16 + ptid / 32 + (8 / ITEMS) * e, ntiles - 1);  // past N: clamped, never stored
-            const size_t bse = (size_t)tile * ngroups + g_begin + st;
-#pragma unroll
-            for (int p = 0; p < SF::PIECES; ++p) wq[e][p] = ld_stream16(qs + bse * GROUP_PIECES + p * 32 + lane);
-            wd[e] = __ldg(ds + bse * 8 + g);
-        }
+        for (int p = 0; p < SF::PIECES; ++p) wq[p] = ld_stream16(qs + bse * GROUP_PIECES + p * 32 + lane);
+        wd = __ldg(ds + bse * 8 + g);
     };
     auto store_w = [&](int buf) {
         const unsigned dst = sW + buf * WG_TILE_BYTES;
 #pragma unroll
-        for (int e = 0; e < ITEMS; ++e) {
-            const int T = ptid / 32 + (8 / ITEMS) * e;
+        for (int j = 0; j < 4; ++j) {
+            unsigned a[2][4];
+            SF::frags(wq, wd, j, a);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                unsigned a[2][4];
-                SF::frags(wq[e], wd[e], j, a);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = 16 * T + g + 8 * h;
-                    wg_sts64(dst + wg_sw(row, 32 * j + 4 * t), a[0][h], a[0][2 + h]);
-                    wg_sts64(dst + wg_sw(row, 32 * j + 16 + 4 * t), a[1][h], a[1][2 + h]);
-                }
+            for (int h = 0; h < 2; ++h) {
+                const int row = 16 * T + g + 8 * h;
+                wg_sts64(dst + wg_sw(row, 32 * j + 4 * t), a[0][h], a[0][2 + h]);
+                wg_sts64(dst + wg_sw(row, 32 * j + 16 + 4 * t), a[1][h], a[1][2 + h]);
             }
         }
     };
@@ -165,7 +158,7 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
         const int k0 = (g_begin + st) * WG_BK;
 #pragma unroll
         for (int i = 0; i < (WG_BM * WG_BK / 8) / WG_PRODUCERS; ++i) {
-            const int q = ptid + i * WG_PRODUCERS, r = q / 16, c = q % 16;  // 16 chunks of 8 halves per row
+            const int q = tid + i * WG_PRODUCERS, r = q / 16, c = q % 16;  // 16 chunks of 8 halves per row
             const int k = k0 + c * 8;
             const __half* src = A + (size_t)min(m0 + r, M - 1) * K + min(k, K - 8);
             wg_cp_async16_zfill(dst + wg_sw(r, c * 8), src, k < K);
