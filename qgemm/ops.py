@@ -246,12 +246,11 @@ class Kernel:
 
     def _device_weights(self, w) -> runtime.DeviceArray:
         """Device weights as this kernel reads them: a PackedWeights' skinny buffer, or ggml
-        blocks (repacked through the host when the kernel needs its layout)."""
+        blocks (repacked through the host when the kernel needs its layout). `shape_of` has
+        checked the format."""
         from . import packing
 
         if isinstance(w, packing.PackedWeights):
-            if w.fmt != self.op.w.name:
-                raise ValueError(f"{self.name}: W must be {self.op.w.name} weights, got PackedWeights of {w.fmt}")
             return w.packed if self.packed else w.blocks
         d = _check_device(w, self.op.w, "W", self.op)
         if self.packed:
@@ -265,7 +264,7 @@ class Kernel:
         if isinstance(w, packing.PackedWeights):
             if w.fmt != self.op.w.name:
                 raise ValueError(f"{self.name}: W must be {self.op.w.name} weights, got PackedWeights of {w.fmt}")
-            w = runtime.DeviceArray(w.blocks.ptr, w.blocks.shape, w.blocks.dtype, owner=w.blocks)
+            w = w.blocks
         on_device = [runtime.is_device_array(x) and not isinstance(x, np.ndarray) for x in (a, w)]
         if on_device[0] != on_device[1]:
             raise ValueError(

@@ -168,7 +168,7 @@ def _skinny_geometry(m: int, n: int, k: int, d: dict) -> Launch:
                   shmem=_skinny_xsmem(m, k, d), zero_output=split > 1)
 
 
-def _skinny_ok(d: dict, wfmt: str, m: int = 8, k: int = 4096) -> bool:
+def _skinny_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
     pieces = 2 if wfmt == "q4_0" else 4
     red = d["SK_WARPS"] * d["SK_R"] * d["SK_MT"] * 512  # the split-K reduction buffer (static)
     return (red <= 48 * 1024 and red + _skinny_xsmem(m, k, d) <= 227 * 1024
