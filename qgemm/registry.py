@@ -247,6 +247,60 @@ def _wgmma_candidates(m: int, n: int, k: int) -> list[dict]:
             if (sp == 1 or (ctas * sp <= 4 * 132 and cdiv(k // 32, 4) >= 2 * sp)) and not (spec and s < 3)]
 
 
+# ---- Hopper wgmma, weights as the register A operand (common/wgmma_rs_f16.cuh) ----------------
+_RS_PIECES = {"q4_0": 2, "q8_0": 4}
+
+
+def _rs_stage_bytes(wfmt: str, d: dict) -> int:
+    """One pipeline buffer: the activation tile [RS_BN][128] fp16, the CTA's raw quants and scales
+    (4 tiles of 16 rows per warpgroup), rounded up to the 1024-byte swizzle alignment."""
+    w = 4 * d["RS_WGS"] * (_RS_PIECES[wfmt] * 32 * 16 + 128)
+    return cdiv(d["RS_BN"] * 256 + w, 1024) * 1024
+
+
+def _rs_geometry(wfmt: str):
+    def geometry(m: int, n: int, k: int, d: dict) -> Launch:
+        split = d.get("RS_SPLITK", 1)
+        return Launch(grid=(cdiv(n, 64 * d["RS_WGS"]), cdiv(m, d["RS_BN"]), split), block=(128 * d["RS_WGS"], 1, 1),
+                      shmem=d["RS_STAGES"] * _rs_stage_bytes(wfmt, d) + 1024, zero_output=split > 1)
+    return geometry
+
+
+def _rs_ok(wfmt: str, d: dict) -> bool:
+    return d["RS_STAGES"] * _rs_stage_bytes(wfmt, d) + 1024 <= 227 * 1024
+
+
+def _rs_split(m: int, n: int, k: int, d: dict, sm_count: int) -> int:
+    # split K across CTAs while the tile grid leaves SMs idle, keeping >= 4 stages of 128 per split
+    ctas = cdiv(n, 64 * d["RS_WGS"]) * cdiv(m, d["RS_BN"])
+    return max(1, min(sm_count // max(ctas, 1), cdiv(k // 32, 4) // 4, 8))
+
+
+def _rs_config(wfmt: str):
+    def config(m: int, n: int, k: int, sm_count: int) -> dict:
+        d = {"RS_BN": 64 if m <= 64 else 128, "RS_WGS": 2, "RS_STAGES": 4}
+        while not _rs_ok(wfmt, d):
+            d["RS_STAGES"] -= 1
+        d["RS_SPLITK"] = _rs_split(m, n, k, d, sm_count)
+        return d
+    return config
+
+
+def _rs_candidates(wfmt: str):
+    def candidates(m: int, n: int, k: int) -> list[dict]:
+        out = []
+        for bn in (64, 128, 256):
+            for wgs in (1, 2):
+                for st in (3, 4, 5):
+                    for sp in (1, 2, 4, 8):
+                        d = {"RS_BN": bn, "RS_WGS": wgs, "RS_STAGES": st, "RS_SPLITK": sp}
+                        ctas = cdiv(n, 64 * wgs) * cdiv(m, bn)
+                        if _rs_ok(wfmt, d) and (sp == 1 or (ctas * sp <= 4 * 132 and cdiv(k // 32, 4) >= 2 * sp)):
+                            out.append(d)
+        return out
+    return candidates
+
+
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
 
@@ -315,6 +369,16 @@ _SPECS = [
                "production prefill on Hopper: f16 x Q8_0 (repacked once) through asynchronous wgmma, dequantized into "
                "swizzled shared memory while the previous stage multiplies", min_arch=90, arch_suffix="a",
                config=_wgmma_config, candidates=_wgmma_candidates, unit="hmma", weight_layout="skinny"),
+    KernelSpec("w4a16.wgmma_rs", ops.W4A16H, 6, "w4a16/wgmma_rs.cu", "w4a16_wgmma_rs", _rs_geometry("q4_0"),
+               "production prefill on Hopper: f16 x Q4_0 (repacked once) through wgmma with the weights dequantized "
+               "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
+               min_arch=90, arch_suffix="a", config=_rs_config("q4_0"), candidates=_rs_candidates("q4_0"), unit="hmma",
+               weight_layout="skinny"),
+    KernelSpec("w8a16.wgmma_rs", ops.W8A16H, 6, "w8a16/wgmma_rs.cu", "w8a16_wgmma_rs", _rs_geometry("q8_0"),
+               "production prefill on Hopper: f16 x Q8_0 (repacked once) through wgmma with the weights dequantized "
+               "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
+               min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0"), unit="hmma",
+               weight_layout="skinny"),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

@@ -6,6 +6,7 @@
 #   bash tools/gpu_check.sh                 # everything
 #   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh
 #   QGEMM_CHECK="skinny decode ncu" bash tools/gpu_check.sh    # decode path: tests, tune, bench M <= 64, ncu
+#   QGEMM_CHECK="rs" bash tools/gpu_check.sh                   # Hopper prefill: wgmma_rs vs wgmma, tests, tune
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check}
@@ -16,6 +17,7 @@ export QGEMM_CACHE_DIR=${QGEMM_CACHE_DIR:-/tmp/qgemm-cache}
 PY=${PYTHON:-python3}
 STEPS=${QGEMM_CHECK:-"info tests validate tutorial profile bench report"}
 SHAPE=${QGEMM_SHAPE:-512x4096x4096}
+RS_SHAPES=${QGEMM_RS_SHAPES:-64x4096x4096,128x4096x4096,512x4096x4096,2048x4096x4096,512x4096x14336}
 TUNE_SHAPES=${QGEMM_TUNE_SHAPES:-1x4096x4096,8x4096x4096,1x4096x14336,8x4096x14336,16x4096x4096,32x4096x4096,64x4096x4096}
 LOG="$OUT/gpu_check.log"
 rc=0
@@ -32,6 +34,16 @@ for step in $STEPS; do
               run $PY tools/precompile.py w4a16.skinny w8a16.skinny --shapes "1x33x160,9x4097x4128,57x47x32,$TUNE_SHAPES"
               run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny or packed or matmul"
               for s in ${TUNE_SHAPES//,/ }; do for k in w4a16.skinny w8a16.skinny; do
+                  run $PY -m qgemm tune $k --shape $s --iters 10; done; done ;;
+    rs)       # the Hopper prefill kernels: register-A wgmma (wgmma_rs) against the shared-memory one (wgmma):
+              # precompile every candidate, their GPU tests, both timed per shape, then tune wgmma_rs (stored)
+              run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs w4a16.wgmma w8a16.wgmma \
+                  --shapes "129x4097x4128,7x33x32,300x257x1024,513x4097x4096,$RS_SHAPES"
+              run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "wgmma"
+              for s in ${RS_SHAPES//,/ }; do
+                  run $PY -m qgemm profile w4a16.wgmma w4a16.wgmma_rs w8a16.wgmma w8a16.wgmma_rs w4a16.mma --shape $s --iters 30
+              done
+              for s in ${RS_SHAPES//,/ }; do for k in w4a16.wgmma_rs w8a16.wgmma_rs; do
                   run $PY -m qgemm tune $k --shape $s --iters 10; done; done ;;
     decode)   run $PY -m qgemm bench --m ${QGEMM_DECODE_M:-1,2,4,8,16,32,64} --k 4096,14336 --iters 20 --out "$OUT/decode"
               [ -f "$OUT/decode/bench.json" ] && mv "$OUT/decode/bench.json" "$OUT/bench-decode.json"; rm -rf "$OUT/decode" ;;

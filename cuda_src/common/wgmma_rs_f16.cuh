@@ -1,0 +1,206 @@
+// Prefill on Hopper (sm_90a), second design: fp16 activations x Q4_0 / Q8_0 weights through wgmma
+// with the *weights as the A operand, straight from registers* ("RS" wgmma), the activations as
+// the B operand in 128-byte-swizzled shared memory.
+//
+// Why: common/wgmma_f16.cuh dequantizes every weight into shared memory and lets wgmma read both
+// operands from there. Nsight Compute showed that kernel bound by its fill: ~250 instructions per
+// thread per stage (dequantize, swizzled st.shared, address math) between two CTA barriers, and
+// warp specialization did not help because the instruction count itself is the limit. Here the
+// dequantized weights never touch shared memory: a warp's A fragment for its 16 weight rows is
+// exactly what the skinny layout's dequantization (SkQ4_0 / SkQ8_0::frags) already produces in
+// registers, so the fill is the ALU work alone, and only the raw quants pass through shared memory.
+//
+// Roles are swapped relative to the GEMM: the MMA's M (64 per warpgroup) are weight rows (output
+// features n), its N (RS_BN = 64, 128 or 256) are tokens. D[n][token] lands in C[token][n].
+//
+// The k order. The skinny layout gives lane (g, t) qs word t of each block (bytes 4t .. 4t + 3),
+// whose values sit at *physical* k 4t .. 4t + 3 (and 16 + the same for Q4_0's high nibbles). The
+// skinny kernels permute the activations to match; here the activations are read by the tensor
+// core from shared memory in natural order, so the A fragment must be natural too: lane (g, t)
+// needs k (2t, 2t+1) and (2t+8, 2t+9) of each k16 step: bytes 2t, 2t+1 (byte pair t % 2 of word
+// t / 2) and bytes 2t+8, 2t+9 (the same pair of word t / 2 + 2). Each lane therefore reads the
+// 16-byte pieces of lanes (g, t/2) and (g, t/2 + 2) (from shared memory, where the warp's raw
+// quants were copied whole) and keeps the low (t even) or high (t odd) byte pair of each word of
+// both: one PRMT per word. After that, SkQ*::frags' output is the natural A fragment
+//     a0a1 = (row g, k 2t..2t+1), a2a3 = (row g+8, ..), a4a5 = (row g, k 2t+8..), a6a7 = (row g+8, ..)
+// which is also wgmma's register A layout for warp w of the warpgroup, rows 16w .. 16w + 15.
+//
+// CTA: RS_WGS warpgroups (64 weight rows each: warp w of warpgroup v owns the CTA's 16-row tile
+// 4v + w), RS_BN tokens, K in stages of 128 (one group of 4 blocks of the skinny layout). A stage
+// buffer holds the activation tile [RS_BN][128] fp16 (two 64-wide K atoms of RS_BN rows x 128 B,
+// chunk c of row r at c ^ (r % 8): see common/wgmma_f16.cuh) and the CTA's raw quants and scales,
+// all copied with cp.async 16 B (activations past K zero-filled: 0 x garbage could be NaN).
+//
+// Pipeline (RS_STAGES buffers, stages s + 1 .. s + RS_STAGES - 2 in flight while s is used):
+//   wait for stage s's copies, fence.proxy.async (cp.async writes -> visible to wgmma), barrier;
+//   refill the buffer of stage s - 2 (its wgmma retired before this barrier) with stage s + RS_STAGES - 2;
+//   for each half of the stage (2 blocks = 4 k-steps): wait_group 1 (the same half of stage s - 1
+//   retired: its fragment registers are free), dequantize into them, wgmma.fence, 4 wgmma, commit.
+// So the dequantization of one half-stage runs while the tensor core works on the previous one,
+// with one CTA barrier per stage, and the fragment registers are double-buffered per half.
+//
+// K may be split across CTAs (blockIdx.z, RS_SPLITK) when the tile grid leaves SMs idle: those add
+// into a zeroed C with atomics.
+#pragma once
+#include "common/skinny_f16.cuh"
+#include "common/wgmma.cuh"
+
+#ifndef RS_BN
+#define RS_BN 128  // tokens per CTA: wgmma's N (64, 128 or 256)
+#endif
+#ifndef RS_WGS
+#define RS_WGS 2  // warpgroups per CTA, 64 weight rows each
+#endif
+#ifndef RS_STAGES
+#define RS_STAGES 4
+#endif
+#ifndef RS_SPLITK
+#define RS_SPLITK 1
+#endif
+#if RS_STAGES < 3
+#error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
+#endif
+#define RS_THREADS (128 * RS_WGS)
+#define RS_TILES (4 * RS_WGS)          // 16-row weight tiles per CTA
+#define RS_ACT_BYTES (RS_BN * 128 * 2)  // [RS_BN tokens][128 K] fp16
+
+#if RS_BN == 64
+#define RS_WGMMA wgmma_rs_m64n64k16
+#elif RS_BN == 128
+#define RS_WGMMA wgmma_rs_m64n128k16
+#elif RS_BN == 256
+#define RS_WGMMA wgmma_rs_m64n256k16
+#else
+#error "RS_BN must be 64, 128 or 256"
+#endif
+
+// byte offset of (token row, k) in the activation tile (128-byte swizzle, 64-wide K atoms)
+static __device__ __forceinline__ unsigned rs_sw(int row, int k) {
+    return (unsigned)((k >> 6) * (RS_BN * 128) + row * 128 + ((((k & 63) >> 3) ^ (row & 7)) << 4) + ((k & 7) << 1));
+}
+
+static __device__ __forceinline__ void rs_cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
+// the natural-order word: byte pair (t odd ? 2,3 : 0,1) of p's word, then the same pair of q's
+static __device__ __forceinline__ uint4 rs_natural(const uint4& p, const uint4& q, unsigned sel) {
+    return make_uint4(__byte_perm(p.x, q.x, sel), __byte_perm(p.y, q.y, sel), __byte_perm(p.z, q.z, sel),
+                      __byte_perm(p.w, q.w, sel));
+}
+
+template <typename SF>
+static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
+                                                         float* __restrict__ C, int M, int N, int K) {
+    constexpr int GROUP_PIECES = SF::PIECES * 32;                     // uint4 per (tile, group)
+    constexpr int W_BYTES = RS_TILES * (GROUP_PIECES * 16 + 8 * 16);  // raw quants + scales of a stage
+    constexpr int STAGE_BYTES = (RS_ACT_BYTES + W_BYTES + 1023) / 1024 * 1024;
+    extern __shared__ unsigned char rs_smem_raw[];
+    const unsigned raw = (unsigned)__cvta_generic_to_shared(rs_smem_raw);
+    const unsigned base = (raw + 1023u) & ~1023u;  // the swizzle pattern is on absolute address bits
+    unsigned char* const smem = rs_smem_raw + (base - raw);
+
+    const int tid = threadIdx.x, lane = tid % 32, wgi = tid / 128, warp_in_wg = (tid / 32) % 4;
+    const int g = lane / 4, t = lane % 4;
+    const int n0 = blockIdx.x * (64 * RS_WGS), m0 = blockIdx.y * RS_BN;
+    const int nb = K / QK, ngroups = (nb + 3) / 4, ntiles = (N + 15) / 16;
+    const int g_begin = (int)((long long)ngroups * blockIdx.z / RS_SPLITK);
+    const int n_stages = (int)((long long)ngroups * (blockIdx.z + 1) / RS_SPLITK) - g_begin;
+    const uint4* qs = reinterpret_cast<const uint4*>(Wp);
+    const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
+
+    // A must start on a 16-byte boundary (the launcher checks it); rows are then 16-byte aligned
+    // (K % 32 == 0). Token rows past M re-read row M - 1 (never stored); weight tiles past N
+    // re-read the last tile (never stored).
+    auto load_stage = [&](int st, int buf) {
+        const unsigned act = base + buf * STAGE_BYTES, wq = act + RS_ACT_BYTES, wd = wq + RS_TILES * GROUP_PIECES * 16;
+        const int grp = g_begin + st, k0 = grp * 128;
+#pragma unroll
+        for (int i = 0; i < RS_BN * 16 / RS_THREADS; ++i) {
+            const int q = tid + i * RS_THREADS, r = q / 16, c = q % 16;  // 16 chunks of 8 halves per row
+            const int k = k0 + c * 8;
+            wg_cp_async16_zfill(act + rs_sw(r, c * 8), A + (size_t)min(m0 + r, M - 1) * K + min(k, K - 8), k < K);
+        }
+#pragma unroll
+        for (int i = 0; i < (RS_TILES * GROUP_PIECES + RS_THREADS - 1) / RS_THREADS; ++i) {
+            const int q = tid + i * RS_THREADS;
+            if (RS_TILES * GROUP_PIECES % RS_THREADS == 0 || q < RS_TILES * GROUP_PIECES) {
+                const int tile = min(n0 / 16 + q / GROUP_PIECES, ntiles - 1);
+                rs_cp_async16(wq + q * 16, qs + ((size_t)tile * ngroups + grp) * GROUP_PIECES + q % GROUP_PIECES);
+            }
+        }
+        if (tid < RS_TILES * 8) {
+            const int tile = min(n0 / 16 + tid / 8, ntiles - 1);
+            rs_cp_async16(wd + tid * 16, ds + ((size_t)tile * ngroups + grp) * 8 + tid % 8);
+        }
+    };
+
+    float d[RS_BN / 2];  // this warpgroup's 64 weight rows x RS_BN tokens
+#pragma unroll
+    for (int i = 0; i < RS_BN / 2; ++i) d[i] = 0.0f;
+    unsigned fr[2][4][4];  // A fragments of the two half-stages (k-steps 0-3, 4-7)
+
+    const int lt = 4 * wgi + warp_in_wg;  // this warp's 16-row tile in the CTA
+    const unsigned sel = (t & 1) ? 0x7632u : 0x5410u;
+    const int src0 = 4 * g + t / 2;  // the lanes whose qs words hold this lane's natural k
+
+#pragma unroll
+    for (int s = 0; s < RS_STAGES - 2; ++s) {
+        if (s < n_stages) load_stage(s, s);
+        cp_async_commit();
+    }
+    for (int s = 0; s < n_stages; ++s) {
+        const int buf = s % RS_STAGES;
+        cp_async_wait<RS_STAGES - 3>();
+        fence_proxy_async();
+        __syncthreads();
+        if (s + RS_STAGES - 2 < n_stages) load_stage(s + RS_STAGES - 2, (s + RS_STAGES - 2) % RS_STAGES);
+        cp_async_commit();
+
+        const unsigned char* st = smem + buf * STAGE_BYTES;
+        const uint4* wq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES) + lt * GROUP_PIECES;
+        const uint4 dq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES + RS_TILES * GROUP_PIECES * 16)[lt * 8 + g];
+        uint4 nat[SF::PIECES];
+#pragma unroll
+        for (int p = 0; p < SF::PIECES; ++p) nat[p] = rs_natural(wq[p * 32 + src0], wq[p * 32 + src0 + 2], sel);
+        const unsigned act = base + buf * STAGE_BYTES;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            wgmma_wait<1>();  // half u of stage s - 1 has retired: fr[u] may be rewritten
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+                unsigned a[2][4];
+                SF::frags(nat, dq, 2 * u + jj, a);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    fr[u][2 * jj][i] = a[0][i];
+                    fr[u][2 * jj + 1][i] = a[1][i];
+                }
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                const int step = 4 * u + kk;  // k-step of the stage: atom step / 4, 32 bytes per step inside it
+                RS_WGMMA(d, fr[u][kk], wg_desc(act + (step >> 2) * (RS_BN * 128) + (step & 3) * 32));
+            }
+            wgmma_commit();
+        }
+    }
+    wgmma_wait<0>();
+
+    // accumulator layout (m64nNk16, f32): warp w owns rows 16w .. 16w + 15 (weight rows);
+    // d[4c + 0..1] = (row g, cols 8c + 2t + 0..1), d[4c + 2..3] = (row g + 8, same cols) (tokens)
+    const int row0 = n0 + 64 * wgi + 16 * warp_in_wg + g;
+#pragma unroll
+    for (int c = 0; c < RS_BN / 8; ++c)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int tok = m0 + 8 * c + 2 * t + (i & 1), n = row0 + 8 * (i >> 1);
+            if (tok < M && n < N) {
+                if (RS_SPLITK > 1)
+                    atomicAdd(C + (size_t)tok * N + n, d[4 * c + i]);
+                else
+                    C[(size_t)tok * N + n] = d[4 * c + i];
+            }
+        }
+}
