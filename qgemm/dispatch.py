@@ -6,7 +6,8 @@
 With weights from `qgemm.pack_weights` (repacked once, at load) and float32 activations:
 - M <= 32: `w4a16.skinny` / `w8a16.skinny` alone -- fp16 tensor cores with the tokens on the
   MMA's N side, 16-byte weight loads, the activations read (and rounded to fp16) by the kernel;
-- M > 64 on sm_90: `convert.f16` + `w4a16.wgmma` / `w8a16.wgmma` (asynchronous warpgroup MMA).
+- M > 32 on sm_90: `convert.f16` + `w4a16.wgmma_rs` / `w8a16.wgmma_rs` (asynchronous warpgroup MMA,
+  the weights dequantized into registers as its A operand).
 Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM runs:
 - M <= 8 (decode): `quantize.q8_1` + `w4a8.gemv` / `w8a8.gemv`, which stream each weight byte
   once (llama.cpp's own scheme: Q8_1 activations, integer dot products);
@@ -29,16 +30,16 @@ from . import formats as F
 from . import registry, runtime
 
 _DEFAULTS = {
-    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny", "wgmma": "w4a16.wgmma"},
-    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a", "skinny": "w8a16.skinny", "wgmma": "w8a16.wgmma"},
+    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny", "wgmma": "w4a16.wgmma_rs"},
+    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a", "skinny": "w8a16.skinny", "wgmma": "w8a16.wgmma_rs"},
 }
 GEMV_MAX_M = 8
 # packed weights, float32 activations: the skinny kernels up to this M (H100: 2.5x faster than
 # w4a16.mma at M = 16, 1.35x at 32, slower at 64 where every CTA re-reads 64 rows of activations)
 SKINNY_MAX_M = 32
-# packed weights on sm_90: the wgmma kernel from this M (H100, 512x4096x4096: 48 us vs 81 for
-# w4a16.mma; at M = 64 its 128-token tiles are half empty and w4a16.mma is still faster)
-WGMMA_MIN_M = 65
+# packed weights on sm_90: the register-A wgmma kernel from this M (H100, kernel alone: 512x4096x4096
+# 34 us vs 48 for the shared-memory w4a16.wgmma and 80 for w4a16.mma; 64x4096x4096 11 us vs 20)
+WGMMA_MIN_M = 33
 
 
 @dataclass
@@ -129,8 +130,8 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
                   "in 16-byte loads, the float32 activations read directly (no prologue kernel)")
     elif packed and cc == 90 and m > WGMMA_MIN_M - 1:
         name, source = choice["wgmma"], "default"
-        reason = (f"M={m} >= {WGMMA_MIN_M} with packed weights on sm_90: asynchronous wgmma, the weights dequantized "
-                  "into swizzled shared memory while the previous stage multiplies")
+        reason = (f"M={m} >= {WGMMA_MIN_M} with packed weights on sm_90: asynchronous wgmma with the weights "
+                  "dequantized into registers as its A operand while the previous half-stage multiplies")
     elif m <= GEMV_MAX_M:
         name, source = choice["gemv"], "default"
         reason = f"M={m} <= {GEMV_MAX_M}: decode is bound by reading the weights once; a GEMV streams them"

@@ -278,7 +278,11 @@ def _rs_split(m: int, n: int, k: int, d: dict, sm_count: int) -> int:
 
 def _rs_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
+        # H100 tuning (docs/perf/NOTES.md): 2 warpgroups, 4 buffers; 64-token tiles up to M = 64;
+        # 256-token tiles from M = 2048 where 3 buffers of them fit (Q4_0: 2048x4096x4096 122 vs 131 us)
         d = {"RS_BN": 64 if m <= 64 else 128, "RS_WGS": 2, "RS_STAGES": 4}
+        if m >= 2048 and _rs_ok(wfmt, {**d, "RS_BN": 256, "RS_STAGES": 3}):
+            d.update(RS_BN=256, RS_STAGES=3)
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1
         d["RS_SPLITK"] = _rs_split(m, n, k, d, sm_count)

@@ -244,16 +244,39 @@ def test_matmul_plan_with_packed_weights(fmt):
         qgemm.plan(4, 4096, 4096, fmt, x_dtype="f16", path=f"w{w}a16.skinny", packed=True)
     with pytest.raises(ValueError, match="M <= 64"):
         qgemm.plan(65, 4096, 4096, fmt, path=f"w{w}a16.skinny", packed=True)
-    p = qgemm.plan(512, 4096, 4096, fmt, path=f"w{w}a16.wgmma", packed=True)
-    assert p.kernel == f"w{w}a16.wgmma" and p.quantizer == "convert.f16" and p.packed
+    for path in (f"w{w}a16.wgmma", f"w{w}a16.wgmma_rs"):
+        p = qgemm.plan(512, 4096, 4096, fmt, path=path, packed=True)
+        assert p.kernel == path and p.quantizer == "convert.f16" and p.packed
 
 
-def test_wgmma_compiles_only_for_sm_90():
-    k = qgemm.get("w4a16.wgmma")
+@pytest.mark.parametrize("name", ["w4a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"])
+def test_wgmma_compiles_only_for_sm_90(name):
+    k = qgemm.get(name)
     assert k.compile("sm_90").arch == "sm_90a"
     for arch in ("sm_80", "sm_100"):
         with pytest.raises(qgemm.UnsupportedArchError, match="sm_90"):
             k.compile(arch)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_wgmma_rs_configurations_fit(fmt):
+    """Every configuration the register-A wgmma kernel may be tuned to fits the 227 KB of shared
+    memory; the default uses 64-token tiles up to M = 64 and splits K while the grid is small."""
+    from qgemm import registry as R
+
+    s = R.spec(f"w{'4' if fmt == 'q4_0' else '8'}a16.wgmma_rs")
+    for (m, n, k) in ((64, 4096, 4096), (512, 4096, 4096), (2048, 4096, 14336), (7, 33, 32)):
+        cands = s.candidates(m, n, k)
+        assert s.config(m, n, k, 132) in cands
+        for d in cands:
+            assert s.geometry(m, n, k, d).shmem <= 227 * 1024, d
+    d = s.config(64, 4096, 4096, 132)
+    assert d["RS_BN"] == 64 and d["RS_SPLITK"] == 4  # 32 CTAs of 128 rows: split 4 ways to fill 132 SMs
+    assert s.config(512, 4096, 4096, 132)["RS_SPLITK"] == 1
+    # a buffer: 128 tokens x 128 K fp16 + 8 tiles of raw quants and scales, rounded to 1 KB
+    g = s.geometry(512, 4096, 4096, {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_SPLITK": 1})
+    assert g.grid == (32, 4, 1) and g.block == (256, 1, 1)
+    assert g.shmem == 4 * (32768 + (9216 if fmt == "q4_0" else 17408)) + 1024
 
 
 def test_mma_default_config_splits_k_when_the_grid_is_small():

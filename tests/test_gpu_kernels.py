@@ -454,7 +454,7 @@ def test_matmul_packed_weights(fmt, m, rng):
     p = qgemm.plan(m, n, k, fmt, packed=True)
     assert (p.kernel.endswith(".skinny")) == (m <= qgemm.dispatch.SKINNY_MAX_M), p
     hopper = qgemm.runtime.device_info().cc == 90
-    assert p.kernel.endswith(".wgmma") == (hopper and m >= qgemm.dispatch.WGMMA_MIN_M), p
+    assert p.kernel.endswith(".wgmma_rs") == (hopper and m >= qgemm.dispatch.WGMMA_MIN_M), p
     c = qgemm.matmul(x, pw)  # host x: result on the host
     r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(x, w), qgemm.reference.truth(x, w_f), x, w_f)
     assert r.passed, (p.kernel, r)
