@@ -258,6 +258,24 @@ def test_wgmma_compiles_only_for_sm_90(name):
             k.compile(arch)
 
 
+@pytest.mark.parametrize("name", ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"])
+def test_wgmma_is_not_serialized(name):
+    """ptxas serializes every wgmma (warning C7513, "Potential Performance Loss") when it cannot
+    prove that no other instruction writes a wgmma's registers while it is in flight -- a silent
+    ~2x slowdown: it happened once when the copy code moved between the two half-stages of
+    w4a16.wgmma_rs. Every default configuration the bench shapes use must be free of it."""
+    k = qgemm.get(name)
+    seen = set()
+    for (m, n, kk) in ((64, 4096, 4096), (512, 4096, 4096), (2048, 4096, 4096), (512, 4096, 14336)):
+        d = k.spec.config(m, n, kk, 132)
+        key = tuple(sorted(d.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        ck = k.compile("sm_90", d, use_cache=False)
+        assert "C7513" not in ck.log and "serialized" not in ck.log, (d, ck.log)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_wgmma_rs_configurations_fit(fmt):
     """Every configuration the register-A wgmma kernel may be tuned to fits the 227 KB of shared

@@ -39,6 +39,11 @@ static __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence
 static __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 static __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// an optimization barrier on one register: the compiler may not move its definitions or uses
+// across it (CUTLASS's warpgroup_fence_operand). Used after a wait_group so that the next values of
+// a register an in-flight wgmma reads are not computed into it before that wgmma has retired.
+static __device__ __forceinline__ void wg_fence_operand(unsigned& r) { asm volatile("" : "+r"(r)::"memory"); }
+static __device__ __forceinline__ void wg_fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 static __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 static __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {

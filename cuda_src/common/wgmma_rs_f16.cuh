@@ -33,9 +33,10 @@
 //
 // Pipeline (RS_STAGES buffers, stages s + 1 .. s + RS_STAGES - 2 in flight while s is used):
 //   wait for stage s's copies, fence.proxy.async (cp.async writes -> visible to wgmma), barrier;
-//   refill the buffer of stage s - 2 (its wgmma retired before this barrier) with stage s + RS_STAGES - 2;
 //   for each half of the stage (2 blocks = 4 k-steps): wait_group 1 (the same half of stage s - 1
-//   retired: its fragment registers are free), dequantize into them, wgmma.fence, 4 wgmma, commit.
+//   retired: its fragment registers are free), dequantize into them, wgmma.fence, 4 wgmma, commit;
+//   then refill the buffer of stage s - 2 (its wgmma retired before the barrier) with stage
+//   s + RS_STAGES - 2.
 // So the dequantization of one half-stage runs while the tensor core works on the previous one,
 // with one CTA barrier per stage, and the fragment registers are double-buffered per half.
 //
@@ -109,30 +110,51 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     const uint4* qs = reinterpret_cast<const uint4*>(Wp);
     const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
 
+    // Copy addressing, computed once: the per-stage part is a pointer bump, because every thread
+    // copies the same chunks of every stage (SASS of the first version spent ~150 of its ~350
+    // instructions per warp per stage recomputing clamped addresses).
+    //   activations: chunk column c = tid % 16 (8 halves) of token rows r0 + i ROW_STEP; with
+    //     ROW_STEP a multiple of 8 the swizzle term (r % 8) is the same for all of a thread's rows.
+    //   quants: the CTA's RS_TILES x GROUP_PIECES chunks of a group, PIECES per thread; scales:
+    //     8 chunks per tile. Weight tiles past N re-read the last tile (never stored).
     // A must start on a 16-byte boundary (the launcher checks it); rows are then 16-byte aligned
-    // (K % 32 == 0). Token rows past M re-read row M - 1 (never stored); weight tiles past N
-    // re-read the last tile (never stored).
+    // (K % 32 == 0). Chunks past M or K are zero-filled (0 x garbage could be NaN) from a valid
+    // address; only the CTAs on the M edge and the last K stage take that slower path.
+    constexpr int ACT_ITERS = RS_BN * 16 / RS_THREADS, ROW_STEP = RS_THREADS / 16;
+    static_assert(ROW_STEP % 8 == 0, "the swizzle term must not depend on i");
+    const int ac = tid % 16, ar0 = tid / 16;
+    const __half* a_src = A + (size_t)min(m0 + ar0, M - 1) * K + ac * 8;
+    const size_t a_row_step = (size_t)ROW_STEP * K;
+    const unsigned a_dst = rs_sw(ar0, ac * 8);
+    const bool a_full_rows = m0 + RS_BN <= M;
+    const uint4* w_src[SF::PIECES];
+#pragma unroll
+    for (int i = 0; i < SF::PIECES; ++i) {
+        const int q = tid + i * RS_THREADS;  // RS_TILES * GROUP_PIECES == PIECES * RS_THREADS
+        const int tile = min(n0 / 16 + q / GROUP_PIECES, ntiles - 1);
+        w_src[i] = qs + ((size_t)tile * ngroups + g_begin) * GROUP_PIECES + q % GROUP_PIECES;
+    }
+    const uint4* d_src = ds + ((size_t)min(n0 / 16 + tid / 8, ntiles - 1) * ngroups + g_begin) * 8 + tid % 8;
+
     auto load_stage = [&](int st, int buf) {
         const unsigned act = base + buf * STAGE_BYTES, wq = act + RS_ACT_BYTES, wd = wq + RS_TILES * GROUP_PIECES * 16;
-        const int grp = g_begin + st, k0 = grp * 128;
+        const int k0 = (g_begin + st) * 128;
+        if (a_full_rows && k0 + 128 <= K) {
+            const __half* src = a_src + k0;
 #pragma unroll
-        for (int i = 0; i < RS_BN * 16 / RS_THREADS; ++i) {
-            const int q = tid + i * RS_THREADS, r = q / 16, c = q % 16;  // 16 chunks of 8 halves per row
-            const int k = k0 + c * 8;
-            wg_cp_async16_zfill(act + rs_sw(r, c * 8), A + (size_t)min(m0 + r, M - 1) * K + min(k, K - 8), k < K);
-        }
+            for (int i = 0; i < ACT_ITERS; ++i, src += a_row_step) rs_cp_async16(act + a_dst + i * ROW_STEP * 128, src);
+        } else {
 #pragma unroll
-        for (int i = 0; i < (RS_TILES * GROUP_PIECES + RS_THREADS - 1) / RS_THREADS; ++i) {
-            const int q = tid + i * RS_THREADS;
-            if (RS_TILES * GROUP_PIECES % RS_THREADS == 0 || q < RS_TILES * GROUP_PIECES) {
-                const int tile = min(n0 / 16 + q / GROUP_PIECES, ntiles - 1);
-                rs_cp_async16(wq + q * 16, qs + ((size_t)tile * ngroups + grp) * GROUP_PIECES + q % GROUP_PIECES);
+            for (int i = 0; i < ACT_ITERS; ++i) {
+                const int r = ar0 + i * ROW_STEP, k = k0 + ac * 8;
+                wg_cp_async16_zfill(act + a_dst + i * ROW_STEP * 128, A + (size_t)min(m0 + r, M - 1) * K + min(k, K - 8),
+                                    k < K && m0 + r < M);
             }
         }
-        if (tid < RS_TILES * 8) {
-            const int tile = min(n0 / 16 + tid / 8, ntiles - 1);
-            rs_cp_async16(wd + tid * 16, ds + ((size_t)tile * ngroups + grp) * 8 + tid % 8);
-        }
+#pragma unroll
+        for (int i = 0; i < SF::PIECES; ++i)
+            rs_cp_async16(wq + (tid + i * RS_THREADS) * 16, w_src[i] + (size_t)st * GROUP_PIECES);
+        if (tid < RS_TILES * 8) rs_cp_async16(wd + tid * 16, d_src + (size_t)st * 8);
     };
 
     float d[RS_BN / 2];  // this warpgroup's 64 weight rows x RS_BN tokens
@@ -154,8 +176,6 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         cp_async_wait<RS_STAGES - 3>();
         fence_proxy_async();
         __syncthreads();
-        if (s + RS_STAGES - 2 < n_stages) load_stage(s + RS_STAGES - 2, (s + RS_STAGES - 2) % RS_STAGES);
-        cp_async_commit();
 
         const unsigned char* st = smem + buf * STAGE_BYTES;
         const uint4* wq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES) + lt * GROUP_PIECES;
@@ -167,6 +187,8 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             wgmma_wait<1>();  // half u of stage s - 1 has retired: fr[u] may be rewritten
+#pragma unroll
+            for (int i = 0; i < 16; ++i) wg_fence_operand(fr[u][i / 4][i % 4]);
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj) {
                 unsigned a[2][4];
@@ -185,6 +207,11 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
             }
             wgmma_commit();
         }
+        // the refill of the buffer of stage s - 2 (retired before the barrier) goes after this
+        // stage's wgmma are issued, so the tensor core is fed before this warp's copy work (between
+        // the two halves, ptxas serializes every wgmma: C7513, tested in tests/test_cli_registry.py)
+        if (s + RS_STAGES - 2 < n_stages) load_stage(s + RS_STAGES - 2, (s + RS_STAGES - 2) % RS_STAGES);
+        cp_async_commit();
     }
     wgmma_wait<0>();
 
