@@ -278,11 +278,9 @@ def _rs_split(m: int, n: int, k: int, d: dict, sm_count: int) -> int:
 
 def _rs_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # H100 tuning (docs/perf/NOTES.md): 2 warpgroups, 4 buffers; 64-token tiles up to M = 64;
-        # 256-token tiles from M = 2048 where 3 buffers of them fit (Q4_0: 2048x4096x4096 122 vs 131 us)
+        # H100 tuning (docs/perf/NOTES.md): 2 warpgroups, 4 buffers; 64-token tiles up to M = 64
+        # (fewer idle MMA columns), 128 above (256 measured no faster once the copies were cheap)
         d = {"RS_BN": 64 if m <= 64 else 128, "RS_WGS": 2, "RS_STAGES": 4}
-        if m >= 2048 and _rs_ok(wfmt, {**d, "RS_BN": 256, "RS_STAGES": 3}):
-            d.update(RS_BN=256, RS_STAGES=3)
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1
         d["RS_SPLITK"] = _rs_split(m, n, k, d, sm_count)
@@ -290,10 +288,10 @@ def _rs_config(wfmt: str):
     return config
 
 
-def _rs_candidates(wfmt: str):
+def _rs_candidates(wfmt: str, xf32: bool = False):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         out = []
-        for bn in (64, 128, 256):
+        for bn in (64, 128) if xf32 else (64, 128, 256):  # f32 activations: a stage of them in registers
             for wgs in (1, 2):
                 for st in (3, 4, 5):
                     for sp in (1, 2, 4, 8):
@@ -383,6 +381,14 @@ _SPECS = [
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0"), unit="hmma",
                weight_layout="skinny"),
+    KernelSpec("w4a16.wgmma_rs_f32", ops.W4A16S, 6, "w4a16/wgmma_rs_f32.cu", "w4a16_wgmma_rs_f32", _rs_geometry("q4_0"),
+               "w4a16.wgmma_rs taking the float32 activations itself (rounded to fp16 while staged): no prologue kernel",
+               min_arch=90, arch_suffix="a", config=_rs_config("q4_0"), candidates=_rs_candidates("q4_0", True),
+               unit="hmma", weight_layout="skinny"),
+    KernelSpec("w8a16.wgmma_rs_f32", ops.W8A16S, 6, "w8a16/wgmma_rs_f32.cu", "w8a16_wgmma_rs_f32", _rs_geometry("q8_0"),
+               "w8a16.wgmma_rs taking the float32 activations itself (rounded to fp16 while staged): no prologue kernel",
+               min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0", True),
+               unit="hmma", weight_layout="skinny"),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

@@ -452,9 +452,10 @@ def test_matmul_packed_weights(fmt, m, rng):
     pw = qgemm.pack_weights(w)
     assert pw.fmt == fmt and pw.shape == w.shape and pw.pack_seconds > 0
     p = qgemm.plan(m, n, k, fmt, packed=True)
-    assert (p.kernel.endswith(".skinny")) == (m <= qgemm.dispatch.SKINNY_MAX_M), p
     hopper = qgemm.runtime.device_info().cc == 90
-    assert p.kernel.endswith(".wgmma_rs") == (hopper and m >= qgemm.dispatch.WGMMA_MIN_M), p
+    wgmma = hopper and m >= qgemm.dispatch.WGMMA_MIN_M
+    assert (".wgmma_rs" in p.kernel) == wgmma, p
+    assert p.kernel.endswith(".skinny") == (m <= qgemm.dispatch.SKINNY_MAX_M and not wgmma), p
     c = qgemm.matmul(x, pw)  # host x: result on the host
     r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(x, w), qgemm.reference.truth(x, w_f), x, w_f)
     assert r.passed, (p.kernel, r)
@@ -485,7 +486,7 @@ def test_skinny_needs_packed_weights_and_f32(rng):
     assert c16.shape == (4, 64) and np.isfinite(c16).all()
 
 
-WGMMA = ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"]
+WGMMA = ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs", "w4a16.wgmma_rs_f32", "w8a16.wgmma_rs_f32"]
 
 
 @pytest.mark.parametrize("name", WGMMA)
