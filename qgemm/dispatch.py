@@ -4,9 +4,8 @@
     print(qgemm.explain(512, 4096, 4096, "q4_0"))  # which kernels, which configuration, and why
 
 With weights from `qgemm.pack_weights` (repacked once, at load) and float32 activations:
-- M >= 17 on sm_90: `w4a16.wgmma_rs_f32` / `w8a16.wgmma_rs_f32` (asynchronous warpgroup MMA, the
-  weights dequantized into registers as its A operand, the float32 activations rounded to fp16 by
-  the kernel; float16 activations: `w4a16.wgmma_rs` / `w8a16.wgmma_rs`);
+- M >= 17 on sm_90: `convert.f16` + `w4a16.wgmma_rs` / `w8a16.wgmma_rs` (asynchronous warpgroup
+  MMA, the weights dequantized into registers as its A operand);
 - otherwise M <= 32: `w4a16.skinny` / `w8a16.skinny` alone -- fp16 tensor cores with the tokens on the
   MMA's N side, 16-byte weight loads, the activations read (and rounded to fp16) by the kernel.
 Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM runs:
@@ -31,10 +30,8 @@ from . import formats as F
 from . import registry, runtime
 
 _DEFAULTS = {
-    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny", "wgmma": "w4a16.wgmma_rs",
-             "wgmma_f32": "w4a16.wgmma_rs_f32"},
-    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a", "skinny": "w8a16.skinny", "wgmma": "w8a16.wgmma_rs",
-             "wgmma_f32": "w8a16.wgmma_rs_f32"},
+    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny", "wgmma": "w4a16.wgmma_rs"},
+    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a", "skinny": "w8a16.skinny", "wgmma": "w8a16.wgmma_rs"},
 }
 GEMV_MAX_M = 8
 # packed weights, float32 activations: the skinny kernels up to this M (H100: 2.5x faster than
@@ -43,9 +40,9 @@ SKINNY_MAX_M = 32
 # packed weights on sm_90: the register-A wgmma kernels from this M (H100, kernel alone: 512x4096x4096
 # 30 us vs 48 for the shared-memory w4a16.wgmma and 80 for w4a16.mma; 32x4096x4096 9.8 vs 12.1 for
 # the skinny kernel, 32x4096x14336 24.8 vs 44.4; at M = 16 the skinny kernel is faster, 8.7 vs 9.4)
+# (a variant rounding the float32 activations itself, staged through registers, measured 1.5x slower
+# than convert.f16 + this kernel at 512x4096x4096: docs/perf/NOTES.md)
 WGMMA_MIN_M = 17
-# float32 activations on that path: the kernel that rounds them itself (no convert.f16 launch)
-WGMMA_FUSED_F32 = True
 
 
 @dataclass
@@ -131,11 +128,9 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
             raise ValueError(f"matmul: path {path} takes float32 activations, got {x_dtype}")
         name, source, reason = path, "override", "requested with path="
     elif packed and cc == 90 and m >= WGMMA_MIN_M:
-        fused = x_dtype == "f32" and WGMMA_FUSED_F32
-        name, source = choice["wgmma_f32" if fused else "wgmma"], "default"
+        name, source = choice["wgmma"], "default"
         reason = (f"M={m} >= {WGMMA_MIN_M} with packed weights on sm_90: asynchronous wgmma with the weights "
-                  "dequantized into registers as its A operand while the previous half-stage multiplies"
-                  + ("; the kernel rounds the float32 activations to fp16 itself" if fused else ""))
+                  "dequantized into registers as its A operand while the previous half-stage multiplies")
     elif packed and x_dtype == "f32" and m <= SKINNY_MAX_M and (cc is None or cc >= 80):
         name, source = choice["skinny"], "default"
         reason = (f"M={m} <= {SKINNY_MAX_M} with packed weights: tokens on the MMA's N side, each weight byte read once "

@@ -288,10 +288,10 @@ def _rs_config(wfmt: str):
     return config
 
 
-def _rs_candidates(wfmt: str, xf32: bool = False):
+def _rs_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         out = []
-        for bn in (64, 128) if xf32 else (64, 128, 256):  # f32 activations: a stage of them in registers
+        for bn in (64, 128, 256):
             for wgs in (1, 2):
                 for st in (3, 4, 5):
                     for sp in (1, 2, 4, 8):
@@ -381,14 +381,6 @@ _SPECS = [
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0"), unit="hmma",
                weight_layout="skinny"),
-    KernelSpec("w4a16.wgmma_rs_f32", ops.W4A16S, 6, "w4a16/wgmma_rs_f32.cu", "w4a16_wgmma_rs_f32", _rs_geometry("q4_0"),
-               "w4a16.wgmma_rs taking the float32 activations itself (rounded to fp16 while staged): no prologue kernel",
-               min_arch=90, arch_suffix="a", config=_rs_config("q4_0"), candidates=_rs_candidates("q4_0", True),
-               unit="hmma", weight_layout="skinny"),
-    KernelSpec("w8a16.wgmma_rs_f32", ops.W8A16S, 6, "w8a16/wgmma_rs_f32.cu", "w8a16_wgmma_rs_f32", _rs_geometry("q8_0"),
-               "w8a16.wgmma_rs taking the float32 activations itself (rounded to fp16 while staged): no prologue kernel",
-               min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0", True),
-               unit="hmma", weight_layout="skinny"),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

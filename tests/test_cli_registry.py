@@ -247,10 +247,6 @@ def test_matmul_plan_with_packed_weights(fmt):
     for path in (f"w{w}a16.wgmma", f"w{w}a16.wgmma_rs"):
         p = qgemm.plan(512, 4096, 4096, fmt, path=path, packed=True)
         assert p.kernel == path and p.quantizer == "convert.f16" and p.packed
-    p = qgemm.plan(512, 4096, 4096, fmt, path=f"w{w}a16.wgmma_rs_f32", packed=True)
-    assert p.kernel == f"w{w}a16.wgmma_rs_f32" and p.quantizer is None and p.packed
-    with pytest.raises(ValueError, match="float32"):
-        qgemm.plan(512, 4096, 4096, fmt, x_dtype="f16", path=f"w{w}a16.wgmma_rs_f32", packed=True)
 
 
 @pytest.mark.parametrize("name", ["w4a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"])
@@ -262,8 +258,7 @@ def test_wgmma_compiles_only_for_sm_90(name):
             k.compile(arch)
 
 
-@pytest.mark.parametrize("name", ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs", "w4a16.wgmma_rs_f32",
-                                  "w8a16.wgmma_rs_f32"])
+@pytest.mark.parametrize("name", ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"])
 def test_wgmma_is_not_serialized(name):
     """ptxas serializes every wgmma (warning C7513, "Potential Performance Loss") when it cannot
     prove that no other instruction writes a wgmma's registers while it is in flight -- a silent

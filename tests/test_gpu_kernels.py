@@ -486,7 +486,7 @@ def test_skinny_needs_packed_weights_and_f32(rng):
     assert c16.shape == (4, 64) and np.isfinite(c16).all()
 
 
-WGMMA = ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs", "w4a16.wgmma_rs_f32", "w8a16.wgmma_rs_f32"]
+WGMMA = ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"]
 
 
 @pytest.mark.parametrize("name", WGMMA)

@@ -58,14 +58,6 @@
 #ifndef RS_SPLITK
 #define RS_SPLITK 1
 #endif
-#ifndef RS_XF32
-#define RS_XF32 0  // 1: float32 activations, rounded to fp16 by the kernel while it stages them (no prologue kernel)
-#endif
-#if RS_XF32
-typedef float rs_act_t;
-#else
-typedef __half rs_act_t;
-#endif
 #if RS_STAGES < 3
 #error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
 #endif
@@ -99,7 +91,7 @@ static __device__ __forceinline__ uint4 rs_natural(const uint4& p, const uint4& 
 }
 
 template <typename SF>
-static __device__ __forceinline__ void wgmma_rs_f16_gemm(const rs_act_t* __restrict__ A, const unsigned char* __restrict__ Wp,
+static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
                                                          float* __restrict__ C, int M, int N, int K) {
     constexpr int GROUP_PIECES = SF::PIECES * 32;                     // uint4 per (tile, group)
     constexpr int W_BYTES = RS_TILES * (GROUP_PIECES * 16 + 8 * 16);  // raw quants + scales of a stage
@@ -131,7 +123,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const rs_act_t* __restr
     constexpr int ACT_ITERS = RS_BN * 16 / RS_THREADS, ROW_STEP = RS_THREADS / 16;
     static_assert(ROW_STEP % 8 == 0, "the swizzle term must not depend on i");
     const int ac = tid % 16, ar0 = tid / 16;
-    const rs_act_t* a_src = A + (size_t)min(m0 + ar0, M - 1) * K + ac * 8;
+    const __half* a_src = A + (size_t)min(m0 + ar0, M - 1) * K + ac * 8;
     const size_t a_row_step = (size_t)ROW_STEP * K;
     const unsigned a_dst = rs_sw(ar0, ac * 8);
     const bool a_full_rows = m0 + RS_BN <= M;
@@ -147,9 +139,8 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const rs_act_t* __restr
     auto load_stage = [&](int st, int buf) {
         const unsigned act = base + buf * STAGE_BYTES, wq = act + RS_ACT_BYTES, wd = wq + RS_TILES * GROUP_PIECES * 16;
         const int k0 = (g_begin + st) * 128;
-#if !RS_XF32
         if (a_full_rows && k0 + 128 <= K) {
-            const rs_act_t* src = a_src + k0;
+            const __half* src = a_src + k0;
 #pragma unroll
             for (int i = 0; i < ACT_ITERS; ++i, src += a_row_step) rs_cp_async16(act + a_dst + i * ROW_STEP * 128, src);
         } else {
@@ -160,7 +151,6 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const rs_act_t* __restr
                                     k < K && m0 + r < M);
             }
         }
-#endif
 #pragma unroll
         for (int i = 0; i < SF::PIECES; ++i)
             rs_cp_async16(wq + (tid + i * RS_THREADS) * 16, w_src[i] + (size_t)st * GROUP_PIECES);
@@ -172,50 +162,10 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const rs_act_t* __restr
     for (int i = 0; i < RS_BN / 2; ++i) d[i] = 0.0f;
     unsigned fr[2][4][4];  // A fragments of the two half-stages (k-steps 0-3, 4-7)
 
-#if RS_XF32
-    // float32 activations go through registers instead: the loads of stage s + 2 are issued at the
-    // end of iteration s (after its wgmma), rounded to fp16 (cvt.rn, as the skinny kernels and
-    // qgemm.reference.exact_w4a16s do) and stored swizzled at the end of iteration s + 1, into a
-    // buffer whose wgmma retired before that iteration's barrier. Each CTA rounds its own tile:
-    // the same rows are rounded by every CTA along N, which costs ALU, not memory traffic.
-    float4 xr[ACT_ITERS][2];
-    unsigned a_rows_ok = 0;
-#pragma unroll
-    for (int i = 0; i < ACT_ITERS; ++i) a_rows_ok |= (unsigned)(m0 + ar0 + i * ROW_STEP < M) << i;
-    auto fetch_x = [&](int st) {
-        const int k0 = (g_begin + st) * 128;
-        const bool k_ok = k0 + ac * 8 < K;
-        const float* src = a_src + k0;
-#pragma unroll
-        for (int i = 0; i < ACT_ITERS; ++i) {
-            if (k_ok && ((a_rows_ok >> i) & 1)) {
-                xr[i][0] = __ldg(reinterpret_cast<const float4*>(src + i * a_row_step));
-                xr[i][1] = __ldg(reinterpret_cast<const float4*>(src + i * a_row_step + 4));
-            } else {
-                xr[i][0] = xr[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-        }
-    };
-    auto store_x = [&](int buf) {
-        const unsigned act = base + buf * STAGE_BYTES + a_dst;
-#pragma unroll
-        for (int i = 0; i < ACT_ITERS; ++i)
-            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(act + i * ROW_STEP * 128),
-                         "r"(f2_to_h2(xr[i][0].x, xr[i][0].y)), "r"(f2_to_h2(xr[i][0].z, xr[i][0].w)),
-                         "r"(f2_to_h2(xr[i][1].x, xr[i][1].y)), "r"(f2_to_h2(xr[i][1].z, xr[i][1].w)));
-    };
-#endif
     const int lt = 4 * wgi + warp_in_wg;  // this warp's 16-row tile in the CTA
     const unsigned sel = (t & 1) ? 0x7632u : 0x5410u;
     const int src0 = 4 * g + t / 2;  // the lanes whose qs words hold this lane's natural k
 
-#if RS_XF32
-    if (n_stages > 0) {
-        fetch_x(0);
-        store_x(0);
-    }
-    if (n_stages > 1) fetch_x(1);
-#endif
 #pragma unroll
     for (int s = 0; s < RS_STAGES - 2; ++s) {
         if (s < n_stages) load_stage(s, s);
@@ -262,12 +212,6 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const rs_act_t* __restr
         // the two halves, ptxas serializes every wgmma: C7513, tested in tests/test_cli_registry.py)
         if (s + RS_STAGES - 2 < n_stages) load_stage(s + RS_STAGES - 2, (s + RS_STAGES - 2) % RS_STAGES);
         cp_async_commit();
-#if RS_XF32
-        if (s + 1 < n_stages) {
-            store_x((s + 1) % RS_STAGES);
-            if (s + 2 < n_stages) fetch_x(s + 2);
-        }
-#endif
     }
     wgmma_wait<0>();
 
