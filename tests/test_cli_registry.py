@@ -287,12 +287,12 @@ def test_wgmma_rs_configurations_fit(fmt):
         cands = s.candidates(m, n, k)
         assert s.config(m, n, k, 132) in cands
         for d in cands:
-            assert s.geometry(m, n, k, d).shmem <= 227 * 1024, d
+            assert s.geometry(m, n, k, d).shmem * d["RS_MINB"] <= 228 * 1024, d
     d = s.config(64, 4096, 4096, 132)
     assert d["RS_BN"] == 64 and d["RS_SPLITK"] == 4  # 32 CTAs of 128 rows: split 4 ways to fill 132 SMs
     assert s.config(512, 4096, 4096, 132)["RS_SPLITK"] == 1
     # a buffer: 128 tokens x 128 K fp16 + 8 tiles of raw quants and scales, rounded to 1 KB
-    g = s.geometry(512, 4096, 4096, {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_SPLITK": 1})
+    g = s.geometry(512, 4096, 4096, {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_SPLITK": 1, "RS_MINB": 1})
     assert g.grid == (32, 4, 1) and g.block == (256, 1, 1)
     assert g.shmem == 4 * (32768 + (9216 if fmt == "q4_0" else 17408)) + 1024
 

@@ -58,6 +58,9 @@
 #ifndef RS_SPLITK
 #define RS_SPLITK 1
 #endif
+#ifndef RS_MINB
+#define RS_MINB 1  // CTAs per SM the registers must allow (2: <= 128 registers, twice the warps to hide latency)
+#endif
 #if RS_STAGES < 3
 #error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
 #endif
