@@ -152,3 +152,54 @@ def test_skinny_kernels_registered():
             d = spec.config(m, 4096, 4096, 132)
             assert d["SK_MT"] == -(-m // 8)
             assert d in spec.candidates(m, 4096, 4096) or d["SK_UNROLL"] == 1
+
+
+def emulate_wgmma_rs(fmt, x, blocks):
+    """common/wgmma_rs_f16.cuh without a GPU: lane (g, t) of the warp owning 16-row tile T reads
+    the pieces of lanes (g, t/2) and (g, t/2 + 2), keeps byte pair t % 2 of each word (one PRMT),
+    dequantizes with SkQ*::frags and hands wgmma the fragment as its register A operand, whose k
+    order must be *natural* (the activations come unpermuted from shared memory)."""
+    m, k = x.shape
+    n = blocks.shape[0]
+    nb = k // 32
+    buf = packing.pack(blocks, fmt)
+    pieces = 2 if fmt == "q4_0" else 4
+    n16, nb4 = packing.padded(n, k)
+    ntiles, ngroups = n16 // 16, nb4 // 4
+    qbytes = n16 * nb4 * (16 if fmt == "q4_0" else 32)
+    words = buf[:qbytes].view("<u4").reshape(ntiles, ngroups, pieces, 32, 4)
+    dwords = buf[qbytes:].view("<u4").reshape(ntiles, ngroups, 8, 4)
+    xh = np.zeros((m, nb4 * 32))
+    xh[:, :k] = x.astype(np.float16).astype(np.float64)
+    w_nat = np.zeros((n16, nb4 * 32))  # the weights as the tensor core sees them, natural k
+    for T in range(ntiles):
+        for G in range(ngroups):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                sel = 0x7632 if t & 1 else 0x5410
+                src0 = 4 * g + t // 2
+                nat = [[_byte_perm(int(words[T, G, p, src0, i]), int(words[T, G, p, src0 + 2, i]), sel) for i in range(4)]
+                       for p in range(pieces)]
+                dq = [int(v) for v in dwords[T, G, g]]
+                for j in range(4):
+                    a = _frags(fmt, nat, dq, j)
+                    for s in range(2):  # wgmma's register A layout = mma.m16n8k16's, natural k
+                        k0 = 128 * G + 32 * j + 16 * s
+                        w_nat[16 * T + g, k0 + 2 * t:k0 + 2 * t + 2] = a[s][0]
+                        w_nat[16 * T + g + 8, k0 + 2 * t:k0 + 2 * t + 2] = a[s][1]
+                        w_nat[16 * T + g, k0 + 2 * t + 8:k0 + 2 * t + 10] = a[s][2]
+                        w_nat[16 * T + g + 8, k0 + 2 * t + 8:k0 + 2 * t + 10] = a[s][3]
+    return (xh @ w_nat.T)[:, :n], w_nat[:n, :k]
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 128), (5, 33, 160), (2, 17, 96)])
+def test_emulated_wgmma_rs_matches_reference(fmt, m, n, k):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = _blocks(fmt, n, k, seed=k + 1)
+    got, w_nat = emulate_wgmma_rs(fmt, x, w)
+    # every weight lands at its natural k, dequantized exactly as d (q - 8) rounded once to fp16
+    np.testing.assert_array_equal(w_nat, R.dequantize_to_f16(w, fmt).astype(np.float64))
+    exact = (R.exact_w4a16h if fmt == "q4_0" else R.exact_w8a16h)(x.astype(np.float16), w)
+    np.testing.assert_allclose(got, exact, rtol=1e-9, atol=1e-9)
