@@ -276,3 +276,38 @@ def test_fp16_dequant_reference_rounds_once():
     assert np.array_equal(R.dequantize_to_f16(w8, "q8_0"), qgemm.dequantize_q8_0(w8).astype(np.float16))
     a = rng.standard_normal((2, 64)).astype(np.float16)
     np.testing.assert_allclose(R.exact_w4a16h(a, w), a.astype(np.float64) @ h.astype(np.float64).T, rtol=1e-12)
+
+
+@pytest.mark.parametrize("opname", ["w4a8", "w4a16", "w8a8"])
+def test_nmse_tolerance_holds_for_single_outputs(opname):
+    """A 1x1x4096 problem is one dot product: its quantization NMSE is chi-square(1) around the
+    mean, so a tolerance that only counted K blocks failed ~3% of correct runs. Over many fresh
+    draws the exact reference (what a correct kernel returns) must always pass. A single output
+    cannot tell a quantization error from a lost quarter of K by NMSE (that is the exact check's
+    job, which does), but a few hundred outputs can."""
+    from qgemm import check, ops
+    from qgemm import reference
+
+    op = ops.OPS[opname]
+    rng = np.random.default_rng(2024)
+
+    def lose_quarter(inp, k):  # what a kernel that skips the last quarter of K would return
+        k4 = k * 3 // 4
+        return op.exact(inp.a[:, : k4 // op.a.block] if op.a.quantized else inp.a[:, :k4], inp.w[:, : k4 // op.w.block])
+
+    shape = (1, 1, 4096)
+    tol = check.nmse_tolerance(op, shape)
+    for seed in range(300):
+        inp = check.make_inputs(op, *shape, rng)
+        exact = op.exact(inp.a, inp.w)
+        truth = reference.truth(inp.a_float, inp.w_float)
+        r = check.compare("ref", op, shape, seed, exact, exact, truth, inp.a_float, inp.w_float)
+        assert r.passed and r.nmse < tol, (seed, r.nmse, tol)
+        if seed < 10:
+            bad = check.compare("bad", op, shape, seed, lose_quarter(inp, 4096), exact, truth, inp.a_float, inp.w_float)
+            assert not bad.passed and bad.rel_err > op.exact_tol
+    shape = (8, 64, 4096)
+    inp = check.make_inputs(op, *shape, rng)
+    part = lose_quarter(inp, 4096)
+    bad = check.compare("bad", op, shape, 0, part, part, reference.truth(inp.a_float, inp.w_float), inp.a_float, inp.w_float)
+    assert not bad.passed and bad.nmse > bad.nmse_tol  # by the NMSE alone
