@@ -161,7 +161,6 @@ def emulate_wgmma_rs(fmt, x, blocks):
     order must be *natural* (the activations come unpermuted from shared memory)."""
     m, k = x.shape
     n = blocks.shape[0]
-    nb = k // 32
     buf = packing.pack(blocks, fmt)
     pieces = 2 if fmt == "q4_0" else 4
     n16, nb4 = packing.padded(n, k)
