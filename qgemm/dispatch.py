@@ -91,12 +91,22 @@ class Plan:
         return registry.get(self.kernel).op
 
     def launch(self, dx, dw, dq, dc, status, stream=None) -> None:
-        """Queue the kernels on device arrays (the hot path: no checks, no allocation)."""
+        """Queue the kernels on device arrays (the hot path: no checks, no allocation). A GEMM
+        that supports it (KernelSpec.pdl) is launched right behind the prologue with programmatic
+        dependent launch, so its weight copies overlap the prologue's tail; the split-K zeroing of
+        C is queued first, so nothing stands between the two kernels."""
+        kernel = registry.get(self.kernel)
+        defines = self.defines or kernel.config_for(self.m, self.n, self.k)
+        zeroed = False
         if self.quantizer is not None:
+            if kernel.spec.pdl and kernel.geometry(self.m, self.n, self.k, defines).zero_output:
+                dc.fill_bytes(0, stream)
+                zeroed = True
             registry.get(self.quantizer).launch_quantize(dx, dq, self.m, self.k, status, stream=stream)
         else:
             dq = dx
-        registry.get(self.kernel).launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=self.defines or None)
+        kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines,
+                      after_prologue=self.quantizer is not None, zeroed=zeroed)
 
 
 def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,

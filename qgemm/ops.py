@@ -313,16 +313,23 @@ class Kernel:
             return out if out is not None else dc
         return dc.to_host()
 
-    def launch(self, da, dw, dc, m: int, n: int, k: int, stream=None, defines: dict | None = None) -> None:
-        """Launch on device arrays already in this kernel's formats (no checks: the hot path)."""
+    def geometry(self, m: int, n: int, k: int, defines: dict) -> Launch:
+        return self.spec.geometry(m, n, k, defines) if self.spec.config is not None else self.spec.geometry(m, n, k)
+
+    def launch(self, da, dw, dc, m: int, n: int, k: int, stream=None, defines: dict | None = None,
+               after_prologue: bool = False, zeroed: bool = False) -> None:
+        """Launch on device arrays already in this kernel's formats (no checks: the hot path).
+        after_prologue: `da` is being written by the kernel just queued before this one (kernels
+        with `pdl` then overlap its tail); zeroed: the caller already zeroed C for split-K."""
         if defines is None:
             defines = self.config_for(m, n, k)
         mod = self._module(defines)
-        g = self.spec.geometry(m, n, k, defines) if self.spec.config is not None else self.spec.geometry(m, n, k)
-        if g.zero_output:
+        g = self.geometry(m, n, k, defines)
+        if g.zero_output and not zeroed:
             dc.fill_bytes(0, stream)
         args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr), np.int32(m), np.int32(n), np.int32(k))
-        mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream)
+        mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream,
+                   pdl=after_prologue and getattr(self.spec, "pdl", False))
 
     # -- quantizers ----------------------------------------------------------------------------
     def _call_quantize(self, x, out=None, stream=None):

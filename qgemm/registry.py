@@ -43,6 +43,9 @@ class KernelSpec:
     # The kernel reads its weights in a layout of its own (qgemm.packing), made once from the ggml
     # blocks: Kernel.upload_weights packs, qgemm.pack_weights makes a PackedWeights for matmul.
     weight_layout: str | None = None
+    # The kernel executes griddepcontrol.wait before it reads its activations, so qgemm.matmul
+    # launches it with programmatic dependent launch right behind its prologue kernel (sm_90+).
+    pdl: bool = False
 
     @property
     def family(self) -> str:
@@ -379,12 +382,12 @@ _SPECS = [
                "production prefill on Hopper: f16 x Q4_0 (repacked once) through wgmma with the weights dequantized "
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q4_0"), candidates=_rs_candidates("q4_0"), unit="hmma",
-               weight_layout="skinny"),
+               weight_layout="skinny", pdl=True),
     KernelSpec("w8a16.wgmma_rs", ops.W8A16H, 6, "w8a16/wgmma_rs.cu", "w8a16_wgmma_rs", _rs_geometry("q8_0"),
                "production prefill on Hopper: f16 x Q8_0 (repacked once) through wgmma with the weights dequantized "
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0"), unit="hmma",
-               weight_layout="skinny"),
+               weight_layout="skinny", pdl=True),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

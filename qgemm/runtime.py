@@ -554,14 +554,38 @@ class LoadedKernel:
             check(driver.cuFuncSetAttribute(handle, attr, int(shmem)), f"cuFuncSetAttribute({entry}, {shmem} B smem)")
         self._smem_ok[entry] = int(shmem)
 
-    def launch(self, entry: str, grid, block, shmem: int, args, stream=None) -> None:
+    def launch(self, entry: str, grid, block, shmem: int, args, stream=None, pdl: bool = False) -> None:
+        """pdl: programmatic dependent launch -- the kernel may start while the previous kernel
+        in the stream finishes; it must itself wait (griddepcontrol.wait) before reading that
+        kernel's output. Ignored (a plain launch) where cuda.core or the GPU lack it."""
         from cuda.core import LaunchConfig, launch
 
         if shmem > 48 * 1024:
             self._allow_dynamic_smem(entry, shmem)
         s = as_stream(stream)
-        cfg = LaunchConfig(grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block), shmem_size=int(shmem))
+        geo = dict(grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block), shmem_size=int(shmem))
+        cfg = _pdl_config(geo) if pdl else None
+        if cfg is None:
+            cfg = LaunchConfig(**geo)
         _wrap(f"launch({entry}, grid={tuple(grid)}, block={tuple(block)})", launch, s, cfg, self.kernels[entry], *args)
+
+
+_PDL = {"supported": None}
+
+
+def _pdl_config(geo: dict):
+    """A LaunchConfig with programmatic stream serialization (sm_90+, cuda.core >= 0.4), or None."""
+    from cuda.core import LaunchConfig
+
+    if _PDL["supported"] is None:
+        _PDL["supported"] = gpu_available() and device_info().cc >= 90
+    if not _PDL["supported"]:
+        return None
+    try:
+        return LaunchConfig(**geo, programmatic_stream_serialization=True)
+    except TypeError:  # an older cuda.core without the option: plain launches from now on
+        _PDL["supported"] = False
+        return None
 
 
 def check_last_error(what: str) -> None:

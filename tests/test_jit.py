@@ -205,3 +205,37 @@ def test_two_processes_compile_once(tmp_path):
 
 def test_cuda_headers_found():
     assert (Path(jit.cuda_header_dir()) / "cuda_fp16.h").is_file()
+
+
+def test_programmatic_dependent_launch_config(monkeypatch):
+    """qgemm.matmul launches the wgmma GEMMs behind their prologue with programmatic dependent
+    launch on sm_90+; with a cuda.core whose LaunchConfig lacks the option (or an older GPU) it
+    falls back to plain launches instead of failing."""
+    import types
+
+    import cuda.core
+
+    from qgemm import runtime
+
+    geo = dict(grid=(2, 1, 1), block=(128, 1, 1), shmem_size=0)
+    monkeypatch.setattr(runtime, "gpu_available", lambda: True)
+    monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(cc=90))
+    monkeypatch.setitem(runtime._PDL, "supported", None)
+    try:
+        cuda.core.LaunchConfig(**geo, programmatic_stream_serialization=True)
+        has_option = True
+    except TypeError:
+        has_option = False
+    cfg = runtime._pdl_config(geo)
+    assert (cfg is not None) == has_option and runtime._PDL["supported"] == has_option
+
+    class OldLaunchConfig:  # a cuda.core without programmatic_stream_serialization
+        def __init__(self, grid=None, block=None, shmem_size=None):
+            pass
+
+    monkeypatch.setattr(cuda.core, "LaunchConfig", OldLaunchConfig)
+    monkeypatch.setitem(runtime._PDL, "supported", None)
+    assert runtime._pdl_config(geo) is None and runtime._PDL["supported"] is False
+    monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(cc=80))
+    monkeypatch.setitem(runtime._PDL, "supported", None)
+    assert runtime._pdl_config(geo) is None  # no PDL before sm_90

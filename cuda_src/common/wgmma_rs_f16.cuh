@@ -139,8 +139,8 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     }
     const uint4* d_src = ds + ((size_t)min(n0 / 16 + tid / 8, ntiles - 1) * ngroups + g_begin) * 8 + tid % 8;
 
-    auto load_stage = [&](int st, int buf) {
-        const unsigned act = base + buf * STAGE_BYTES, wq = act + RS_ACT_BYTES, wd = wq + RS_TILES * GROUP_PIECES * 16;
+    auto load_act = [&](int st, int buf) {
+        const unsigned act = base + buf * STAGE_BYTES;
         const int k0 = (g_begin + st) * 128;
         if (a_full_rows && k0 + 128 <= K) {
             const __half* src = a_src + k0;
@@ -154,6 +154,9 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
                                     k < K && m0 + r < M);
             }
         }
+    };
+    auto load_w = [&](int st, int buf) {
+        const unsigned wq = base + buf * STAGE_BYTES + RS_ACT_BYTES, wd = wq + RS_TILES * GROUP_PIECES * 16;
 #pragma unroll
         for (int i = 0; i < SF::PIECES; ++i)
             rs_cp_async16(wq + (tid + i * RS_THREADS) * 16, w_src[i] + (size_t)st * GROUP_PIECES);
@@ -169,9 +172,18 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     const unsigned sel = (t & 1) ? 0x7632u : 0x5410u;
     const int src0 = 4 * g + t / 2;  // the lanes whose qs words hold this lane's natural k
 
+    // The weights of the first stages do not depend on the previous kernel (the activations'
+    // convert.f16): with programmatic dependent launch (qgemm.matmul) this CTA may already run
+    // while that kernel finishes, so it starts their copies and only then waits for the grid it
+    // depends on (griddepcontrol.wait returns at once when launched without the attribute).
+    // Commit groups stay one per stage: group 0 holds the early weights too.
+#pragma unroll
+    for (int s = 0; s < RS_STAGES - 2; ++s)
+        if (s < n_stages) load_w(s, s);
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #pragma unroll
     for (int s = 0; s < RS_STAGES - 2; ++s) {
-        if (s < n_stages) load_stage(s, s);
+        if (s < n_stages) load_act(s, s);
         cp_async_commit();
     }
     for (int s = 0; s < n_stages; ++s) {
@@ -213,7 +225,10 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         // the refill of the buffer of stage s - 2 (retired before the barrier) goes after this
         // stage's wgmma are issued, so the tensor core is fed before this warp's copy work (between
         // the two halves, ptxas serializes every wgmma: C7513, tested in tests/test_cli_registry.py)
-        if (s + RS_STAGES - 2 < n_stages) load_stage(s + RS_STAGES - 2, (s + RS_STAGES - 2) % RS_STAGES);
+        if (s + RS_STAGES - 2 < n_stages) {
+            load_act(s + RS_STAGES - 2, (s + RS_STAGES - 2) % RS_STAGES);
+            load_w(s + RS_STAGES - 2, (s + RS_STAGES - 2) % RS_STAGES);
+        }
         cp_async_commit();
     }
     wgmma_wait<0>();

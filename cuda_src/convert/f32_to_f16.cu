@@ -5,6 +5,11 @@
 
 extern "C" __global__ void __launch_bounds__(256)
 convert_f32_to_f16(const float* __restrict__ X, __half* __restrict__ Y, int M, int K, int* __restrict__ status) {
+#if __CUDA_ARCH__ >= 900
+    // let a kernel launched after this one with programmatic dependent launch (the wgmma GEMMs)
+    // start its independent prologue now; it waits for this grid's completion before reading Y
+    asm volatile("griddepcontrol.launch_dependents;\n");
+#endif
     const size_t total = (size_t)M * K;
     const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 8;
     if (i >= total) return;
