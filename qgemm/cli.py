@@ -347,14 +347,17 @@ def explain(
     f16: bool = typer.Option(False, "--f16", help="float16 activations."),
     path: Optional[str] = typer.Option(None, "--path", help="Override the GEMM kernel."),
     packed: bool = typer.Option(False, "--packed", help="Weights made by qgemm.pack_weights (the skinny kernels may run)."),
+    arch: Optional[str] = typer.Option(None, "--arch", help="Plan for this architecture (e.g. sm_90) instead of this "
+                                       "machine's GPU; works without a GPU."),
 ):
     """Which kernels qgemm.matmul runs for a shape on this GPU, with which configuration, and why."""
     from . import dispatch as mm
+    from .errors import UnsupportedArchError
 
     mnk = _shape(shape)
     try:
-        typer.echo(mm.explain(*mnk, fmt=fmt, x_dtype="f16" if f16 else "f32", path=path, packed=packed))
-    except (KeyError, ValueError) as e:
+        typer.echo(mm.explain(*mnk, fmt=fmt, x_dtype="f16" if f16 else "f32", path=path, packed=packed, arch=arch))
+    except (KeyError, ValueError, UnsupportedArchError) as e:
         _fail(str(e.args[0] if e.args else e))
 
 

@@ -110,8 +110,10 @@ class Plan:
 
 
 def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
-         packed: bool = False) -> Plan:
-    """packed: the weights are a qgemm.PackedWeights (the skinny kernels may be used)."""
+         packed: bool = False, arch: str | None = None) -> Plan:
+    """packed: the weights are a qgemm.PackedWeights (the skinny kernels may be used).
+    arch: plan for this architecture (e.g. "sm_90") instead of the GPU's -- the untuned defaults,
+    so a plan for an H100 can be read on a machine without one."""
     fmt = F.get_format(fmt).name
     if fmt not in _DEFAULTS:
         raise ValueError(f"matmul: weights must be q4_0 or q8_0 blocks, got {fmt}")
@@ -119,7 +121,13 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         raise ValueError(f"matmul: activations must be float32 or float16, got {x_dtype}")
     if m <= 0 or n <= 0 or k <= 0 or k % F.QK:
         raise ValueError(f"matmul: need M, N > 0 and K a positive multiple of 32, got M={m} N={n} K={k}")
-    cc = runtime.device_info().cc if runtime.gpu_available() else None
+    if arch is not None:
+        from . import jit
+
+        jit.check_arch_supported(jit.normalize_arch(arch))  # sm_75 .. what NVRTC targets
+        cc = jit.parse_arch(arch)[0]
+    else:
+        cc = runtime.device_info().cc if runtime.gpu_available() else None
     choice = _DEFAULTS[fmt]
     if path is not None:
         s = registry.spec(path)
@@ -167,20 +175,27 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
     if k_obj.spec.config is not None:
         from . import tuning
 
-        tuned = tuning.lookup(name, m, n, k)
+        tuned = tuning.lookup(name, m, n, k) if arch is None else None
         if tuned is not None:
             defines, source = tuned, "tuned" if source == "default" else source
+        elif arch is not None:
+            defines = k_obj.spec.config(m, n, k, 132)
         else:
             defines = k_obj.config_for(m, n, k)
     return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed)
 
 
 def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
-            packed: bool = False) -> str:
-    """Which kernels `matmul` runs for this shape on this GPU, with which configuration, and why
-    (packed=True: for weights made by qgemm.pack_weights)."""
-    where = runtime.device_info().name + f" ({runtime.device_arch()})" if runtime.gpu_available() else "no GPU"
-    return f"qgemm.matmul on {where}\n" + str(plan(m, n, k, fmt, x_dtype, path, packed))
+            packed: bool = False, arch: str | None = None) -> str:
+    """Which kernels `matmul` runs for this shape on this GPU (or `arch`, e.g. "sm_90"), with
+    which configuration, and why (packed=True: for weights made by qgemm.pack_weights)."""
+    if arch is not None:
+        from . import jit
+
+        where = f"{jit.normalize_arch(arch)} (requested; untuned defaults for 132 SMs)"
+    else:
+        where = runtime.device_info().name + f" ({runtime.device_arch()})" if runtime.gpu_available() else "no GPU"
+    return f"qgemm.matmul on {where}\n" + str(plan(m, n, k, fmt, x_dtype, path, packed, arch))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -371,3 +371,30 @@ def test_dlpack_from_the_wrong_device_is_refused_before_launch(dev, match):
             qgemm.matmul(fake, fake, fmt="q4_0")
     with pytest.raises(ValueError, match="both be host"):
         qgemm.get("w4a16.naive")(np.ones((2, 64), np.float32), qgemm.DeviceArray(0x1000, (8, 2), qgemm.block_q4_0))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_plan_for_a_requested_arch(fmt):
+    """`plan(..., arch=)` / `qgemm explain --arch` show another architecture's plan without its
+    GPU: on sm_90 packed weights take the skinny kernel up to M = 16 and wgmma_rs from M = 17
+    (after convert.f16); on sm_80 wgmma never runs; below sm_80 the DP4A fallback; sm_90 defaults."""
+    from typer.testing import CliRunner
+
+    from qgemm.cli import app
+
+    w = "4" if fmt == "q4_0" else "8"
+    lo = qgemm.dispatch.WGMMA_MIN_M
+    p = qgemm.plan(lo - 1, 4096, 4096, fmt, packed=True, arch="sm_90")
+    assert p.kernel == f"w{w}a16.skinny" and p.quantizer is None
+    for m in (lo, 64, 512, 2048):
+        p = qgemm.plan(m, 4096, 4096, fmt, packed=True, arch="sm_90")
+        assert p.kernel == f"w{w}a16.wgmma_rs" and p.quantizer == "convert.f16" and p.source == "default"
+        assert p.defines == qgemm.spec(p.kernel).config(m, 4096, 4096, 132)
+    assert qgemm.plan(512, 4096, 4096, fmt, x_dtype="f16", packed=True, arch="sm_90").quantizer is None
+    assert qgemm.plan(512, 4096, 4096, fmt, packed=True, arch="sm_80").kernel == f"w{w}a16.mma"
+    assert qgemm.plan(512, 4096, 4096, fmt, packed=False, arch="sm_90").kernel == f"w{w}a16.mma"  # blocks
+    assert "dp4a" in qgemm.plan(512, 4096, 4096, fmt, arch="sm_75").kernel
+    r = CliRunner().invoke(app, ["explain", "--shape", "512x4096x4096", "--type", fmt, "--packed", "--arch", "sm_90"])
+    assert r.exit_code == 0 and f"w{w}a16.wgmma_rs" in r.output and "sm_90" in r.output, r.output
+    r = CliRunner().invoke(app, ["explain", "--arch", "sm_42"])
+    assert r.exit_code != 0 and "sm_42" in r.output
