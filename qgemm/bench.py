@@ -319,6 +319,36 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
             "weight_gbps": wq.nbytes / med / 1e3, "buffer_sets": sets, "method": how["method"]}
 
 
+def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
+    """Median µs of `fn(*make())` (torch, CUDA events), batched so each sample spans >= 1 ms; cold:
+    rotated through buffer sets from `make` larger than twice the L2. The torch peers of
+    `qgemm bench` and of its kvcache suite are timed by this one function."""
+    import torch
+
+    l2 = max(runtime.device_info().l2_bytes, 1)
+    one = make()
+    nbytes = sum(t.numel() * t.element_size() for t in one)
+    sets = [one] + ([make() for _ in range(min(32, int(np.ceil(2 * l2 / nbytes))))] if cold else [])
+    for i in range(warmup):
+        fn(*sets[i % len(sets)])
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    fn(*sets[0])
+    e1.record()
+    e1.synchronize()
+    batch = int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), len(sets)), 200))
+    ts = []
+    for _ in range(iters):
+        e0.record()
+        for j in range(batch):
+            fn(*sets[j % len(sets)])
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / batch)
+    return statistics.median(ts)
+
+
 def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters: int = 30) -> dict:
     """torch fp16/bf16 A @ W.T (cuBLAS) and torch._int_mm (cuBLASLt int8), hot or rotated."""
     try:
@@ -328,31 +358,9 @@ def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters:
     if not torch.cuda.is_available():
         return {}
     out = {}
-    l2 = max(runtime.device_info().l2_bytes, 1)
 
     def measure(make, fn):
-        one = make()
-        nbytes = sum(t.numel() * t.element_size() for t in one)
-        sets = [one] + ([make() for _ in range(min(32, int(np.ceil(2 * l2 / nbytes))))] if cold else [])
-        for i in range(warmup):
-            fn(*sets[i % len(sets)])
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn(*sets[0])
-        e1.record()
-        e1.synchronize()
-        batch = int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), len(sets)), 200))
-        ts = []
-        for _ in range(iters):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for j in range(batch):
-                fn(*sets[j % len(sets)])
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e3 / batch)
-        return statistics.median(ts)
+        return torch_time(make, fn, cold, warmup, iters)
 
     for dt, key in ((torch.float16, "torch_fp16_us"), (torch.bfloat16, "torch_bf16_us")):
         out[key] = measure(lambda: (torch.randn(m, k, device="cuda", dtype=dt), torch.randn(n, k, device="cuda", dtype=dt)),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -51,9 +50,8 @@ def _torch_dense(kind: str, s: int, lq: int, cold: bool, iters: int, warmup: int
         return None
     if not torch.cuda.is_available():
         return None
-    from . import runtime
+    from .bench import torch_time
 
-    l2 = max(runtime.device_info().l2_bytes, 1)
     rows = GROUPS * lq
 
     def make():
@@ -63,30 +61,10 @@ def _torch_dense(kind: str, s: int, lq: int, cold: bool, iters: int, warmup: int
         p = torch.softmax(torch.randn(HEADS, rows, s, device="cuda"), dim=-1).half()
         return cache, p
 
-    one = make()
-    nbytes = sum(t.numel() * t.element_size() for t in one)
-    sets = [one] + ([make() for _ in range(min(32, int(np.ceil(2 * l2 / nbytes))))] if cold else [])
     fn = (lambda c, x: torch.bmm(x, c.transpose(1, 2))) if kind == "key" else (lambda c, x: torch.bmm(x, c))
-    for i in range(warmup):
-        fn(*sets[i % len(sets)])
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    fn(*sets[0])
-    e1.record()
-    e1.synchronize()
-    batch = int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), len(sets)), 200))
-    ts = []
-    for _ in range(iters):
-        e0.record()
-        for j in range(batch):
-            fn(*sets[j % len(sets)])
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / batch)
-    del sets, one
-    torch.cuda.empty_cache()
-    return statistics.median(ts)
+    t = torch_time(make, fn, cold, warmup, iters)
+    torch.cuda.empty_cache()  # the rotated sets are gone with torch_time's frame
+    return t
 
 
 def suite(ss=SS, lqs=LQS, sparsities=SPARSITIES, layouts=LAYOUTS, kinds=("key", "value"), iters: int = 20,
