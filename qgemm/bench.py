@@ -255,6 +255,9 @@ def environment() -> dict:
         "driver_cuda": "%d.%d" % info.driver_cuda_version,
         "nvrtc": "%d.%d" % jit.nvrtc_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        # programmatic dependent launch between consecutive kernels (QGEMM_PDL=0 turns it off):
+        # back-to-back ops then overlap one's launch and first weight loads with the other's tail
+        "pdl": bool(runtime.pdl_enabled() and info.cc >= 90),
     }
     try:
         import torch

@@ -91,22 +91,21 @@ class Plan:
         return registry.get(self.kernel).op
 
     def launch(self, dx, dw, dq, dc, status, stream=None) -> None:
-        """Queue the kernels on device arrays (the hot path: no checks, no allocation). A GEMM
-        that supports it (KernelSpec.pdl) is launched right behind the prologue with programmatic
-        dependent launch, so its weight copies overlap the prologue's tail; the split-K zeroing of
-        C is queued first, so nothing stands between the two kernels."""
+        """Queue the kernels on device arrays (the hot path: no checks, no allocation). Kernels
+        that support it (KernelSpec.pdl) are launched with programmatic dependent launch: the GEMM
+        streams its first weights while its prologue (or, without one, the previous op) finishes,
+        and the prologue's launch overlaps the previous op's tail. The split-K zeroing of C is done
+        by the prologue (convert.f16) or queued before it, so nothing stands between two kernels."""
         kernel = registry.get(self.kernel)
         defines = self.defines or kernel.config_for(self.m, self.n, self.k)
         zeroed = False
         if self.quantizer is not None:
-            if kernel.spec.pdl and kernel.geometry(self.m, self.n, self.k, defines).zero_output:
-                dc.fill_bytes(0, stream)
-                zeroed = True
-            registry.get(self.quantizer).launch_quantize(dx, dq, self.m, self.k, status, stream=stream)
+            zeroed = kernel.geometry(self.m, self.n, self.k, defines).zero_output
+            registry.get(self.quantizer).launch_quantize(dx, dq, self.m, self.k, status, stream=stream,
+                                                         zero=dc if zeroed else None)
         else:
             dq = dx
-        kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines,
-                      after_prologue=self.quantizer is not None, zeroed=zeroed)
+        kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines, zeroed=zeroed)
 
 
 def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
@@ -294,7 +293,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     staged = p.staged_format
     dq = _scratch("prologue", *staged) if staged else None
     status = _scratch("status", (1,), np.int32)
-    status.fill_bytes(0, stream)
+    if not x_on_device:  # only a host call reads the prologue's flags; a device call queues no memset, which
+        status.fill_bytes(0, stream)  # would stand between this op's kernels and the previous op's (PDL)
     if out is not None:
         dc = runtime.as_device_array(out)
         if dc.shape != (m, n) or dc.dtype != np.float32:

@@ -317,10 +317,10 @@ class Kernel:
         return self.spec.geometry(m, n, k, defines) if self.spec.config is not None else self.spec.geometry(m, n, k)
 
     def launch(self, da, dw, dc, m: int, n: int, k: int, stream=None, defines: dict | None = None,
-               after_prologue: bool = False, zeroed: bool = False) -> None:
+               zeroed: bool = False) -> None:
         """Launch on device arrays already in this kernel's formats (no checks: the hot path).
-        after_prologue: `da` is being written by the kernel just queued before this one (kernels
-        with `pdl` then overlap its tail); zeroed: the caller already zeroed C for split-K."""
+        zeroed: C is already zeroed for split-K (qgemm.matmul has the prologue kernel do it, so
+        that a kernel with `pdl` directly follows the prologue it overlaps)."""
         if defines is None:
             defines = self.config_for(m, n, k)
         mod = self._module(defines)
@@ -328,8 +328,10 @@ class Kernel:
         if g.zero_output and not zeroed:
             dc.fill_bytes(0, stream)
         args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr), np.int32(m), np.int32(n), np.int32(k))
+        # programmatic dependent launch unless the zeroing of C was queued right before it (a
+        # memset, not a kernel: nothing to overlap)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream,
-                   pdl=after_prologue and getattr(self.spec, "pdl", False))
+                   pdl=self.spec.pdl and (zeroed or not g.zero_output))
 
     # -- quantizers ----------------------------------------------------------------------------
     def _call_quantize(self, x, out=None, stream=None):
@@ -364,11 +366,17 @@ class Kernel:
             return out if out is not None else dy
         return dy.to_host()
 
-    def launch_quantize(self, dx, dy, m: int, k: int, status, stream=None) -> None:
+    def launch_quantize(self, dx, dy, m: int, k: int, status, stream=None, zero=None) -> None:
+        """zero: a device array the GEMM behind this prologue accumulates into (split-K): zeroed
+        by the prologue kernel itself where it can (KernelSpec.zeroes), else by a memset first."""
         mod = self._module()
         g = self.spec.geometry(m, 0, k)
         args = (np.uint64(dx.ptr), np.uint64(dy.ptr), np.int32(m), np.int32(k), np.uint64(status.ptr))
-        mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream)
+        if self.spec.zeroes:
+            args += (np.uint64(zero.ptr if zero is not None else 0), np.int64(zero.size if zero is not None else 0))
+        elif zero is not None:
+            zero.fill_bytes(0, stream)
+        mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream, pdl=self.spec.pdl)
 
 
 # ---------------------------------------------------------------------------------------------

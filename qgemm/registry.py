@@ -43,9 +43,13 @@ class KernelSpec:
     # The kernel reads its weights in a layout of its own (qgemm.packing), made once from the ggml
     # blocks: Kernel.upload_weights packs, qgemm.pack_weights makes a PackedWeights for matmul.
     weight_layout: str | None = None
-    # The kernel executes griddepcontrol.wait before it reads its activations, so qgemm.matmul
-    # launches it with programmatic dependent launch right behind its prologue kernel (sm_90+).
+    # Programmatic dependent launch (cuda_src/common/pdl.cuh): above its pdl_wait() the kernel
+    # reads only its weights, so it is launched with the attribute (sm_90+) and may start while the
+    # kernel before it in the stream finishes -- its prologue, or the previous op of a chain.
     pdl: bool = False
+    # A prologue kernel that also zeroes the split-K GEMM's output (two more arguments: float*
+    # and its length), so no memset separates it from the previous op (qgemm.matmul).
+    zeroes: bool = False
 
     @property
     def family(self) -> str:
@@ -323,7 +327,8 @@ _SPECS = [
                "float32 activations -> Q8_1 blocks (d, s = sum x), as ggml-cuda's quantize_q8_1"),
     KernelSpec("convert.f16", ops.CONVERT_F16, 2, "convert/f32_to_f16.cu", "convert_f32_to_f16",
                lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
-               "float32 activations -> float16 (round to nearest even), the prologue of the fp16 tensor-core path"),
+               "float32 activations -> float16 (round to nearest even), the prologue of the fp16 tensor-core path",
+               pdl=True, zeroes=True),
     KernelSpec("quantize.q8_1_f16", ops.QUANTIZE_Q8_1_F16, 2, "quantize/q8_1_f16.cu", "quantize_q8_1_f16", _quantize_rows,
                "float16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)"),
     KernelSpec("w4a16.naive", ops.W4A16, 3, "w4a16/naive.cu", "w4a16_naive", _thread_per_output,
@@ -365,11 +370,11 @@ _SPECS = [
     KernelSpec("w4a16.skinny", ops.W4A16S, 6, "w4a16/skinny.cu", "w4a16_skinny", _skinny_geometry,
                "production decode / small batch (M <= 64): f32 x Q4_0 (repacked once, 16-byte loads) on fp16 tensor "
                "cores, tokens on the MMA's N side", min_arch=80, config=_skinny_config("q4_0"),
-               candidates=_skinny_candidates("q4_0"), max_m=SKINNY_MAX_M, weight_layout="skinny"),
+               candidates=_skinny_candidates("q4_0"), max_m=SKINNY_MAX_M, weight_layout="skinny", pdl=True),
     KernelSpec("w8a16.skinny", ops.W8A16S, 6, "w8a16/skinny.cu", "w8a16_skinny", _skinny_geometry,
                "production decode / small batch (M <= 64): f32 x Q8_0 (repacked once, 16-byte loads) on fp16 tensor "
                "cores, tokens on the MMA's N side", min_arch=80, config=_skinny_config("q8_0"),
-               candidates=_skinny_candidates("q8_0"), max_m=SKINNY_MAX_M, weight_layout="skinny"),
+               candidates=_skinny_candidates("q8_0"), max_m=SKINNY_MAX_M, weight_layout="skinny", pdl=True),
     KernelSpec("w4a16.wgmma", ops.W4A16H, 6, "w4a16/wgmma.cu", "w4a16_wgmma", _wgmma_geometry,
                "production prefill on Hopper: f16 x Q4_0 (repacked once) through asynchronous wgmma, dequantized into "
                "swizzled shared memory while the previous stage multiplies", min_arch=90, arch_suffix="a",

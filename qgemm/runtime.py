@@ -7,6 +7,7 @@ checked and a failure raises `CudaError` naming the call.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -573,10 +574,20 @@ class LoadedKernel:
 _PDL = {"supported": None}
 
 
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch is used unless QGEMM_PDL=0 (read at every launch, so a
+    benchmark can time both in one process; and the first thing to turn off when debugging a
+    race between consecutive kernels)."""
+    return os.environ.get("QGEMM_PDL", "1").strip() != "0"
+
+
 def _pdl_config(geo: dict):
-    """A LaunchConfig with programmatic stream serialization (sm_90+, cuda.core >= 0.4), or None."""
+    """A LaunchConfig with programmatic stream serialization (sm_90+, cuda.core >= 0.4), or None
+    (also when QGEMM_PDL=0)."""
     from cuda.core import LaunchConfig
 
+    if not pdl_enabled():
+        return None
     if _PDL["supported"] is None:
         _PDL["supported"] = gpu_available() and device_info().cc >= 90
     if not _PDL["supported"]:

@@ -398,3 +398,27 @@ def test_plan_for_a_requested_arch(fmt):
     assert r.exit_code == 0 and f"w{w}a16.wgmma_rs" in r.output and "sm_90" in r.output, r.output
     r = CliRunner().invoke(app, ["explain", "--arch", "sm_42"])
     assert r.exit_code != 0 and "sm_42" in r.output
+
+
+def test_pdl_kernels_wait_before_their_inputs():
+    """A kernel launched with programmatic dependent launch (KernelSpec.pdl) may run while the
+    previous kernel still writes its activations: its source must wait (pdl_wait, common/pdl.cuh)
+    and the wait must come before the first activation read. The device-side race test is
+    tests/test_gpu_kernels.py::test_matmul_chain_with_programmatic_dependent_launch."""
+    import re
+
+    from qgemm import jit, registry as R
+
+    pdl = [s for s in R.list_kernels() if s.pdl]
+    assert {s.name for s in pdl} >= {"convert.f16", "w4a16.skinny", "w8a16.skinny", "w4a16.wgmma_rs", "w8a16.wgmma_rs"}
+    for s in pdl:
+        text = jit.read_source(s.source) + "".join(jit.project_headers(s.source).values())
+        assert "pdl_wait();" in text, s.name
+    # where the activations are read, the wait comes first
+    skinny = jit.read_source("common/skinny_f16.cuh")
+    assert skinny.index("pdl_wait();") < skinny.index("#if SK_XSMEM\n    for (int r = 0; r < M; ++r)")
+    rs = jit.read_source("common/wgmma_rs_f16.cuh")
+    body = rs[rs.index("wgmma_rs_f16_gemm("):]
+    assert body.index("pdl_wait();") < min(m.start() for m in re.finditer(r"load_act\(s", body))
+    conv = jit.read_source("convert/f32_to_f16.cu")
+    assert conv.index("pdl_wait();") < conv.index("X + i")

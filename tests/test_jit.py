@@ -239,3 +239,9 @@ def test_programmatic_dependent_launch_config(monkeypatch):
     monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(cc=80))
     monkeypatch.setitem(runtime._PDL, "supported", None)
     assert runtime._pdl_config(geo) is None  # no PDL before sm_90
+    monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(cc=90))
+    monkeypatch.setattr(cuda.core, "LaunchConfig", lambda **kw: kw)
+    monkeypatch.setitem(runtime._PDL, "supported", None)
+    assert runtime._pdl_config(geo) == dict(geo, programmatic_stream_serialization=True)
+    monkeypatch.setenv("QGEMM_PDL", "0")  # the switch for debugging and for timing both ways
+    assert runtime._pdl_config(geo) is None and not runtime.pdl_enabled()

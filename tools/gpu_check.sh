@@ -47,6 +47,11 @@ for step in $STEPS; do
                   run $PY -m qgemm tune $k --shape $s --iters 10; done; done ;;
     decode)   run $PY -m qgemm bench --m ${QGEMM_DECODE_M:-1,2,4,8,16,32,64} --k 4096,14336 --iters 20 --out "$OUT/decode"
               [ -f "$OUT/decode/bench.json" ] && mv "$OUT/decode/bench.json" "$OUT/bench-decode.json"; rm -rf "$OUT/decode" ;;
+    pdl)      # whole op with and without programmatic dependent launch, same process order (hot; the
+              # targets' shapes): what the overlap of consecutive ops is worth
+              for v in 1 0; do QGEMM_PDL=$v run $PY -m qgemm bench --m 1,8,64,512,2048 --k 4096,14336 --iters 20 \
+                  --hot-only --no-peers --out "$OUT/pdl$v"
+                  [ -f "$OUT/pdl$v/bench.md" ] && mv "$OUT/pdl$v/bench.md" "$OUT/bench-pdl$v.md"; rm -rf "$OUT/pdl$v"; done ;;
     ncu)      OUT="$OUT" KERNELS="w4a16.skinny" SHAPE=8x4096x4096 run bash tools/gpu_ncu.sh
               OUT="$OUT" KERNELS="w4a16.mma" SHAPE=512x4096x4096 run bash tools/gpu_ncu.sh ;;
     validate) run $PY -m qgemm validate --all

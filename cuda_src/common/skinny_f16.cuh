@@ -38,6 +38,7 @@
 // register sets, software-pipelined), so enough bytes are in flight per SM.
 #pragma once
 #include "common/mma_f16.cuh"
+#include "common/pdl.cuh"
 
 #ifndef SK_R
 #define SK_R 2
@@ -56,6 +57,17 @@
 #endif
 #if SK_XSMEM && SK_MT != 1
 #error "SK_XSMEM needs SK_MT == 1"
+#endif
+// When the next kernel in the stream may launch (programmatic dependent launch, common/pdl.cuh):
+// it then streams its own weights until this grid completes. 1: at entry, so it is launched as
+// soon as it fits; 0: once this CTA's main loop is done. Measured on the H100 (docs/perf/NOTES.md,
+// back-to-back ops): at M = 1 (64-74 registers, so two more CTAs per SM fit beside this kernel's)
+// an entry trigger lets the next kernel -- and, since it triggers at its entry too, the one after
+// -- flood the memory system with prefetches ahead of this kernel's own loads: 6.1 us per op
+// (Q4_0 1x4096x4096) against 5.1 for the late trigger. At M = 8 (~93 registers: nothing else fits
+// until a CTA leaves) the earliest trigger is best: 5.5 against 5.8.
+#ifndef SK_PDL_EARLY
+#define SK_PDL_EARLY (!SK_XSMEM)
 #endif
 
 struct SkQ4_0 {
@@ -120,6 +132,9 @@ template <typename SF>
 static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, const unsigned char* __restrict__ Wp,
                                                   float* __restrict__ C, int M, int N, int K) {
     __shared__ float red[SK_WARPS][SK_R * SK_MT * 4][32];
+#if SK_PDL_EARLY
+    pdl_launch_dependents();  // see SK_PDL_EARLY
+#endif
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
     const int nb = K / QK, ngroups = (nb + 3) / 4, ntiles = (N + 15) / 16;
@@ -239,6 +254,12 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
     WSet wqA, wqB;
     DSet wdA, wdB;
     if (gb < ge) load(wqA, wdA, gb);  // in flight while the activations are staged
+    // Programmatic dependent launch (sm_90, qgemm.matmul): the weights are the only memory read
+    // above this line -- no kernel of an op chain writes them -- so this CTA may start streaming
+    // them while the previous kernel in the stream (which may produce X, or read the buffer C
+    // is) still runs; everything that touches X or C comes after the wait. Without the launch
+    // attribute the wait returns at once.
+    pdl_wait();
 #if SK_XSMEM
     for (int r = 0; r < M; ++r)
         for (int i = threadIdx.x; i < cta_nb * 8; i += SK_WARPS * 32) {
@@ -258,6 +279,9 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
         compute(wqB, wdB, G + SK_UNROLL);
     }
 
+#if !SK_PDL_EARLY
+    pdl_launch_dependents();  // this CTA's last weight load is issued
+#endif
     // C fragment: acc[..][0..1] -> W row g, tokens 2t, 2t+1; acc[..][2..3] -> row g + 8
 #pragma unroll
     for (int r = 0; r < SK_R; ++r)

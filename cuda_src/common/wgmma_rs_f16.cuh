@@ -45,6 +45,7 @@
 #pragma once
 #include "common/skinny_f16.cuh"
 #include "common/wgmma.cuh"
+#include "common/pdl.cuh"
 
 #ifndef RS_BN
 #define RS_BN 128  // tokens per CTA: wgmma's N (64, 128 or 256)
@@ -104,6 +105,9 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     const unsigned base = (raw + 1023u) & ~1023u;  // the swizzle pattern is on absolute address bits
     unsigned char* const smem = rs_smem_raw + (base - raw);
 
+    // the next op's first kernel may launch now (it waits for this grid before touching memory
+    // this one uses): its launch latency hides under this kernel's last wave
+    pdl_launch_dependents();
     const int tid = threadIdx.x, lane = tid % 32, wgi = tid / 128, warp_in_wg = (tid / 32) % 4;
     const int g = lane / 4, t = lane % 4;
     const int n0 = blockIdx.x * (64 * RS_WGS), m0 = blockIdx.y * RS_BN;
@@ -180,7 +184,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
 #pragma unroll
     for (int s = 0; s < RS_STAGES - 2; ++s)
         if (s < n_stages) load_w(s, s);
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    pdl_wait();
 #pragma unroll
     for (int s = 0; s < RS_STAGES - 2; ++s) {
         if (s < n_stages) load_act(s, s);

@@ -1,0 +1,25 @@
+"""A/B probe: whole-op and kernel-alone medians (hot, graph-batched as `qgemm bench`) for a few
+shapes, PDL on and off alternating in one process (QGEMM_PDL). Run once per source variant
+(QGEMM_CUDA_SRC) to compare kernel-side changes. Prints one line per (shape, pdl, rep)."""
+import os
+import sys
+
+import numpy as np
+
+from qgemm import bench, formats as F
+
+shapes = [tuple(int(v) for v in s.split("x")) + (f,) for s, f in
+          (x.split(":") for x in (sys.argv[1] if len(sys.argv) > 1 else
+           "1x4096x4096:q4_0,1x4096x4096:q8_0,8x4096x4096:q4_0,8x4096x14336:q8_0,64x4096x4096:q4_0,64x4096x14336:q4_0,512x4096x4096:q4_0").split(","))]
+reps = int(os.environ.get("REPS", "3"))
+rng = np.random.default_rng(0)
+weights = {}
+tag = os.environ.get("TAG", "")
+for m, n, k, fmt in shapes:
+    if (fmt, n, k) not in weights:
+        weights[(fmt, n, k)] = F.quantize(rng.standard_normal((n, k), dtype=np.float32), fmt)
+    for rep in range(reps):
+        for pdl in ("1", "0"):
+            os.environ["QGEMM_PDL"] = pdl
+            r = bench.time_matmul(fmt, m, n, k, False, rng, weights, iters=20)
+            print(f"{tag:8s} {fmt} {m}x{n}x{k} pdl={pdl} rep={rep} op={r['matmul_us']:.2f} kernel={r['kernel_us']:.2f} {r['kernel']} [{r['method'][:60]}]", flush=True)
