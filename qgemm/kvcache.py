@@ -609,6 +609,7 @@ class DeviceKV:
         self.kind, self.bits, self.shape, self.compact, self.layout = ck.kind, ck.bits, tuple(ck.shape), ck.compact, ck.layout
         self.nbytes = ck.nbytes  # the compressed form's bytes (what a launch reads, plus padding)
         self.max_step = step_bytes_max(ck)  # sizes the kernels' windows
+        self.max_step2 = step_bytes_max(ck, 2) if ck.kind == "value" else None
         self.arrays = arrays
 
     @classmethod
@@ -620,7 +621,10 @@ class DeviceKV:
         arr = {"bmp": up(np.ascontiguousarray(ck.bitmaps).view(np.uint32).reshape(-1))}
         if ck.bits == 16:
             arr["offs"] = up(ck.counts.astype(np.int32).reshape(-1))
-            arr["data"] = up(_pad16(ck.values))
+            v = np.array(ck.values)  # what the kernels may read below a tile's values stays finite
+            v[:int(ck.counts[0, 0])] = 0
+            v[int(ck.counts[-1, -1]):] = 0
+            arr["data"] = up(_pad16(v))
         elif ck.compact:
             arr["offs"] = up(ck.group_offsets.astype(np.int32).reshape(-1))
             arr["scl"] = up(np.ascontiguousarray(ck.dq).view(np.uint32).reshape(-1))
@@ -655,9 +659,9 @@ STEP_LANES = 32     # a warp step = 32 lanes (keys: 32 tokens; values: 32 tiles 
 SMEM_MAX = 227 * 1024
 
 
-def step_bytes_max(ck: "CompressedKV") -> int:
-    """Bytes of the largest warp step of a compressed cache (its window): 32 tokens
-    (keys) or 32 tiles of one channel from a multiple of 32 (values)."""
+def step_bytes_max(ck: "CompressedKV", tiles_per_lane: int = 1) -> int:
+    """Bytes of the largest warp step of a compressed cache (its window): 32 tokens (keys) or
+    32 * tiles_per_lane tiles of one channel from a multiple of that (values)."""
     b, s, d = ck.shape
     n = popcount(ck.bitmaps)
     nb = 2 * n if ck.bits == 16 else tile_nbytes(n, ck.bits)
@@ -667,62 +671,104 @@ def step_bytes_max(ck: "CompressedKV") -> int:
         pad = np.zeros((b, -(-t // per) * per), dtype=np.int64)
         pad[:, :t] = nb
         return int(pad.reshape(b, -1, per).sum(-1).max()) if pad.size else 0
+    lanes = STEP_LANES * tiles_per_lane
     nst = -(-s // TILE)
     rows = nb.reshape(b, d, nst)
-    pad = np.zeros((b, d, -(-nst // STEP_LANES) * STEP_LANES), dtype=np.int64)
+    pad = np.zeros((b, d, -(-nst // lanes) * lanes), dtype=np.int64)
     pad[:, :, :nst] = rows
-    return int(pad.reshape(b, d, -1, STEP_LANES).sum(-1).max())
+    return int(pad.reshape(b, d, -1, lanes).sum(-1).max())
 
 
-def window_bytes(kind: str, bits: int, d: int, max_step: int | None) -> int:
+def window_bytes(kind: str, bits: int, d: int, max_step: int | None, tiles_per_lane: int = 1) -> int:
     """One window stage: the largest step's bytes + 16 (alignment of its start) + 32
-    (lanes read whole words around their codes), rounded up to a power of 2 (>= 512) up to 1 KiB
-    and to a multiple of 1 KiB above (few compiled variants); without max_step, the worst case
-    (every element non-zero)."""
+    (lanes read whole words around their codes), rounded up to 512 or 1024 bytes and to a multiple
+    of 512 above (few compiled variants); without max_step, the worst case (every element
+    non-zero)."""
     if max_step is None:
-        u = d // TILE if kind == "key" else 1
+        u = d // TILE if kind == "key" else tiles_per_lane
         max_step = STEP_LANES * u * TILE * (2 if bits == 16 else bits / 8)
     need = int(max_step) + 48
     if need <= 1024:
         return 512 if need <= 512 else 1024
-    return -(-need // 1024) * 1024
+    return -(-need // 512) * 512
 
 
-def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None) -> LaunchPlan:
-    """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or a whole tile
+PAD = 64  # zero bytes below each window stage (cuda_src/common/mustafar.cuh MF_PAD)
+
+
+def value_tiles_per_lane(bits: int, rows_per_cta: int) -> int:
+    """Value kernels: tiles per lane. 1: two per lane (64-tile steps, 16-warp CTAs sharing twice
+    the staged probabilities) measured 10-15% slower on the H100 (docs/perf/NOTES.md)."""
+    return 1
+
+
+SMEM_SM = 228 * 1024   # shared memory of an SM (each resident CTA also reserves 1 KiB)
+
+
+def min_ctas(mr: int, d: int, u: int = 1) -> int:
+    """Resident CTAs per SM the kernels' registers are bounded for (MF_MIN_CTAS in
+    cuda_src/common/mustafar.cuh): 4 CTAs of 8 warps, 3 with 8 rows or D = 256, 2 with both;
+    2 CTAs of 16 warps for 2-tile value steps."""
+    if u == 2:
+        return 2
+    return 4 if (mr == 4 and d <= 128) else (2 if (mr == 8 and d == 256) else 3)
+
+
+def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None,
+             max_step2: int | None = None) -> LaunchPlan:
+    """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or 1-2 whole tiles
     (values); rows in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks
     read its compressed bytes from L2); windows sized from the cache's largest step (max_step,
-    `step_bytes_max`; None: the worst case); about 4 CTAs per SM."""
+    `step_bytes_max`, and for 2-tile value steps max_step2; None: the worst case); the grid about
+    one wave of the CTAs an SM holds (registers and shared memory)."""
     b, s, d = shape
+    v3 = bits != 16  # fp16: the version-2 kernels (docs/mustafar.md: version 3 measured 17% slower on fp16 values)
     mr = 4 if rows <= 4 else 8
     rb = -(-rows // mr)
-    win = window_bytes(kind, bits, d, max_step)
+    u = 1
+    if kind == "value":
+        u = value_tiles_per_lane(bits, mr) if v3 else 1
+        if u == 2:
+            max_step = max_step2 if max_step2 is not None else (None if max_step is None else 2 * max_step)
+    win = window_bytes(kind, bits, d, max_step, u)
+    nw = 2 * (d // TILE if kind == "key" else u)  # bitmap words per lane
     if kind == "key":
         rep = 16 if mr == 4 else 8           # conflict-free 8-byte (half-warp) / 16-byte (quarter-warp) gathers
         xs = (d // 32) * 33 * rep * mr * 2
     else:
-        xs = 33 * 64 * mr * 2
-    warps = NUM_WARPS
-    while warps > 1 and xs + warps * 2 * win > SMEM_MAX:
+        xs = 33 * 64 * u * mr * 2
+    per_warp = (lambda w: 2 * (PAD + w) + 2 * nw * STEP_LANES * 8) if v3 else (lambda w: 2 * w)  # windows, word records
+    warps = 2 * NUM_WARPS if u == 2 else NUM_WARPS  # 2-tile value steps: 16 warps share the staged probabilities
+    while warps > 1 and xs + warps * per_warp(win) > SMEM_MAX:
         warps //= 2
-    if xs + warps * 2 * win > SMEM_MAX:
+    if xs + warps * per_warp(win) > SMEM_MAX:
         raise ValueError(f"compressed {kind} cache: a warp step of {max_step} bytes does not fit in shared memory")
+    shmem = xs + warps * per_warp(win)
+    mc = min_ctas(mr, d, u)
+    resident = max(1, min(mc * NUM_WARPS // warps if u == 1 else mc, SMEM_SM // (shmem + 1024)))
+    if not v3:  # version 2's own grid (as measured): ~4 CTAs per SM (keys), >= ~2 per SM (values)
+        resident = 4 if kind == "key" else 20 / 9
     if kind == "key":
         steps_b = -(-s // STEP_LANES)
-        per = -(-steps_b * b * rb // (4 * sm_count))          # ~4 CTAs per SM
+        per = -(-steps_b * b * rb // (resident * sm_count))    # ~one wave
         per = max(warps, -(-per // warps) * warps)
         per = min(per, -(-steps_b // warps) * warps)
         grid = (-(-steps_b // per) * rb, b, 1)
         defines = {"MF_R": mr, "MF_D": d, "MF_REP": rep, "MF_WARPS": warps, "MF_WIN2": win}
     else:
         nst = -(-s // TILE)
-        chunks = -(-nst // STEP_LANES)
+        chunks = -(-nst // (STEP_LANES * u))
         per = d                                                # channels per CTA
-        while per // 2 >= warps and chunks * b * rb * (d // per) < 2 * sm_count:  # at least ~2 CTAs per SM
+        while per // 2 >= warps and 10 * chunks * b * rb * (d // per) < 9 * resident * sm_count:  # ~one wave
             per //= 2
         grid = (chunks * (d // per) * rb, b, 1)
         defines = {"MF_R": mr, "MF_D": d, "MF_WARPS": warps, "MF_WIN2": win}
-    return LaunchPlan(defines, grid, (32 * warps, 1, 1), xs + warps * 2 * win, per, rows)
+        if u != 1:
+            defines["MF_U"] = u
+            defines["MF_MIN_CTAS"] = mc
+    if not v3:
+        defines["MF_V3"] = 0
+    return LaunchPlan(defines, grid, (32 * warps, 1, 1), shmem, per, rows)
 
 
 def _is_device(x) -> bool:
@@ -833,7 +879,7 @@ class MustafarRunner:
         b, s, d = dkv.shape
         if plan_ is None:
             sms = runtime.device_info().sm_count if runtime.gpu_available() else 132
-            plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, sms, dkv.max_step)
+            plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, sms, dkv.max_step, dkv.max_step2)
         mod = kernel._module(plan_.defines)
         if self.kind == "value":
             dout.fill_bytes(0, stream)
@@ -978,7 +1024,8 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
     if cold:
         l2 = max(runtime.device_info().l2_bytes, 1)
         sets = min(64, max(2, int(np.ceil(2 * l2 / max(moved, 1))) + 1))
-    p = plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count, step_bytes_max(ck))
+    p = plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count, step_bytes_max(ck),
+                 step_bytes_max(ck, 2) if ck.kind == "value" else None)
     kernel._module(p.defines)
     dkvs = [DeviceKV.upload(ck) for _ in range(sets)]
     dxs = [runtime.DeviceArray.from_host(x) for _ in range(sets)]

@@ -386,12 +386,19 @@ def test_launch_plans(kind, rows):
                 if kind == "key":
                     steps = -(-s // 32)
                     assert p.per_cta % w == 0 and p.grid[0] % rb == 0 and (p.grid[0] // rb) * p.per_cta >= steps
-                    assert p.shmem == (d // 32) * 33 * p.defines["MF_REP"] * mr * 2 + w * 2 * win
+                    v3 = p.defines.get("MF_V3", 1)
+                    assert v3 == (bits != 16)
+                    per_warp = 2 * (kv.PAD + win) + 2 * 2 * (d // 64) * 32 * 8 if v3 else 2 * win  # windows, word records
+                    assert p.shmem == (d // 32) * 33 * p.defines["MF_REP"] * mr * 2 + w * per_warp
                 else:
-                    chunks = -(-(-(-s // 64)) // 32)
+                    u = p.defines.get("MF_U", 1)
+                    assert u == kv.value_tiles_per_lane(bits, mr)
+                    chunks = -(-(-(-s // 64)) // (32 * u))
                     assert d % p.per_cta == 0 and p.per_cta % w == 0
                     assert p.grid[0] == chunks * (d // p.per_cta) * rb
-                    assert p.shmem == 33 * 64 * mr * 2 + w * 2 * win
+                    v3 = p.defines.get("MF_V3", 1)
+                    assert v3 == (bits != 16)
+                    assert p.shmem == 33 * 64 * u * mr * 2 + w * ((2 * (kv.PAD + win) + 2 * 2 * u * 32 * 8) if v3 else 2 * win)
 
 
 def test_step_bytes_max(rng):
@@ -403,9 +410,11 @@ def test_step_bytes_max(rng):
             nb = 2 * n if bits == 16 else kv.tile_nbytes(n, bits)
             if kind == "key":  # 32 tokens of 2 tiles
                 want = max(int(nb[bb, t:t + 64].sum()) for bb in range(2) for t in range(0, nb.shape[1], 64))
-            else:  # 32 tiles of one channel, from multiples of 32
+            else:  # 32 (64) tiles of one channel, from multiples of 32 (64)
                 r = nb.reshape(2, 128, -1)
                 want = max(int(r[bb, dd, u:u + 32].sum()) for bb in range(2) for dd in range(128) for u in range(0, r.shape[2], 32))
+                want2 = max(int(r[bb, dd, u:u + 64].sum()) for bb in range(2) for dd in range(128) for u in range(0, r.shape[2], 64))
+                assert kv.step_bytes_max(ck, 2) == want2
             assert kv.step_bytes_max(ck) == want
 
 
@@ -419,6 +428,125 @@ def test_other_configurations_compile_without_spills(defines):
         ck = qgemm.get(name).compile("sm_90", d)
         res = ck.resources[registry.spec(name).entry]
         assert res.spill_stores == 0 and res.spill_loads == 0, (name, d, res)
+
+
+# ---------------------------------------------------------------------------------------------
+# the version-3 walk (cuda_src/common/mustafar.cuh mf3_prep + mf3_pair) replayed bit for bit:
+# window copy, word records, sorted pairing, merged code words, Duff entry at slot 32 - kmax
+
+
+def _u32(v):
+    return v & 0xFFFFFFFF
+
+
+def _byte_perm(a, b, sel):
+    by = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(by[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def _h2f(h):
+    return float(np.array([h & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+
+
+def _replay_pair(win, bits_ab, kmax, dq_ab, end_ab, nbits):
+    """mf3_pair on a window (bytes, index 0 = buffer start, kv.PAD zero bytes below): the
+    (position, value) products of each word; position -1 = the zero row."""
+    ncw, per = (1, 2) if nbits == 16 else (nbits, 32 // nbits)
+    t = 0 if nbits == 16 else 10 - nbits
+    fm = 0 if nbits == 16 else (((1 << nbits) - 1) << t) * 0x10001
+    rd = lambda o, n: int.from_bytes(bytes(win[kv.PAD + o:kv.PAD + o + n]), "little")  # noqa: E731
+    wd = [None] * (2 * ncw)
+    if nbits != 16:
+        e = [end - kmax * nbits for end in end_ab]
+        lo = [rd(4 * (x >> 5), 4) for x in e]
+        for i in range(ncw):
+            if i == 0 or kmax > i * per:
+                hi = [rd(4 * (x >> 5) + 4 * (i + 1), 4) for x in e]
+                c = [_u32(((h << 32) | l) >> (x & 31)) for l, h, x in zip(lo, hi, e)]
+                lo = hi
+                wd[2 * i], wd[2 * i + 1] = _byte_perm(c[0], c[1], 0x7632), _byte_perm(c[0], c[1], 0x5410)
+    bits = list(bits_ab)
+
+    def gather(c):
+        pos = bits[c].bit_length() - 1
+        bits[c] &= ~(1 << pos) if pos >= 0 else ~0
+        return pos
+
+    rows, out = [gather(0), gather(1)], ([], [])
+    for s in range(32 - kmax, 32):
+        cur = rows
+        if s < 31:
+            rows = [gather(0), gather(1)]
+        if nbits == 16:
+            vals = [_h2f(rd(2 * (end + 31 - kmax) - 2 * s, 2)) for end in end_ab]
+        else:
+            j = s % per
+            x = 16 - nbits * (j % (per // 2) + 1)
+            src = wd[2 * (ncw - 1 - s // per) + (0 if j < per // 2 else 1)]
+            h = ((_u32(src << (t - x)) if t >= x else src >> (x - t)) & fm) | 0x3C003C00
+            vals = [float(np.float16(_h2f(h >> (16 * c)) * _h2f(dq_ab[c]) + _h2f(dq_ab[c] >> 16))) for c in (0, 1)]
+        for c in (0, 1):
+            out[c].append((cur[c], vals[c]))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["key", "value"])
+@pytest.mark.parametrize("bits,compact", LAYOUTS)
+@pytest.mark.parametrize("d,s,sparsity", [(128, 200, 0.7), (64, 130, 0.0), (256, 70, 0.5)])
+def test_version3_walk_replayed(rng, kind, bits, compact, d, s, sparsity):
+    ck = compress(kind, kv.prune(cache(rng, 1, s, d), sparsity), bits, compact)
+    tv = kv.tile_values(ck)[0]
+    bm = ck.bitmaps.view(np.uint64)[0]
+    nst = -(-s // 64)
+    u = d // 64 if kind == "key" else kv.value_tiles_per_lane(bits, 4)
+    win2 = kv.window_bytes(kind, bits, d, kv.step_bytes_max(ck, u if kind == "value" else 1), u)
+    data = kv._pad16(ck.values if bits == 16 else ck.packed)
+    if bits != 16:
+        dqw = np.ascontiguousarray(ck.dq if compact else kv.dequant_constants(ck.scales, ck.zeros, bits)).view(np.uint32).reshape(ck.bitmaps.shape)[0]
+    n_t = kv.popcount(ck.bitmaps)[0]
+    units = n_t if bits == 16 else kv.tile_nbytes(n_t, bits)
+    start = int(ck.counts[0, 0] if bits == 16 else (ck.group_offsets[0, 0] if compact else ck.offsets[0, 0]))
+    off = start + np.concatenate([[0], np.cumsum(units)])  # every tile's offset, as the kernels derive it
+    sc = 2 if bits == 16 else 1
+    if kind == "key":
+        steps = [[[tok * u + j for j in range(u)] if tok < s else [] for tok in range(st * 32, st * 32 + 32)]
+                 for st in range(-(-s // 32))]
+    else:
+        steps = [[[ch * nst + ul + j for j in range(u) if ul + j < nst] for ul in range(u0, u0 + 32 * u, u)]
+                 for ch in range(d) for u0 in range(0, nst, 32 * u)]
+    for lanes in steps:
+        a = (int(off[lanes[0][0]]) * sc) & ~15
+        end = max(int(off[t] + units[t]) for ts in lanes for t in ts)
+        nchunk = (end * sc - a + 15) >> 4
+        assert nchunk <= win2 // 16
+        win = np.concatenate([np.zeros(kv.PAD, np.uint8), rng.integers(0, 256, win2 + 64, dtype=np.uint8)])  # stale bytes
+        win[kv.PAD:kv.PAD + 16 * nchunk] = data[a:a + 16 * nchunk]
+        recs, keys = [], []
+        for ts in lanes:  # mf3_prep: word records (bitmap word, end of its codes) and sorted keys
+            rec = []
+            for w in range(2 * u):
+                t = ts[w // 2] if w // 2 < len(ts) else None
+                word = int(bm[t]) >> (32 * (w % 2)) & 0xFFFFFFFF if t is not None else 0
+                lo = bin(int(bm[t]) & 0xFFFFFFFF).count("1") if t is not None else 0
+                pos = (int(off[t]) - a // sc) * (1 if bits == 16 else 8) if t is not None else 0
+                e = pos + (lo if w % 2 else 0) * (1 if bits == 16 else bits) + bin(word).count("1") * (1 if bits == 16 else bits)
+                rec.append((word, e, t, w))
+            recs.append(rec)
+            keys.append(sorted(((bin(r[0]).count("1") << 3) | r[3] for r in rec), reverse=True))
+        for j in range(0, 2 * u, 2):  # mf3_walk: the words in pairs, kmax = warp max of the larger
+            kmax = max(k[j] for k in keys) >> 3
+            if kmax == 0:
+                continue
+            for lane, rec in enumerate(recs):
+                ra, rb = rec[keys[lane][j] & 7], rec[keys[lane][j + 1] & 7]
+                dq = [int(dqw[r[2]]) if bits != 16 and r[2] is not None else 0 for r in (ra, rb)]
+                got = _replay_pair(win, (ra[0], rb[0]), kmax, dq, (ra[1], rb[1]), bits)
+                for r, prods in zip((ra, rb), got):
+                    vis = {p: v for p, v in prods if p >= 0}
+                    assert len(vis) == sum(p >= 0 for p, _ in prods), "a position visited twice"
+                    assert all(np.isfinite(v) for _, v in prods)
+                    want = {p: float(tv[r[2], 32 * (r[3] % 2) + p]) for p in range(32) if r[0] >> p & 1}
+                    assert vis == want, (lane, j, r[2], r[3])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ for b, s, d, sp, rows in cases:
     for name in qgemm.list("mustafar"):
         runner = qgemm.get(name).spec.runner
         ck = kv._compress(x, runner.kind, runner.bits, None, runner.compact)
-        p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, 132, kv.step_bytes_max(ck))
+        p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, 132, kv.step_bytes_max(ck), kv.step_bytes_max(ck, 2) if runner.kind == "value" else None)
         jobs.add((name, tuple(sorted(p.defines.items()))))
 def go(j):
     qgemm.get(j[0]).compile("sm_90", dict(j[1]))
@@ -52,7 +52,7 @@ has tests && { tail -3 "$OUT/tests.log"; grep -E "^(FAILED|ERROR)|Error|assert" 
 has validate && step validate 25 $PY -m qgemm validate mustafar --shape 5x1031x128 --lq 8 --groups 4 --json "$OUT/validate.json"
 has validate && grep -E "mustafar|FAIL" "$OUT/validate.log" | awk '{print $1, $2, $4, $6, $NF}' | head -12
 
-has profile && step profile ${QGEMM_KV_PROFILE_LIMIT:-45} $PY -m qgemm profile ${QGEMM_KV_PROFILE:-mustafar} --shape 32x16384x128 --cold --json "$OUT/profile-16k-cold.json"
+has profile && step profile ${QGEMM_KV_PROFILE_LIMIT:-120} $PY -m qgemm profile ${QGEMM_KV_PROFILE:-mustafar} --shape 32x16384x128 --cold --json "$OUT/profile-16k-cold.json"
 has profile && grep -E "mustafar|bandwidth" "$OUT/profile.log" | cut -c1-200
 
 if has bench && [ "$BENCH" != none ]; then

@@ -26,6 +26,8 @@
 //   MF_REP    copies of the query rows in shared memory (key kernels: 16 for 4 rows, 8 for 8)
 //   MF_WARPS  warps per CTA
 //   MF_WIN2   bytes of one window stage (sized from the cache's largest step)
+//   MF_V3     1: version 3 (below; the 4/2-bit layouts), 0: version 2 (fp16)
+//   MF_U      value kernels, version 3: tiles per lane (1; 2 is supported, measured slower)
 #pragma once
 #include <cuda_fp16.h>
 // NVRTC has no <stdint.h>: the fixed-width types used here
@@ -120,6 +122,10 @@ __device__ __forceinline__ int mf_warp_max(int v) {
 #endif
 }
 
+// a value ptxas cannot rematerialize (it would otherwise recompute shared addresses from S2R in
+// every word of the walk): one SHFL per step
+__device__ __forceinline__ uint32_t mf_opaque(uint32_t v) { return __shfl_sync(MF_FULL, v, threadIdx.x & 31); }
+
 __device__ __forceinline__ __half2 mf_as_h2(uint32_t u) { return *reinterpret_cast<__half2 *>(&u); }
 
 // shared-memory loads at a 32-bit shared address (one IMAD per gather address, no generic pointers);
@@ -133,6 +139,17 @@ __device__ __forceinline__ uint4 mf_lds128(uint32_t a) {
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
     return v;
+}
+
+__device__ __forceinline__ uint32_t mf_lds32(uint32_t a) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(a) : "memory");
+    return v;
+}
+__device__ __forceinline__ __half mf_lds16(uint32_t a) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(a) : "memory");
+    return __ushort_as_half(v);
 }
 
 // R <= 8 rows of X at a shared address: one 8- or 16-byte load, R/2 half2 FMAs
@@ -524,7 +541,7 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     static_assert(MF_R == 4 || MF_R == 8, "version 2: MF_R must be 4 or 8");
-    static_assert(MF_U == 1, "version 2 value kernels: one tile per lane (a lane's tiles must all be inside the channel)");
+    static_assert(BITS < 0 || MF_U == 1, "version 2 value kernels: one tile per lane (a lane's tiles must all be inside the channel)");
     constexpr int U = MF_U;
     constexpr int NCOL = 64 * U;              // half-tiles of a step
     constexpr int LR = MF_R == 4 ? 2 : 3;     // log2 MF_R
@@ -649,3 +666,663 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     }
 }
 
+
+// =============================================================================================
+// version 3 (MF_V3 = 1; qgemm.kvcache.plan_for uses it for the 4/2-bit layouts, version 2 above
+// for fp16, where version 3 measured slower on the value kernel): the same work split as
+// version 2, with
+//   - a lane's words walked two at a time (mf3_pair): slot s takes the next set bit of each word,
+//     so every slot has two independent FLO chains and accumulator chains (the kernels are
+//     latency-bound at ~6.5 warps per scheduler; ncu, docs/perf/NOTES.md);
+//   - the words paired in decreasing popcount order (MF_SORT: the two largest, then the next two):
+//     each walk is bounded by the warp's largest word of the rank instead of by the fullest lane
+//     of one fixed word; the words' bitmaps and code ends go through shared memory records
+//     ([word][lane], conflict-free) so the walk loop stays one copy of code;
+//   - the unrolled slots entered through one computed branch at slot 32 - kmax (Duff's device,
+//     no loop test per slot), the codes read at compile-time bit positions of "virtual" code
+//     words whose top 32 - kmax codes are never used; the two words' code words merged with one
+//     PRMT so a slot's two codes sit 16 bits apart (one shift and a LOP3 per slot);
+//   - plain and fp16 layouts read every lane's tile offsets / counts (no warp scan);
+//   - a pipeline that holds only the next-but-one step's metadata in registers: at the start of
+//     step i the metadata of step i+1 becomes its window copy, word records (double-buffered) and
+//     sort keys (mf3_prep), and step i+2's metadata is loaded.
+
+#ifndef MF_V3
+#define MF_V3 1
+#endif
+#ifndef MF_SORT
+#define MF_SORT 1
+#endif
+#define MF_PAD 64  // zero bytes below each window stage (reads below a lane's first code / value stay finite)
+
+#define MF3_CASES32 \
+    case 0: w.template slot<0>(acc, acc2); [[fallthrough]]; \
+    case 1: w.template slot<1>(acc, acc2); [[fallthrough]]; \
+    case 2: w.template slot<2>(acc, acc2); [[fallthrough]]; \
+    case 3: w.template slot<3>(acc, acc2); [[fallthrough]]; \
+    case 4: w.template slot<4>(acc, acc2); [[fallthrough]]; \
+    case 5: w.template slot<5>(acc, acc2); [[fallthrough]]; \
+    case 6: w.template slot<6>(acc, acc2); [[fallthrough]]; \
+    case 7: w.template slot<7>(acc, acc2); [[fallthrough]]; \
+    case 8: w.template slot<8>(acc, acc2); [[fallthrough]]; \
+    case 9: w.template slot<9>(acc, acc2); [[fallthrough]]; \
+    case 10: w.template slot<10>(acc, acc2); [[fallthrough]]; \
+    case 11: w.template slot<11>(acc, acc2); [[fallthrough]]; \
+    case 12: w.template slot<12>(acc, acc2); [[fallthrough]]; \
+    case 13: w.template slot<13>(acc, acc2); [[fallthrough]]; \
+    case 14: w.template slot<14>(acc, acc2); [[fallthrough]]; \
+    case 15: w.template slot<15>(acc, acc2); [[fallthrough]]; \
+    case 16: w.template slot<16>(acc, acc2); [[fallthrough]]; \
+    case 17: w.template slot<17>(acc, acc2); [[fallthrough]]; \
+    case 18: w.template slot<18>(acc, acc2); [[fallthrough]]; \
+    case 19: w.template slot<19>(acc, acc2); [[fallthrough]]; \
+    case 20: w.template slot<20>(acc, acc2); [[fallthrough]]; \
+    case 21: w.template slot<21>(acc, acc2); [[fallthrough]]; \
+    case 22: w.template slot<22>(acc, acc2); [[fallthrough]]; \
+    case 23: w.template slot<23>(acc, acc2); [[fallthrough]]; \
+    case 24: w.template slot<24>(acc, acc2); [[fallthrough]]; \
+    case 25: w.template slot<25>(acc, acc2); [[fallthrough]]; \
+    case 26: w.template slot<26>(acc, acc2); [[fallthrough]]; \
+    case 27: w.template slot<27>(acc, acc2); [[fallthrough]]; \
+    case 28: w.template slot<28>(acc, acc2); [[fallthrough]]; \
+    case 29: w.template slot<29>(acc, acc2); [[fallthrough]]; \
+    case 30: w.template slot<30>(acc, acc2); [[fallthrough]]; \
+    case 31: w.template slot<31>(acc, acc2); [[fallthrough]]; \
+    default: break;
+
+// Two words of a lane walked together: slot s (0..31) takes the next set bit of each (two
+// independent FLO chains and accumulator chains: twice the latency hiding of one word per slot),
+// entered at slot 32 - kmax, kmax the warp's largest popcount of word A (the lane's larger word
+// when sorted). Word X's virtual code s <-> code n_X - 1 + s0 - s, s0 = 32 - kmax; the two
+// words' code words are merged so that a slot's two codes sit 16 bits apart (one PRMT per 32-bit
+// word of each), A in the low half.
+template <int BITS>
+struct Mf3Pair {
+    static constexpr int NCW = BITS == 16 ? 1 : BITS;       // 32-bit words of 32 virtual codes
+    static constexpr int PER = BITS == 16 ? 2 : 32 / BITS;  // codes per 32-bit word
+    static constexpr int T = BITS == 16 ? 0 : 10 - BITS;    // code at mantissa bits [T, 10)
+    typedef typename MfRow<MF_R>::T XT;
+    uint32_t ba, bb, xa, xb;
+    int xstride;
+    uint32_t wd[2 * NCW];  // [2i]: top halves of code words i of A (low) and B (high); [2i+1]: bottom halves
+    __half2 dqm, dqa;      // (A, B) dequantization constants
+    uint32_t fm, vta, vtb;
+    XT rw[2][2];           // [slot & 1][word]
+
+    __device__ __forceinline__ XT gather(uint32_t &bits, uint32_t xrow) {
+        const int pos = 31 - __clz(bits);
+        bits &= ~__funnelshift_l(0u, 1u, pos);
+        return MfRow<MF_R>::load(xrow + pos * xstride);
+    }
+    template <int s>
+    __device__ __forceinline__ void slot(__half2 (&acc)[MF_R / 2], __half2 (&acc2)[MF_R / 2]) {
+        constexpr int c = s & 1;
+        if (s < 31) {
+            rw[c ^ 1][0] = gather(ba, xa);
+            rw[c ^ 1][1] = gather(bb, xb);
+        }
+        __half2 va, vb;
+        if constexpr (BITS == 16) {
+            va = __half2half2(mf_lds16(vta - 2 * s));
+            vb = __half2half2(mf_lds16(vtb - 2 * s));
+        } else {
+            constexpr int ci = NCW - 1 - s / PER;          // the 32-bit word of virtual code s
+            constexpr int j = s % PER;                     // its code, from the top
+            constexpr int X = 16 - BITS * (j % (PER / 2) + 1);
+            const uint32_t src = wd[2 * ci + (j < PER / 2 ? 0 : 1)];
+            const uint32_t sft = T >= X ? (src << (T >= X ? T - X : 0)) : (src >> (T < X ? X - T : 0));
+            const uint32_t h = (sft & fm) | 0x3C003C00u;   // (A, B) as 1 + q / 2^BITS
+            const __half2 vv = __hfma2(mf_as_h2(h), dqm, dqa);
+            va = __low2half2(vv);
+            vb = __high2half2(vv);
+        }
+        MfRow<MF_R>::fma(rw[c][0], va, acc);
+        MfRow<MF_R>::fma(rw[c][1], vb, acc2);
+    }
+};
+
+template <int BITS>
+__device__ __forceinline__ void mf3_pair(uint32_t bits_a, uint32_t bits_b, int kmax, uint32_t dq_a, uint32_t dq_b, uint32_t sbuf,
+                                         int end_a, int end_b, uint32_t xrow_a, uint32_t xrow_b, int xstride,
+                                         __half2 (&acc)[MF_R / 2], __half2 (&acc2)[MF_R / 2]) {
+    typedef Mf3Pair<BITS> W;
+    constexpr uint32_t FM = BITS == 16 ? 0u : (((1u << BITS) - 1u) << W::T) * 0x10001u;
+    W w;
+    w.ba = bits_a;
+    w.bb = bits_b;
+    w.xa = xrow_a;
+    w.xb = xrow_b;
+    w.xstride = xstride;
+    w.vta = sbuf + 2 * (end_a + 31 - kmax);  // virtual value 0 of each word (fp16)
+    w.vtb = sbuf + 2 * (end_b + 31 - kmax);
+    w.dqm = w.dqa = __float2half2_rn(0.0f);
+    w.fm = 0u;
+    if (BITS == 16) w.wd[0] = w.wd[1] = 0u;
+    if (BITS != 16) {
+        const int ea = end_a - kmax * BITS, eb = end_b - kmax * BITS;  // bit of virtual code 31's start
+        const uint32_t pa = sbuf + 4 * (ea >> 5), pb = sbuf + 4 * (eb >> 5);
+        const int sa = ea & 31, sb = eb & 31;
+        uint32_t la = mf_lds32(pa), lb = mf_lds32(pb);
+#pragma unroll
+        for (int i = 0; i < W::NCW; ++i) {
+            if (i == 0 || kmax > i * W::PER) {             // only the words of slots >= 32 - kmax
+                const uint32_t ha = mf_lds32(pa + 4 * (i + 1)), hb = mf_lds32(pb + 4 * (i + 1));
+                const uint32_t ca = __funnelshift_r(la, ha, sa), cb = __funnelshift_r(lb, hb, sb);
+                la = ha;
+                lb = hb;
+                w.wd[2 * i] = __byte_perm(ca, cb, 0x7632);
+                w.wd[2 * i + 1] = __byte_perm(ca, cb, 0x5410);
+            }
+        }
+        w.dqm = mf_as_h2(__byte_perm(dq_a, dq_b, 0x5410));
+        w.dqa = mf_as_h2(__byte_perm(dq_a, dq_b, 0x7632));
+        w.fm = FM;
+    }
+    if (kmax & 1) {  // s0 odd (gathered straight into the entry slot's set)
+        w.rw[1][0] = w.gather(w.ba, w.xa);
+        w.rw[1][1] = w.gather(w.bb, w.xb);
+    } else {
+        w.rw[0][0] = w.gather(w.ba, w.xa);
+        w.rw[0][1] = w.gather(w.bb, w.xb);
+    }
+    switch (32 - kmax) { MF3_CASES32 }  // kmax in 1..32
+}
+
+// sorting networks (descending) on the packed word keys (popcount << 3 | word)
+template <int NW>
+__device__ __forceinline__ void mf3_sort(int (&k)[NW]) {
+    auto cs = [&](int a, int b) {
+        const int hi = max(k[a], k[b]), lo = min(k[a], k[b]);
+        k[a] = hi;
+        k[b] = lo;
+    };
+    if (NW == 2) {
+        cs(0, 1);
+    } else if (NW == 4) {
+        cs(0, 1); cs(2, 3); cs(0, 2); cs(1, 3); cs(1, 2);
+    } else if (NW == 8) {
+        cs(0, 1); cs(2, 3); cs(4, 5); cs(6, 7); cs(0, 2); cs(1, 3); cs(4, 6); cs(5, 7); cs(1, 2); cs(5, 6);
+        cs(0, 4); cs(3, 7); cs(1, 5); cs(2, 6); cs(1, 4); cs(3, 6); cs(2, 4); cs(3, 5); cs(3, 4);
+    }
+}
+
+template <int U>
+struct Mf3Meta {
+    uint32_t w[2 * U];  // bitmap words of the lane's U tiles (0: no tile)
+    uint32_t dq[U];     // plain: scale bits; compact: dq half2 bits; fp16: unused
+    float zero[U];      // plain: zero points
+    int off[U];         // plain: byte offsets, fp16: value indices of the tiles; compact: unused
+    int base;           // compact: the group offset of the step's first tile (the same for all lanes)
+};
+
+// metadata of a lane's U tiles from flat tile index t (tiles t .. t+U-1; the first nt valid);
+// oi: plain / fp16 index of tile t in offs; gi: compact group-offset index of the step.
+// VEC: 16-byte vector loads (keys: t a multiple of U, all U tiles valid or none).
+template <int BITS, bool COMPACT, int U, bool VEC>
+__device__ __forceinline__ void mf3_load(Mf3Meta<U> &m, const uint32_t *__restrict__ bmp, const int *__restrict__ offs,
+                                         const void *__restrict__ scl, const float *__restrict__ zer, size_t t, int nt,
+                                         size_t oi, size_t gi) {
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+        m.w[2 * j] = m.w[2 * j + 1] = 0u;
+        m.dq[j] = 0u;
+        m.zero[j] = 0.0f;
+        m.off[j] = 0;
+    }
+    const uint32_t *sp = reinterpret_cast<const uint32_t *>(scl) + t;
+    const uint32_t *zp = reinterpret_cast<const uint32_t *>(zer) + t;
+    if (VEC && U > 1) {
+        if (nt > 0) {
+#pragma unroll
+            for (int j = 0; j < U / 2; ++j) {
+                const uint4 v = __ldg(reinterpret_cast<const uint4 *>(bmp) + t / 2 + j);
+                m.w[4 * j + 0] = v.x;
+                m.w[4 * j + 1] = v.y;
+                m.w[4 * j + 2] = v.z;
+                m.w[4 * j + 3] = v.w;
+            }
+            if (BITS != 16) {
+                if (U == 2) {
+                    const uint2 v = __ldg(reinterpret_cast<const uint2 *>(sp));
+                    m.dq[0] = v.x;
+                    m.dq[1] = v.y;
+                    if (!COMPACT) {
+                        const uint2 z = __ldg(reinterpret_cast<const uint2 *>(zp));
+                        m.zero[0] = __uint_as_float(z.x);
+                        m.zero[1] = __uint_as_float(z.y);
+                        const int2 o = __ldg(reinterpret_cast<const int2 *>(offs + oi));
+                        m.off[0] = o.x;
+                        m.off[1] = o.y;
+                    }
+                } else {
+                    const uint4 v = __ldg(reinterpret_cast<const uint4 *>(sp));
+                    m.dq[0] = v.x;
+                    m.dq[1] = v.y;
+                    m.dq[2 % U] = v.z;
+                    m.dq[3 % U] = v.w;
+                    if (!COMPACT) {
+                        const uint4 z = __ldg(reinterpret_cast<const uint4 *>(zp));
+                        m.zero[0] = __uint_as_float(z.x);
+                        m.zero[1] = __uint_as_float(z.y);
+                        m.zero[2 % U] = __uint_as_float(z.z);
+                        m.zero[3 % U] = __uint_as_float(z.w);
+                        const int4 o = __ldg(reinterpret_cast<const int4 *>(offs + oi));
+                        m.off[0] = o.x;
+                        m.off[1] = o.y;
+                        m.off[2 % U] = o.z;
+                        m.off[3 % U] = o.w;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < U; ++j) m.off[j] = __ldg(offs + oi + j);  // counts [B, T+1]: no alignment
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            if (j < nt) {
+                const uint2 v = __ldg(reinterpret_cast<const uint2 *>(bmp) + t + j);
+                m.w[2 * j] = v.x;
+                m.w[2 * j + 1] = v.y;
+                if (BITS != 16) {
+                    m.dq[j] = __ldg(sp + j);
+                    if (!COMPACT) m.zero[j] = __uint_as_float(__ldg(zp + j));
+                }
+                if (BITS == 16 || !COMPACT) m.off[j] = __ldg(offs + oi + j);
+            }
+        }
+    }
+    m.base = COMPACT ? __ldg(offs + gi) : 0;
+}
+
+// Sort keys: popcount << 3 | word, 16 bits each, two per register (in walk order)
+template <int NW>
+struct MfKeys {
+    static constexpr int NK = NW / 2;
+    uint32_t k[NK];
+};
+
+// Everything of a step that can be done as soon as its metadata is in registers: the window copy
+// (cp.async into buf), the per-tile dequantization constants, the word records (bitmap word, end
+// of its codes / values in the window) into rec (the lane's first record of this step's buffer,
+// [word][lane]), and the words' walk order (sorted by popcount, MF_SORT). After it the metadata
+// registers are free for the step after.
+template <int BITS, bool COMPACT, int U>
+__device__ __forceinline__ void mf3_prep(const Mf3Meta<U> &m, int nt, const uint8_t *__restrict__ data, uint8_t *buf, int lane,
+                                         uint2 *rec, uint32_t (&dq)[U], MfKeys<2 * U> &keys) {
+    constexpr int NW = 2 * U;
+    constexpr int SC = BITS == 16 ? 2 : 1;  // bytes per unit
+    int units[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) units[j] = mf2_units<BITS>(__popc(m.w[2 * j]) + __popc(m.w[2 * j + 1]));
+    int start, end, pos[U];  // in units
+    if (COMPACT) {
+        int tot = 0;
+#pragma unroll
+        for (int j = 0; j < U; ++j) tot += units[j];
+        int incl = tot;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(MF_FULL, incl, o);
+            if (lane >= o) incl += y;
+        }
+        start = m.base;
+        end = m.base + __shfl_sync(MF_FULL, incl, 31);
+        int p = m.base + incl - tot;
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            pos[j] = p;
+            p += units[j];
+        }
+    } else {
+        start = __shfl_sync(MF_FULL, m.off[0], 0);  // lane 0's first tile is the step's first
+        int e = 0;
+#pragma unroll
+        for (int j = 0; j < U; ++j) {
+            e = max(e, m.off[j] + units[j]);  // (absent tiles: 0 + 0)
+            pos[j] = m.off[j];
+        }
+        end = mf_warp_max(e);
+    }
+    const int a = (start * SC) & ~15;
+    const int nchunk = min((end * SC - a + 15) >> 4, MF_WIN2 / 16);
+    for (int c = lane; c < nchunk; c += 32) mf_cp16(buf + 16 * c, data + a + 16 * c);
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+        dq[j] = m.dq[j];
+        if (BITS != 16 && !COMPACT) {  // the fp16 constants, exactly as qgemm.kvcache.dequant_constants
+            const float sc = __uint_as_float(m.dq[j]);
+            const float mult = sc * (float)(1 << BITS);
+            const float add = __fsub_rn(__fmul_rn(-m.zero[j], sc), mult);
+            const __half2 h = __halves2half2(__float2half_rn(mult), __float2half_rn(add));
+            dq[j] = *reinterpret_cast<const uint32_t *>(&h);
+        }
+    }
+    int key[NW];
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+        const int j = w / 2;
+        const int nw = __popc(m.w[w]);
+        // position of the word's first code / value in the window (units -> bits for codes)
+        int e = j < nt ? (BITS == 16 ? pos[j] - a / SC : 8 * (pos[j] - a)) : 0;
+        if (w & 1) e += BITS == 16 ? __popc(m.w[w - 1]) : __popc(m.w[w - 1]) * BITS;
+        e += BITS == 16 ? nw : nw * BITS;                 // just past its last one
+        rec[w * 32] = make_uint2(m.w[w], (uint32_t)e);
+        key[w] = (nw << 3) | w;
+    }
+    if (MF_SORT) mf3_sort<NW>(key);
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) keys.k[i] = (uint32_t)key[2 * i] | ((uint32_t)key[2 * i + 1] << 16);
+}
+
+// The lane's words of a step in key order: acc[r] += sum over their non-zeros of value * X[pos][r].
+// Word w's X rows start at xw0 + w * xwstep (its row -1 is zeros), position rows xstride bytes
+// apart; srec: the shared address of the lane's first record in the step's buffer.
+template <int BITS, int U>
+__device__ __forceinline__ void mf3_walk(MfKeys<2 * U> keys, const uint32_t (&dq)[U], uint32_t sbuf, uint32_t srec,
+                                         uint32_t xw0, int xwstep, int xstride, float (&acc)[MF_R]) {
+    constexpr int NW = 2 * U;
+    auto tile_dq = [&](int idx) {  // the word's tile (bit tests: a chain of == made ptxas index a local array)
+        uint32_t d = dq[0];
+        if (U == 2) d = (idx & 2) ? dq[1 % U] : dq[0];
+        if (U == 4) d = (idx & 4) ? ((idx & 2) ? dq[3 % U] : dq[2 % U]) : ((idx & 2) ? dq[1 % U] : dq[0]);
+        return d;
+    };
+    auto add = [&](const __half2 (&h)[MF_R / 2]) {
+#pragma unroll
+        for (int i = 0; i < MF_R / 2; ++i) {
+            const float2 f = __half22float2(h[i]);
+            acc[2 * i] += f.x;
+            acc[2 * i + 1] += f.y;
+        }
+    };
+    // one copy of the walk: a rolled loop over the pairs of words (the two largest, then the next
+    // two), the keys shifted down after each
+#pragma unroll 1
+    for (int j = 0; j < NW / 2; ++j) {
+        const uint32_t k = keys.k[0];
+        const int ka = k & 0xffff, kb = k >> 16;
+        const int kmax = mf_warp_max(MF_SORT ? ka : max(ka, kb)) >> 3;
+        if (kmax > 0) {
+            const int ia = ka & 7, ib = kb & 7;
+            const uint2 ra = mf_lds64(srec + ia * 256), rb = mf_lds64(srec + ib * 256);
+            __half2 ha[MF_R / 2], hb[MF_R / 2];
+#pragma unroll
+            for (int i = 0; i < MF_R / 2; ++i) ha[i] = hb[i] = __float2half2_rn(0.0f);
+            mf3_pair<BITS>(ra.x, rb.x, kmax, tile_dq(ia), tile_dq(ib), sbuf, (int)ra.y, (int)rb.y, xw0 + ia * xwstep,
+                           xw0 + ib * xwstep, xstride, ha, hb);
+            add(ha);
+            add(hb);
+        }
+#pragma unroll
+        for (int i = 0; i + 1 < NW / 2; ++i) keys.k[i] = keys.k[i + 1];
+    }
+}
+
+// zero the pads below a warp's two window stages (wb: the warp's region)
+__device__ __forceinline__ void mf3_zero_pads(uint8_t *wb, int lane) {
+    if (lane < 2 * MF_PAD / 16) {
+        const int st = lane / (MF_PAD / 16), c = lane % (MF_PAD / 16);
+        *reinterpret_cast<uint4 *>(wb + st * (MF_PAD + MF_WIN2) + 16 * c) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// The per-warp pipeline of both kernels. Step i: its metadata was loaded into registers during
+// step i-2 and consumed by mf3_prep at the start of step i-1 (window copy issued, records written
+// to buffer i & 1, keys / dq kept); so at the start of step i the metadata of step i+1 (loaded during
+// step i-1) is prepped, the metadata of step i+2 is loaded (the only registers in flight), then
+// step i's window is awaited and walked. In the prologue step 0 is prepped (its window requested
+// before anything of step 1: prepping steps 0 and 1 together measured 2 us slower on keys).
+// Per warp: [pad | window 0 | pad | window 1 | records 0 | records 1], MF3_WARP_BYTES.
+#define MF3_WARP_BYTES(NW) (2 * (MF_PAD + MF_WIN2) + 2 * (NW) * 32 * 8)
+
+// ---------------------------------------------------------------------------------------------
+// key kernel v3 (layout and grid as version 2)
+
+template <int BITS, bool COMPACT>
+__device__ __forceinline__ void mf3_key(MF_PARAMS) {
+    constexpr int U = MF_D / 64;
+    constexpr int NW = 2 * U;
+    constexpr int BLK = 33 * MF_REP * MF_R * 2;  // bytes of one 32-dim block of query rows
+    extern __shared__ __align__(16) uint8_t mf_smem[];
+    uint8_t *xs = mf_smem;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint8_t *wb = mf_smem + MF_XS_BYTES + warp * MF3_WARP_BYTES(NW);
+    uint8_t *win0 = wb + MF_PAD, *win1 = wb + 2 * MF_PAD + MF_WIN2;
+    uint2 *rec0 = reinterpret_cast<uint2 *>(wb + 2 * (MF_PAD + MF_WIN2)) + lane, *rec1 = rec0 + NW * 32;
+    const uint32_t swin0 = (uint32_t)__cvta_generic_to_shared(win0), swin1 = swin0 + MF_PAD + MF_WIN2;
+    const uint32_t srec0 = (uint32_t)__cvta_generic_to_shared(rec0), srec1 = srec0 + NW * 256;
+
+    const int b = blockIdx.y;
+    const int rb = (R + MF_R - 1) / MF_R;
+    const int row0 = (blockIdx.x % rb) * MF_R;
+    const int nr = min(MF_R, R - row0);
+    const int T = S * U;
+    const int steps_b = (S + 31) >> 5;
+    const int cs = (blockIdx.x / rb) * per_cta;
+    const int ce = min(cs + per_cta, steps_b);
+    const int n = cs + warp < ce ? (ce - cs - warp + MF_WARPS - 1) / MF_WARPS : 0;
+    const size_t tb = (size_t)b * T;
+    const size_t ob = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * ((T + 15) / 16 + 1) : tb);
+
+    auto tok = [&](int i) { return (cs + warp + i * MF_WARPS) * 32 + lane; };
+    auto meta = [&](Mf3Meta<U> &m, int i) {
+        const int s = tok(i);
+        const int t0 = (s - lane) * U;
+        mf3_load<BITS, COMPACT, U, true>(m, bmp, offs, scl, zer, tb + (size_t)s * U, s < S ? U : 0, ob + (size_t)s * U,
+                                         ob + t0 / 16);
+    };
+
+    // prologue: step 0's metadata and the queries loaded together; step 0's window requested
+    // before step 1's metadata (the first walk waits for it alone), the queries staged meanwhile
+    mf3_zero_pads(wb, lane);
+    Mf3Meta<U> m;
+    if (n > 0) meta(m, 0);
+    constexpr int ND = (MF_D + MF_THREADS - 1) / MF_THREADS;
+    uint32_t hq[ND][MF_R / 2];  // this thread's dims of the row block's queries, row pairs as half2
+#pragma unroll
+    for (int k = 0; k < ND; ++k) {
+        const int d = threadIdx.x + k * MF_THREADS;
+#pragma unroll
+        for (int j = 0; j < MF_R / 2; ++j) {
+            const bool ok = d < MF_D;
+            const __half h0 = ok && 2 * j < nr ? x[((size_t)b * R + row0 + 2 * j) * MF_D + d] : __float2half_rn(0.0f);
+            const __half h1 = ok && 2 * j + 1 < nr ? x[((size_t)b * R + row0 + 2 * j + 1) * MF_D + d] : __float2half_rn(0.0f);
+            const __half2 h = __halves2half2(h0, h1);
+            hq[k][j] = *reinterpret_cast<const uint32_t *>(&h);
+        }
+    }
+    uint32_t dq[U], dqn[U];
+    MfKeys<NW> keys, keysn;
+    if (n > 0) mf3_prep<BITS, COMPACT, U>(m, tok(0) < S ? U : 0, data, win0, lane, rec0, dq, keys);
+    mf_commit();
+    if (n > 1) meta(m, 1);
+
+    // queries of this row block, REP interleaved copies; row 0 of each block of 32 dims is zeros
+#pragma unroll
+    for (int k = 0; k < ND; ++k) {
+        const int d = threadIdx.x + k * MF_THREADS;
+        if (d < MF_D) {
+            uint8_t *dst = xs + (size_t)(((d >> 5) * 33 + 1 + (d & 31)) * MF_REP) * MF_R * 2;
+#pragma unroll
+            for (int rep = 0; rep < MF_REP; ++rep) {
+                if (MF_R == 4) *reinterpret_cast<uint2 *>(dst + rep * 8) = make_uint2(hq[k][0], hq[k][1]);
+                else *reinterpret_cast<uint4 *>(dst + rep * 16) = make_uint4(hq[k][0], hq[k][1], hq[k][2 % (MF_R / 2)], hq[k][3 % (MF_R / 2)]);
+            }
+        }
+    }
+    for (int i = threadIdx.x; i < (MF_D / 32) * MF_REP * MF_R / 4; i += MF_THREADS) {
+        const int blk = i / (MF_REP * MF_R / 4), k = i % (MF_REP * MF_R / 4);
+        *reinterpret_cast<uint2 *>(xs + (size_t)blk * 33 * MF_REP * MF_R * 2 + k * 8) = make_uint2(0u, 0u);
+    }
+    __syncthreads();
+
+    __half *scores = reinterpret_cast<__half *>(out) + ((size_t)b * R + row0) * S;
+    const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(xs) + (MF_REP + (lane % MF_REP)) * MF_R * 2);
+    for (int i = 0; i < n; ++i) {
+        if (i + 1 < n)
+            mf3_prep<BITS, COMPACT, U>(m, tok(i + 1) < S ? U : 0, data, (i & 1) ? win0 : win1, lane, (i & 1) ? rec0 : rec1, dqn,
+                                       keysn);
+        mf_commit();
+        if (i + 2 < n) meta(m, i + 2);
+        mf_wait1();
+        __syncwarp();
+        float acc[MF_R];
+#pragma unroll
+        for (int j = 0; j < MF_R; ++j) acc[j] = 0.0f;
+        mf3_walk<BITS, U>(keys, dq, mf_opaque((i & 1) ? swin1 : swin0), mf_opaque((i & 1) ? srec1 : srec0), xw0, BLK,
+                          MF_REP * MF_R * 2, acc);
+        __syncwarp();
+        const int s = tok(i);
+        if (s < S) {
+#pragma unroll
+            for (int r = 0; r < MF_R; ++r) {
+                if (r < nr) scores[(size_t)r * S + s] = __float2half_rn(acc[r]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < U; ++j) dq[j] = dqn[j];
+        keys = keysn;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// value kernel v3: as version 2, MF_U (1 or 2) consecutive tiles per lane (the lane's tiles past
+// the end of the channel are empty)
+
+template <int BITS, bool COMPACT>
+__device__ __forceinline__ void mf3_value(MF_PARAMS) {
+    constexpr int U = MF_U;
+    static_assert(U == 1 || U == 2, "MF_U must be 1 or 2");
+    constexpr int NW = 2 * U;
+    constexpr int NCOL = 64 * U;              // half-tiles of a step
+    constexpr int LR = MF_R == 4 ? 2 : 3;     // log2 MF_R
+    extern __shared__ __align__(16) uint8_t mf_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint8_t *ps = mf_smem;                    // [33 positions][NCOL][MF_R] halfs; row 0 zeros
+    uint8_t *wb = mf_smem + 33 * NCOL * MF_R * 2 + warp * MF3_WARP_BYTES(NW);
+    uint8_t *win0 = wb + MF_PAD, *win1 = wb + 2 * MF_PAD + MF_WIN2;
+    uint2 *rec0 = reinterpret_cast<uint2 *>(wb + 2 * (MF_PAD + MF_WIN2)) + lane, *rec1 = rec0 + NW * 32;
+    const uint32_t swin0 = (uint32_t)__cvta_generic_to_shared(win0), swin1 = swin0 + MF_PAD + MF_WIN2;
+    const uint32_t srec0 = (uint32_t)__cvta_generic_to_shared(rec0), srec1 = srec0 + NW * 256;
+
+    const int b = blockIdx.y;
+    const int rb = (R + MF_R - 1) / MF_R;
+    const int ncg = MF_D / per_cta;
+    const int row0 = (blockIdx.x % rb) * MF_R;
+    const int cg = (blockIdx.x / rb) % ncg;
+    const int chunk = blockIdx.x / (rb * ncg);
+    const int nr = min(MF_R, R - row0);
+    const int nst = (S + 63) >> 6;           // tiles per channel
+    const int T = MF_D * nst;
+    const int u0 = chunk * 32 * U;           // first tile of the chunk (of each channel)
+    const int gpr = (nst + 15) >> 4;         // compact groups per channel
+    const int n = per_cta / MF_WARPS;        // this warp's steps (channels)
+    const size_t tb = (size_t)b * T;
+    const size_t ob = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * (MF_D * gpr + 1) : tb);
+    const int ul = u0 + lane * U;            // the lane's first tile in each channel
+    const int nt = max(0, min(U, nst - ul));
+
+    auto chan = [&](int i) { return cg * per_cta + warp + i * MF_WARPS; };
+    auto meta = [&](Mf3Meta<U> &m, int i) {
+        const int d = chan(i);
+        const size_t t = (size_t)d * nst + ul;
+        mf3_load<BITS, COMPACT, U, U == 1>(m, bmp, offs, scl, zer, tb + t, nt, ob + t, ob + (size_t)d * gpr + (u0 >> 4));
+    };
+
+    // prologue: step 0 prepped (its window requested first), step 1's metadata loaded, then the
+    // staging of the probabilities
+    mf3_zero_pads(wb, lane);
+    Mf3Meta<U> m;
+    uint32_t dq[U], dqn[U];
+    MfKeys<NW> keys, keysn;
+    if (n > 0) {
+        meta(m, 0);
+        mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
+    }
+    mf_commit();
+    if (n > 1) meta(m, 1);
+
+    // probabilities of the chunk: token 64 * (u0 + U * l + j) + 32 h + pos -> ps[1 + pos][(2 j + h) * 32 + l][r]
+    const int s0 = u0 * 64;
+    constexpr int G8 = 2048 * U / 8;         // 8-token groups of the chunk
+    const bool vec = (S & 7) == 0;
+    __half *dst = reinterpret_cast<__half *>(ps);
+    constexpr int NB = 4;  // loads in flight per thread before their stores
+    for (int i0 = threadIdx.x; i0 < MF_R * G8; i0 += NB * MF_THREADS) {
+        uint4 u[NB];
+#pragma unroll
+        for (int k = 0; k < NB; ++k) {
+            const int i = i0 + k * MF_THREADS;
+            const int r = i / G8, g = i % G8;
+            const int s = s0 + 8 * g;
+            const __half *src = x + ((size_t)b * R + row0 + min(r, nr - 1)) * S;
+            if (i < MF_R * G8 && r < nr && vec && s + 8 <= S) {
+                u[k] = __ldg(reinterpret_cast<const uint4 *>(src + s));
+            } else {
+                __half h[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) h[j] = (i < MF_R * G8 && r < nr && s + j < S) ? src[s + j] : __float2half_rn(0.0f);
+                u[k] = *reinterpret_cast<const uint4 *>(h);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < NB; ++k) {
+            const int i = i0 + k * MF_THREADS;
+            if (i >= MF_R * G8) break;
+            const int r = i / G8, g = i % G8;
+            const __half *hv = reinterpret_cast<const __half *>(&u[k]);
+            const int o = 8 * g;                 // token offset in the chunk
+            const int tl = o >> 6;               // tile of the chunk: lane tl / U, its tile j = tl % U
+            const int col = (2 * (tl % U) + ((o >> 5) & 1)) * 32 + tl / U;
+            const int pos0 = o & 31;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dst[((1 + pos0 + j) * NCOL + col) * MF_R + r] = hv[j];
+        }
+    }
+    for (int i = threadIdx.x; i < NCOL * MF_R; i += MF_THREADS) dst[i] = __float2half_rn(0.0f);
+    __syncthreads();
+
+    float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
+    const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2);
+    const int myrow = lane >> (5 - LR);      // the row this lane holds after the reduce-scatter
+    for (int i = 0; i < n; ++i) {  // as in mf3_key
+        if (i + 1 < n) mf3_prep<BITS, COMPACT, U>(m, nt, data, (i & 1) ? win0 : win1, lane, (i & 1) ? rec0 : rec1, dqn, keysn);
+        mf_commit();
+        if (i + 2 < n) meta(m, i + 2);
+        mf_wait1();
+        __syncwarp();
+        float v[MF_R];
+#pragma unroll
+        for (int j = 0; j < MF_R; ++j) v[j] = 0.0f;
+        mf3_walk<BITS, U>(keys, dq, mf_opaque((i & 1) ? swin1 : swin0), mf_opaque((i & 1) ? srec1 : srec0), xw0, 32 * MF_R * 2,
+                          NCOL * MF_R * 2, v);
+        __syncwarp();
+#pragma unroll
+        for (int k = 0; k < LR; ++k) {
+            const int off = 16 >> k, half = MF_R >> (k + 1);
+            const bool up = (lane & off) != 0;
+#pragma unroll
+            for (int j = 0; j < half; ++j) {
+                const float send = up ? v[j] : v[j + half];
+                const float keep = up ? v[j + half] : v[j];
+                v[j] = keep + __shfl_xor_sync(MF_FULL, send, off);
+            }
+        }
+#pragma unroll
+        for (int off = 16 >> LR; off; off >>= 1) v[0] += __shfl_xor_sync(MF_FULL, v[0], off);
+        if ((lane & ((32 >> LR) - 1)) == 0 && myrow < nr) atomicAdd(o + (size_t)myrow * MF_D + chan(i), v[0]);
+#pragma unroll
+        for (int j = 0; j < U; ++j) dq[j] = dqn[j];
+        keys = keysn;
+    }
+}
+
+#if MF_V3
+#define MF_KEY mf3_key
+#define MF_VALUE mf3_value
+#else
+#define MF_KEY mf2_key
+#define MF_VALUE mf2_value
+#endif

@@ -3,5 +3,5 @@
 #include "common/mustafar.cuh"
 
 extern "C" __global__ void __launch_bounds__(MF_THREADS, MF_MIN_CTAS) mustafar_key_fp16(MF_PARAMS) {
-    mf2_key<16, false>(MF_ARGS);
+    MF_KEY<16, false>(MF_ARGS);
 }

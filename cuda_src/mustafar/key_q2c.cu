@@ -3,5 +3,5 @@
 #include "common/mustafar.cuh"
 
 extern "C" __global__ void __launch_bounds__(MF_THREADS, MF_MIN_CTAS) mustafar_key_q2c(MF_PARAMS) {
-    mf2_key<2, true>(MF_ARGS);
+    MF_KEY<2, true>(MF_ARGS);
 }

@@ -3,5 +3,5 @@
 #include "common/mustafar.cuh"
 
 extern "C" __global__ void __launch_bounds__(MF_THREADS, MF_MIN_CTAS) mustafar_value_q2(MF_PARAMS) {
-    mf2_value<2, false>(MF_ARGS);
+    MF_VALUE<2, false>(MF_ARGS);
 }
