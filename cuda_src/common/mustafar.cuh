@@ -538,6 +538,53 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
 // per_cta channels; its warps take the channels round-robin, one step each.
 // grid = (chunks * channel groups * row blocks, B, 1), row block fastest, then channel group.
 
+// The value kernels' probabilities of the chunk, staged once per CTA (rows past nr and tokens past S
+// are zeros): token 64 * (u0 + U * l + j) + 32 h + pos -> ps[1 + pos][(2 j + h) * 32 + l][r], row 0 zeros
+// ("position -1"), so a lane's gathers fall in its own bank. Ends with the barrier that publishes them.
+template <int U>
+__device__ __forceinline__ void mf_stage_probs(const __half *__restrict__ x, uint8_t *ps, int b, int R, int row0, int nr,
+                                               int S, int u0) {
+    constexpr int NCOL = 64 * U;  // half-tiles of a step
+    const int s0 = u0 * 64;
+    constexpr int G8 = 2048 * U / 8;         // 8-token groups of the chunk
+    const bool vec = (S & 7) == 0;
+    __half *dst = reinterpret_cast<__half *>(ps);
+    constexpr int NB = 4;  // loads in flight per thread before their stores
+    for (int i0 = threadIdx.x; i0 < MF_R * G8; i0 += NB * MF_THREADS) {
+        uint4 u[NB];
+#pragma unroll
+        for (int k = 0; k < NB; ++k) {
+            const int i = i0 + k * MF_THREADS;
+            const int r = i / G8, g = i % G8;
+            const int s = s0 + 8 * g;
+            const __half *src = x + ((size_t)b * R + row0 + min(r, nr - 1)) * S;
+            if (i < MF_R * G8 && r < nr && vec && s + 8 <= S) {
+                u[k] = __ldg(reinterpret_cast<const uint4 *>(src + s));
+            } else {
+                __half h[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) h[j] = (i < MF_R * G8 && r < nr && s + j < S) ? src[s + j] : __float2half_rn(0.0f);
+                u[k] = *reinterpret_cast<const uint4 *>(h);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < NB; ++k) {
+            const int i = i0 + k * MF_THREADS;
+            if (i >= MF_R * G8) break;
+            const int r = i / G8, g = i % G8;
+            const __half *hv = reinterpret_cast<const __half *>(&u[k]);
+            const int o = 8 * g;                 // token offset in the chunk
+            const int tl = o >> 6;               // tile of the chunk: lane tl / U, its tile j = tl % U
+            const int col = (2 * (tl % U) + ((o >> 5) & 1)) * 32 + tl / U;
+            const int pos0 = o & 31;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dst[((1 + pos0 + j) * NCOL + col) * MF_R + r] = hv[j];
+        }
+    }
+    for (int i = threadIdx.x; i < NCOL * MF_R; i += MF_THREADS) dst[i] = __float2half_rn(0.0f);
+    __syncthreads();
+}
+
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     static_assert(MF_R == 4 || MF_R == 8, "version 2: MF_R must be 4 or 8");
@@ -581,45 +628,7 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
     mf_commit();
 
-    // probabilities of the chunk: token 64 * (u0 + U * l + j) + 32 h + pos -> ps[1 + pos][(2 j + h) * 32 + l][r]
-    const int s0 = u0 * 64;
-    constexpr int G8 = 2048 * U / 8;         // 8-token groups of the chunk
-    const bool vec = (S & 7) == 0;
-    __half *dst = reinterpret_cast<__half *>(ps);
-    constexpr int NB = 4;  // loads in flight per thread before their stores
-    for (int i0 = threadIdx.x; i0 < MF_R * G8; i0 += NB * MF_THREADS) {
-        uint4 u[NB];
-#pragma unroll
-        for (int k = 0; k < NB; ++k) {
-            const int i = i0 + k * MF_THREADS;
-            const int r = i / G8, g = i % G8;
-            const int s = s0 + 8 * g;
-            const __half *src = x + ((size_t)b * R + row0 + min(r, nr - 1)) * S;
-            if (i < MF_R * G8 && r < nr && vec && s + 8 <= S) {
-                u[k] = __ldg(reinterpret_cast<const uint4 *>(src + s));
-            } else {
-                __half h[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) h[j] = (i < MF_R * G8 && r < nr && s + j < S) ? src[s + j] : __float2half_rn(0.0f);
-                u[k] = *reinterpret_cast<const uint4 *>(h);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < NB; ++k) {
-            const int i = i0 + k * MF_THREADS;
-            if (i >= MF_R * G8) break;
-            const int r = i / G8, g = i % G8;
-            const __half *hv = reinterpret_cast<const __half *>(&u[k]);
-            const int o = 8 * g;                 // token offset in the chunk
-            const int tl = o >> 6;               // tile of the chunk: lane tl / U, its tile j = tl % U
-            const int col = (2 * (tl % U) + ((o >> 5) & 1)) * 32 + tl / U;
-            const int pos0 = o & 31;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) dst[((1 + pos0 + j) * NCOL + col) * MF_R + r] = hv[j];
-        }
-    }
-    for (int i = threadIdx.x; i < NCOL * MF_R; i += MF_THREADS) dst[i] = __float2half_rn(0.0f);
-    __syncthreads();
+    mf_stage_probs<U>(x, ps, b, R, row0, nr, S, u0);
 
     float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
     const uint32_t xw0 = (uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2;
@@ -1244,45 +1253,7 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
     mf_commit();
     if (n > 1) meta(m, 1);
 
-    // probabilities of the chunk: token 64 * (u0 + U * l + j) + 32 h + pos -> ps[1 + pos][(2 j + h) * 32 + l][r]
-    const int s0 = u0 * 64;
-    constexpr int G8 = 2048 * U / 8;         // 8-token groups of the chunk
-    const bool vec = (S & 7) == 0;
-    __half *dst = reinterpret_cast<__half *>(ps);
-    constexpr int NB = 4;  // loads in flight per thread before their stores
-    for (int i0 = threadIdx.x; i0 < MF_R * G8; i0 += NB * MF_THREADS) {
-        uint4 u[NB];
-#pragma unroll
-        for (int k = 0; k < NB; ++k) {
-            const int i = i0 + k * MF_THREADS;
-            const int r = i / G8, g = i % G8;
-            const int s = s0 + 8 * g;
-            const __half *src = x + ((size_t)b * R + row0 + min(r, nr - 1)) * S;
-            if (i < MF_R * G8 && r < nr && vec && s + 8 <= S) {
-                u[k] = __ldg(reinterpret_cast<const uint4 *>(src + s));
-            } else {
-                __half h[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) h[j] = (i < MF_R * G8 && r < nr && s + j < S) ? src[s + j] : __float2half_rn(0.0f);
-                u[k] = *reinterpret_cast<const uint4 *>(h);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < NB; ++k) {
-            const int i = i0 + k * MF_THREADS;
-            if (i >= MF_R * G8) break;
-            const int r = i / G8, g = i % G8;
-            const __half *hv = reinterpret_cast<const __half *>(&u[k]);
-            const int o = 8 * g;                 // token offset in the chunk
-            const int tl = o >> 6;               // tile of the chunk: lane tl / U, its tile j = tl % U
-            const int col = (2 * (tl % U) + ((o >> 5) & 1)) * 32 + tl / U;
-            const int pos0 = o & 31;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) dst[((1 + pos0 + j) * NCOL + col) * MF_R + r] = hv[j];
-        }
-    }
-    for (int i = threadIdx.x; i < NCOL * MF_R; i += MF_THREADS) dst[i] = __float2half_rn(0.0f);
-    __syncthreads();
+    mf_stage_probs<U>(x, ps, b, R, row0, nr, S, u0);
 
     float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
     const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2);
