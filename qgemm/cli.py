@@ -367,6 +367,7 @@ def tune(
     shape: str = typer.Option("512x4096x4096", "--shape", help="MxNxK to tune for (stored per shape bucket: M rounded up to a power of 2)."),
     iters: int = typer.Option(20, "--iters", min=1, help="Timed samples per configuration."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Measure but do not store."),
+    only: str = typer.Option("", "--only", help="Try only the configurations with these defines, e.g. RS_WGS=4,RS_SPLITK=1."),
 ):
     """Try the kernel's configurations, keep the fastest correct one for this GPU and shape bucket."""
     from . import check, tuning
@@ -380,20 +381,28 @@ def tune(
         _fail(f"{name} has no launch configurations to tune; tunable: "
               + ", ".join(s.name for s in registry.list_kernels() if s.candidates))
     mnk = _shape(shape)
+    m, n, kk = mnk
+    cands = spec.candidates(m, n, kk)
+    if only:
+        try:
+            want = {a.strip(): int(b) for a, b in (kv.split("=") for kv in only.split(","))}
+        except ValueError:
+            _fail(f"--only takes KEY=INT pairs separated by commas, e.g. RS_WGS=4,RS_SPLITK=1; got {only!r}")
+        cands = [d for d in cands if all(d.get(a) == b for a, b in want.items())]
+        if not cands:
+            _fail(f"no configuration of {name} at {m}x{n}x{kk} has {only}")
     _need_gpu("tune")
     k = registry.get(name)
     try:
-        k._check_m(mnk[0])
+        k._check_m(m)
     except ValueError as e:
         _fail(str(e))
-    m, n, kk = mnk
     rng = np.random.default_rng(0)
     inp = check.make_inputs(k.op, m, n, kk, rng)
     exact = k.op.exact(inp.a, inp.w)
     da, dw = runtime.DeviceArray.from_host(inp.a), k.upload_weights(inp.w)
     dc = runtime.DeviceArray.empty((m, n), np.float32)
     rows, best = [], None
-    cands = spec.candidates(m, n, kk)
     with typer.progressbar(cands, label=f"tuning {name} at {m}x{n}x{kk}") as bar:
         for d in bar:
             try:

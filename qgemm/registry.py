@@ -268,13 +268,19 @@ def _rs_stage_bytes(wfmt: str, d: dict) -> int:
 def _rs_geometry(wfmt: str):
     def geometry(m: int, n: int, k: int, d: dict) -> Launch:
         split = d.get("RS_SPLITK", 1)  # RS_MINB only bounds registers (launch bounds): no launch change
-        return Launch(grid=(cdiv(n, 64 * d["RS_WGS"]), cdiv(m, d["RS_BN"]), split), block=(128 * d["RS_WGS"], 1, 1),
-                      shmem=d["RS_STAGES"] * _rs_stage_bytes(wfmt, d) + 1024, zero_output=split > 1)
+        ws = d.get("RS_WS", 0)  # warp-specialized: + a copying warpgroup and 2 mbarriers per buffer
+        return Launch(grid=(cdiv(n, 64 * d["RS_WGS"]), cdiv(m, d["RS_BN"]), split), block=(128 * (d["RS_WGS"] + ws), 1, 1),
+                      shmem=_rs_shmem(wfmt, d), zero_output=split > 1)
     return geometry
 
 
+def _rs_shmem(wfmt: str, d: dict) -> int:
+    # the buffers, 1 KB of slack for their 1024-byte alignment, and the mbarriers when warp-specialized
+    return d["RS_STAGES"] * _rs_stage_bytes(wfmt, d) + 1024 + (128 if d.get("RS_WS", 0) else 0)
+
+
 def _rs_ok(wfmt: str, d: dict) -> bool:
-    return d["RS_STAGES"] * _rs_stage_bytes(wfmt, d) + 1024 <= 227 * 1024
+    return _rs_shmem(wfmt, d) <= 227 * 1024
 
 
 def _rs_split(m: int, n: int, k: int, d: dict, sm_count: int) -> int:
@@ -285,9 +291,10 @@ def _rs_split(m: int, n: int, k: int, d: dict, sm_count: int) -> int:
 
 def _rs_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # H100 tuning (docs/perf/NOTES.md): 2 warpgroups, 4 buffers; 64-token tiles up to M = 64
+        # H100 tuning (docs/perf/NOTES.md): 2 MMA warpgroups + 1 copying warpgroup (warp-specialized:
+        # 8% faster at 512 and 2048 tokens, a tie at 64), 4 buffers; 64-token tiles up to M = 64
         # (fewer idle MMA columns), 128 above (256 measured no faster once the copies were cheap)
-        d = {"RS_BN": 64 if m <= 64 else 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1}
+        d = {"RS_BN": 64 if m <= 64 else 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1}
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1
         d["RS_SPLITK"] = _rs_split(m, n, k, d, sm_count)
@@ -299,17 +306,18 @@ def _rs_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         out = []
         for bn in (64, 128, 256):
-            for wgs in (1, 2):
+            for wgs in (1, 2, 4):  # 4: 256 weight rows share each activation tile (half the L2 reads per MMA)
                 for st in (3, 4, 5):
                     for sp in (1, 2, 4, 8):
-                        d = {"RS_BN": bn, "RS_WGS": wgs, "RS_STAGES": st, "RS_SPLITK": sp, "RS_MINB": 1}
-                        ctas = cdiv(n, 64 * wgs) * cdiv(m, bn)
-                        if _rs_ok(wfmt, d) and (sp == 1 or (ctas * sp <= 4 * 132 and cdiv(k // 32, 4) >= 2 * sp)):
-                            out.append(d)
-                            # two CTAs per SM (16 warps to hide the dequantization's latency) where their
-                            # shared memory fits and 128 registers hold a 64 x 64 accumulator
-                            if bn == 64 and wgs == 2 and 2 * _rs_geometry(wfmt)(m, n, k, d).shmem <= 228 * 1024:
-                                out.append({**d, "RS_MINB": 2})
+                        for ws in ((0, 1) if wgs <= 2 else (0,)):  # a 5th copying warpgroup leaves 4 MMA ones ~100 registers
+                            d = {"RS_BN": bn, "RS_WGS": wgs, "RS_STAGES": st, "RS_SPLITK": sp, "RS_MINB": 1, "RS_WS": ws}
+                            ctas = cdiv(n, 64 * wgs) * cdiv(m, bn)
+                            if _rs_ok(wfmt, d) and (sp == 1 or (ctas * sp <= 4 * 132 and cdiv(k // 32, 4) >= 2 * sp)):
+                                out.append(d)
+                                # two CTAs per SM (16 warps to hide the dequantization's latency) where their
+                                # shared memory fits and 128 registers hold a 64 x 64 accumulator
+                                if bn == 64 and wgs == 2 and not ws and 2 * _rs_geometry(wfmt)(m, n, k, d).shmem <= 228 * 1024:
+                                    out.append({**d, "RS_MINB": 2})
         return out
     return candidates
 

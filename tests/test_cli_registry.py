@@ -295,6 +295,17 @@ def test_wgmma_rs_configurations_fit(fmt):
     g = s.geometry(512, 4096, 4096, {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_SPLITK": 1, "RS_MINB": 1})
     assert g.grid == (32, 4, 1) and g.block == (256, 1, 1)
     assert g.shmem == 4 * (32768 + (9216 if fmt == "q4_0" else 17408)) + 1024
+    # warp-specialized (the default): + the copying warpgroup, + 128 bytes for the mbarriers
+    d = s.config(512, 4096, 4096, 132)
+    assert d["RS_WS"] == 1 and s.geometry(512, 4096, 4096, d).block == (384, 1, 1)
+    assert s.geometry(512, 4096, 4096, d).shmem == g.shmem + 128
+
+
+def test_tune_only_filters_the_configurations_before_any_gpu_work():
+    r = runner.invoke(app, ["tune", "w4a16.wgmma_rs", "--shape", "512x4096x4096", "--only", "RS_WGS=3"])
+    assert r.exit_code != 0 and "no configuration of w4a16.wgmma_rs at 512x4096x4096 has RS_WGS=3" in r.output
+    r = runner.invoke(app, ["tune", "w4a16.wgmma_rs", "--only", "RS_WGS"])
+    assert r.exit_code != 0 and "KEY=INT" in r.output
 
 
 def test_mma_default_config_splits_k_when_the_grid_is_small():
@@ -419,6 +430,9 @@ def test_pdl_kernels_wait_before_their_inputs():
     assert skinny.index("pdl_wait();") < skinny.index("#if SK_XSMEM\n    for (int r = 0; r < M; ++r)")
     rs = jit.read_source("common/wgmma_rs_f16.cuh")
     body = rs[rs.index("wgmma_rs_f16_gemm("):]
-    assert body.index("pdl_wait();") < min(m.start() for m in re.finditer(r"load_act\(s", body))
+    ws, plain = body[body.index("#if RS_WS"):body.index("#else")], body[body.index("#else"):]
+    # warp-specialized: the copying warpgroup's first activation copies (copy(s, true, ...)) follow its wait
+    assert ws.index("pdl_wait();") < min(m.start() for m in re.finditer(r"copy\(s, true", ws))
+    assert plain.index("pdl_wait();") < min(m.start() for m in re.finditer(r"cp\.act\(", plain))
     conv = jit.read_source("convert/f32_to_f16.cu")
     assert conv.index("pdl_wait();") < conv.index("X + i")

@@ -7,6 +7,7 @@
 #   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh
 #   QGEMM_CHECK="skinny decode ncu" bash tools/gpu_check.sh    # decode path: tests, tune, bench M <= 64, ncu
 #   QGEMM_CHECK="rs" bash tools/gpu_check.sh                   # Hopper prefill: wgmma_rs vs wgmma, tests, tune
+#   QGEMM_CHECK="l2" bash tools/gpu_check.sh                   # prefill: warpgroups per CTA, L2 throughput (ncu) vs cuBLAS
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check}
@@ -45,6 +46,18 @@ for step in $STEPS; do
               done
               for s in ${RS_SHAPES//,/ }; do for k in w4a16.wgmma_rs w8a16.wgmma_rs; do
                   run $PY -m qgemm tune $k --shape $s --iters 10; done; done ;;
+    rs-quick) # the Hopper prefill kernels' GPU tests (every configuration on odd shapes), then a side-by-side
+              # timing of the configurations matching QGEMM_RS_ONLY at RS_SHAPES (nothing stored)
+              run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs --shapes "129x4097x4128,7x33x32,300x257x1024,$RS_SHAPES"
+              run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "wgmma_rs or chain"
+              for s in ${RS_SHAPES//,/ }; do for k in w4a16.wgmma_rs w8a16.wgmma_rs; do
+                  run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run --only "${QGEMM_RS_ONLY:-RS_SPLITK=1}"; done; done ;;
+    l2)       # prefill and L2 -> SM traffic: the register-A wgmma kernel with 1, 2 or 4 warpgroups (64-256
+              # weight rows sharing each activation tile) timed side by side, and Nsight Compute's L2
+              # throughput for it and for cuBLAS fp16 at the same shapes
+              for s in 512x4096x4096 2048x4096x4096; do
+                  run $PY -m qgemm tune w4a16.wgmma_rs --shape $s --iters 10 --dry-run --only RS_SPLITK=1,RS_STAGES=4
+                  OUT="$OUT" KERNELS="w4a16.wgmma_rs" SHAPE=$s PEERS=$s run bash tools/gpu_ncu.sh; done ;;
     decode)   run $PY -m qgemm bench --m ${QGEMM_DECODE_M:-1,2,4,8,16,32,64} --k 4096,14336 --iters 20 --out "$OUT/decode"
               [ -f "$OUT/decode/bench.json" ] && mv "$OUT/decode/bench.json" "$OUT/bench-decode.json"; rm -rf "$OUT/decode" ;;
     pdl)      # whole op with and without programmatic dependent launch, same process order (hot; the

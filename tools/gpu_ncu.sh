@@ -5,6 +5,7 @@
 #   bash tools/gpu_ncu.sh                                   # w4a16.mma and w4a8.gemv at their target shapes
 #   KERNELS="w4a8.mma" SHAPE=512x4096x4096 bash tools/gpu_ncu.sh
 #   NCU_SET=full KERNELS="w4a16.wgmma_rs" bash tools/gpu_ncu.sh          # every section (pipes, shared memory, source counters)
+#   PEERS="512x4096x4096" KERNELS="w4a16.wgmma_rs" bash tools/gpu_ncu.sh  # also cuBLAS fp16 (torch) at that shape
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/ncu}
@@ -20,12 +21,23 @@ run() {  # kernel shape
         --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
         python3 -m qgemm profile "$name" --shape "$shape" --warmup 0 --iters 1 --no-peers \
         > "$OUT/ncu-${name}-${shape}.txt" 2>&1
-    echo "== $name $shape"; grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Stall|Issue Slot|Shared|Tensor|Pipe|Bank" \
-        "$OUT/ncu-${name}-${shape}.txt" | head -25
+    echo "== $name $shape"; grep -E "Duration|Throughput|Achieved Occupancy|Stall|Issue Slot|Shared|Tensor|Pipe|Bank|Hit Rate" \
+        "$OUT/ncu-${name}-${shape}.txt" | head -30
 }
+peer() {  # cuBLAS through torch at the same shape: its kernel name says its tile and cluster shape
+    local shape=$1 m n k
+    IFS=x read -r m n k <<< "$shape"
+    "$NCU" --target-processes all -k "regex:gemm|nvjet|xmma|cutlass" -c 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+        python3 -c "import torch; a = torch.randn($m, $k, device='cuda', dtype=torch.half); w = torch.randn($n, $k, device='cuda', dtype=torch.half); torch.cuda.synchronize(); c = a @ w.T; torch.cuda.synchronize()" \
+        > "$OUT/ncu-cublas-fp16-${shape}.txt" 2>&1
+    echo "== cuBLAS fp16 $shape"; grep -E "gemm|nvjet|xmma|Duration|Throughput|Cluster|Block Size|Grid Size|Registers|Shared Memory Config" \
+        "$OUT/ncu-cublas-fp16-${shape}.txt" | head -30
+}
+if [ -n "${PEERS:-}" ]; then for s in $PEERS; do peer "$s"; done; fi
 if [ -n "${KERNELS:-}" ]; then
     for k in $KERNELS; do run "$k" "${SHAPE:-512x4096x4096}"; done
-else
+elif [ -z "${PEERS:-}" ]; then
     run w4a16.mma 512x4096x4096
     run w4a8.gemv 8x4096x4096
 fi

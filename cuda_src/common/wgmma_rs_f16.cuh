@@ -40,6 +40,14 @@
 // So the dequantization of one half-stage runs while the tensor core works on the previous one,
 // with one CTA barrier per stage, and the fragment registers are double-buffered per half.
 //
+// RS_WS = 1 (the default on the H100): warp specialization. A third warpgroup does all the copying
+// (what the 256 MMA threads copied above, each producer thread standing in for two), and the MMA
+// warpgroups never copy and never meet at a CTA barrier: per buffer, an mbarrier `full` completes
+// when every producer thread's copies into it have landed (cp.async.mbarrier.arrive.noinc), and
+// `empty` when each MMA warp has seen the buffer's wgmma retire. A buffer is refilled as soon as it
+// is free (RS_STAGES - 1 stages in flight instead of RS_STAGES - 2), and the MMA warps drop to ~132
+// registers (no copy addresses). Measured 8% faster at 512 and 2048 tokens (docs/perf/NOTES.md).
+//
 // K may be split across CTAs (blockIdx.z, RS_SPLITK) when the tile grid leaves SMs idle: those add
 // into a zeroed C with atomics.
 #pragma once
@@ -62,10 +70,14 @@
 #ifndef RS_MINB
 #define RS_MINB 1  // CTAs per SM the registers must allow (2: <= 128 registers, twice the warps to hide latency)
 #endif
+#ifndef RS_WS
+#define RS_WS 0  // 1: warp-specialized -- one more warpgroup only copies; per-buffer mbarriers instead of CTA barriers
+#endif
 #if RS_STAGES < 3
 #error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
 #endif
-#define RS_THREADS (128 * RS_WGS)
+#define RS_THREADS (128 * RS_WGS)            // the warpgroups that multiply
+#define RS_BLOCK (RS_THREADS + 128 * RS_WS)  // + the copying warpgroup when warp-specialized
 #define RS_TILES (4 * RS_WGS)          // 16-row weight tiles per CTA
 #define RS_ACT_BYTES (RS_BN * 128 * 2)  // [RS_BN tokens][128 K] fp16
 
@@ -94,6 +106,112 @@ static __device__ __forceinline__ uint4 rs_natural(const uint4& p, const uint4& 
                       __byte_perm(p.w, q.w, sel));
 }
 
+// What one copying thread (tid in [0, RS_THREADS)) copies of every stage. The addressing is
+// computed once: the per-stage part is a pointer bump, because every thread copies the same chunks
+// of every stage (SASS of the first version spent ~150 of its ~350 instructions per warp per stage
+// recomputing clamped addresses).
+//   activations: chunk column c = tid % 16 (8 halves) of token rows r0 + i ROW_STEP; with
+//     ROW_STEP a multiple of 8 the swizzle term (r % 8) is the same for all of a thread's rows.
+//   quants: the CTA's RS_TILES x GROUP_PIECES chunks of a group, PIECES per thread; scales:
+//     8 chunks per tile. Weight tiles past N re-read the last tile (never stored).
+// A must start on a 16-byte boundary (the launcher checks it); rows are then 16-byte aligned
+// (K % 32 == 0). Chunks past M or K are zero-filled (0 x garbage could be NaN) from a valid
+// address; only the CTAs on the M edge and the last K stage take that slower path.
+template <typename SF>
+struct RsCopier {
+    static constexpr int GROUP_PIECES = SF::PIECES * 32;  // uint4 per (tile, group)
+    static constexpr int ACT_ITERS = RS_BN * 16 / RS_THREADS, ROW_STEP = RS_THREADS / 16;
+    static_assert(ROW_STEP % 8 == 0, "the swizzle term must not depend on i");
+    const __half* a_src;
+    const uint4* w_src[SF::PIECES];
+    const uint4* d_src;
+    unsigned a_dst;
+    int tid, ar0, ac;
+
+    __device__ __forceinline__ RsCopier(int tid_, const __half* A, const uint4* qs, const uint4* ds, int M, int K, int n0,
+                                        int m0, int ntiles, int ngroups, int g_begin)
+        : tid(tid_), ar0(tid_ / 16), ac(tid_ % 16) {
+        a_src = A + (size_t)min(m0 + ar0, M - 1) * K + ac * 8;
+        a_dst = rs_sw(ar0, ac * 8);
+#pragma unroll
+        for (int i = 0; i < SF::PIECES; ++i) {
+            const int q = tid + i * RS_THREADS;  // RS_TILES * GROUP_PIECES == PIECES * RS_THREADS
+            const int tile = min(n0 / 16 + q / GROUP_PIECES, ntiles - 1);
+            w_src[i] = qs + ((size_t)tile * ngroups + g_begin) * GROUP_PIECES + q % GROUP_PIECES;
+        }
+        d_src = ds + ((size_t)min(n0 / 16 + tid / 8, ntiles - 1) * ngroups + g_begin) * 8 + tid % 8;
+    }
+    // the activation tile of stage st (K from k0) into the buffer at shared address act
+    __device__ __forceinline__ void act(unsigned act, int k0, bool full_rows, const __half* A, int M, int K, int m0) const {
+        if (full_rows && k0 + 128 <= K) {
+            const __half* src = a_src + k0;
+            const size_t row_step = (size_t)ROW_STEP * K;
+#pragma unroll
+            for (int i = 0; i < ACT_ITERS; ++i, src += row_step) rs_cp_async16(act + a_dst + i * ROW_STEP * 128, src);
+        } else {
+#pragma unroll
+            for (int i = 0; i < ACT_ITERS; ++i) {
+                const int r = ar0 + i * ROW_STEP, k = k0 + ac * 8;
+                wg_cp_async16_zfill(act + a_dst + i * ROW_STEP * 128, A + (size_t)min(m0 + r, M - 1) * K + min(k, K - 8),
+                                    k < K && m0 + r < M);
+            }
+        }
+    }
+    // stage st's raw quants and scales (st counts from this CTA's first group) into the buffer's
+    // weight part at shared address wq
+    __device__ __forceinline__ void w(unsigned wq, int st) const {
+        const unsigned wd = wq + RS_TILES * GROUP_PIECES * 16;
+#pragma unroll
+        for (int i = 0; i < SF::PIECES; ++i)
+            rs_cp_async16(wq + (tid + i * RS_THREADS) * 16, w_src[i] + (size_t)st * GROUP_PIECES);
+        if (tid < RS_TILES * 8) rs_cp_async16(wd + tid * 16, d_src + (size_t)st * 8);
+    }
+};
+
+// One stage of the MMA: this warp's raw quants of the stage from shared memory into registers in
+// natural k order, then per half-stage (2 blocks = 4 k-steps): wait_group 1 (the same half of the
+// previous stage retired: its fragment registers are free), dequantize into them, wgmma.fence,
+// 4 wgmma, commit. So the dequantization of one half runs while the tensor core works on the
+// previous one. After the second wait the whole previous stage has retired in this warpgroup:
+// RELEASE (warp-specialized kernel) then frees its buffer for the producer.
+template <typename SF, bool RELEASE>
+static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, unsigned act, int lt, int g, int src0, unsigned sel,
+                                                    unsigned (&fr)[2][4][4], float (&d)[RS_BN / 2], unsigned release_bar) {
+    constexpr int GROUP_PIECES = SF::PIECES * 32;
+    const uint4* wq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES) + lt * GROUP_PIECES;
+    const uint4 dq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES + RS_TILES * GROUP_PIECES * 16)[lt * 8 + g];
+    uint4 nat[SF::PIECES];
+#pragma unroll
+    for (int p = 0; p < SF::PIECES; ++p) nat[p] = rs_natural(wq[p * 32 + src0], wq[p * 32 + src0 + 2], sel);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        wgmma_wait<1>();
+        if (RELEASE && u == 1) {
+            __syncwarp();
+            if (release_bar && (threadIdx.x % 32) == 0) mbar_arrive(release_bar);
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) wg_fence_operand(fr[u][i / 4][i % 4]);
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+            unsigned a[2][4];
+            SF::frags(nat, dq, 2 * u + jj, a);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                fr[u][2 * jj][i] = a[0][i];
+                fr[u][2 * jj + 1][i] = a[1][i];
+            }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const int step = 4 * u + kk;  // k-step of the stage: atom step / 4, 32 bytes per step inside it
+            RS_WGMMA(d, fr[u][kk], wg_desc(act + (step >> 2) * (RS_BN * 128) + (step & 3) * 32));
+        }
+        wgmma_commit();
+    }
+}
+
 template <typename SF>
 static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
                                                          float* __restrict__ C, int M, int N, int K) {
@@ -116,66 +234,86 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     const int n_stages = (int)((long long)ngroups * (blockIdx.z + 1) / RS_SPLITK) - g_begin;
     const uint4* qs = reinterpret_cast<const uint4*>(Wp);
     const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
-
-    // Copy addressing, computed once: the per-stage part is a pointer bump, because every thread
-    // copies the same chunks of every stage (SASS of the first version spent ~150 of its ~350
-    // instructions per warp per stage recomputing clamped addresses).
-    //   activations: chunk column c = tid % 16 (8 halves) of token rows r0 + i ROW_STEP; with
-    //     ROW_STEP a multiple of 8 the swizzle term (r % 8) is the same for all of a thread's rows.
-    //   quants: the CTA's RS_TILES x GROUP_PIECES chunks of a group, PIECES per thread; scales:
-    //     8 chunks per tile. Weight tiles past N re-read the last tile (never stored).
-    // A must start on a 16-byte boundary (the launcher checks it); rows are then 16-byte aligned
-    // (K % 32 == 0). Chunks past M or K are zero-filled (0 x garbage could be NaN) from a valid
-    // address; only the CTAs on the M edge and the last K stage take that slower path.
-    constexpr int ACT_ITERS = RS_BN * 16 / RS_THREADS, ROW_STEP = RS_THREADS / 16;
-    static_assert(ROW_STEP % 8 == 0, "the swizzle term must not depend on i");
-    const int ac = tid % 16, ar0 = tid / 16;
-    const __half* a_src = A + (size_t)min(m0 + ar0, M - 1) * K + ac * 8;
-    const size_t a_row_step = (size_t)ROW_STEP * K;
-    const unsigned a_dst = rs_sw(ar0, ac * 8);
     const bool a_full_rows = m0 + RS_BN <= M;
-    const uint4* w_src[SF::PIECES];
-#pragma unroll
-    for (int i = 0; i < SF::PIECES; ++i) {
-        const int q = tid + i * RS_THREADS;  // RS_TILES * GROUP_PIECES == PIECES * RS_THREADS
-        const int tile = min(n0 / 16 + q / GROUP_PIECES, ntiles - 1);
-        w_src[i] = qs + ((size_t)tile * ngroups + g_begin) * GROUP_PIECES + q % GROUP_PIECES;
-    }
-    const uint4* d_src = ds + ((size_t)min(n0 / 16 + tid / 8, ntiles - 1) * ngroups + g_begin) * 8 + tid % 8;
-
-    auto load_act = [&](int st, int buf) {
-        const unsigned act = base + buf * STAGE_BYTES;
-        const int k0 = (g_begin + st) * 128;
-        if (a_full_rows && k0 + 128 <= K) {
-            const __half* src = a_src + k0;
-#pragma unroll
-            for (int i = 0; i < ACT_ITERS; ++i, src += a_row_step) rs_cp_async16(act + a_dst + i * ROW_STEP * 128, src);
-        } else {
-#pragma unroll
-            for (int i = 0; i < ACT_ITERS; ++i) {
-                const int r = ar0 + i * ROW_STEP, k = k0 + ac * 8;
-                wg_cp_async16_zfill(act + a_dst + i * ROW_STEP * 128, A + (size_t)min(m0 + r, M - 1) * K + min(k, K - 8),
-                                    k < K && m0 + r < M);
-            }
-        }
-    };
-    auto load_w = [&](int st, int buf) {
-        const unsigned wq = base + buf * STAGE_BYTES + RS_ACT_BYTES, wd = wq + RS_TILES * GROUP_PIECES * 16;
-#pragma unroll
-        for (int i = 0; i < SF::PIECES; ++i)
-            rs_cp_async16(wq + (tid + i * RS_THREADS) * 16, w_src[i] + (size_t)st * GROUP_PIECES);
-        if (tid < RS_TILES * 8) rs_cp_async16(wd + tid * 16, d_src + (size_t)st * 8);
-    };
 
     float d[RS_BN / 2];  // this warpgroup's 64 weight rows x RS_BN tokens
 #pragma unroll
     for (int i = 0; i < RS_BN / 2; ++i) d[i] = 0.0f;
     unsigned fr[2][4][4];  // A fragments of the two half-stages (k-steps 0-3, 4-7)
-
     const int lt = 4 * wgi + warp_in_wg;  // this warp's 16-row tile in the CTA
     const unsigned sel = (t & 1) ? 0x7632u : 0x5410u;
     const int src0 = 4 * g + t / 2;  // the lanes whose qs words hold this lane's natural k
 
+#if RS_WS
+    // Warp-specialized: the last warpgroup only copies, the others only dequantize and multiply;
+    // per buffer, `full` (128 producer arrivals, each fired by cp.async.mbarrier.arrive when that
+    // thread's copies so far have landed) and `empty` (one arrival per consumer warp once the
+    // stage's wgmma have retired). No CTA barrier in the loop, and the producer refills a buffer as
+    // soon as it is free: RS_STAGES - 1 stages in flight instead of RS_STAGES - 2.
+    const unsigned bars = base + RS_STAGES * STAGE_BYTES;  // full[b] at bars + 8 b, empty[b] at bars + 8 (RS_STAGES + b)
+    if (tid == 0)
+        for (int b = 0; b < RS_STAGES; ++b) {
+            mbar_init(bars + 8 * b, 128);
+            mbar_init(bars + 8 * (RS_STAGES + b), RS_THREADS / 32);
+        }
+    __syncthreads();
+    if (wgi == RS_WGS) {
+        // producer thread p copies what threads p + 128 i of the non-specialized kernel copy
+        const RsCopier<SF> cp0(tid - RS_THREADS, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
+#if RS_WGS > 1
+        const RsCopier<SF> cp1(tid - RS_THREADS + 128, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
+#endif
+#if RS_WGS > 2
+        const RsCopier<SF> cp2(tid - RS_THREADS + 256, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
+        const RsCopier<SF> cp3(tid - RS_THREADS + 384, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
+#endif
+        auto copy = [&](int s, bool act, bool w) {
+            const unsigned buf = base + (s % RS_STAGES) * STAGE_BYTES;
+            const int k0 = (g_begin + s) * 128;
+            if (w) {
+                cp0.w(buf + RS_ACT_BYTES, s);
+#if RS_WGS > 1
+                cp1.w(buf + RS_ACT_BYTES, s);
+#endif
+#if RS_WGS > 2
+                cp2.w(buf + RS_ACT_BYTES, s);
+                cp3.w(buf + RS_ACT_BYTES, s);
+#endif
+            }
+            if (act) {
+                cp0.act(buf, k0, a_full_rows, A, M, K, m0);
+#if RS_WGS > 1
+                cp1.act(buf, k0, a_full_rows, A, M, K, m0);
+#endif
+#if RS_WGS > 2
+                cp2.act(buf, k0, a_full_rows, A, M, K, m0);
+                cp3.act(buf, k0, a_full_rows, A, M, K, m0);
+#endif
+            }
+        };
+        // the first buffers' weights before waiting for the previous grid (see below)
+        for (int s = 0; s < RS_STAGES && s < n_stages; ++s) copy(s, false, true);
+        pdl_wait();
+        for (int s = 0; s < n_stages; ++s) {
+            const int b = s % RS_STAGES;
+            if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
+            copy(s, true, s >= RS_STAGES);
+            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+    pdl_wait();
+    for (int s = 0; s < n_stages; ++s) {
+        const int b = s % RS_STAGES;
+        mbar_wait(bars + 8 * b, (s / RS_STAGES) & 1);
+        // the copies were cp.async (generic proxy), wgmma reads through the async proxy
+        fence_proxy_async();
+        rs_mma_stage<SF, true>(smem + b * STAGE_BYTES, base + b * STAGE_BYTES, lt, g, src0, sel, fr, d,
+                               s > 0 ? bars + 8 * (RS_STAGES + (s - 1) % RS_STAGES) : 0u);
+    }
+#else
+    const RsCopier<SF> cp(tid, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
     // The weights of the first stages do not depend on the previous kernel (the activations'
     // convert.f16): with programmatic dependent launch (qgemm.matmul) this CTA may already run
     // while that kernel finishes, so it starts their copies and only then waits for the grid it
@@ -183,11 +321,11 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     // Commit groups stay one per stage: group 0 holds the early weights too.
 #pragma unroll
     for (int s = 0; s < RS_STAGES - 2; ++s)
-        if (s < n_stages) load_w(s, s);
+        if (s < n_stages) cp.w(base + s * STAGE_BYTES + RS_ACT_BYTES, s);
     pdl_wait();
 #pragma unroll
     for (int s = 0; s < RS_STAGES - 2; ++s) {
-        if (s < n_stages) load_act(s, s);
+        if (s < n_stages) cp.act(base + s * STAGE_BYTES, (g_begin + s) * 128, a_full_rows, A, M, K, m0);
         cp_async_commit();
     }
     for (int s = 0; s < n_stages; ++s) {
@@ -195,46 +333,18 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         cp_async_wait<RS_STAGES - 3>();
         fence_proxy_async();
         __syncthreads();
-
-        const unsigned char* st = smem + buf * STAGE_BYTES;
-        const uint4* wq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES) + lt * GROUP_PIECES;
-        const uint4 dq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES + RS_TILES * GROUP_PIECES * 16)[lt * 8 + g];
-        uint4 nat[SF::PIECES];
-#pragma unroll
-        for (int p = 0; p < SF::PIECES; ++p) nat[p] = rs_natural(wq[p * 32 + src0], wq[p * 32 + src0 + 2], sel);
-        const unsigned act = base + buf * STAGE_BYTES;
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            wgmma_wait<1>();  // half u of stage s - 1 has retired: fr[u] may be rewritten
-#pragma unroll
-            for (int i = 0; i < 16; ++i) wg_fence_operand(fr[u][i / 4][i % 4]);
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-                unsigned a[2][4];
-                SF::frags(nat, dq, 2 * u + jj, a);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    fr[u][2 * jj][i] = a[0][i];
-                    fr[u][2 * jj + 1][i] = a[1][i];
-                }
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                const int step = 4 * u + kk;  // k-step of the stage: atom step / 4, 32 bytes per step inside it
-                RS_WGMMA(d, fr[u][kk], wg_desc(act + (step >> 2) * (RS_BN * 128) + (step & 3) * 32));
-            }
-            wgmma_commit();
-        }
+        rs_mma_stage<SF, false>(smem + buf * STAGE_BYTES, base + buf * STAGE_BYTES, lt, g, src0, sel, fr, d, 0u);
         // the refill of the buffer of stage s - 2 (retired before the barrier) goes after this
         // stage's wgmma are issued, so the tensor core is fed before this warp's copy work (between
         // the two halves, ptxas serializes every wgmma: C7513, tested in tests/test_cli_registry.py)
         if (s + RS_STAGES - 2 < n_stages) {
-            load_act(s + RS_STAGES - 2, (s + RS_STAGES - 2) % RS_STAGES);
-            load_w(s + RS_STAGES - 2, (s + RS_STAGES - 2) % RS_STAGES);
+            const int s2 = s + RS_STAGES - 2, buf2 = s2 % RS_STAGES;
+            cp.act(base + buf2 * STAGE_BYTES, (g_begin + s2) * 128, a_full_rows, A, M, K, m0);
+            cp.w(base + buf2 * STAGE_BYTES + RS_ACT_BYTES, s2);
         }
         cp_async_commit();
     }
+#endif
     wgmma_wait<0>();
 
     // accumulator layout (m64nNk16, f32): warp w owns rows 16w .. 16w + 15 (weight rows);
