@@ -993,7 +993,11 @@ def score(name: str, kind: str, shape, seed, got, x, ck: CompressedKV, cache, ex
     den = max(float(np.sum(truth ** 2)), np.finfo(np.float64).tiny)
     nm = float(np.sum((fin - truth) ** 2) / den)
     nm_ref = float(np.sum((exact - truth) ** 2) / den)
-    nm_tol = 1.05 * nm_ref + 1e-6
+    # the kernel's own float rounding on top of the reference's error: ~1e-6 of NMSE on average
+    # (fp16 outputs, half2 sums inside a bitmap word), and a mean over few outputs scatters widely
+    # around it (a dense fp16 key cache at S = 1, 66 scores, measured 1.6e-6 once in ~900 GPU runs):
+    # the floor widens as 9 / sqrt(outputs), as check.nmse_tolerance does for the GEMMs
+    nm_tol = 1.05 * nm_ref + 1e-6 * (1.0 + 9.0 / np.sqrt(max(got.size, 1)))
     passed = unwritten == 0 and bool(np.isfinite(got).all()) and rel <= exact_tol and nm <= nm_tol
     note = []
     if unwritten:
