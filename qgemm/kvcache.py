@@ -722,7 +722,9 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     `step_bytes_max`, and for 2-tile value steps max_step2; None: the worst case); the grid about
     one wave of the CTAs an SM holds (registers and shared memory)."""
     b, s, d = shape
-    v3 = bits != 16  # fp16: the version-2 kernels (docs/mustafar.md: version 3 measured 17% slower on fp16 values)
+    # version 3 of the walk, except fp16 values (version 2: docs/mustafar.md, version 3 measured 17%
+    # slower there); fp16 keys measured 29.8 us on version 3 against 32.2 on version 2 (H100)
+    v3 = bits != 16 or kind == "key"
     mr = 4 if rows <= 4 else 8
     rb = -(-rows // mr)
     u = 1

@@ -291,10 +291,11 @@ def _rs_split(m: int, n: int, k: int, d: dict, sm_count: int) -> int:
 
 def _rs_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # H100 tuning (docs/perf/NOTES.md): 2 MMA warpgroups + 1 copying warpgroup (warp-specialized:
-        # 8% faster at 512 and 2048 tokens, a tie at 64), 4 buffers; 64-token tiles up to M = 64
-        # (fewer idle MMA columns), 128 above (256 measured no faster once the copies were cheap)
-        d = {"RS_BN": 64 if m <= 64 else 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1}
+        # H100 tuning (docs/perf/NOTES.md): 2 MMA warpgroups, 4 buffers; 64-token tiles up to M = 64
+        # (fewer idle MMA columns), 128 above (256 measured no faster once the copies were cheap);
+        # above M = 64 + 1 copying warpgroup (warp-specialized: 8% faster at 512 and 2048 tokens; at
+        # 64 tokens, split-K, a tie within noise, so the plainer kernel stays)
+        d = {"RS_BN": 64 if m <= 64 else 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(m > 64)}
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1
         d["RS_SPLITK"] = _rs_split(m, n, k, d, sm_count)

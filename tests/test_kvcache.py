@@ -387,7 +387,7 @@ def test_launch_plans(kind, rows):
                     steps = -(-s // 32)
                     assert p.per_cta % w == 0 and p.grid[0] % rb == 0 and (p.grid[0] // rb) * p.per_cta >= steps
                     v3 = p.defines.get("MF_V3", 1)
-                    assert v3 == (bits != 16)
+                    assert v3 == 1  # every key layout walks with version 3 (fp16 included: measured faster)
                     per_warp = 2 * (kv.PAD + win) + 2 * 2 * (d // 64) * 32 * 8 if v3 else 2 * win  # windows, word records
                     assert p.shmem == (d // 32) * 33 * p.defines["MF_REP"] * mr * 2 + w * per_warp
                 else:
