@@ -585,32 +585,67 @@ __device__ __forceinline__ void mf_stage_probs(const __half *__restrict__ x, uin
     __syncthreads();
 }
 
+// Where a value-kernel CTA sits (both versions): grid.x = (chunk, channel group, row block), row
+// block fastest; the chunk's tiles, the batch's bases into the per-tile arrays (tb) and into the
+// offsets / compact groups (ob).
+template <int BITS, bool COMPACT, int U>
+struct MfValueCta {
+    int b, rb, ncg, row0, cg, chunk, nr, nst, T, u0, gpr, n;
+    size_t tb, ob;
+    __device__ __forceinline__ MfValueCta(int S, int R, int per_cta) {
+        b = blockIdx.y;
+        rb = (R + MF_R - 1) / MF_R;
+        ncg = MF_D / per_cta;
+        row0 = (blockIdx.x % rb) * MF_R;
+        cg = (blockIdx.x / rb) % ncg;
+        chunk = blockIdx.x / (rb * ncg);
+        nr = min(MF_R, R - row0);
+        nst = (S + 63) >> 6;        // tiles per channel
+        T = MF_D * nst;
+        u0 = chunk * 32 * U;        // first tile of the chunk (of each channel)
+        gpr = (nst + 15) >> 4;      // compact groups per channel
+        n = per_cta / MF_WARPS;     // this warp's steps (channels)
+        tb = (size_t)b * T;
+        ob = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * (MF_D * gpr + 1) : tb);
+    }
+};
+
+// The MF_R partial sums of a value step, summed over the warp and added to the output of channel
+// ch: a reduce-scatter (halve the rows at each of the first log2 MF_R exchanges, lane bit 4 - k
+// picks the upper half), then a butterfly over the rest; lane 0 of each row's group adds it.
+__device__ __forceinline__ void mf_value_sum_store(float (&v)[MF_R], int lane, int nr, float *o, int ch) {
+    constexpr int LR = MF_R == 4 ? 2 : 3;  // log2 MF_R
+    const int myrow = lane >> (5 - LR);     // the row this lane holds after the reduce-scatter
+#pragma unroll
+    for (int k = 0; k < LR; ++k) {
+        const int off = 16 >> k, half = MF_R >> (k + 1);
+        const bool up = (lane & off) != 0;
+#pragma unroll
+        for (int j = 0; j < half; ++j) {
+            const float send = up ? v[j] : v[j + half];
+            const float keep = up ? v[j + half] : v[j];
+            v[j] = keep + __shfl_xor_sync(MF_FULL, send, off);
+        }
+    }
+#pragma unroll
+    for (int off = 16 >> LR; off; off >>= 1) v[0] += __shfl_xor_sync(MF_FULL, v[0], off);
+    if ((lane & ((32 >> LR) - 1)) == 0 && myrow < nr) atomicAdd(o + (size_t)myrow * MF_D + ch, v[0]);
+}
+
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     static_assert(MF_R == 4 || MF_R == 8, "version 2: MF_R must be 4 or 8");
     static_assert(BITS < 0 || MF_U == 1, "version 2 value kernels: one tile per lane (a lane's tiles must all be inside the channel)");
     constexpr int U = MF_U;
     constexpr int NCOL = 64 * U;              // half-tiles of a step
-    constexpr int LR = MF_R == 4 ? 2 : 3;     // log2 MF_R
     extern __shared__ __align__(16) uint8_t mf_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint8_t *ps = mf_smem;                    // [33 positions][NCOL][MF_R] halfs; row 0 zeros
     uint8_t *win = mf_smem + 33 * NCOL * MF_R * 2 + warp * 2 * MF_WIN2;
 
-    const int b = blockIdx.y;
-    const int rb = (R + MF_R - 1) / MF_R;
-    const int ncg = MF_D / per_cta;
-    const int row0 = (blockIdx.x % rb) * MF_R;
-    const int cg = (blockIdx.x / rb) % ncg;
-    const int chunk = blockIdx.x / (rb * ncg);
-    const int nr = min(MF_R, R - row0);
-    const int nst = (S + 63) >> 6;           // tiles per channel
-    const int T = MF_D * nst;
-    const int u0 = chunk * 32 * U;           // first tile of the chunk (of each channel)
-    const int gpr = (nst + 15) >> 4;         // compact groups per channel
-    const int n = per_cta / MF_WARPS;        // this warp's steps (channels)
-    const size_t tb = (size_t)b * T;
-    const size_t ob = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * (MF_D * gpr + 1) : tb);
+    const MfValueCta<BITS, COMPACT, U> c(S, R, per_cta);
+    const int b = c.b, row0 = c.row0, cg = c.cg, nr = c.nr, nst = c.nst, u0 = c.u0, gpr = c.gpr, n = c.n;
+    const size_t tb = c.tb, ob = c.ob;
 
     auto chan = [&](int i) { return cg * per_cta + warp + i * MF_WARPS; };
     auto meta = [&](Mf2Meta<U> &m, int i) {
@@ -632,7 +667,6 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
 
     float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
     const uint32_t xw0 = (uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2;
-    const int myrow = lane >> (5 - LR);      // the row this lane holds after the reduce-scatter
     int pcur = p0;
     for (int i = 0; i < n; ++i) {  // as in mf2_key
         Mf2Meta<U> cur;
@@ -655,22 +689,7 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
         for (int j = 0; j < MF_R; ++j) v[j] = 0.0f;
         mf2_walk<BITS, COMPACT, U>(cur, pcur, win + (i & 1) * MF_WIN2, xw0, 32 * MF_R * 2, NCOL * MF_R * 2, v);
         __syncwarp();
-        // reduce-scatter of the R sums over the warp: halve the rows at each of the first log2 R
-        // exchanges (lane bit 4 - k picks the upper half), then a butterfly over the rest
-#pragma unroll
-        for (int k = 0; k < LR; ++k) {
-            const int off = 16 >> k, half = MF_R >> (k + 1);
-            const bool up = (lane & off) != 0;
-#pragma unroll
-            for (int j = 0; j < half; ++j) {
-                const float send = up ? v[j] : v[j + half];
-                const float keep = up ? v[j + half] : v[j];
-                v[j] = keep + __shfl_xor_sync(MF_FULL, send, off);
-            }
-        }
-#pragma unroll
-        for (int off = 16 >> LR; off; off >>= 1) v[0] += __shfl_xor_sync(MF_FULL, v[0], off);
-        if ((lane & ((32 >> LR) - 1)) == 0 && myrow < nr) atomicAdd(o + (size_t)myrow * MF_D + chan(i), v[0]);
+        mf_value_sum_store(v, lane, nr, o, chan(i));
         pcur = pnext;
     }
 }
@@ -1206,7 +1225,6 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
     static_assert(U == 1 || U == 2, "MF_U must be 1 or 2");
     constexpr int NW = 2 * U;
     constexpr int NCOL = 64 * U;              // half-tiles of a step
-    constexpr int LR = MF_R == 4 ? 2 : 3;     // log2 MF_R
     extern __shared__ __align__(16) uint8_t mf_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint8_t *ps = mf_smem;                    // [33 positions][NCOL][MF_R] halfs; row 0 zeros
@@ -1216,20 +1234,9 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
     const uint32_t swin0 = (uint32_t)__cvta_generic_to_shared(win0), swin1 = swin0 + MF_PAD + MF_WIN2;
     const uint32_t srec0 = (uint32_t)__cvta_generic_to_shared(rec0), srec1 = srec0 + NW * 256;
 
-    const int b = blockIdx.y;
-    const int rb = (R + MF_R - 1) / MF_R;
-    const int ncg = MF_D / per_cta;
-    const int row0 = (blockIdx.x % rb) * MF_R;
-    const int cg = (blockIdx.x / rb) % ncg;
-    const int chunk = blockIdx.x / (rb * ncg);
-    const int nr = min(MF_R, R - row0);
-    const int nst = (S + 63) >> 6;           // tiles per channel
-    const int T = MF_D * nst;
-    const int u0 = chunk * 32 * U;           // first tile of the chunk (of each channel)
-    const int gpr = (nst + 15) >> 4;         // compact groups per channel
-    const int n = per_cta / MF_WARPS;        // this warp's steps (channels)
-    const size_t tb = (size_t)b * T;
-    const size_t ob = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * (MF_D * gpr + 1) : tb);
+    const MfValueCta<BITS, COMPACT, U> c(S, R, per_cta);
+    const int b = c.b, row0 = c.row0, cg = c.cg, nr = c.nr, nst = c.nst, u0 = c.u0, gpr = c.gpr, n = c.n;
+    const size_t tb = c.tb, ob = c.ob;
     const int ul = u0 + lane * U;            // the lane's first tile in each channel
     const int nt = max(0, min(U, nst - ul));
 
@@ -1257,7 +1264,6 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
 
     float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
     const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2);
-    const int myrow = lane >> (5 - LR);      // the row this lane holds after the reduce-scatter
     for (int i = 0; i < n; ++i) {  // as in mf3_key
         if (i + 1 < n) mf3_prep<BITS, COMPACT, U>(m, nt, data, (i & 1) ? win0 : win1, lane, (i & 1) ? rec0 : rec1, dqn, keysn);
         mf_commit();
@@ -1270,20 +1276,7 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
         mf3_walk<BITS, U>(keys, dq, mf_opaque((i & 1) ? swin1 : swin0), mf_opaque((i & 1) ? srec1 : srec0), xw0, 32 * MF_R * 2,
                           NCOL * MF_R * 2, v);
         __syncwarp();
-#pragma unroll
-        for (int k = 0; k < LR; ++k) {
-            const int off = 16 >> k, half = MF_R >> (k + 1);
-            const bool up = (lane & off) != 0;
-#pragma unroll
-            for (int j = 0; j < half; ++j) {
-                const float send = up ? v[j] : v[j + half];
-                const float keep = up ? v[j + half] : v[j];
-                v[j] = keep + __shfl_xor_sync(MF_FULL, send, off);
-            }
-        }
-#pragma unroll
-        for (int off = 16 >> LR; off; off >>= 1) v[0] += __shfl_xor_sync(MF_FULL, v[0], off);
-        if ((lane & ((32 >> LR) - 1)) == 0 && myrow < nr) atomicAdd(o + (size_t)myrow * MF_D + chan(i), v[0]);
+        mf_value_sum_store(v, lane, nr, o, chan(i));
 #pragma unroll
         for (int j = 0; j < U; ++j) dq[j] = dqn[j];
         keys = keysn;
