@@ -307,10 +307,10 @@ def _rs_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         out = []
         for bn in (64, 128, 256):
-            for wgs in (1, 2, 4):  # 4: 256 weight rows share each activation tile (half the L2 reads per MMA)
+            for wgs in (1, 2):  # 4 (256 weight rows per activation tile) measured 1.8x slower at 512 tokens: not tried
                 for st in (3, 4, 5):
                     for sp in (1, 2, 4, 8):
-                        for ws in ((0, 1) if wgs <= 2 else (0,)):  # a 5th copying warpgroup leaves 4 MMA ones ~100 registers
+                        for ws in (0, 1):
                             d = {"RS_BN": bn, "RS_WGS": wgs, "RS_STAGES": st, "RS_SPLITK": sp, "RS_MINB": 1, "RS_WS": ws}
                             ctas = cdiv(n, 64 * wgs) * cdiv(m, bn)
                             if _rs_ok(wfmt, d) and (sp == 1 or (ctas * sp <= 4 * 132 and cdiv(k // 32, 4) >= 2 * sp)):

@@ -73,6 +73,9 @@
 #ifndef RS_WS
 #define RS_WS 0  // 1: warp-specialized -- one more warpgroup only copies; per-buffer mbarriers instead of CTA barriers
 #endif
+#if RS_WS && RS_WGS > 2
+#error "RS_WS: the copying warpgroup stands in for at most two MMA warpgroups"
+#endif
 #if RS_STAGES < 3
 #error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
 #endif
@@ -263,10 +266,6 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
 #if RS_WGS > 1
         const RsCopier<SF> cp1(tid - RS_THREADS + 128, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
 #endif
-#if RS_WGS > 2
-        const RsCopier<SF> cp2(tid - RS_THREADS + 256, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
-        const RsCopier<SF> cp3(tid - RS_THREADS + 384, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
-#endif
         auto copy = [&](int s, bool act, bool w) {
             const unsigned buf = base + (s % RS_STAGES) * STAGE_BYTES;
             const int k0 = (g_begin + s) * 128;
@@ -275,19 +274,11 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
 #if RS_WGS > 1
                 cp1.w(buf + RS_ACT_BYTES, s);
 #endif
-#if RS_WGS > 2
-                cp2.w(buf + RS_ACT_BYTES, s);
-                cp3.w(buf + RS_ACT_BYTES, s);
-#endif
             }
             if (act) {
                 cp0.act(buf, k0, a_full_rows, A, M, K, m0);
 #if RS_WGS > 1
                 cp1.act(buf, k0, a_full_rows, A, M, K, m0);
-#endif
-#if RS_WGS > 2
-                cp2.act(buf, k0, a_full_rows, A, M, K, m0);
-                cp3.act(buf, k0, a_full_rows, A, M, K, m0);
 #endif
             }
         };
