@@ -407,6 +407,9 @@ def test_plan_for_a_requested_arch(fmt):
     assert "dp4a" in qgemm.plan(512, 4096, 4096, fmt, arch="sm_75").kernel
     r = CliRunner().invoke(app, ["explain", "--shape", "512x4096x4096", "--type", fmt, "--packed", "--arch", "sm_90"])
     assert r.exit_code == 0 and f"w{w}a16.wgmma_rs" in r.output and "sm_90" in r.output, r.output
+    assert "RS_WS=1" in r.output and "warp-specialized" in r.output, r.output
+    r = CliRunner().invoke(app, ["explain", "--shape", "64x4096x4096", "--type", fmt, "--packed", "--arch", "sm_90"])
+    assert r.exit_code == 0 and "RS_WS=0" in r.output and "warp-specialized" not in r.output, r.output
     r = CliRunner().invoke(app, ["explain", "--arch", "sm_42"])
     assert r.exit_code != 0 and "sm_42" in r.output
 
