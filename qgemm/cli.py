@@ -117,6 +117,15 @@ def _command_line() -> str:
     return "qgemm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
+# options shared by `validate` and `profile` (GGUF weights; the mustafar.* problem)
+_OPT_GGUF = typer.Option(None, "--gguf", help="Take the weights from this GGUF file (with --tensor); N and K come from the tensor.")
+_OPT_TENSOR = typer.Option(None, "--tensor", help="The GGUF tensor, e.g. blk.0.ffn_down.weight.")
+_OPT_M_ROWS = typer.Option(None, "--m", min=1, help="Activation rows M with --gguf (default: the M of --shape).")
+_OPT_LQ = typer.Option(1, "--lq", min=1, help="mustafar.*: query length Lq (--shape is BxSxD: B = batch x kv-heads).")
+_OPT_GROUPS = typer.Option(4, "--groups", min=1, help="mustafar.*: query heads per kv head (num_key_value_groups).")
+_OPT_SPARSITY = typer.Option(0.7, "--sparsity", help="mustafar.*: per-token pruning sparsity in [0, 1).")
+
+
 @app.command("list")
 def list_cmd(
     family: Optional[str] = typer.Option(None, "--family", "-f", help="Only this family (e.g. w4a16)."),
@@ -217,12 +226,12 @@ def validate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: fresh every run, printed)."),
     as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Break C[0,0] down block by block: sumi, d_a, s_a, d_w, kernel vs reference."),
-    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Take the weights from this GGUF file (with --tensor); N and K come from the tensor."),
-    tensor: Optional[str] = typer.Option(None, "--tensor", help="The GGUF tensor, e.g. blk.0.ffn_down.weight."),
-    m_rows: Optional[int] = typer.Option(None, "--m", min=1, help="Activation rows M with --gguf (default: the M of --shape)."),
-    lq: int = typer.Option(1, "--lq", min=1, help="mustafar.*: query length Lq (--shape is BxSxD: B = batch x kv-heads)."),
-    groups: int = typer.Option(4, "--groups", min=1, help="mustafar.*: query heads per kv head (num_key_value_groups)."),
-    sparsity: float = typer.Option(0.7, "--sparsity", help="mustafar.*: per-token pruning sparsity in [0, 1)."),
+    gguf: Optional[Path] = _OPT_GGUF,
+    tensor: Optional[str] = _OPT_TENSOR,
+    m_rows: Optional[int] = _OPT_M_ROWS,
+    lq: int = _OPT_LQ,
+    groups: int = _OPT_GROUPS,
+    sparsity: float = _OPT_SPARSITY,
 ):
     """Run on the GPU and compare with the numpy references; exit 1 on any FAIL."""
     from .check import block_breakdown, format_breakdown
@@ -270,12 +279,12 @@ def profile(
     cold: bool = typer.Option(False, "--cold", help="Rotate buffer sets larger than 2x L2, so operands come from DRAM."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also time torch (cuBLAS fp16/bf16/fp32, cuBLASLt int8) when present."),
     as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the results (with device, date, command) as JSON."),
-    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Take the weights from this GGUF file (with --tensor); N and K come from the tensor."),
-    tensor: Optional[str] = typer.Option(None, "--tensor", help="The GGUF tensor, e.g. blk.0.ffn_down.weight."),
-    m_rows: Optional[int] = typer.Option(None, "--m", min=1, help="Activation rows M with --gguf (default: the M of --shape)."),
-    lq: int = typer.Option(1, "--lq", min=1, help="mustafar.*: query length Lq (--shape is BxSxD: B = batch x kv-heads)."),
-    groups: int = typer.Option(4, "--groups", min=1, help="mustafar.*: query heads per kv head (num_key_value_groups)."),
-    sparsity: float = typer.Option(0.7, "--sparsity", help="mustafar.*: per-token pruning sparsity in [0, 1)."),
+    gguf: Optional[Path] = _OPT_GGUF,
+    tensor: Optional[str] = _OPT_TENSOR,
+    m_rows: Optional[int] = _OPT_M_ROWS,
+    lq: int = _OPT_LQ,
+    groups: int = _OPT_GROUPS,
+    sparsity: float = _OPT_SPARSITY,
 ):
     """CUDA-event timing: median/min/max us, TFLOPS, bytes and GB/s, % of the device roofline."""
     from . import bench
