@@ -429,6 +429,28 @@ __device__ __forceinline__ void mf2_walk(Mf2Meta<U> m, int first, const uint8_t 
     }
 }
 
+// Where a key-kernel CTA sits (both versions): grid.x = (chunk of per_cta warp steps, row block),
+// row block fastest; this warp's steps (n: steps cs + warp, + MF_WARPS, ... below the chunk's end);
+// the batch's bases into the per-tile arrays (tb) and into the offsets / compact groups (ob).
+template <int BITS, bool COMPACT, int U>
+struct MfKeyCta {
+    int b, row0, nr, cs, n;
+    size_t tb, ob;
+    __device__ __forceinline__ MfKeyCta(int S, int R, int per_cta, int warp) {
+        b = blockIdx.y;
+        const int rb = (R + MF_R - 1) / MF_R;
+        row0 = (blockIdx.x % rb) * MF_R;
+        nr = min(MF_R, R - row0);
+        const int T = S * U;
+        const int steps_b = (S + 31) >> 5;
+        cs = (blockIdx.x / rb) * per_cta;
+        const int ce = min(cs + per_cta, steps_b);
+        n = cs + warp < ce ? (ce - cs - warp + MF_WARPS - 1) / MF_WARPS : 0;
+        tb = (size_t)b * T;
+        ob = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * ((T + 15) / 16 + 1) : tb);
+    }
+};
+
 // ---------------------------------------------------------------------------------------------
 // key kernel v2: a lane = a token (its D/64 tiles); a warp step = 32 tokens
 // per_cta: steps per CTA; grid = (chunks * row blocks, B, 1), row block fastest
@@ -443,17 +465,9 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint8_t *win = mf_smem + MF_XS_BYTES + warp * 2 * MF_WIN2;
 
-    const int b = blockIdx.y;
-    const int rb = (R + MF_R - 1) / MF_R;
-    const int row0 = (blockIdx.x % rb) * MF_R;
-    const int nr = min(MF_R, R - row0);
-    const int T = S * U;
-    const int steps_b = (S + 31) >> 5;
-    const int cs = (blockIdx.x / rb) * per_cta;
-    const int ce = min(cs + per_cta, steps_b);
-    const int n = cs + warp < ce ? (ce - cs - warp + MF_WARPS - 1) / MF_WARPS : 0;
-    const size_t tb = (size_t)b * T;
-    const size_t ob = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * ((T + 15) / 16 + 1) : tb);
+    const MfKeyCta<BITS, COMPACT, U> c(S, R, per_cta, warp);
+    const int b = c.b, row0 = c.row0, nr = c.nr, cs = c.cs, n = c.n;
+    const size_t tb = c.tb, ob = c.ob;
 
     auto meta = [&](Mf2Meta<U> &m, int i) {
         const int st = cs + warp + i * MF_WARPS;
@@ -1122,17 +1136,9 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
     const uint32_t swin0 = (uint32_t)__cvta_generic_to_shared(win0), swin1 = swin0 + MF_PAD + MF_WIN2;
     const uint32_t srec0 = (uint32_t)__cvta_generic_to_shared(rec0), srec1 = srec0 + NW * 256;
 
-    const int b = blockIdx.y;
-    const int rb = (R + MF_R - 1) / MF_R;
-    const int row0 = (blockIdx.x % rb) * MF_R;
-    const int nr = min(MF_R, R - row0);
-    const int T = S * U;
-    const int steps_b = (S + 31) >> 5;
-    const int cs = (blockIdx.x / rb) * per_cta;
-    const int ce = min(cs + per_cta, steps_b);
-    const int n = cs + warp < ce ? (ce - cs - warp + MF_WARPS - 1) / MF_WARPS : 0;
-    const size_t tb = (size_t)b * T;
-    const size_t ob = BITS == 16 ? (size_t)b * (T + 1) : (COMPACT ? (size_t)b * ((T + 15) / 16 + 1) : tb);
+    const MfKeyCta<BITS, COMPACT, U> c(S, R, per_cta, warp);
+    const int b = c.b, row0 = c.row0, nr = c.nr, cs = c.cs, n = c.n;
+    const size_t tb = c.tb, ob = c.ob;
 
     auto tok = [&](int i) { return (cs + warp + i * MF_WARPS) * 32 + lane; };
     auto meta = [&](Mf3Meta<U> &m, int i) {
