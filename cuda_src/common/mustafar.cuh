@@ -284,6 +284,20 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
 #endif
 static_assert(MF_WIN2 % 16 == 0 && MF_WIN2 >= 64, "MF_WIN2 must be a multiple of 16");
 
+// The bitmaps of U consecutive tiles from tile t (t even), two 64-bit bitmaps per 16-byte load
+// (both versions' metadata loaders).
+template <int U>
+__device__ __forceinline__ void mf_load_bitmap_pairs(uint32_t (&w)[2 * U], const uint32_t *__restrict__ bmp, size_t t) {
+#pragma unroll
+    for (int j = 0; j < U / 2; ++j) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4 *>(bmp) + t / 2 + j);
+        w[4 * j + 0] = v.x;
+        w[4 * j + 1] = v.y;
+        w[4 * j + 2] = v.z;
+        w[4 * j + 3] = v.w;
+    }
+}
+
 template <int U>
 struct Mf2Meta {
     uint32_t w[2 * U];  // bitmap words of the lane's U tiles (0: no tile)
@@ -311,14 +325,7 @@ __device__ __forceinline__ void mf2_load(Mf2Meta<U> &m, const uint32_t *__restri
             m.w[0] = v.x;
             m.w[1] = v.y;
         } else {
-#pragma unroll
-            for (int j = 0; j < U / 2; ++j) {
-                const uint4 v = __ldg(reinterpret_cast<const uint4 *>(bmp) + t / 2 + j);
-                m.w[4 * j + 0] = v.x;
-                m.w[4 * j + 1] = v.y;
-                m.w[4 * j + 2] = v.z;
-                m.w[4 * j + 3] = v.w;
-            }
+            mf_load_bitmap_pairs<U>(m.w, bmp, t);
         }
         if (BITS != 16) {
             const uint32_t *sp = reinterpret_cast<const uint32_t *>(scl) + t;
@@ -915,14 +922,7 @@ __device__ __forceinline__ void mf3_load(Mf3Meta<U> &m, const uint32_t *__restri
     const uint32_t *zp = reinterpret_cast<const uint32_t *>(zer) + t;
     if (VEC && U > 1) {
         if (nt > 0) {
-#pragma unroll
-            for (int j = 0; j < U / 2; ++j) {
-                const uint4 v = __ldg(reinterpret_cast<const uint4 *>(bmp) + t / 2 + j);
-                m.w[4 * j + 0] = v.x;
-                m.w[4 * j + 1] = v.y;
-                m.w[4 * j + 2] = v.z;
-                m.w[4 * j + 3] = v.w;
-            }
+            mf_load_bitmap_pairs<U>(m.w, bmp, t);
             if (BITS != 16) {
                 if (U == 2) {
                     const uint2 v = __ldg(reinterpret_cast<const uint2 *>(sp));
