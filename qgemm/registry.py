@@ -92,15 +92,22 @@ def _mma_geometry(wfmt: str, a_row: int = 144):
     return geometry
 
 
+def _split_k(ctas: int, k: int, sm_count: int) -> int:
+    """Default K split across CTAs: while the tile grid leaves SMs idle, keeping >= 4 stages of
+    128 K (4 blocks of 32) per split, at most 8 (atomics into a zeroed C)."""
+    return max(1, min(sm_count // max(ctas, 1), cdiv(k // 32, 4) // 4, 8))
+
+
+def _split_k_ok(ctas: int, k: int, split: int) -> bool:
+    """A K split worth tuning: at most 4 CTAs per SM of a 132-SM GPU, >= 2 stages per split."""
+    return split == 1 or (ctas * split <= 4 * 132 and cdiv(k // 32, 4) >= 2 * split)
+
+
 def _mma_config(m: int, n: int, k: int, sm_count: int) -> dict:
     """Default tile: 128x128 for prefill, smaller M tiles for few tokens; split K when the grid
     would leave SMs idle (each split keeps >= 4 stages of 128 K)."""
     bm = 128 if m > 64 else (64 if m > 32 else 32)
-    ctas = cdiv(m, bm) * cdiv(n, 128)
-    stages_k = cdiv(k // 32, 4)
-    split = 1
-    if ctas < sm_count:
-        split = max(1, min(sm_count // ctas, stages_k // 4, 8))
+    split = _split_k(cdiv(m, bm) * cdiv(n, 128), k, sm_count)
     return {"MMA_BM": bm, "MMA_BN": 128, "MMA_WARPS_M": 2, "MMA_WARPS_N": 4, "MMA_STAGES": 4, "MMA_SPLITK": split, "MMA_MINB": 1}
 
 
@@ -240,10 +247,7 @@ def _wgmma_geometry(m: int, n: int, k: int, d: dict) -> Launch:
 
 
 def _wgmma_config(m: int, n: int, k: int, sm_count: int) -> dict:
-    # split K across CTAs while the tile grid leaves SMs idle, keeping >= 4 stages of 128 per split
-    ctas = cdiv(n, 128) * cdiv(m, 128)
-    split = max(1, min(sm_count // max(ctas, 1), cdiv(k // 32, 4) // 4, 8))
-    return {"WG_STAGES": 3, "WG_SPLITK": split, "WG_SPEC": 0}
+    return {"WG_STAGES": 3, "WG_SPLITK": _split_k(cdiv(n, 128) * cdiv(m, 128), k, sm_count), "WG_SPEC": 0}
 
 
 def _wgmma_candidates(m: int, n: int, k: int) -> list[dict]:
@@ -251,7 +255,7 @@ def _wgmma_candidates(m: int, n: int, k: int) -> list[dict]:
     # the stage it has not signalled yet
     ctas = cdiv(n, 128) * cdiv(m, 128)
     return [{"WG_STAGES": s, "WG_SPLITK": sp, "WG_SPEC": spec} for s in (2, 3) for sp in (1, 2, 4, 8) for spec in (0, 1)
-            if (sp == 1 or (ctas * sp <= 4 * 132 and cdiv(k // 32, 4) >= 2 * sp)) and not (spec and s < 3)]
+            if _split_k_ok(ctas, k, sp) and not (spec and s < 3)]
 
 
 # ---- Hopper wgmma, weights as the register A operand (common/wgmma_rs_f16.cuh) ----------------
@@ -283,12 +287,6 @@ def _rs_ok(wfmt: str, d: dict) -> bool:
     return _rs_shmem(wfmt, d) <= 227 * 1024
 
 
-def _rs_split(m: int, n: int, k: int, d: dict, sm_count: int) -> int:
-    # split K across CTAs while the tile grid leaves SMs idle, keeping >= 4 stages of 128 per split
-    ctas = cdiv(n, 64 * d["RS_WGS"]) * cdiv(m, d["RS_BN"])
-    return max(1, min(sm_count // max(ctas, 1), cdiv(k // 32, 4) // 4, 8))
-
-
 def _rs_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
         # H100 tuning (docs/perf/NOTES.md): 2 MMA warpgroups, 4 buffers; 64-token tiles up to M = 64
@@ -298,7 +296,7 @@ def _rs_config(wfmt: str):
         d = {"RS_BN": 64 if m <= 64 else 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(m > 64)}
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1
-        d["RS_SPLITK"] = _rs_split(m, n, k, d, sm_count)
+        d["RS_SPLITK"] = _split_k(cdiv(n, 64 * d["RS_WGS"]) * cdiv(m, d["RS_BN"]), k, sm_count)
         return d
     return config
 
@@ -313,7 +311,7 @@ def _rs_candidates(wfmt: str):
                         for ws in (0, 1):
                             d = {"RS_BN": bn, "RS_WGS": wgs, "RS_STAGES": st, "RS_SPLITK": sp, "RS_MINB": 1, "RS_WS": ws}
                             ctas = cdiv(n, 64 * wgs) * cdiv(m, bn)
-                            if _rs_ok(wfmt, d) and (sp == 1 or (ctas * sp <= 4 * 132 and cdiv(k // 32, 4) >= 2 * sp)):
+                            if _rs_ok(wfmt, d) and _split_k_ok(ctas, k, sp):
                                 out.append(d)
                                 # two CTAs per SM (16 warps to hide the dequantization's latency) where their
                                 # shared memory fits and 128 registers hold a 64 x 64 accumulator
