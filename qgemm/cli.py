@@ -376,7 +376,7 @@ def tune(
     shape: str = typer.Option("512x4096x4096", "--shape", help="MxNxK to tune for (stored per shape bucket: M rounded up to a power of 2)."),
     iters: int = typer.Option(20, "--iters", min=1, help="Timed samples per configuration."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Measure but do not store."),
-    only: str = typer.Option("", "--only", help="Try only the configurations with these defines, e.g. RS_WGS=4,RS_SPLITK=1."),
+    only: str = typer.Option("", "--only", help="Try only the configurations with these defines, e.g. RS_WS=1,RS_SPLITK=1."),
 ):
     """Try the kernel's configurations, keep the fastest correct one for this GPU and shape bucket."""
     from . import check, tuning
@@ -396,7 +396,7 @@ def tune(
         try:
             want = {a.strip(): int(b) for a, b in (kv.split("=") for kv in only.split(","))}
         except ValueError:
-            _fail(f"--only takes KEY=INT pairs separated by commas, e.g. RS_WGS=4,RS_SPLITK=1; got {only!r}")
+            _fail(f"--only takes KEY=INT pairs separated by commas, e.g. RS_WS=1,RS_SPLITK=1; got {only!r}")
         cands = [d for d in cands if all(d.get(a) == b for a, b in want.items())]
         if not cands:
             _fail(f"no configuration of {name} at {m}x{n}x{kk} has {only}")
