@@ -22,6 +22,7 @@ Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM r
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,22 +91,46 @@ class Plan:
     def op(self):
         return registry.get(self.kernel).op
 
+    def streamed(self, defines: dict | None = None) -> bool:
+        """Whether the prologue runs beside the GEMM, publishing the activations slice by slice
+        (KernelSpec.publishes / streams; programmatic dependent launch in use; no split-K)."""
+        if self.quantizer is None:
+            return False
+        kernel = registry.get(self.kernel)
+        if not (kernel.spec.streams and registry.spec(self.quantizer).publishes is not None):
+            return False
+        defines = defines or self.defines or kernel.config_for(self.m, self.n, self.k)
+        return not kernel.geometry(self.m, self.n, self.k, defines).zero_output and runtime.streaming_enabled()
+
     def launch(self, dx, dw, dq, dc, status, stream=None) -> None:
         """Queue the kernels on device arrays (the hot path: no checks, no allocation). Kernels
         that support it (KernelSpec.pdl) are launched with programmatic dependent launch: the GEMM
         streams its first weights while its prologue (or, without one, the previous op) finishes,
-        and the prologue's launch overlaps the previous op's tail. The split-K zeroing of C is done
-        by the prologue (convert.f16) or queued before it, so nothing stands between two kernels."""
+        and the prologue's launch overlaps the previous op's tail. Where the pair supports it
+        (`streamed`), the GEMM does not wait for the prologue to end: it copies each 128-wide K
+        slice of the activations as soon as the prologue has published it. The split-K zeroing of
+        C is done by the prologue (convert.f16) or queued before it, so nothing stands between two
+        kernels."""
         kernel = registry.get(self.kernel)
         defines = self.defines or kernel.config_for(self.m, self.n, self.k)
-        zeroed = False
+        zeroed, ready, count = False, None, 0
         if self.quantizer is not None:
+            pro = registry.get(self.quantizer)
             zeroed = kernel.geometry(self.m, self.n, self.k, defines).zero_output
-            registry.get(self.quantizer).launch_quantize(dx, dq, self.m, self.k, status, stream=stream,
-                                                         zero=dc if zeroed else None)
+            if self.streamed(defines):
+                kernel._module(defines)  # compile the GEMM first: a prologue must never publish to nobody
+                count = pro.spec.publishes(self.m, self.k, runtime.device_info().sm_count)[1]
+                ready = _ready_counts(self.k, stream)
+            pro.launch_quantize(dx, dq, self.m, self.k, status, stream=stream, zero=dc if zeroed else None, ready=ready)
         else:
             dq = dx
-        kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines, zeroed=zeroed)
+        try:
+            kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines, zeroed=zeroed,
+                          ready=ready, ready_count=count)
+        except BaseException:
+            if ready is not None:  # the counts the prologue leaves would release the next op's GEMM early
+                ready.fill_bytes(0, stream)
+            raise
 
 
 def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
@@ -183,6 +208,10 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
             defines = k_obj.config_for(m, n, k)
     if defines.get("RS_WS"):
         reason += "; warp-specialized: a copying warpgroup feeds the two MMA warpgroups through mbarriers"
+    if (quantizer is not None and k_obj.spec.streams and registry.spec(quantizer).publishes is not None
+            and not k_obj.geometry(m, n, k, defines).zero_output):
+        reason += (f"; {quantizer} runs beside the GEMM, which copies each 128-wide K slice of the activations as soon "
+                   "as it is written (with programmatic dependent launch, sm_90; QGEMM_STREAM=0 turns it off)")
     return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed)
 
 
@@ -202,18 +231,39 @@ def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", pat
 # ---------------------------------------------------------------------------------------------
 
 _workspace_lock = threading.Lock()
-_workspace: dict[str, runtime.DeviceArray] = {}
+_workspace: OrderedDict[tuple, runtime.DeviceArray] = OrderedDict()
+_WORKSPACE_STREAMS = 8  # per tag: the least recently used stream's buffer is freed beyond this
 
 
-def _scratch(tag: str, shape, dtype) -> runtime.DeviceArray:
-    """Reusable device scratch (Q8_1 activations, status word): no cuMemAlloc per call."""
+def _stream_key(stream) -> int:
+    return int(runtime.as_stream(stream).handle)
+
+
+def _scratch(tag: str, shape, dtype, stream=None, zeroed: bool = False) -> runtime.DeviceArray:
+    """Reusable device scratch (staged activations, status word, slice counts), one per stream:
+    no cuMemAlloc per call, and two streams never share one. zeroed: a new buffer is zeroed (in
+    stream order) before its first use."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    key = (tag, _stream_key(stream))
     with _workspace_lock:
-        buf = _workspace.get(tag)
+        buf = _workspace.get(key)
         if buf is None or buf.nbytes < nbytes:
             buf = runtime.DeviceArray.empty((max(nbytes, 1),), np.uint8)
-            _workspace[tag] = buf
+            if zeroed:
+                buf.fill_bytes(0, stream)
+            _workspace[key] = buf
+            same_tag = [k for k in _workspace if k[0] == tag]
+            for old in same_tag[:-_WORKSPACE_STREAMS]:
+                del _workspace[old]  # freed once no view holds it (cuMemFree waits for the GPU)
+        _workspace.move_to_end(key)
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
+
+
+def _ready_counts(k: int, stream=None) -> runtime.DeviceArray:
+    """The streamed prologue's counts: [0] the GEMM's finished CTAs, [1 + s] the row blocks of
+    K slice s written. Zero between ops (the GEMM's last CTA zeroes them)."""
+    slices = -(-k // registry.CONVERT_SLICE)
+    return _scratch("ready", (max(1 + slices, 1024),), np.uint32, stream, zeroed=True)
 
 
 def _weights(w, fmt: str | None, on_device: bool, stream=None):
@@ -293,8 +343,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         if dx.ptr % 16:
             raise ValueError(f"matmul: {p.kernel} needs the activations on a 16-byte boundary, got address {dx.ptr:#x}")
     staged = p.staged_format
-    dq = _scratch("prologue", *staged) if staged else None
-    status = _scratch("status", (1,), np.int32)
+    dq = _scratch("prologue", *staged, stream) if staged else None
+    status = _scratch("status", (1,), np.int32, stream)
     if not x_on_device:  # only a host call reads the prologue's flags; a device call queues no memset, which
         status.fill_bytes(0, stream)  # would stand between this op's kernels and the previous op's (PDL)
     if out is not None:

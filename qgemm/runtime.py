@@ -581,6 +581,19 @@ def pdl_enabled() -> bool:
     return os.environ.get("QGEMM_PDL", "1").strip() != "0"
 
 
+def pdl_in_use() -> bool:
+    """Whether a launch with pdl=True is really programmatic here and now (QGEMM_PDL, the GPU,
+    cuda.core)."""
+    return _pdl_config(dict(grid=(1, 1, 1), block=(1, 1, 1), shmem_size=0)) is not None
+
+
+def streaming_enabled() -> bool:
+    """qgemm.matmul streams the activations' prologue beside the GEMM (KernelSpec.publishes /
+    streams) where programmatic dependent launch is in use, unless QGEMM_STREAM=0 (read at every
+    call, like QGEMM_PDL)."""
+    return os.environ.get("QGEMM_STREAM", "1").strip() != "0" and pdl_in_use()
+
+
 def _pdl_config(geo: dict):
     """A LaunchConfig with programmatic stream serialization (sm_90+, cuda.core >= 0.4), or None
     (also when QGEMM_PDL=0)."""

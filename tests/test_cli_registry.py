@@ -437,5 +437,130 @@ def test_pdl_kernels_wait_before_their_inputs():
     # warp-specialized: the copying warpgroup's first activation copies (copy(s, true, ...)) follow its wait
     assert ws.index("pdl_wait();") < min(m.start() for m in re.finditer(r"copy\(s, true", ws))
     assert plain.index("pdl_wait();") < min(m.start() for m in re.finditer(r"cp\.act\(", plain))
+    # streamed (`ready`): no grid wait, but every activation copy follows the wait for its slice
+    for part in (ws, plain):
+        acts = [m.start() for m in re.finditer(r"copy\(s, true|cp\.act\(", part)]
+        waits = [m.start() for m in re.finditer(r"rs_wait_slice\(ready", part)]
+        assert len(acts) == len(waits) >= 1 and all(w < a for w, a in zip(waits, acts)), (acts, waits)
+        assert all(a < w2 for a, w2 in zip(acts, waits[1:]))
     conv = jit.read_source("convert/f32_to_f16.cu")
-    assert conv.index("pdl_wait();") < conv.index("X + i")
+    body = conv[conv.index("convert_f32_to_f16("):]
+    assert body.index("pdl_wait();") < body.index("cv_load(X")
+    # streamed, the converter lets its GEMM launch only after its own wait: the GEMM then polls
+    # `ready` without a grid wait, and must not start before the previous GEMM (which zeroes
+    # `ready`) has completed
+    assert body.index("pdl_wait();") < body.index("if (ready != nullptr) pdl_launch_dependents();")
+    assert "if (ready == nullptr && nz == 0) pdl_launch_dependents();" in body
+
+
+def test_convert_slices_are_published_by_every_row_block():
+    """convert.f16's CTA (x, y) converts row block x of K slices y, y + gridDim.y, ... (the loop
+    of cuda_src/convert/f32_to_f16.cu, mirrored here). Plain and streamed grids must write every
+    (row block, slice) tile exactly once; streamed, each slice's count reaches the number the
+    GEMM waits for, the grid stays about one CTA per SM, and the first slices come first."""
+    from qgemm import registry as R
+
+    for m, k, sms in ((1, 32, 132), (17, 4128, 132), (513, 4096, 132), (2048, 14336, 132), (4096, 4096, 132),
+                      (300, 96, 8), (5000, 1024, 132)):
+        slices = R.cdiv(k, R.CONVERT_SLICE)
+        blocks = R.cdiv(m, R.CONVERT_ROWS)
+        for g, count in ((R.get("convert.f16").spec.geometry(m, 0, k), None), R.get("convert.f16").spec.publishes(m, k, sms)):
+            gx, gy, gz = g.grid
+            assert gx == blocks and gz == 1 and g.block == (256, 1, 1) and gy <= 65535
+            written = {}
+            first = []
+            for y in range(gy):
+                walk = list(range(y, slices, gy))
+                first += walk[:1]
+                for x in range(gx):
+                    for sl in walk:
+                        written[(x, sl)] = written.get((x, sl), 0) + 1
+            assert written == {(x, sl): 1 for x in range(blocks) for sl in range(slices)}, (m, k)
+            if count is not None:  # streamed
+                assert count == blocks  # one arrival per row block and slice
+                assert gx * gy <= max(sms, blocks)
+                assert sorted(first) == list(range(min(gy, slices)))  # the CTAs start on slices 0, 1, ...
+
+
+def test_streamed_convert_fits_beside_wgmma_rs():
+    """Streamed, one convert.f16 CTA shares an SM with a wgmma_rs CTA: its registers must fit in
+    what the GEMM leaves (64K per SM, allocated per warp in units of 256), without spilling."""
+    import re
+
+    from qgemm import registry as R
+
+    conv = R.get("convert.f16").compile("sm_90", use_cache=False)
+    regs_c = int(re.findall(r"Used (\d+) registers", conv.log)[0])
+    assert not re.search(r"[1-9]\d* bytes spill", conv.log), conv.log
+    for name in ("w4a16.wgmma_rs", "w8a16.wgmma_rs"):
+        k = R.get(name)
+        for shape in ((512, 4096, 4096), (2048, 4096, 14336), (1000, 2048, 2048)):
+            d = k.spec.config(*shape, 132)
+            ck = k.compile("sm_90", d)
+            regs_g = int(re.findall(r"Used (\d+) registers", ck.log)[0])
+            threads = k.geometry(*shape, d).block[0]
+
+            def per_warp(r):
+                return -(-r * 32 // 256) * 256
+            assert per_warp(regs_g) * threads // 32 + per_warp(regs_c) * 8 <= 65536, (name, shape, regs_g, regs_c)
+
+
+def test_streamed_launch_arguments(monkeypatch):
+    """The launch plumbing without a GPU: a streamed plan gives convert.f16 its `ready` buffer and
+    the streamed grid, and the GEMM (ready, count); a split-K plan, QGEMM_STREAM=0 or no PDL give
+    plain launches with null pointers; a failing GEMM launch zeroes the counts it would leave."""
+    import types
+
+    from qgemm import dispatch, registry as R, runtime
+
+    calls = []
+
+    class FakeModule:
+        def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
+            calls.append((entry, tuple(grid), args))
+            if fail and entry.endswith("wgmma_rs"):
+                raise RuntimeError("launch failed")
+
+    class Buf:
+        def __init__(self, ptr, size=0):
+            self.ptr, self.size, self.filled = ptr, size, []
+
+        def fill_bytes(self, v, stream=None):
+            self.filled.append(v)
+
+    monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(sm_count=132, cc=90))
+    for name in ("convert.f16", "w4a16.wgmma_rs"):
+        monkeypatch.setattr(R.get(name), "_module", lambda defines=None: FakeModule())
+    ready = Buf(0x5000)
+    monkeypatch.setattr(dispatch, "_ready_counts", lambda k, stream=None: ready)
+    fail = False
+    for m, stream_env, pdl, want in ((512, "1", True, True), (64, "1", True, False), (512, "0", True, False),
+                                     (512, "1", False, False)):
+        monkeypatch.setenv("QGEMM_STREAM", stream_env)
+        monkeypatch.setattr(runtime, "pdl_in_use", lambda: pdl)
+        p = dispatch.plan(m, 4096, 4096, "q4_0", packed=True, arch="sm_90")
+        assert p.streamed() == want, (m, stream_env, pdl)
+        calls.clear()
+        p.launch(Buf(0x1000), Buf(0x2000), Buf(0x3000), Buf(0x4000, m * 4096), Buf(0x6000))
+        (e1, g1, a1), (e2, g2, a2) = calls
+        assert e1 == "convert_f32_to_f16" and e2 == "w4a16_wgmma_rs"
+        launch, count = R.get("convert.f16").spec.publishes(m, 4096, 132)
+        if want:
+            assert int(a1[-1]) == 0x5000 and g1 == launch.grid
+            assert int(a2[-2]) == 0x5000 and int(a2[-1]) == count == R.cdiv(m, R.CONVERT_ROWS)
+        else:
+            assert int(a1[-1]) == 0 and g1 == R.get("convert.f16").spec.geometry(m, 0, 4096).grid
+            assert int(a2[-2]) == 0 and int(a2[-1]) == 0
+    monkeypatch.setenv("QGEMM_STREAM", "1")
+    monkeypatch.setattr(runtime, "pdl_in_use", lambda: True)
+    fail = True
+    p = dispatch.plan(512, 4096, 4096, "q4_0", packed=True, arch="sm_90")
+    with pytest.raises(RuntimeError, match="launch failed"):
+        p.launch(Buf(0x1000), Buf(0x2000), Buf(0x3000), Buf(0x4000), Buf(0x6000))
+    assert ready.filled == [0]
+    # the kernels refuse what they cannot do
+    with pytest.raises(ValueError, match="without split-K"):
+        R.get("w4a16.wgmma_rs").launch(Buf(1), Buf(2), Buf(3, 64 * 4096), 64, 4096, 4096, zeroed=True, ready=ready,
+                                       ready_count=4, defines=R.get("w4a16.wgmma_rs").spec.config(64, 4096, 4096, 132))
+    with pytest.raises(ValueError, match="cannot publish"):
+        R.get("quantize.q8_1").launch_quantize(Buf(1), Buf(2), 64, 4096, Buf(3), ready=ready)

@@ -502,13 +502,14 @@ def test_wgmma_configurations(name, rng):
     _every_candidate(k, ((129, 4097, 4128), (7, 33, 32), (300, 257, 1024)), rng)
 
 
-@pytest.mark.parametrize("m", [1, 8, 33, 300])
+@pytest.mark.parametrize("m", [1, 8, 33, 300, 1000])
 def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
     """A chain of ops queued without a sync, each reading the previous one's output and writing
     the buffer the op before it read (ping-pong): with programmatic dependent launch (sm_90) a
     kernel starts while the previous one finishes, so a missing or misplaced pdl_wait() shows up
     here as stale, NaN-poisoned or overwritten inputs. Checked against the same chain run one op at
-    a time with PDL off. The weights alternate Q4_0 / Q8_0, so different kernels follow each other."""
+    a time with PDL off. The weights alternate Q4_0 / Q8_0, so different kernels follow each other.
+    At M = 1000 (sm_90, no split-K) the activations' convert.f16 runs beside each GEMM (streamed)."""
     n = k = 2048
     ws = []
     for i in range(6):
@@ -542,3 +543,52 @@ def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
         # rounding of a few of the next op's activations (one ulp, ~5e-4 of that value): ~1e-4 after
         # six ops. A race reads NaN poison or another op's values: O(1).
         assert np.isfinite(got).all() and qgemm.reference.relative_error(got, want) <= 2e-3
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("ws", [0, 1])
+def test_matmul_streamed_activations(fmt, ws, rng, monkeypatch):
+    """convert.f16 beside wgmma_rs (sm_90, programmatic dependent launch): the GEMM copies each
+    128-wide K slice once the converter has counted it in `ready`. Partial tiles on every side and
+    a partial last slice (K = 4128); poisoned staging and output; both copy paths (warp-specialized
+    and not); the result identical to the same kernels run one after the other (QGEMM_STREAM=0),
+    and the counts back at zero afterwards (the GEMM's last CTA resets them), op after op."""
+    if qgemm.runtime.device_info().cc != 90:
+        pytest.skip("streamed activations pair convert.f16 with wgmma_rs (sm_90)")
+    from qgemm import dispatch
+
+    monkeypatch.setenv("QGEMM_PDL", "1")
+    m, n, k = 513, 4097, 4128
+    w_f = rng.standard_normal((n, k), dtype=np.float32)
+    w = F.quantize(w_f, fmt)
+    pw = qgemm.pack_weights(w)
+    p = qgemm.plan(m, n, k, fmt, packed=True)
+    p.defines = {**registry.get(p.kernel).config_for(m, n, k), "RS_WS": ws, "RS_SPLITK": 1}
+    stream = qgemm.runtime.create_stream()
+    dq = qgemm.DeviceArray.empty((m, k), np.float16)
+    status = qgemm.DeviceArray.from_host(np.zeros(1, np.int32))
+    xs = [rng.standard_normal((m, k), dtype=np.float32) for _ in range(6)]
+    dxs = [qgemm.DeviceArray.from_host(x) for x in xs]
+    outs = [qgemm.DeviceArray.empty((m, n), np.float32) for _ in xs]
+    for streamed in (False, True):
+        monkeypatch.setenv("QGEMM_STREAM", "1" if streamed else "0")
+        assert p.streamed() == streamed
+        dq.fill_bytes(0xFF, stream)  # NaN staging: a slice copied before it is converted shows
+        for o in outs:
+            o.fill_bytes(0xFF, stream)  # NaN output: an element never written shows
+        # six ops back to back, nothing between their kernels: a GEMM released early (by the
+        # previous op's counts) would multiply the previous op's activations
+        for dx, o in zip(dxs, outs):
+            p.launch(dx, pw.packed, dq, o, status, stream=stream)
+        qgemm.runtime.synchronize(stream)
+        got = [o.to_host() for o in outs]
+        for x, c in zip(xs, got):
+            r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(x, w), qgemm.reference.truth(x, w_f), x, w_f)
+            assert r.passed, (streamed, ws, r)
+        if not streamed:
+            plain = got
+        else:
+            for a, b in zip(got, plain):
+                np.testing.assert_array_equal(a, b)
+            counts = dispatch._ready_counts(k, stream).to_host()
+            assert not counts.any(), counts[: 2 + k // 128]

@@ -50,6 +50,20 @@
 //
 // K may be split across CTAs (blockIdx.z, RS_SPLITK) when the tile grid leaves SMs idle: those add
 // into a zeroed C with atomics.
+//
+// Streamed activations (`ready` != null; qgemm.matmul with programmatic dependent launch, no
+// split-K): the activations' convert.f16 runs beside this kernel instead of before it, and
+// publishes each 128-wide K slice it has written by counting its row blocks in ready[1 + slice]
+// (cuda_src/convert/f32_to_f16.cu). Whoever copies a stage's activations first waits for that
+// count to reach `ready_count` (an acquire load at GPU scope: the converter's stores are then
+// visible to the cp.async behind it); the weights never wait. The prologue's duration, ~3 us at
+// 512x4096 and 13-17 us at 512x14336 and 2048x4096 on the H100, then hides under the first
+// stages instead of adding to the op. When a CTA has copied its last stage it counts itself in
+// ready[0]; the last CTA of the grid zeroes the counts for the next op, whose convert.f16 waits
+// for this grid to complete before it counts again. Streamed, this kernel does not wait for the
+// previous grid (griddepcontrol.wait would wait for the whole convert.f16): it is launched only
+// once every CTA of its convert.f16 is past that kernel's own wait, so whatever ran before that
+// -- the previous op, whose buffers this one may overwrite -- has completed.
 #pragma once
 #include "common/skinny_f16.cuh"
 #include "common/wgmma.cuh"
@@ -107,6 +121,35 @@ static __device__ __forceinline__ void rs_cp_async16(unsigned dst, const void* s
 static __device__ __forceinline__ uint4 rs_natural(const uint4& p, const uint4& q, unsigned sel) {
     return make_uint4(__byte_perm(p.x, q.x, sel), __byte_perm(p.y, q.y, sel), __byte_perm(p.z, q.z, sel),
                       __byte_perm(p.w, q.w, sel));
+}
+
+// Streamed activations: wait until slice `slice` of them is written (see the header). The
+// polls back off with nanosleep so that ~100 waiting threads per SM leave L2 to the converter.
+// A count that never comes means the staging buffers were shared by two ops running at once (a
+// misuse qgemm.matmul rules out with per-stream workspaces): trap after 10 s instead of hanging.
+static __device__ __forceinline__ void rs_wait_slice(const unsigned* ready, int slice, unsigned count) {
+    const unsigned* p = ready + 1 + slice;
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    if (v >= count) return;
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
+    do {
+        __nanosleep(128);
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+        if (t - t0 > 10000000000ull) __trap();
+    } while (v < count);
+}
+
+// Streamed activations: one thread of a CTA none of whose threads polls any more. The last CTA
+// of the grid zeroes the counts (visible to the next op's converter, which waits for this grid).
+static __device__ __forceinline__ void rs_release_slices(unsigned* ready, int nslices) {
+    const unsigned ctas = gridDim.x * gridDim.y * gridDim.z;
+    if (atomicAdd(ready, 1u) == ctas - 1) {
+        for (int s = 0; s < nslices; ++s) ready[1 + s] = 0u;
+        ready[0] = 0u;
+    }
 }
 
 // What one copying thread (tid in [0, RS_THREADS)) copies of every stage. The addressing is
@@ -217,7 +260,8 @@ static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, uns
 
 template <typename SF>
 static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
-                                                         float* __restrict__ C, int M, int N, int K) {
+                                                         float* __restrict__ C, int M, int N, int K,
+                                                         unsigned* __restrict__ ready, int ready_count) {
     constexpr int GROUP_PIECES = SF::PIECES * 32;                     // uint4 per (tile, group)
     constexpr int W_BYTES = RS_TILES * (GROUP_PIECES * 16 + 8 * 16);  // raw quants + scales of a stage
     constexpr int STAGE_BYTES = (RS_ACT_BYTES + W_BYTES + 1023) / 1024 * 1024;
@@ -284,17 +328,25 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         };
         // the first buffers' weights before waiting for the previous grid (see below)
         for (int s = 0; s < RS_STAGES && s < n_stages; ++s) copy(s, false, true);
-        pdl_wait();
+        if (!ready) pdl_wait();
         for (int s = 0; s < n_stages; ++s) {
             const int b = s % RS_STAGES;
-            if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
-            copy(s, true, s >= RS_STAGES);
+            if (s >= RS_STAGES) {
+                mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
+                copy(s, false, true);
+            }
+            if (ready) rs_wait_slice(ready, g_begin + s, (unsigned)ready_count);
+            copy(s, true, false);
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
+        }
+        if (ready) {
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");  // every producer thread is past its last poll
+            if (tid == RS_THREADS) rs_release_slices(ready, ngroups);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         return;
     }
-    pdl_wait();
+    if (!ready) pdl_wait();
     for (int s = 0; s < n_stages; ++s) {
         const int b = s % RS_STAGES;
         mbar_wait(bars + 8 * b, (s / RS_STAGES) & 1);
@@ -313,10 +365,13 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
 #pragma unroll
     for (int s = 0; s < RS_STAGES - 2; ++s)
         if (s < n_stages) cp.w(base + s * STAGE_BYTES + RS_ACT_BYTES, s);
-    pdl_wait();
+    if (!ready) pdl_wait();
 #pragma unroll
     for (int s = 0; s < RS_STAGES - 2; ++s) {
-        if (s < n_stages) cp.act(base + s * STAGE_BYTES, (g_begin + s) * 128, a_full_rows, A, M, K, m0);
+        if (s < n_stages) {
+            if (ready) rs_wait_slice(ready, g_begin + s, (unsigned)ready_count);
+            cp.act(base + s * STAGE_BYTES, (g_begin + s) * 128, a_full_rows, A, M, K, m0);
+        }
         cp_async_commit();
     }
     for (int s = 0; s < n_stages; ++s) {
@@ -330,10 +385,15 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         // the two halves, ptxas serializes every wgmma: C7513, tested in tests/test_cli_registry.py)
         if (s + RS_STAGES - 2 < n_stages) {
             const int s2 = s + RS_STAGES - 2, buf2 = s2 % RS_STAGES;
-            cp.act(base + buf2 * STAGE_BYTES, (g_begin + s2) * 128, a_full_rows, A, M, K, m0);
             cp.w(base + buf2 * STAGE_BYTES + RS_ACT_BYTES, s2);
+            if (ready) rs_wait_slice(ready, g_begin + s2, (unsigned)ready_count);
+            cp.act(base + buf2 * STAGE_BYTES, (g_begin + s2) * 128, a_full_rows, A, M, K, m0);
         }
         cp_async_commit();
+    }
+    if (ready) {
+        __syncthreads();  // every thread is past its last poll
+        if (tid == 0) rs_release_slices(ready, ngroups);
     }
 #endif
     wgmma_wait<0>();
