@@ -59,6 +59,7 @@ class Plan:
     source: str = "default"  # "default", "tuned", "override"
     reason: str = ""
     packed: bool = False  # the kernel reads the skinny layout (qgemm.pack_weights), not ggml blocks
+    fused_convert: bool = False  # the GEMM can round float32 x itself: no convert.f16 launch (QGEMM_FUSE)
 
     def __str__(self) -> str:
         cfg = " ".join(f"{k}={v}" for k, v in self.defines.items())
@@ -66,6 +67,9 @@ class Plan:
         step1 = f"  1. {self.quantizer}: x -> {pro.out.name} on the GPU\n" if pro else "  1. (x is already in the kernel's format)\n"
         if self.quantizer is None and self.packed:
             step1 = "  1. (none: the kernel reads the float32 activations itself)\n"
+        if self.fused_convert:
+            step1 = (f"  1. {self.quantizer}'s rounding x -> f16, done by the GEMM's copying warpgroups "
+                     "while it multiplies (no separate launch)\n")
         return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights{' (packed)' if self.packed else ''}, "
                 f"{self.x_dtype} activations:\n" + step1 +
                 f"  2. {self.kernel}{' (' + cfg + ')' if cfg else ''} [{self.source}]\n"
@@ -91,46 +95,36 @@ class Plan:
     def op(self):
         return registry.get(self.kernel).op
 
-    def streamed(self, defines: dict | None = None) -> bool:
-        """Whether the prologue runs beside the GEMM, publishing the activations slice by slice
-        (KernelSpec.publishes / streams; programmatic dependent launch in use; no split-K)."""
-        if self.quantizer is None:
-            return False
+    def fused(self, defines: dict | None = None) -> bool:
+        """Whether the GEMM rounds the float32 activations itself (KernelSpec.converts) instead of
+        after a convert.f16 launch."""
         kernel = registry.get(self.kernel)
-        if not (kernel.spec.streams and registry.spec(self.quantizer).publishes is not None):
+        if self.quantizer != "convert.f16" or kernel.spec.converts is None or not runtime.fused_convert_enabled():
             return False
-        defines = defines or self.defines or kernel.config_for(self.m, self.n, self.k)
-        return not kernel.geometry(self.m, self.n, self.k, defines).zero_output and runtime.streaming_enabled()
+        return kernel.spec.converts(defines or self.defines or kernel.config_for(self.m, self.n, self.k))
 
     def launch(self, dx, dw, dq, dc, status, stream=None) -> None:
         """Queue the kernels on device arrays (the hot path: no checks, no allocation). Kernels
         that support it (KernelSpec.pdl) are launched with programmatic dependent launch: the GEMM
         streams its first weights while its prologue (or, without one, the previous op) finishes,
-        and the prologue's launch overlaps the previous op's tail. Where the pair supports it
-        (`streamed`), the GEMM does not wait for the prologue to end: it copies each 128-wide K
-        slice of the activations as soon as the prologue has published it. The split-K zeroing of
-        C is done by the prologue (convert.f16) or queued before it, so nothing stands between two
-        kernels."""
+        and the prologue's launch overlaps the previous op's tail. Where the GEMM converts the
+        float32 activations itself (`fused`), there is no prologue: one kernel writes dq while it
+        multiplies. The split-K zeroing of C is done by the prologue (convert.f16) or queued
+        before it, so nothing stands between two kernels."""
         kernel = registry.get(self.kernel)
         defines = self.defines or kernel.config_for(self.m, self.n, self.k)
-        zeroed, ready, count = False, None, 0
+        if self.fused(defines):
+            kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines,
+                          x32=dx, sync=_sync_counters(self.k, stream), status=status)
+            return
+        zeroed = False
         if self.quantizer is not None:
-            pro = registry.get(self.quantizer)
             zeroed = kernel.geometry(self.m, self.n, self.k, defines).zero_output
-            if self.streamed(defines):
-                kernel._module(defines)  # compile the GEMM first: a prologue must never publish to nobody
-                count = pro.spec.publishes(self.m, self.k, runtime.device_info().sm_count)[1]
-                ready = _ready_counts(self.k, stream)
-            pro.launch_quantize(dx, dq, self.m, self.k, status, stream=stream, zero=dc if zeroed else None, ready=ready)
+            registry.get(self.quantizer).launch_quantize(dx, dq, self.m, self.k, status, stream=stream,
+                                                         zero=dc if zeroed else None)
         else:
             dq = dx
-        try:
-            kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines, zeroed=zeroed,
-                          ready=ready, ready_count=count)
-        except BaseException:
-            if ready is not None:  # the counts the prologue leaves would release the next op's GEMM early
-                ready.fill_bytes(0, stream)
-            raise
+        kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines, zeroed=zeroed)
 
 
 def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
@@ -208,11 +202,11 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
             defines = k_obj.config_for(m, n, k)
     if defines.get("RS_WS"):
         reason += "; warp-specialized: a copying warpgroup feeds the two MMA warpgroups through mbarriers"
-    if (quantizer is not None and k_obj.spec.streams and registry.spec(quantizer).publishes is not None
-            and not k_obj.geometry(m, n, k, defines).zero_output):
-        reason += (f"; {quantizer} runs beside the GEMM, which copies each 128-wide K slice of the activations as soon "
-                   "as it is written (with programmatic dependent launch, sm_90; QGEMM_STREAM=0 turns it off)")
-    return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed)
+    fused = quantizer == "convert.f16" and k_obj.spec.converts is not None and k_obj.spec.converts(defines)
+    if fused:
+        reason += ("; the float32 activations are converted cooperatively by the CTAs' copying warpgroups, each "
+                   "value once, ahead of the stages that need them (QGEMM_FUSE=0: a convert.f16 launch first)")
+    return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed, fused)
 
 
 def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
@@ -259,11 +253,12 @@ def _scratch(tag: str, shape, dtype, stream=None, zeroed: bool = False) -> runti
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
 
 
-def _ready_counts(k: int, stream=None) -> runtime.DeviceArray:
-    """The streamed prologue's counts: [0] the GEMM's finished CTAs, [1 + s] the row blocks of
-    K slice s written. Zero between ops (the GEMM's last CTA zeroes them)."""
+def _sync_counters(k: int, stream=None) -> runtime.DeviceArray:
+    """The counters of a GEMM that converts its float32 activations (common/wgmma_rs_f16.cuh):
+    [0] CTAs done, [1] tickets, [2 + s] units of K slice s converted. Zero between ops (the
+    GEMM's last CTA zeroes them)."""
     slices = -(-k // registry.CONVERT_SLICE)
-    return _scratch("ready", (max(1 + slices, 1024),), np.uint32, stream, zeroed=True)
+    return _scratch("sync", (max(2 + slices, 1024),), np.uint32, stream, zeroed=True)
 
 
 def _weights(w, fmt: str | None, on_device: bool, stream=None):
@@ -357,6 +352,6 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if not x_on_device:
         flag = int(status.to_host()[0])
         if flag:
-            raise ValueError("matmul: the activations overflow Q8_1 (a block scale or sum beyond half's range)")
+            raise ValueError("matmul: the activations overflow the kernel's format: a value (float16 path) or a Q8_1 block scale or sum beyond half's range (65504); scale them down")
         return dc.to_host()
     return out if out is not None else dc

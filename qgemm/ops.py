@@ -317,22 +317,26 @@ class Kernel:
         return self.spec.geometry(m, n, k, defines) if self.spec.config is not None else self.spec.geometry(m, n, k)
 
     def launch(self, da, dw, dc, m: int, n: int, k: int, stream=None, defines: dict | None = None,
-               zeroed: bool = False, ready=None, ready_count: int = 0) -> None:
+               zeroed: bool = False, x32=None, sync=None, status=None) -> None:
         """Launch on device arrays already in this kernel's formats (no checks: the hot path).
         zeroed: C is already zeroed for split-K (qgemm.matmul has the prologue kernel do it, so
         that a kernel with `pdl` directly follows the prologue it overlaps).
-        ready, ready_count: streamed activations (KernelSpec.streams): the prologue launched just
-        before publishes A slice by slice in `ready` (qgemm.dispatch.Plan.launch)."""
+        x32, sync, status: a configuration that converts (KernelSpec.converts) rounds the float32
+        activations x32 into `da` itself, counting in `sync` (zeroed) and flagging overflow in
+        `status` like convert.f16 (qgemm.dispatch.Plan.launch)."""
         if defines is None:
             defines = self.config_for(m, n, k)
         g = self.geometry(m, n, k, defines)
         args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr), np.int32(m), np.int32(n), np.int32(k))
-        if self.spec.streams:
-            if ready is not None and g.zero_output:
-                raise ValueError(f"{self.name}: streamed activations need a launch without split-K")
-            args += (np.uint64(ready.ptr if ready is not None else 0), np.int32(ready_count if ready is not None else 0))
-        elif ready is not None:
-            raise ValueError(f"{self.name} cannot stream its activations (KernelSpec.streams)")
+        if x32 is not None and not (self.spec.converts is not None and self.spec.converts(defines)):
+            raise ValueError(f"{self.name} ({' '.join(f'{a}={b}' for a, b in defines.items())}) does not convert "
+                             "float32 activations itself (KernelSpec.converts)")
+        if self.spec.converts is not None:
+            if x32 is not None:
+                cvt = min(g.grid[0] * g.grid[1] * g.grid[2], runtime.device_info().sm_count)  # 1 CTA per SM
+                args += (np.uint64(x32.ptr), np.uint64(sync.ptr), np.uint64(status.ptr), np.int32(cvt))
+            else:
+                args += (np.uint64(0), np.uint64(0), np.uint64(0), np.int32(0))
         mod = self._module(defines)
         if g.zero_output and not zeroed:
             dc.fill_bytes(0, stream)
@@ -374,27 +378,16 @@ class Kernel:
             return out if out is not None else dy
         return dy.to_host()
 
-    def launch_quantize(self, dx, dy, m: int, k: int, status, stream=None, zero=None, ready=None) -> None:
+    def launch_quantize(self, dx, dy, m: int, k: int, status, stream=None, zero=None) -> None:
         """zero: a device array the GEMM behind this prologue accumulates into (split-K): zeroed
-        by the prologue kernel itself where it can (KernelSpec.zeroes), else by a memset first.
-        ready: publish the output slice by slice there for a GEMM that streams it (its counts
-        zeroed; KernelSpec.publishes gives the launch and the count each slice reaches)."""
-        if ready is not None:
-            if self.spec.publishes is None:
-                raise ValueError(f"{self.name} cannot publish its output slice by slice (KernelSpec.publishes)")
-            if zero is not None:
-                raise ValueError(f"{self.name}: streamed activations need a GEMM without split-K")
-            g = self.spec.publishes(m, k, runtime.device_info().sm_count)[0]
-        else:
-            g = self.spec.geometry(m, 0, k)
+        by the prologue kernel itself where it can (KernelSpec.zeroes), else by a memset first."""
         mod = self._module()
+        g = self.spec.geometry(m, 0, k)
         args = (np.uint64(dx.ptr), np.uint64(dy.ptr), np.int32(m), np.int32(k), np.uint64(status.ptr))
         if self.spec.zeroes:
             args += (np.uint64(zero.ptr if zero is not None else 0), np.int64(zero.size if zero is not None else 0))
         elif zero is not None:
             zero.fill_bytes(0, stream)
-        if self.spec.publishes is not None:
-            args += (np.uint64(ready.ptr if ready is not None else 0),)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream, pdl=self.spec.pdl)
 
 

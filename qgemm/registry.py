@@ -50,14 +50,12 @@ class KernelSpec:
     # A prologue kernel that also zeroes the split-K GEMM's output (two more arguments: float*
     # and its length), so no memset separates it from the previous op (qgemm.matmul).
     zeroes: bool = False
-    # Streamed activations (qgemm.matmul with programmatic dependent launch, no split-K): the
-    # prologue runs beside the GEMM instead of before it. A prologue that `publishes` takes one
-    # more argument (unsigned* ready, 0 for a plain launch) and counts, per 128-wide K slice, the
-    # row blocks it has written; publishes(M, K, sm_count) -> (its launch when streaming, the
-    # count every slice reaches). A GEMM that `streams` takes two more (ready, that count, or 0, 0)
-    # and copies each slice once its count is reached (cuda_src/convert/f32_to_f16.cu).
-    publishes: Callable[[int, int, int], tuple] | None = None
-    streams: bool = False
+    # A GEMM whose configuration `converts(defines)` rounds the float32 activations to fp16 itself
+    # (qgemm.matmul: no convert.f16 launch). It takes four more arguments -- const float* X, the
+    # float32 activations (null: A is already fp16), unsigned* sync (zeroed counters), int* status
+    # (convert.f16's flags) and int converters (how many CTAs may convert: all of them resident at
+    # once) -- and writes the fp16 copy into its A operand's buffer while it multiplies.
+    converts: Callable[[dict], bool] | None = None
 
     @property
     def family(self) -> str:
@@ -329,22 +327,14 @@ def _rs_candidates(wfmt: str):
     return candidates
 
 
-# convert.f16 works in tiles of 16 rows x one 128-wide K slice (the wgmma_rs stage)
+# wgmma_rs's cooperative conversion of float32 activations (common/wgmma_rs_f16.cuh): units of
+# 16 rows x one 128-wide K slice (a stage), counted per slice in the sync buffer
 CONVERT_ROWS, CONVERT_SLICE = 16, 128
 
 
-def _convert_geometry(m: int, n: int, k: int) -> Launch:
-    """Plain: one CTA per tile, all at once (the CTA loops over slices only past 65535 of them)."""
-    return Launch(grid=(cdiv(m, CONVERT_ROWS), min(cdiv(k, CONVERT_SLICE), 65535), 1), block=(256, 1, 1))
-
-
-def _convert_streamed(m: int, k: int, sm_count: int) -> tuple[Launch, int]:
-    """Streamed beside the GEMM: about one CTA per SM (what fits next to a wgmma_rs CTA), each
-    walking its row block's slices in K order so that the first slices are ready first. Every
-    slice is written by one CTA per row block: that many arrivals make it ready."""
-    blocks = cdiv(m, CONVERT_ROWS)
-    groups = max(1, min(cdiv(k, CONVERT_SLICE), sm_count // blocks, 65535))
-    return Launch(grid=(blocks, groups, 1), block=(256, 1, 1)), blocks
+def _rs_converts(d: dict) -> bool:
+    """The warp-specialized configurations without split-K convert float32 activations themselves."""
+    return d.get("RS_WS", 0) == 1 and d.get("RS_SPLITK", 1) == 1
 
 
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
@@ -358,9 +348,10 @@ _SPECS = [
                "FP32 GEMM, 64x64 shared-memory tiles, 4x4 outputs per thread"),
     KernelSpec("quantize.q8_1", ops.QUANTIZE_Q8_1, 2, "quantize/q8_1.cu", "quantize_q8_1", _quantize_rows,
                "float32 activations -> Q8_1 blocks (d, s = sum x), as ggml-cuda's quantize_q8_1"),
-    KernelSpec("convert.f16", ops.CONVERT_F16, 2, "convert/f32_to_f16.cu", "convert_f32_to_f16", _convert_geometry,
+    KernelSpec("convert.f16", ops.CONVERT_F16, 2, "convert/f32_to_f16.cu", "convert_f32_to_f16",
+               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
                "float32 activations -> float16 (round to nearest even), the prologue of the fp16 tensor-core path",
-               pdl=True, zeroes=True, publishes=_convert_streamed),
+               pdl=True, zeroes=True),
     KernelSpec("quantize.q8_1_f16", ops.QUANTIZE_Q8_1_F16, 2, "quantize/q8_1_f16.cu", "quantize_q8_1_f16", _quantize_rows,
                "float16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)"),
     KernelSpec("w4a16.naive", ops.W4A16, 3, "w4a16/naive.cu", "w4a16_naive", _thread_per_output,
@@ -419,12 +410,12 @@ _SPECS = [
                "production prefill on Hopper: f16 x Q4_0 (repacked once) through wgmma with the weights dequantized "
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q4_0"), candidates=_rs_candidates("q4_0"), unit="hmma",
-               weight_layout="skinny", pdl=True, streams=True),
+               weight_layout="skinny", pdl=True, converts=_rs_converts),
     KernelSpec("w8a16.wgmma_rs", ops.W8A16H, 6, "w8a16/wgmma_rs.cu", "w8a16_wgmma_rs", _rs_geometry("q8_0"),
                "production prefill on Hopper: f16 x Q8_0 (repacked once) through wgmma with the weights dequantized "
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0"), unit="hmma",
-               weight_layout="skinny", pdl=True, streams=True),
+               weight_layout="skinny", pdl=True, converts=_rs_converts),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

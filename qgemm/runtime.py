@@ -581,17 +581,11 @@ def pdl_enabled() -> bool:
     return os.environ.get("QGEMM_PDL", "1").strip() != "0"
 
 
-def pdl_in_use() -> bool:
-    """Whether a launch with pdl=True is really programmatic here and now (QGEMM_PDL, the GPU,
-    cuda.core)."""
-    return _pdl_config(dict(grid=(1, 1, 1), block=(1, 1, 1), shmem_size=0)) is not None
-
-
-def streaming_enabled() -> bool:
-    """qgemm.matmul streams the activations' prologue beside the GEMM (KernelSpec.publishes /
-    streams) where programmatic dependent launch is in use, unless QGEMM_STREAM=0 (read at every
-    call, like QGEMM_PDL)."""
-    return os.environ.get("QGEMM_STREAM", "1").strip() != "0" and pdl_in_use()
+def fused_convert_enabled() -> bool:
+    """qgemm.matmul lets a GEMM that can (KernelSpec.converts) round the float32 activations
+    itself instead of launching convert.f16 first, unless QGEMM_FUSE=0 (read at every call, like
+    QGEMM_PDL: for timing both ways in one process, and for debugging)."""
+    return os.environ.get("QGEMM_FUSE", "1").strip() != "0"
 
 
 def _pdl_config(geo: dict):

@@ -437,78 +437,72 @@ def test_pdl_kernels_wait_before_their_inputs():
     # warp-specialized: the copying warpgroup's first activation copies (copy(s, true, ...)) follow its wait
     assert ws.index("pdl_wait();") < min(m.start() for m in re.finditer(r"copy\(s, true", ws))
     assert plain.index("pdl_wait();") < min(m.start() for m in re.finditer(r"cp\.act\(", plain))
-    # streamed (`ready`): no grid wait, but every activation copy follows the wait for its slice
-    for part in (ws, plain):
-        acts = [m.start() for m in re.finditer(r"copy\(s, true|cp\.act\(", part)]
-        waits = [m.start() for m in re.finditer(r"rs_wait_slice\(ready", part)]
-        assert len(acts) == len(waits) >= 1 and all(w < a for w, a in zip(waits, acts)), (acts, waits)
-        assert all(a < w2 for a, w2 in zip(acts, waits[1:]))
+    # float32 activations converted in the kernel: after the wait (X is the previous op's output,
+    # A a staging buffer the previous op's GEMM may still read), and every activation copy after
+    # the wait for its slice
+    fused = ws[ws.index("if (X != nullptr)"):]
+    assert ws.index("pdl_wait();") < ws.index("if (X != nullptr)")
+    assert fused.index("cv.run(s, p);") < fused.index("rs_wait_slice(sync, s, count);") < fused.index("copy(s, true, false);")
     conv = jit.read_source("convert/f32_to_f16.cu")
-    body = conv[conv.index("convert_f32_to_f16("):]
-    assert body.index("pdl_wait();") < body.index("cv_load(X")
-    # streamed, the converter lets its GEMM launch only after its own wait: the GEMM then polls
-    # `ready` without a grid wait, and must not start before the previous GEMM (which zeroes
-    # `ready`) has completed
-    assert body.index("pdl_wait();") < body.index("if (ready != nullptr) pdl_launch_dependents();")
-    assert "if (ready == nullptr && nz == 0) pdl_launch_dependents();" in body
+    assert conv.index("pdl_wait();") < conv.index("X + i")
 
 
-def test_convert_slices_are_published_by_every_row_block():
-    """convert.f16's CTA (x, y) converts row block x of K slices y, y + gridDim.y, ... (the loop
-    of cuda_src/convert/f32_to_f16.cu, mirrored here). Plain and streamed grids must write every
-    (row block, slice) tile exactly once; streamed, each slice's count reaches the number the
-    GEMM waits for, the grid stays about one CTA per SM, and the first slices come first."""
-    from qgemm import registry as R
 
-    for m, k, sms in ((1, 32, 132), (17, 4128, 132), (513, 4096, 132), (2048, 14336, 132), (4096, 4096, 132),
-                      (300, 96, 8), (5000, 1024, 132)):
-        slices = R.cdiv(k, R.CONVERT_SLICE)
-        blocks = R.cdiv(m, R.CONVERT_ROWS)
-        for g, count in ((R.get("convert.f16").spec.geometry(m, 0, k), None), R.get("convert.f16").spec.publishes(m, k, sms)):
-            gx, gy, gz = g.grid
-            assert gx == blocks and gz == 1 and g.block == (256, 1, 1) and gy <= 65535
-            written = {}
-            first = []
-            for y in range(gy):
-                walk = list(range(y, slices, gy))
-                first += walk[:1]
-                for x in range(gx):
-                    for sl in walk:
-                        written[(x, sl)] = written.get((x, sl), 0) + 1
-            assert written == {(x, sl): 1 for x in range(blocks) for sl in range(slices)}, (m, k)
-            if count is not None:  # streamed
-                assert count == blocks  # one arrival per row block and slice
-                assert gx * gy <= max(sms, blocks)
-                assert sorted(first) == list(range(min(gy, slices)))  # the CTAs start on slices 0, 1, ...
-
-
-def test_streamed_convert_fits_beside_wgmma_rs():
-    """Streamed, one convert.f16 CTA shares an SM with a wgmma_rs CTA: its registers must fit in
-    what the GEMM leaves (64K per SM, allocated per warp in units of 256), without spilling."""
-    import re
+def test_fused_conversion_units_cover_and_never_deadlock():
+    """wgmma_rs's cooperative float32 -> fp16 conversion (common/wgmma_rs_f16.cuh), mirrored: the
+    converters (tickets < converters) walk units t, t + converters, ... (unit u = slice u / blocks,
+    row block u % blocks); each converts its units of slice <= s before waiting for slice s and
+    those of slice <= s + RS_CVT_AHEAD after copying stage s. Simulated in lockstep rounds with
+    any subset of converters moving: every unit is converted once, and some converter can always
+    move until all stages are copied (no deadlock), whatever the order."""
+    import random
 
     from qgemm import registry as R
 
-    conv = R.get("convert.f16").compile("sm_90", use_cache=False)
-    regs_c = int(re.findall(r"Used (\d+) registers", conv.log)[0])
-    assert not re.search(r"[1-9]\d* bytes spill", conv.log), conv.log
-    for name in ("w4a16.wgmma_rs", "w8a16.wgmma_rs"):
-        k = R.get(name)
-        for shape in ((512, 4096, 4096), (2048, 4096, 14336), (1000, 2048, 2048)):
-            d = k.spec.config(*shape, 132)
-            ck = k.compile("sm_90", d)
-            regs_g = int(re.findall(r"Used (\d+) registers", ck.log)[0])
-            threads = k.geometry(*shape, d).block[0]
+    ahead = 2
+    rnd = random.Random(0)
+    for m, k, converters in ((1, 32, 1), (17, 4128, 4), (513, 4096, 132), (2048, 14336, 132), (300, 1024, 7), (16, 256, 3)):
+        blocks, slices = R.cdiv(m, R.CONVERT_ROWS), R.cdiv(k, R.CONVERT_SLICE)
+        units = blocks * slices
+        done = [0] * slices
+        seen = []
+        nxt = list(range(converters))
+        stage = [0] * converters  # the stage each converter's copying warpgroup is at
+        phase = [0] * converters  # 0: run(s) then wait, 1: copied, run(s + ahead)
 
-            def per_warp(r):
-                return -(-r * 32 // 256) * 256
-            assert per_warp(regs_g) * threads // 32 + per_warp(regs_c) * 8 <= 65536, (name, shape, regs_g, regs_c)
+        def run(c, upto):
+            while nxt[c] < units and nxt[c] // blocks <= upto:
+                seen.append(nxt[c])
+                done[nxt[c] // blocks] += 1
+                nxt[c] += converters
+
+        while any(s < slices for s in stage):
+            movable = []
+            for c in range(converters):
+                s = stage[c]
+                if s >= slices:
+                    continue
+                if phase[c] == 0:
+                    run(c, s)
+                    if done[s] == blocks:
+                        movable.append(c)
+                else:
+                    movable.append(c)
+            assert movable, (m, k, converters, stage)  # a deadlock
+            for c in rnd.sample(movable, max(1, len(movable) // 2)):
+                if phase[c] == 0:
+                    phase[c] = 1
+                else:
+                    run(c, stage[c] + ahead)
+                    stage[c], phase[c] = stage[c] + 1, 0
+        assert sorted(seen) == list(range(units)) and done == [blocks] * slices
 
 
-def test_streamed_launch_arguments(monkeypatch):
-    """The launch plumbing without a GPU: a streamed plan gives convert.f16 its `ready` buffer and
-    the streamed grid, and the GEMM (ready, count); a split-K plan, QGEMM_STREAM=0 or no PDL give
-    plain launches with null pointers; a failing GEMM launch zeroes the counts it would leave."""
+def test_fused_launch_arguments(monkeypatch):
+    """The launch plumbing without a GPU: a warp-specialized, unsplit wgmma_rs plan launches one
+    kernel with (X, sync, status, converters = min(CTAs, SMs)); a split-K plan, or QGEMM_FUSE=0,
+    launches convert.f16 first and the GEMM with null pointers; a configuration that cannot
+    convert refuses X."""
     import types
 
     from qgemm import dispatch, registry as R, runtime
@@ -518,49 +512,34 @@ def test_streamed_launch_arguments(monkeypatch):
     class FakeModule:
         def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
             calls.append((entry, tuple(grid), args))
-            if fail and entry.endswith("wgmma_rs"):
-                raise RuntimeError("launch failed")
 
     class Buf:
         def __init__(self, ptr, size=0):
-            self.ptr, self.size, self.filled = ptr, size, []
+            self.ptr, self.size = ptr, size
 
         def fill_bytes(self, v, stream=None):
-            self.filled.append(v)
+            pass
 
     monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(sm_count=132, cc=90))
     for name in ("convert.f16", "w4a16.wgmma_rs"):
         monkeypatch.setattr(R.get(name), "_module", lambda defines=None: FakeModule())
-    ready = Buf(0x5000)
-    monkeypatch.setattr(dispatch, "_ready_counts", lambda k, stream=None: ready)
-    fail = False
-    for m, stream_env, pdl, want in ((512, "1", True, True), (64, "1", True, False), (512, "0", True, False),
-                                     (512, "1", False, False)):
-        monkeypatch.setenv("QGEMM_STREAM", stream_env)
-        monkeypatch.setattr(runtime, "pdl_in_use", lambda: pdl)
+    sync = Buf(0x5000)
+    monkeypatch.setattr(dispatch, "_sync_counters", lambda k, stream=None: sync)
+    for m, fuse, want in ((512, "1", True), (2048, "1", True), (64, "1", False), (512, "0", False)):
+        monkeypatch.setenv("QGEMM_FUSE", fuse)
         p = dispatch.plan(m, 4096, 4096, "q4_0", packed=True, arch="sm_90")
-        assert p.streamed() == want, (m, stream_env, pdl)
+        assert p.fused_convert == (m > 64) and p.fused() == want, (m, fuse)
         calls.clear()
         p.launch(Buf(0x1000), Buf(0x2000), Buf(0x3000), Buf(0x4000, m * 4096), Buf(0x6000))
-        (e1, g1, a1), (e2, g2, a2) = calls
-        assert e1 == "convert_f32_to_f16" and e2 == "w4a16_wgmma_rs"
-        launch, count = R.get("convert.f16").spec.publishes(m, 4096, 132)
         if want:
-            assert int(a1[-1]) == 0x5000 and g1 == launch.grid
-            assert int(a2[-2]) == 0x5000 and int(a2[-1]) == count == R.cdiv(m, R.CONVERT_ROWS)
+            ((entry, grid, args),) = calls
+            assert entry == "w4a16_wgmma_rs" and int(args[0]) == 0x3000 and int(args[6]) == 0x1000
+            assert [int(a) for a in args[7:]] == [0x5000, 0x6000, min(grid[0] * grid[1] * grid[2], 132)]
         else:
-            assert int(a1[-1]) == 0 and g1 == R.get("convert.f16").spec.geometry(m, 0, 4096).grid
-            assert int(a2[-2]) == 0 and int(a2[-1]) == 0
-    monkeypatch.setenv("QGEMM_STREAM", "1")
-    monkeypatch.setattr(runtime, "pdl_in_use", lambda: True)
-    fail = True
-    p = dispatch.plan(512, 4096, 4096, "q4_0", packed=True, arch="sm_90")
-    with pytest.raises(RuntimeError, match="launch failed"):
-        p.launch(Buf(0x1000), Buf(0x2000), Buf(0x3000), Buf(0x4000), Buf(0x6000))
-    assert ready.filled == [0]
-    # the kernels refuse what they cannot do
-    with pytest.raises(ValueError, match="without split-K"):
-        R.get("w4a16.wgmma_rs").launch(Buf(1), Buf(2), Buf(3, 64 * 4096), 64, 4096, 4096, zeroed=True, ready=ready,
-                                       ready_count=4, defines=R.get("w4a16.wgmma_rs").spec.config(64, 4096, 4096, 132))
-    with pytest.raises(ValueError, match="cannot publish"):
-        R.get("quantize.q8_1").launch_quantize(Buf(1), Buf(2), 64, 4096, Buf(3), ready=ready)
+            (e1, _, a1), (e2, _, a2) = calls
+            assert e1 == "convert_f32_to_f16" and e2 == "w4a16_wgmma_rs" and int(a2[0]) == 0x3000
+            assert [int(a) for a in a2[6:]] == [0, 0, 0, 0]
+    k = R.get("w4a16.wgmma_rs")
+    with pytest.raises(ValueError, match="does not convert"):
+        k.launch(Buf(1), Buf(2), Buf(3), 64, 4096, 4096, defines=k.spec.config(64, 4096, 4096, 132), x32=Buf(4),
+                 sync=sync, status=Buf(5))

@@ -546,49 +546,55 @@ def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-@pytest.mark.parametrize("ws", [0, 1])
-def test_matmul_streamed_activations(fmt, ws, rng, monkeypatch):
-    """convert.f16 beside wgmma_rs (sm_90, programmatic dependent launch): the GEMM copies each
-    128-wide K slice once the converter has counted it in `ready`. Partial tiles on every side and
-    a partial last slice (K = 4128); poisoned staging and output; both copy paths (warp-specialized
-    and not); the result identical to the same kernels run one after the other (QGEMM_STREAM=0),
-    and the counts back at zero afterwards (the GEMM's last CTA resets them), op after op."""
+@pytest.mark.parametrize("shape", [(513, 4097, 4128), (17, 300, 96), (2100, 1000, 1024)])
+def test_matmul_fused_conversion(fmt, shape, rng, monkeypatch):
+    """wgmma_rs converting the float32 activations itself (sm_90, warp-specialized, no split-K):
+    partial tiles on every side and a partial last K slice (K = 4128), M = 2100 (more CTAs than
+    SMs: the converters are the first to start), poisoned staging and outputs, six ops queued
+    back to back (a GEMM released early by the previous op's counters would multiply the previous
+    op's activations); the results identical to convert.f16 + the same kernel (QGEMM_FUSE=0), the
+    counters back at zero after each run, and an overflow flagged as convert.f16 flags it."""
     if qgemm.runtime.device_info().cc != 90:
-        pytest.skip("streamed activations pair convert.f16 with wgmma_rs (sm_90)")
+        pytest.skip("wgmma_rs runs on sm_90 only")
     from qgemm import dispatch
 
-    monkeypatch.setenv("QGEMM_PDL", "1")
-    m, n, k = 513, 4097, 4128
+    m, n, k = shape
     w_f = rng.standard_normal((n, k), dtype=np.float32)
     w = F.quantize(w_f, fmt)
     pw = qgemm.pack_weights(w)
     p = qgemm.plan(m, n, k, fmt, packed=True)
-    p.defines = {**registry.get(p.kernel).config_for(m, n, k), "RS_WS": ws, "RS_SPLITK": 1}
+    p.defines = {**registry.get(p.kernel).config_for(m, n, k), "RS_WS": 1, "RS_SPLITK": 1}
     stream = qgemm.runtime.create_stream()
     dq = qgemm.DeviceArray.empty((m, k), np.float16)
     status = qgemm.DeviceArray.from_host(np.zeros(1, np.int32))
     xs = [rng.standard_normal((m, k), dtype=np.float32) for _ in range(6)]
     dxs = [qgemm.DeviceArray.from_host(x) for x in xs]
     outs = [qgemm.DeviceArray.empty((m, n), np.float32) for _ in xs]
-    for streamed in (False, True):
-        monkeypatch.setenv("QGEMM_STREAM", "1" if streamed else "0")
-        assert p.streamed() == streamed
+    for fused in (False, True):
+        monkeypatch.setenv("QGEMM_FUSE", "1" if fused else "0")
+        assert p.fused() == fused
         dq.fill_bytes(0xFF, stream)  # NaN staging: a slice copied before it is converted shows
         for o in outs:
             o.fill_bytes(0xFF, stream)  # NaN output: an element never written shows
-        # six ops back to back, nothing between their kernels: a GEMM released early (by the
-        # previous op's counts) would multiply the previous op's activations
         for dx, o in zip(dxs, outs):
             p.launch(dx, pw.packed, dq, o, status, stream=stream)
         qgemm.runtime.synchronize(stream)
         got = [o.to_host() for o in outs]
         for x, c in zip(xs, got):
             r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(x, w), qgemm.reference.truth(x, w_f), x, w_f)
-            assert r.passed, (streamed, ws, r)
-        if not streamed:
+            assert r.passed, (fused, r)
+        if not fused:
             plain = got
         else:
             for a, b in zip(got, plain):
                 np.testing.assert_array_equal(a, b)
-            counts = dispatch._ready_counts(k, stream).to_host()
-            assert not counts.any(), counts[: 2 + k // 128]
+            counters = dispatch._sync_counters(k, stream).to_host()
+            assert not counters.any(), counters[: 3 + k // 128]
+    assert int(status.to_host()[0]) == 0
+    big = xs[0].copy()
+    big[m // 2, k - 1] = 1e6  # finite, beyond half: convert.f16's status bit 1
+    p.launch(qgemm.DeviceArray.from_host(big), pw.packed, dq, outs[0], status, stream=stream)
+    qgemm.runtime.synchronize(stream)
+    assert int(status.to_host()[0]) == 2
+    with pytest.raises(ValueError, match="overflow"):
+        qgemm.matmul(big, pw)
