@@ -59,7 +59,6 @@ class Plan:
     source: str = "default"  # "default", "tuned", "override"
     reason: str = ""
     packed: bool = False  # the kernel reads the skinny layout (qgemm.pack_weights), not ggml blocks
-    fused_convert: bool = False  # the GEMM can round float32 x itself: no convert.f16 launch (QGEMM_FUSE)
 
     def __str__(self) -> str:
         cfg = " ".join(f"{k}={v}" for k, v in self.defines.items())
@@ -67,9 +66,6 @@ class Plan:
         step1 = f"  1. {self.quantizer}: x -> {pro.out.name} on the GPU\n" if pro else "  1. (x is already in the kernel's format)\n"
         if self.quantizer is None and self.packed:
             step1 = "  1. (none: the kernel reads the float32 activations itself)\n"
-        if self.fused_convert:
-            step1 = (f"  1. {self.quantizer}'s rounding x -> f16, done by the GEMM's copying warpgroups "
-                     "while it multiplies (no separate launch)\n")
         return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights{' (packed)' if self.packed else ''}, "
                 f"{self.x_dtype} activations:\n" + step1 +
                 f"  2. {self.kernel}{' (' + cfg + ')' if cfg else ''} [{self.source}]\n"
@@ -95,28 +91,14 @@ class Plan:
     def op(self):
         return registry.get(self.kernel).op
 
-    def fused(self, defines: dict | None = None) -> bool:
-        """Whether the GEMM rounds the float32 activations itself (KernelSpec.converts) instead of
-        after a convert.f16 launch."""
-        kernel = registry.get(self.kernel)
-        if self.quantizer != "convert.f16" or kernel.spec.converts is None or not runtime.fused_convert_enabled():
-            return False
-        return kernel.spec.converts(defines or self.defines or kernel.config_for(self.m, self.n, self.k))
-
     def launch(self, dx, dw, dq, dc, status, stream=None) -> None:
         """Queue the kernels on device arrays (the hot path: no checks, no allocation). Kernels
         that support it (KernelSpec.pdl) are launched with programmatic dependent launch: the GEMM
         streams its first weights while its prologue (or, without one, the previous op) finishes,
-        and the prologue's launch overlaps the previous op's tail. Where the GEMM converts the
-        float32 activations itself (`fused`), there is no prologue: one kernel writes dq while it
-        multiplies. The split-K zeroing of C is done by the prologue (convert.f16) or queued
-        before it, so nothing stands between two kernels."""
+        and the prologue's launch overlaps the previous op's tail. The split-K zeroing of C is done
+        by the prologue (convert.f16) or queued before it, so nothing stands between two kernels."""
         kernel = registry.get(self.kernel)
         defines = self.defines or kernel.config_for(self.m, self.n, self.k)
-        if self.fused(defines):
-            kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines,
-                          x32=dx, sync=_sync_counters(self.k, stream), status=status)
-            return
         zeroed = False
         if self.quantizer is not None:
             zeroed = kernel.geometry(self.m, self.n, self.k, defines).zero_output
@@ -202,11 +184,7 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
             defines = k_obj.config_for(m, n, k)
     if defines.get("RS_WS"):
         reason += "; warp-specialized: a copying warpgroup feeds the two MMA warpgroups through mbarriers"
-    fused = quantizer == "convert.f16" and k_obj.spec.converts is not None and k_obj.spec.converts(defines)
-    if fused:
-        reason += ("; the float32 activations are converted cooperatively by the CTAs' copying warpgroups, each "
-                   "value once, ahead of the stages that need them (QGEMM_FUSE=0: a convert.f16 launch first)")
-    return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed, fused)
+    return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed)
 
 
 def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
@@ -233,32 +211,21 @@ def _stream_key(stream) -> int:
     return int(runtime.as_stream(stream).handle)
 
 
-def _scratch(tag: str, shape, dtype, stream=None, zeroed: bool = False) -> runtime.DeviceArray:
-    """Reusable device scratch (staged activations, status word, slice counts), one per stream:
-    no cuMemAlloc per call, and two streams never share one. zeroed: a new buffer is zeroed (in
-    stream order) before its first use."""
+def _scratch(tag: str, shape, dtype, stream=None) -> runtime.DeviceArray:
+    """Reusable device scratch (staged activations, status word), one per stream: no cuMemAlloc
+    per call, and ops queued on two streams at once never share a staging buffer."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     key = (tag, _stream_key(stream))
     with _workspace_lock:
         buf = _workspace.get(key)
         if buf is None or buf.nbytes < nbytes:
             buf = runtime.DeviceArray.empty((max(nbytes, 1),), np.uint8)
-            if zeroed:
-                buf.fill_bytes(0, stream)
             _workspace[key] = buf
             same_tag = [k for k in _workspace if k[0] == tag]
             for old in same_tag[:-_WORKSPACE_STREAMS]:
                 del _workspace[old]  # freed once no view holds it (cuMemFree waits for the GPU)
         _workspace.move_to_end(key)
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
-
-
-def _sync_counters(k: int, stream=None) -> runtime.DeviceArray:
-    """The counters of a GEMM that converts its float32 activations (common/wgmma_rs_f16.cuh):
-    [0] CTAs done, [1] tickets, [2 + s] units of K slice s converted. Zero between ops (the
-    GEMM's last CTA zeroes them)."""
-    slices = -(-k // registry.CONVERT_SLICE)
-    return _scratch("sync", (max(2 + slices, 1024),), np.uint32, stream, zeroed=True)
 
 
 def _weights(w, fmt: str | None, on_device: bool, stream=None):
@@ -352,6 +319,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if not x_on_device:
         flag = int(status.to_host()[0])
         if flag:
-            raise ValueError("matmul: the activations overflow the kernel's format: a value (float16 path) or a Q8_1 block scale or sum beyond half's range (65504); scale them down")
+            raise ValueError("matmul: the activations overflow the GPU format of this path: a value (float16) or a Q8_1 "
+                             "block scale or sum beyond half's range (65504); scale them down")
         return dc.to_host()
     return out if out is not None else dc

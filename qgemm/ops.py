@@ -317,29 +317,17 @@ class Kernel:
         return self.spec.geometry(m, n, k, defines) if self.spec.config is not None else self.spec.geometry(m, n, k)
 
     def launch(self, da, dw, dc, m: int, n: int, k: int, stream=None, defines: dict | None = None,
-               zeroed: bool = False, x32=None, sync=None, status=None) -> None:
+               zeroed: bool = False) -> None:
         """Launch on device arrays already in this kernel's formats (no checks: the hot path).
         zeroed: C is already zeroed for split-K (qgemm.matmul has the prologue kernel do it, so
-        that a kernel with `pdl` directly follows the prologue it overlaps).
-        x32, sync, status: a configuration that converts (KernelSpec.converts) rounds the float32
-        activations x32 into `da` itself, counting in `sync` (zeroed) and flagging overflow in
-        `status` like convert.f16 (qgemm.dispatch.Plan.launch)."""
+        that a kernel with `pdl` directly follows the prologue it overlaps)."""
         if defines is None:
             defines = self.config_for(m, n, k)
-        g = self.geometry(m, n, k, defines)
-        args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr), np.int32(m), np.int32(n), np.int32(k))
-        if x32 is not None and not (self.spec.converts is not None and self.spec.converts(defines)):
-            raise ValueError(f"{self.name} ({' '.join(f'{a}={b}' for a, b in defines.items())}) does not convert "
-                             "float32 activations itself (KernelSpec.converts)")
-        if self.spec.converts is not None:
-            if x32 is not None:
-                cvt = min(g.grid[0] * g.grid[1] * g.grid[2], runtime.device_info().sm_count)  # 1 CTA per SM
-                args += (np.uint64(x32.ptr), np.uint64(sync.ptr), np.uint64(status.ptr), np.int32(cvt))
-            else:
-                args += (np.uint64(0), np.uint64(0), np.uint64(0), np.int32(0))
         mod = self._module(defines)
+        g = self.geometry(m, n, k, defines)
         if g.zero_output and not zeroed:
             dc.fill_bytes(0, stream)
+        args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr), np.int32(m), np.int32(n), np.int32(k))
         # programmatic dependent launch unless the zeroing of C was queued right before it (a
         # memset, not a kernel: nothing to overlap)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream,

@@ -50,12 +50,6 @@ class KernelSpec:
     # A prologue kernel that also zeroes the split-K GEMM's output (two more arguments: float*
     # and its length), so no memset separates it from the previous op (qgemm.matmul).
     zeroes: bool = False
-    # A GEMM whose configuration `converts(defines)` rounds the float32 activations to fp16 itself
-    # (qgemm.matmul: no convert.f16 launch). It takes four more arguments -- const float* X, the
-    # float32 activations (null: A is already fp16), unsigned* sync (zeroed counters), int* status
-    # (convert.f16's flags) and int converters (how many CTAs may convert: all of them resident at
-    # once) -- and writes the fp16 copy into its A operand's buffer while it multiplies.
-    converts: Callable[[dict], bool] | None = None
 
     @property
     def family(self) -> str:
@@ -327,16 +321,6 @@ def _rs_candidates(wfmt: str):
     return candidates
 
 
-# wgmma_rs's cooperative conversion of float32 activations (common/wgmma_rs_f16.cuh): units of
-# 16 rows x one 128-wide K slice (a stage), counted per slice in the sync buffer
-CONVERT_ROWS, CONVERT_SLICE = 16, 128
-
-
-def _rs_converts(d: dict) -> bool:
-    """The warp-specialized configurations without split-K convert float32 activations themselves."""
-    return d.get("RS_WS", 0) == 1 and d.get("RS_SPLITK", 1) == 1
-
-
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
 
@@ -410,12 +394,12 @@ _SPECS = [
                "production prefill on Hopper: f16 x Q4_0 (repacked once) through wgmma with the weights dequantized "
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q4_0"), candidates=_rs_candidates("q4_0"), unit="hmma",
-               weight_layout="skinny", pdl=True, converts=_rs_converts),
+               weight_layout="skinny", pdl=True),
     KernelSpec("w8a16.wgmma_rs", ops.W8A16H, 6, "w8a16/wgmma_rs.cu", "w8a16_wgmma_rs", _rs_geometry("q8_0"),
                "production prefill on Hopper: f16 x Q8_0 (repacked once) through wgmma with the weights dequantized "
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0"), unit="hmma",
-               weight_layout="skinny", pdl=True, converts=_rs_converts),
+               weight_layout="skinny", pdl=True),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

@@ -581,13 +581,6 @@ def pdl_enabled() -> bool:
     return os.environ.get("QGEMM_PDL", "1").strip() != "0"
 
 
-def fused_convert_enabled() -> bool:
-    """qgemm.matmul lets a GEMM that can (KernelSpec.converts) round the float32 activations
-    itself instead of launching convert.f16 first, unless QGEMM_FUSE=0 (read at every call, like
-    QGEMM_PDL: for timing both ways in one process, and for debugging)."""
-    return os.environ.get("QGEMM_FUSE", "1").strip() != "0"
-
-
 def _pdl_config(geo: dict):
     """A LaunchConfig with programmatic stream serialization (sm_90+, cuda.core >= 0.4), or None
     (also when QGEMM_PDL=0)."""

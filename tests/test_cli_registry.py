@@ -437,109 +437,36 @@ def test_pdl_kernels_wait_before_their_inputs():
     # warp-specialized: the copying warpgroup's first activation copies (copy(s, true, ...)) follow its wait
     assert ws.index("pdl_wait();") < min(m.start() for m in re.finditer(r"copy\(s, true", ws))
     assert plain.index("pdl_wait();") < min(m.start() for m in re.finditer(r"cp\.act\(", plain))
-    # float32 activations converted in the kernel: after the wait (X is the previous op's output,
-    # A a staging buffer the previous op's GEMM may still read), and every activation copy after
-    # the wait for its slice
-    fused = ws[ws.index("if (X != nullptr)"):]
-    assert ws.index("pdl_wait();") < ws.index("if (X != nullptr)")
-    assert fused.index("cv.run(s, p);") < fused.index("rs_wait_slice(sync, s, count);") < fused.index("copy(s, true, false);")
     conv = jit.read_source("convert/f32_to_f16.cu")
     assert conv.index("pdl_wait();") < conv.index("X + i")
 
 
-
-def test_fused_conversion_units_cover_and_never_deadlock():
-    """wgmma_rs's cooperative float32 -> fp16 conversion (common/wgmma_rs_f16.cuh), mirrored: the
-    converters (tickets < converters) walk units t, t + converters, ... (unit u = slice u / blocks,
-    row block u % blocks); each converts its units of slice <= s before waiting for slice s and
-    those of slice <= s + RS_CVT_AHEAD after copying stage s. Simulated in lockstep rounds with
-    any subset of converters moving: every unit is converted once, and some converter can always
-    move until all stages are copied (no deadlock), whatever the order."""
-    import random
-
-    from qgemm import registry as R
-
-    ahead = 2
-    rnd = random.Random(0)
-    for m, k, converters in ((1, 32, 1), (17, 4128, 4), (513, 4096, 132), (2048, 14336, 132), (300, 1024, 7), (16, 256, 3)):
-        blocks, slices = R.cdiv(m, R.CONVERT_ROWS), R.cdiv(k, R.CONVERT_SLICE)
-        units = blocks * slices
-        done = [0] * slices
-        seen = []
-        nxt = list(range(converters))
-        stage = [0] * converters  # the stage each converter's copying warpgroup is at
-        phase = [0] * converters  # 0: run(s) then wait, 1: copied, run(s + ahead)
-
-        def run(c, upto):
-            while nxt[c] < units and nxt[c] // blocks <= upto:
-                seen.append(nxt[c])
-                done[nxt[c] // blocks] += 1
-                nxt[c] += converters
-
-        while any(s < slices for s in stage):
-            movable = []
-            for c in range(converters):
-                s = stage[c]
-                if s >= slices:
-                    continue
-                if phase[c] == 0:
-                    run(c, s)
-                    if done[s] == blocks:
-                        movable.append(c)
-                else:
-                    movable.append(c)
-            assert movable, (m, k, converters, stage)  # a deadlock
-            for c in rnd.sample(movable, max(1, len(movable) // 2)):
-                if phase[c] == 0:
-                    phase[c] = 1
-                else:
-                    run(c, stage[c] + ahead)
-                    stage[c], phase[c] = stage[c] + 1, 0
-        assert sorted(seen) == list(range(units)) and done == [blocks] * slices
-
-
-def test_fused_launch_arguments(monkeypatch):
-    """The launch plumbing without a GPU: a warp-specialized, unsplit wgmma_rs plan launches one
-    kernel with (X, sync, status, converters = min(CTAs, SMs)); a split-K plan, or QGEMM_FUSE=0,
-    launches convert.f16 first and the GEMM with null pointers; a configuration that cannot
-    convert refuses X."""
+def test_matmul_scratch_is_per_stream(monkeypatch):
+    """qgemm.matmul's staging buffers: reused on one stream (no allocation per call), never shared
+    by two streams (their ops may run at once), grown when a bigger op comes, and only the 8 most
+    recently used streams' buffers kept per kind."""
     import types
 
-    from qgemm import dispatch, registry as R, runtime
+    from qgemm import dispatch, runtime
 
-    calls = []
+    made = []
 
-    class FakeModule:
-        def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
-            calls.append((entry, tuple(grid), args))
+    class FakeBuf:
+        def __init__(self, nbytes):
+            self.ptr, self.nbytes = 0x1000 * (len(made) + 1), nbytes
+            made.append(self)
 
-    class Buf:
-        def __init__(self, ptr, size=0):
-            self.ptr, self.size = ptr, size
-
-        def fill_bytes(self, v, stream=None):
-            pass
-
-    monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(sm_count=132, cc=90))
-    for name in ("convert.f16", "w4a16.wgmma_rs"):
-        monkeypatch.setattr(R.get(name), "_module", lambda defines=None: FakeModule())
-    sync = Buf(0x5000)
-    monkeypatch.setattr(dispatch, "_sync_counters", lambda k, stream=None: sync)
-    for m, fuse, want in ((512, "1", True), (2048, "1", True), (64, "1", False), (512, "0", False)):
-        monkeypatch.setenv("QGEMM_FUSE", fuse)
-        p = dispatch.plan(m, 4096, 4096, "q4_0", packed=True, arch="sm_90")
-        assert p.fused_convert == (m > 64) and p.fused() == want, (m, fuse)
-        calls.clear()
-        p.launch(Buf(0x1000), Buf(0x2000), Buf(0x3000), Buf(0x4000, m * 4096), Buf(0x6000))
-        if want:
-            ((entry, grid, args),) = calls
-            assert entry == "w4a16_wgmma_rs" and int(args[0]) == 0x3000 and int(args[6]) == 0x1000
-            assert [int(a) for a in args[7:]] == [0x5000, 0x6000, min(grid[0] * grid[1] * grid[2], 132)]
-        else:
-            (e1, _, a1), (e2, _, a2) = calls
-            assert e1 == "convert_f32_to_f16" and e2 == "w4a16_wgmma_rs" and int(a2[0]) == 0x3000
-            assert [int(a) for a in a2[6:]] == [0, 0, 0, 0]
-    k = R.get("w4a16.wgmma_rs")
-    with pytest.raises(ValueError, match="does not convert"):
-        k.launch(Buf(1), Buf(2), Buf(3), 64, 4096, 4096, defines=k.spec.config(64, 4096, 4096, 132), x32=Buf(4),
-                 sync=sync, status=Buf(5))
+    monkeypatch.setattr(runtime.DeviceArray, "empty", classmethod(lambda cls, shape, dtype: FakeBuf(int(np.prod(shape)))))
+    monkeypatch.setattr(runtime, "as_stream", lambda s=None: types.SimpleNamespace(handle=s or 0))
+    monkeypatch.setattr(dispatch, "_workspace", type(dispatch._workspace)())
+    a1 = dispatch._scratch("prologue", (4, 8), np.float16, 1)
+    assert dispatch._scratch("prologue", (4, 8), np.float16, 1).ptr == a1.ptr and len(made) == 1
+    b1 = dispatch._scratch("prologue", (4, 8), np.float16, 2)
+    assert b1.ptr != a1.ptr and b1.shape == (4, 8) and b1.dtype == np.float16
+    assert dispatch._scratch("prologue", (64, 8), np.float16, 1).ptr not in (a1.ptr, b1.ptr)  # grown
+    assert dispatch._scratch("status", (1,), np.int32, 1).ptr not in {m.ptr for m in made[:-1]}
+    for s in range(3, 12):
+        dispatch._scratch("prologue", (4, 8), np.float16, s)
+    kept = [k for k in dispatch._workspace if k[0] == "prologue"]
+    assert len(kept) == 8 and ("prologue", 1) not in kept and ("prologue", 2) not in kept
+    assert ("status", 1) in dispatch._workspace

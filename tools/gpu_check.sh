@@ -8,7 +8,6 @@
 #   QGEMM_CHECK="skinny decode ncu" bash tools/gpu_check.sh    # decode path: tests, tune, bench M <= 64, ncu
 #   QGEMM_CHECK="rs" bash tools/gpu_check.sh                   # Hopper prefill: wgmma_rs vs wgmma, tests, tune
 #   QGEMM_CHECK="l2" bash tools/gpu_check.sh                   # prefill: warpgroups per CTA, L2 throughput (ncu) vs cuBLAS
-#   QGEMM_CHECK="precompile fuse" bash tools/gpu_check.sh      # prefill: float32 conversion fused into wgmma_rs, on vs off
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check}
@@ -66,12 +65,6 @@ for step in $STEPS; do
               for v in 1 0; do QGEMM_PDL=$v run $PY -m qgemm bench --m 1,8,64,512,2048 --k 4096,14336 --iters 20 \
                   --hot-only --no-peers --out "$OUT/pdl$v"
                   [ -f "$OUT/pdl$v/bench.md" ] && mv "$OUT/pdl$v/bench.md" "$OUT/bench-pdl$v.md"; rm -rf "$OUT/pdl$v"; done ;;
-    fuse)     # the GPU tests of wgmma_rs converting float32 activations itself, then the whole op fused
-              # (QGEMM_FUSE=1) and with convert.f16 launched first (0), twice each (hot, prefill shapes)
-              run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "fused or chain or packed_weights"
-              for v in 1 0 1 0; do QGEMM_FUSE=$v run $PY -m qgemm bench --m ${QGEMM_FUSE_M:-64,128,256,512,1024,2048,4096} \
-                  --k 4096,14336 --iters 20 --hot-only --no-peers --out "$OUT/fuse$v"
-                  [ -f "$OUT/fuse$v/bench.md" ] && cat "$OUT/fuse$v/bench.md" >> "$OUT/bench-fuse$v.md"; rm -rf "$OUT/fuse$v"; done ;;
     ncu)      OUT="$OUT" KERNELS="w4a16.skinny" SHAPE=8x4096x4096 run bash tools/gpu_ncu.sh
               OUT="$OUT" KERNELS="w4a16.mma" SHAPE=512x4096x4096 run bash tools/gpu_ncu.sh ;;
     validate) run $PY -m qgemm validate --all

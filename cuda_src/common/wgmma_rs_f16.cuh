@@ -50,22 +50,6 @@
 //
 // K may be split across CTAs (blockIdx.z, RS_SPLITK) when the tile grid leaves SMs idle: those add
 // into a zeroed C with atomics.
-//
-// Float32 activations (X != null; RS_WS = 1, no split-K; qgemm.matmul): the kernel rounds them to
-// fp16 itself, into A, instead of after a convert.f16 launch (2.8 us at 512x4096, ~13 us at
-// 512x14336, ~17 us at 2048x4096 on the H100, all added to the op). Every CTA needs every K slice
-// of its 128 rows, and 32 CTAs along N share them, so the conversion is cooperative, each value
-// converted once: the work is cut in units of 16 rows x one 128-wide slice (a stage), numbered
-// slice by slice, and the first `converters` CTAs to start (a ticket from sync[1]; at most one
-// CTA per SM, so they are all resident at once) take units t, t + converters, ... Their copying
-// warpgroup converts its units of slice s before it waits for slice s itself, and those up to
-// s + RS_CVT_AHEAD right after copying stage s: so no converter ever waits for a slice it has not
-// done its part of, and the conversion runs ahead of the multiplication. A unit is published
-// with the warpgroup's barrier and one thread's release add to sync[2 + s] (cumulative over the
-// stores the barrier ordered before it); whoever copies slice s first waits for that count to
-// reach the number of row blocks, with an acquire load (then the stores are visible to its
-// cp.async). When a CTA's copying is done it counts itself in sync[0]; the last CTA of the grid
-// zeroes the counters for the next op (which waits for this grid before it takes a ticket).
 #pragma once
 #include "common/skinny_f16.cuh"
 #include "common/wgmma.cuh"
@@ -91,9 +75,6 @@
 #endif
 #if RS_WS && RS_WGS > 2
 #error "RS_WS: the copying warpgroup stands in for at most two MMA warpgroups"
-#endif
-#ifndef RS_CVT_AHEAD
-#define RS_CVT_AHEAD 2  // float32 activations: slices a converter converts ahead of the stage it copies
 #endif
 #if RS_STAGES < 3
 #error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
@@ -127,71 +108,6 @@ static __device__ __forceinline__ uint4 rs_natural(const uint4& p, const uint4& 
     return make_uint4(__byte_perm(p.x, q.x, sel), __byte_perm(p.y, q.y, sel), __byte_perm(p.z, q.z, sel),
                       __byte_perm(p.w, q.w, sel));
 }
-
-// Float32 activations: wait until slice `slice` is converted (see the header). The polls back off
-// with nanosleep. A count that never comes could only mean two ops sharing one sync buffer at
-// once (qgemm.matmul keeps one per stream): trap after 10 s rather than hang.
-static __device__ __forceinline__ void rs_wait_slice(const unsigned* sync, int slice, unsigned count) {
-    const unsigned* p = sync + 2 + slice;
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    if (v >= count) return;
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
-    do {
-        __nanosleep(100);
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-        if (t - t0 > 10000000000ull) __trap();
-    } while (v < count);
-}
-
-// Float32 activations: the copying warpgroup's share of the conversion (see the header). Thread p
-// of the warpgroup converts columns 4 (p % 32) .. + 3 of rows p / 32 + 4 j (j < 4) of a unit.
-struct RsConvert {
-    static constexpr int ROWS = 16;
-    const float* X;
-    __half* Y;
-    unsigned* sync;
-    int M, K, blocks, units, step, next, bad;
-
-    __device__ __forceinline__ RsConvert(const float* X_, __half* Y_, unsigned* sync_, int M_, int K_, int ticket, int converters)
-        : X(X_), Y(Y_), sync(sync_), M(M_), K(K_), blocks((M_ + ROWS - 1) / ROWS), step(converters), bad(0) {
-        units = blocks * ((K_ + 127) / 128);
-        next = ticket < converters ? ticket : units;  // not a converter: nothing to do
-    }
-    // this CTA's units of slices <= upto (p: the thread's index in the copying warpgroup)
-    __device__ __forceinline__ void run(int upto, int p) {
-        while (next < units && next / blocks <= upto) {
-            unit(next, p);
-            next += step;
-        }
-    }
-    __device__ __forceinline__ void unit(int u, int p) {
-        const int slice = u / blocks, r0 = (u % blocks) * ROWS + p / 32, k = slice * 128 + 4 * (p % 32);
-        float4 v[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            v[j] = (r0 + 4 * j < M && k < K) ? __ldg(reinterpret_cast<const float4*>(X + (size_t)(r0 + 4 * j) * K + k))
-                                             : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (r0 + 4 * j < M && k < K) {
-                const float f[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-                __align__(8) __half h[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    h[e] = __float2half_rn(f[e]);
-                    if (!isfinite(f[e])) bad |= 1;  // as convert.f16's status
-                    else if (isinf(__half2float(h[e]))) bad |= 2;
-                }
-                *reinterpret_cast<uint2*>(Y + (size_t)(r0 + 4 * j) * K + k) = *reinterpret_cast<const uint2*>(h);
-            }
-        }
-        asm volatile("bar.sync 1, 128;\n" ::: "memory");  // the warpgroup's stores, then one release
-        if (p == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(sync + 2 + slice) : "memory");
-    }
-};
 
 // What one copying thread (tid in [0, RS_THREADS)) copies of every stage. The addressing is
 // computed once: the per-stage part is a pointer bump, because every thread copies the same chunks
@@ -301,8 +217,7 @@ static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, uns
 
 template <typename SF>
 static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
-                                                         float* __restrict__ C, int M, int N, int K, const float* __restrict__ X,
-                                                         unsigned* __restrict__ sync, int* __restrict__ status, int converters) {
+                                                         float* __restrict__ C, int M, int N, int K) {
     constexpr int GROUP_PIECES = SF::PIECES * 32;                     // uint4 per (tile, group)
     constexpr int W_BYTES = RS_TILES * (GROUP_PIECES * 16 + 8 * 16);  // raw quants + scales of a stage
     constexpr int STAGE_BYTES = (RS_ACT_BYTES + W_BYTES + 1023) / 1024 * 1024;
@@ -370,35 +285,6 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         // the first buffers' weights before waiting for the previous grid (see below)
         for (int s = 0; s < RS_STAGES && s < n_stages; ++s) copy(s, false, true);
         pdl_wait();
-#if RS_SPLITK == 1
-        if (X != nullptr) {  // float32 activations, converted cooperatively (see the header)
-            const int p = tid - RS_THREADS;
-            __shared__ int rs_ticket;
-            if (p == 0) rs_ticket = (int)atomicAdd(sync + 1, 1u);
-            asm volatile("bar.sync 1, 128;\n" ::: "memory");
-            RsConvert cv(X, const_cast<__half*>(A), sync, M, K, rs_ticket, converters);
-            const unsigned count = (unsigned)cv.blocks;
-            for (int s = 0; s < n_stages; ++s) {
-                const int b = s % RS_STAGES;
-                if (s >= RS_STAGES) {
-                    mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
-                    copy(s, false, true);
-                }
-                cv.run(s, p);
-                rs_wait_slice(sync, s, count);
-                copy(s, true, false);
-                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
-                cv.run(s + RS_CVT_AHEAD, p);
-            }
-            if (cv.bad) atomicOr(status, cv.bad);
-            asm volatile("bar.sync 1, 128;\n" ::: "memory");  // no thread of the warpgroup polls any more
-            if (p == 0 && atomicAdd(sync, 1u) == gridDim.x * gridDim.y - 1) {
-                for (int s = 0; s < ngroups + 2; ++s) sync[s] = 0u;  // the last CTA: counters zeroed for the next op
-            }
-            asm volatile("cp.async.wait_all;\n" ::: "memory");
-            return;
-        }
-#endif
         for (int s = 0; s < n_stages; ++s) {
             const int b = s % RS_STAGES;
             if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);

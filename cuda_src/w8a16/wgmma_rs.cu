@@ -3,10 +3,7 @@
 // (common/wgmma_rs_f16.cuh).
 #include "common/wgmma_rs_f16.cuh"
 
-// X, sync, status, converters: float32 activations converted by the kernel into A (null X: A is
-// already fp16; see common/wgmma_rs_f16.cuh)
 extern "C" __global__ void __launch_bounds__(RS_BLOCK, RS_MINB)
-w8a16_wgmma_rs(const __half* __restrict__ A, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K,
-               const float* __restrict__ X, unsigned* __restrict__ sync, int* __restrict__ status, int converters) {
-    wgmma_rs_f16_gemm<SkQ8_0>(A, W, C, M, N, K, X, sync, status, converters);
+w8a16_wgmma_rs(const __half* __restrict__ A, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
+    wgmma_rs_f16_gemm<SkQ8_0>(A, W, C, M, N, K);
 }
