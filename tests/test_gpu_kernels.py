@@ -542,3 +542,29 @@ def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
         # rounding of a few of the next op's activations (one ulp, ~5e-4 of that value): ~1e-4 after
         # six ops. A race reads NaN poison or another op's values: O(1).
         assert np.isfinite(got).all() and qgemm.reference.relative_error(got, want) <= 2e-3
+
+
+def test_matmul_overflow_and_two_streams(rng):
+    """A host call whose activations overflow the path's GPU format raises (float16 prologue: a
+    value beyond 65504; Q8_1: a block sum); ops queued on two streams at once, each with its own
+    staging buffer, both come out right."""
+    n, k = 300, 256
+    w_f = rng.standard_normal((n, k), dtype=np.float32)
+    w = F.quantize(w_f, "q4_0")
+    for m in (4, 40):  # quantize.q8_1 + GEMV / convert.f16 + fp16 tensor cores
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        x[m // 2, :32] = 60000.0 if m <= qgemm.dispatch.GEMV_MAX_M else 1e6
+        with pytest.raises(ValueError, match="overflow"):
+            qgemm.matmul(x, w)
+    pw = qgemm.pack_weights(w)
+    m = 600
+    s1, s2 = qgemm.runtime.create_stream(), qgemm.runtime.create_stream()
+    xs = [rng.standard_normal((m, k), dtype=np.float32) for _ in range(4)]
+    dxs = [qgemm.DeviceArray.from_host(x) for x in xs]
+    outs = [qgemm.matmul(dx, pw, stream=(s1, s2)[i % 2]) for i, dx in enumerate(dxs)]
+    qgemm.runtime.synchronize(s1)
+    qgemm.runtime.synchronize(s2)
+    p = qgemm.plan(m, n, k, "q4_0", packed=True)
+    for x, o in zip(xs, outs):
+        np.testing.assert_allclose(o.to_host(), qgemm.matmul(x, pw), rtol=1e-5, atol=1e-4)
+        assert qgemm.reference.relative_error(o.to_host(), p.reference(x, w)) <= 1e-5
