@@ -298,6 +298,36 @@ __device__ __forceinline__ void mf_load_bitmap_pairs(uint32_t (&w)[2 * U], const
     }
 }
 
+// U = 2 or 4 consecutive tiles' scales (plain: float bits; compact: dq half2 bits) and, unless
+// COMPACT, zero points: one 8- or 16-byte load each (both metadata loaders)
+template <int U, bool COMPACT>
+static __device__ __forceinline__ void mf_load_scale_zero_vec(uint32_t (&dq)[U], float (&zero)[U], const uint32_t *sp,
+                                                              const uint32_t *zp) {
+    if (U == 2) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(sp));
+        dq[0] = v.x;
+        dq[1] = v.y;
+        if (!COMPACT) {
+            const uint2 z = __ldg(reinterpret_cast<const uint2 *>(zp));
+            zero[0] = __uint_as_float(z.x);
+            zero[1] = __uint_as_float(z.y);
+        }
+    } else {
+        const uint4 v = __ldg(reinterpret_cast<const uint4 *>(sp));
+        dq[0] = v.x;
+        dq[1] = v.y;
+        dq[2 % U] = v.z;
+        dq[3 % U] = v.w;
+        if (!COMPACT) {
+            const uint4 z = __ldg(reinterpret_cast<const uint4 *>(zp));
+            zero[0] = __uint_as_float(z.x);
+            zero[1] = __uint_as_float(z.y);
+            zero[2 % U] = __uint_as_float(z.z);
+            zero[3 % U] = __uint_as_float(z.w);
+        }
+    }
+}
+
 template <int U>
 struct Mf2Meta {
     uint32_t w[2 * U];  // bitmap words of the lane's U tiles (0: no tile)
@@ -333,28 +363,8 @@ __device__ __forceinline__ void mf2_load(Mf2Meta<U> &m, const uint32_t *__restri
             if (U == 1) {
                 m.dq[0] = __ldg(sp);
                 if (!COMPACT) m.zero[0] = __uint_as_float(__ldg(zp));
-            } else if (U == 2) {
-                const uint2 v = __ldg(reinterpret_cast<const uint2 *>(sp));
-                m.dq[0] = v.x;
-                m.dq[1] = v.y;
-                if (!COMPACT) {
-                    const uint2 z = __ldg(reinterpret_cast<const uint2 *>(zp));
-                    m.zero[0] = __uint_as_float(z.x);
-                    m.zero[1] = __uint_as_float(z.y);
-                }
             } else {
-                const uint4 v = __ldg(reinterpret_cast<const uint4 *>(sp));
-                m.dq[0] = v.x;
-                m.dq[1] = v.y;
-                m.dq[2] = v.z;
-                m.dq[3] = v.w;
-                if (!COMPACT) {
-                    const uint4 z = __ldg(reinterpret_cast<const uint4 *>(zp));
-                    m.zero[0] = __uint_as_float(z.x);
-                    m.zero[1] = __uint_as_float(z.y);
-                    m.zero[2] = __uint_as_float(z.z);
-                    m.zero[3] = __uint_as_float(z.w);
-                }
+                mf_load_scale_zero_vec<U, COMPACT>(m.dq, m.zero, sp, zp);
             }
         }
     }
@@ -924,30 +934,13 @@ __device__ __forceinline__ void mf3_load(Mf3Meta<U> &m, const uint32_t *__restri
         if (nt > 0) {
             mf_load_bitmap_pairs<U>(m.w, bmp, t);
             if (BITS != 16) {
-                if (U == 2) {
-                    const uint2 v = __ldg(reinterpret_cast<const uint2 *>(sp));
-                    m.dq[0] = v.x;
-                    m.dq[1] = v.y;
-                    if (!COMPACT) {
-                        const uint2 z = __ldg(reinterpret_cast<const uint2 *>(zp));
-                        m.zero[0] = __uint_as_float(z.x);
-                        m.zero[1] = __uint_as_float(z.y);
+                mf_load_scale_zero_vec<U, COMPACT>(m.dq, m.zero, sp, zp);
+                if (!COMPACT) {
+                    if (U == 2) {
                         const int2 o = __ldg(reinterpret_cast<const int2 *>(offs + oi));
                         m.off[0] = o.x;
                         m.off[1] = o.y;
-                    }
-                } else {
-                    const uint4 v = __ldg(reinterpret_cast<const uint4 *>(sp));
-                    m.dq[0] = v.x;
-                    m.dq[1] = v.y;
-                    m.dq[2 % U] = v.z;
-                    m.dq[3 % U] = v.w;
-                    if (!COMPACT) {
-                        const uint4 z = __ldg(reinterpret_cast<const uint4 *>(zp));
-                        m.zero[0] = __uint_as_float(z.x);
-                        m.zero[1] = __uint_as_float(z.y);
-                        m.zero[2 % U] = __uint_as_float(z.z);
-                        m.zero[3 % U] = __uint_as_float(z.w);
+                    } else {
                         const int4 o = __ldg(reinterpret_cast<const int4 *>(offs + oi));
                         m.off[0] = o.x;
                         m.off[1] = o.y;
