@@ -44,6 +44,7 @@ SKINNY_MAX_M = 32
 # (a variant rounding the float32 activations itself, staged through registers, measured 1.5x slower
 # than convert.f16 + this kernel at 512x4096x4096: docs/perf/NOTES.md)
 WGMMA_MIN_M = 17
+_F16_INF_FROM = 65520.0  # float32 values of this magnitude and above round to float16 inf (max finite 65504)
 
 
 @dataclass
@@ -297,6 +298,10 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if not x_on_device:
         if not np.isfinite(dx).all():
             raise ValueError("matmul: activations must be finite")
+        if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size and np.abs(dx).max() >= _F16_INF_FROM:
+            # these kernels round x to float16 themselves, with no prologue to flag what overflows
+            raise ValueError(f"matmul: the activations overflow the GPU format of this path ({p.kernel} rounds them to "
+                             f"float16): |x| max {float(np.abs(dx).max()):g} is beyond half's range (65504); scale them down")
         dx = runtime.DeviceArray.from_host(np.ascontiguousarray(dx))
     if not w_on_device:
         wb = runtime.DeviceArray.from_host(wb)
