@@ -273,9 +273,8 @@ def _rs_geometry(wfmt: str):
     def geometry(m: int, n: int, k: int, d: dict) -> Launch:
         split = d.get("RS_SPLITK", 1)  # RS_MINB only bounds registers (launch bounds): no launch change
         ws = d.get("RS_WS", 0)  # warp-specialized: + a copying warpgroup and 2 mbarriers per buffer
-        cluster = d.get("RS_CLUSTER", 1)  # __cluster_dims__ in the kernel: the grid's x must be a multiple
-        return Launch(grid=(cdiv(cdiv(n, 64 * d["RS_WGS"]), cluster) * cluster, cdiv(m, d["RS_BN"]), split),
-                      block=(128 * (d["RS_WGS"] + ws), 1, 1), shmem=_rs_shmem(wfmt, d), zero_output=split > 1)
+        return Launch(grid=(cdiv(n, 64 * d["RS_WGS"]), cdiv(m, d["RS_BN"]), split), block=(128 * (d["RS_WGS"] + ws), 1, 1),
+                      shmem=_rs_shmem(wfmt, d), zero_output=split > 1)
     return geometry
 
 
@@ -318,36 +317,6 @@ def _rs_candidates(wfmt: str):
                                 # shared memory fits and 128 registers hold a 64 x 64 accumulator
                                 if bn == 64 and wgs == 2 and not ws and 2 * _rs_geometry(wfmt)(m, n, k, d).shmem <= 228 * 1024:
                                     out.append({**d, "RS_MINB": 2})
-        return out
-    return candidates
-
-
-def _rs_cluster_config(wfmt: str):
-    def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # the warp-specialized 128-token kernel of _rs_config, float32 activations rounded by the
-        # copying warpgroups of a cluster of 2 CTAs along N (each rounds 64 of the 128 token rows),
-        # two stages of them in flight
-        d = {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1, "RS_CLUSTER": 2, "RS_F32_DEPTH": 1, "RS_F32_XFER": 0}
-        while not _rs_ok(wfmt, d):
-            d["RS_STAGES"] -= 1
-        ctas = cdiv(cdiv(n, 128), 4) * 4 * cdiv(m, 128)
-        d["RS_SPLITK"] = _split_k(ctas, k, sm_count)
-        return d
-    return config
-
-
-def _rs_cluster_candidates(wfmt: str):
-    def candidates(m: int, n: int, k: int) -> list[dict]:
-        out = []
-        for cl in (2, 4):
-            for depth in (1, 2):
-                for xfer in (0, 1):
-                    for st in (3, 4):
-                        for sp in (1, 2, 4):
-                            d = {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": st, "RS_SPLITK": sp, "RS_MINB": 1, "RS_WS": 1,
-                                 "RS_CLUSTER": cl, "RS_F32_DEPTH": depth, "RS_F32_XFER": xfer}
-                            if _rs_ok(wfmt, d) and _split_k_ok(cdiv(cdiv(n, 128), cl) * cl * cdiv(m, 128), k, sp):
-                                out.append(d)
         return out
     return candidates
 
@@ -431,18 +400,6 @@ _SPECS = [
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0"), unit="hmma",
                weight_layout="skinny", pdl=True),
-    KernelSpec("w4a16.wgmma_rs_cluster", ops.W4A16S, 6, "w4a16/wgmma_rs_cluster.cu", "w4a16_wgmma_rs_cluster",
-               _rs_geometry("q4_0"),
-               "production prefill on Hopper without a prologue: f32 x Q4_0 (repacked once), wgmma_rs whose copying "
-               "warpgroups round the activations to fp16, shared across a cluster of CTAs through st.async",
-               min_arch=90, arch_suffix="a", config=_rs_cluster_config("q4_0"), candidates=_rs_cluster_candidates("q4_0"),
-               unit="hmma", weight_layout="skinny", pdl=True),
-    KernelSpec("w8a16.wgmma_rs_cluster", ops.W8A16S, 6, "w8a16/wgmma_rs_cluster.cu", "w8a16_wgmma_rs_cluster",
-               _rs_geometry("q8_0"),
-               "production prefill on Hopper without a prologue: f32 x Q8_0 (repacked once), wgmma_rs whose copying "
-               "warpgroups round the activations to fp16, shared across a cluster of CTAs through st.async",
-               min_arch=90, arch_suffix="a", config=_rs_cluster_config("q8_0"), candidates=_rs_cluster_candidates("q8_0"),
-               unit="hmma", weight_layout="skinny", pdl=True),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

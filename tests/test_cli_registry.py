@@ -258,8 +258,7 @@ def test_wgmma_compiles_only_for_sm_90(name):
             k.compile(arch)
 
 
-@pytest.mark.parametrize("name", ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs", "w4a16.wgmma_rs_cluster",
-                                  "w8a16.wgmma_rs_cluster"])
+@pytest.mark.parametrize("name", ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"])
 def test_wgmma_is_not_serialized(name):
     """ptxas serializes every wgmma (warning C7513, "Potential Performance Loss") when it cannot
     prove that no other instruction writes a wgmma's registers while it is in flight -- a silent
@@ -300,30 +299,6 @@ def test_wgmma_rs_configurations_fit(fmt):
     d = s.config(512, 4096, 4096, 132)
     assert d["RS_WS"] == 1 and s.geometry(512, 4096, 4096, d).block == (384, 1, 1)
     assert s.geometry(512, 4096, 4096, d).shmem == g.shmem + 128
-
-
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-def test_wgmma_rs_cluster_geometry(fmt):
-    """The prologue-free variant: float32 activations (the skinny op), always warp-specialized,
-    clusters of 2 or 4 CTAs along N whose grid is rounded up to whole clusters (the CTAs past N
-    still round their share of the activations for the others)."""
-    from qgemm import registry as R
-
-    w = "4" if fmt == "q4_0" else "8"
-    s = R.spec(f"w{w}a16.wgmma_rs_cluster")
-    assert s.op.a.name == "f32" and s.weight_layout == "skinny" and s.min_arch == 90 and s.pdl
-    d = s.config(512, 4096, 4096, 132)
-    assert d["RS_WS"] == 1 and d["RS_CLUSTER"] in (2, 4) and d["RS_SPLITK"] == 1
-    assert s.geometry(512, 4096, 4096, d).grid == (32, 4, 1)
-    assert s.geometry(7, 33, 32, {**d, "RS_CLUSTER": 4}).grid == (4, 1, 1)
-    assert s.geometry(300, 257, 1024, {**d, "RS_CLUSTER": 2}).grid == (4, 3, 1)
-    for (m, n, k) in ((65, 4096, 4096), (512, 4096, 14336), (7, 33, 32)):
-        cands = s.candidates(m, n, k)
-        assert s.config(m, n, k, 132) in cands and {c["RS_CLUSTER"] for c in cands} == {2, 4}
-        assert all(c["RS_WS"] == 1 and s.geometry(m, n, k, c).shmem <= 227 * 1024 for c in cands)
-    # the source refuses what it cannot do, naming the rule
-    with pytest.raises(qgemm.CompileError, match="RS_CLUSTER = 2 or 4"):
-        qgemm.get(f"w{w}a16.wgmma_rs_cluster").compile("sm_90", {**d, "RS_CLUSTER": 1}, use_cache=False)
 
 
 def test_tune_only_filters_the_configurations_before_any_gpu_work():
@@ -458,11 +433,9 @@ def test_pdl_kernels_wait_before_their_inputs():
     assert skinny.index("pdl_wait();") < skinny.index("#if SK_XSMEM\n    for (int r = 0; r < M; ++r)")
     rs = jit.read_source("common/wgmma_rs_f16.cuh")
     body = rs[rs.index("wgmma_rs_f16_gemm("):]
-    split = body.index("#else\n    const RsCopier<SF> cp(")  # the #else of `#if RS_WS`
-    ws, plain = body[body.index("#if RS_WS"):split], body[split:]
-    # warp-specialized: the copying warpgroup's first activation copies (copy(s, true, ...)), and
-    # with float32 activations its first loads (cv.load), follow its wait
-    assert ws.index("pdl_wait();") < min(m.start() for m in re.finditer(r"copy\(s, true|cv\.load\(", ws))
+    ws, plain = body[body.index("#if RS_WS"):body.index("#else")], body[body.index("#else"):]
+    # warp-specialized: the copying warpgroup's first activation copies (copy(s, true, ...)) follow its wait
+    assert ws.index("pdl_wait();") < min(m.start() for m in re.finditer(r"copy\(s, true", ws))
     assert plain.index("pdl_wait();") < min(m.start() for m in re.finditer(r"cp\.act\(", plain))
     conv = jit.read_source("convert/f32_to_f16.cu")
     assert conv.index("pdl_wait();") < conv.index("X + i")

@@ -486,7 +486,7 @@ def test_skinny_needs_packed_weights_and_f32(rng):
     assert c16.shape == (4, 64) and np.isfinite(c16).all()
 
 
-WGMMA = ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs", "w4a16.wgmma_rs_cluster", "w8a16.wgmma_rs_cluster"]
+WGMMA = ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"]
 
 
 @pytest.mark.parametrize("name", WGMMA)
@@ -562,8 +562,9 @@ def test_matmul_overflow_and_two_streams(rng):
     x[1, 7] = 65519.0  # rounds to 65504: fine
     assert np.isfinite(qgemm.matmul(x, pw)).all()
     x[1, 7] = -65520.0  # rounds to -inf
-    with pytest.raises(ValueError, match="overflow"):
-        qgemm.matmul(x, pw)
+    if qgemm.plan(4, n, k, "q4_0", packed=True).quantizer is None:  # the skinny kernel (sm_80+)
+        with pytest.raises(ValueError, match="overflow.*w4a16.skinny rounds them to float16"):
+            qgemm.matmul(x, pw)
     m = 600
     s1, s2 = qgemm.runtime.create_stream(), qgemm.runtime.create_stream()
     xs = [rng.standard_normal((m, k), dtype=np.float32) for _ in range(4)]
@@ -576,47 +577,3 @@ def test_matmul_overflow_and_two_streams(rng):
         np.testing.assert_allclose(o.to_host(), qgemm.matmul(x, pw), rtol=1e-5, atol=1e-4)
         assert qgemm.reference.relative_error(o.to_host(), p.reference(x, w)) <= 1e-5
 
-
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-def test_matmul_through_the_cluster_kernel(fmt, rng, monkeypatch):
-    """qgemm.matmul on w*a16.wgmma_rs_cluster (float32 activations rounded inside the GEMM, shared
-    across a cluster): odd shapes against the plan's exact reference and the float64 truth, a
-    poisoned output, and a chain of ops queued without syncs (programmatic dependent launch) bitwise
-    equal to the same ops run one at a time."""
-    path = f"w{'4' if fmt == 'q4_0' else '8'}a16.wgmma_rs_cluster"
-    if qgemm.runtime.device_info().cc != 90:
-        with pytest.raises(qgemm.UnsupportedArchError, match="sm_90"):
-            qgemm.get(path)._module()
-        return
-    for (m, n, k) in ((65, 4097, 4128), (513, 1000, 512), (130, 33, 32)):
-        x = rng.standard_normal((m, k), dtype=np.float32)
-        w_f = rng.standard_normal((n, k), dtype=np.float32)
-        w = F.quantize(w_f, fmt)
-        pw = qgemm.pack_weights(w)
-        p = qgemm.plan(m, n, k, fmt, packed=True, path=path)
-        assert p.kernel == path and p.quantizer is None
-        out = qgemm.DeviceArray.empty((m, n), np.float32)
-        out.fill_bytes(0xFF)
-        qgemm.matmul(qgemm.DeviceArray.from_host(x), pw, path=path, out=out)
-        r = check.compare("matmul", p.op, (m, n, k), 0, out.to_host(), p.reference(x, w), qgemm.reference.truth(x, w_f), x, w_f)
-        assert r.passed, (m, n, k, r)
-    n = k = 1024
-    ws = [qgemm.pack_weights(F.quantize(rng.standard_normal((n, k), dtype=np.float32) / np.float32(32.0), fmt)) for _ in range(4)]
-    x = rng.standard_normal((300, k), dtype=np.float32)
-
-    def chain(sync_each):
-        a, b = qgemm.DeviceArray.from_host(x), qgemm.DeviceArray.empty((300, n), np.float32)
-        b.fill_bytes(0xFF)
-        for pw in ws:
-            qgemm.matmul(a, pw, path=path, out=b)
-            if sync_each:
-                qgemm.runtime.synchronize()
-            a, b = b, a
-        return a.to_host()
-
-    monkeypatch.setenv("QGEMM_PDL", "0")
-    want = chain(True)
-    monkeypatch.setenv("QGEMM_PDL", "1")
-    got = chain(False)
-    assert np.isfinite(want).all() and np.abs(want).mean() > 0.1
-    np.testing.assert_array_equal(got, want)

@@ -3,7 +3,7 @@
 so that drift between the first and the second pass shows.
 
     python tools/compare_paths.py --shapes 512x4096x4096,2048x4096x4096 \
-        --paths default,w4a16.wgmma_rs_cluster --json out.json
+        --paths default,w4a16.wgmma,w8a16.wgmma --json out.json
 
 A path is used only for weights of its own format (w4a16.* -> q4_0, w8a16.* -> q8_0); the
 kernel-alone time is reported beside the whole op (they are equal for a path without prologue).

@@ -52,15 +52,6 @@ for step in $STEPS; do
               run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "wgmma_rs or chain"
               for s in ${RS_SHAPES//,/ }; do for k in w4a16.wgmma_rs w8a16.wgmma_rs; do
                   run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run --only "${QGEMM_RS_ONLY:-RS_SPLITK=1}"; done; done ;;
-    fused)    # prefill without the convert.f16 prologue (w4a16/w8a16.wgmma_rs_cluster): its GPU tests on odd
-              # shapes, every configuration timed alone, then the whole op against the default plan
-              run $PY tools/precompile.py w4a16.wgmma_rs_cluster w8a16.wgmma_rs_cluster \
-                  --shapes "129x4097x4128,7x33x32,300x257x1024,$RS_SHAPES"
-              run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "cluster or chain or packed"
-              for s in 512x4096x4096 2048x4096x4096; do for k in w4a16.wgmma_rs_cluster w8a16.wgmma_rs_cluster; do
-                  run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run --only RS_SPLITK=1; done; done
-              run $PY tools/compare_paths.py --shapes "${QGEMM_FUSED_SHAPES:-128x4096x4096,512x4096x4096,512x4096x14336,2048x4096x4096}" \
-                  --paths default,w4a16.wgmma_rs_cluster,w8a16.wgmma_rs_cluster --json "$OUT/fused.json" ;;
     l2)       # prefill and L2 -> SM traffic: the register-A wgmma kernel with 1, 2 or 4 warpgroups (64-256
               # weight rows sharing each activation tile) timed side by side, and Nsight Compute's L2
               # throughput for it and for cuBLAS fp16 at the same shapes

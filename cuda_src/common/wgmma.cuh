@@ -61,56 +61,6 @@ static __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) 
 }
 
 
-// one arrival that also raises the phase's expected transaction bytes (for st.async writers)
-static __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// ---- thread block clusters (sm_90): distributed shared memory --------------------------------
-static __device__ __forceinline__ unsigned cluster_ctarank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-// the shared::cluster address of `addr` (a shared::cta address of this CTA) in CTA `rank` of the
-// cluster; shared memory is laid out alike in every CTA, so offsets add to it
-static __device__ __forceinline__ unsigned cluster_map(unsigned addr, unsigned rank) {
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-// every thread of every CTA of the cluster (mbarrier inits before it are visible to all after it)
-static __device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-static __device__ __forceinline__ void fence_mbarrier_init_cluster() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// an arrival on (possibly another CTA's) mbarrier with the default .release.cta semantics, as
-// CUTLASS's ClusterBarrier::arrive(cta_id): .release.cluster compiled to MEMBAR.ALL.GPU before
-// every arrival (and .acquire.cluster waits to an L1 invalidation, CCTL.IVALL, after each), which
-// made the cluster kernel 2x slower
-static __device__ __forceinline__ void mbar_arrive_remote(unsigned cluster_bar) {
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar) : "memory");
-}
-// 16 bytes into (possibly another CTA's) shared memory; the mbarrier there (same CTA as the
-// data) counts them as a completed transaction once they have landed
-static __device__ __forceinline__ void st_async16(unsigned cluster_addr, uint4 v, unsigned cluster_bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n"
-                 ::"r"(cluster_addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(cluster_bar) : "memory");
-}
-// bytes (a multiple of 16) from this CTA's shared memory into CTA-of-the-cluster shared memory by
-// the bulk-copy (TMA) engine, read through the async proxy; the mbarrier there (the destination's
-// CTA) counts them as a completed transaction once they have landed
-static __device__ __forceinline__ void bulk_copy_to_cluster(unsigned cluster_dst, unsigned src, unsigned bytes, unsigned cluster_bar) {
-    asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(cluster_dst), "r"(src), "r"(bytes), "r"(cluster_bar) : "memory");
-}
-// barrier `id` (1..15; 0 is __syncthreads) among `count` threads (whole warps)
-static __device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned count) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
 // D[64 x 64] += A[64 x 16] . B[64 x 16]^T, A from registers (the m16n8k16 A fragment of warp w's
 // rows 16w .. 16w + 15), B K-major in shared memory
 static __device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[32], const unsigned (&a)[4], unsigned long long db) {

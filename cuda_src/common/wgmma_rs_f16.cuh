@@ -48,21 +48,6 @@
 // is free (RS_STAGES - 1 stages in flight instead of RS_STAGES - 2), and the MMA warps drop to ~132
 // registers (no copy addresses). Measured 8% faster at 512 and 2048 tokens (docs/perf/NOTES.md).
 //
-// RS_F32 = 1 (with RS_WS): float32 activations, rounded to fp16 by the copying warpgroup, so no
-// convert.f16 launch precedes the GEMM. Every CTA along N needs the same activation tile, and read
-// as float32 by each of them that is twice today's L2 -> SM traffic (a first fused design measured
-// 1.5x slower for that, docs/perf/NOTES.md session 3). So the RS_CLUSTER CTAs of a cluster (one
-// token tile, RS_CLUSTER neighbouring weight tiles) share the work: each loads and rounds
-// RS_BN / RS_CLUSTER token rows of the stage and writes them with st.async into the same buffer
-// of every CTA of the cluster: into its own with st.shared, then one thread hands that slice to the
-// bulk-copy engine for each other CTA (cp.async.bulk shared::cta -> shared::cluster; the slice is
-// one contiguous run of rows per 64-wide K atom). The float32 traffic is then 2 / RS_CLUSTER of
-// the fp16 tile's without it, and the remote bytes are counted by the receiving CTA's `full`
-// mbarrier (expect_tx by its own copying warpgroup). A buffer may be refilled only when every CTA
-// of the cluster has released it: each MMA warp arrives on the `empty` mbarrier of every CTA of
-// the cluster. (A first version sent every 16-byte chunk with st.async, each completing its own
-// transaction on the remote mbarrier: 2-4x slower than the whole kernel with convert.f16.)
-//
 // K may be split across CTAs (blockIdx.z, RS_SPLITK) when the tile grid leaves SMs idle: those add
 // into a zeroed C with atomics.
 #pragma once
@@ -88,26 +73,8 @@
 #ifndef RS_WS
 #define RS_WS 0  // 1: warp-specialized -- one more warpgroup only copies; per-buffer mbarriers instead of CTA barriers
 #endif
-#ifndef RS_F32
-#define RS_F32 0  // 1: float32 activations, rounded to fp16 by the copying warpgroup (RS_WS = 1)
-#endif
-#ifndef RS_CLUSTER
-#define RS_CLUSTER 1  // CTAs along N sharing each activation tile (RS_F32: 2 or 4)
-#endif
-#ifndef RS_F32_XFER
-#define RS_F32_XFER 0  // RS_F32: 0 = own slice by st.shared, then bulk copies to the others; 1 = st.async per chunk
-#endif
-#ifndef RS_F32_DEPTH
-#define RS_F32_DEPTH 1  // RS_F32: stages of float32 activations in flight, in registers (1 or 2)
-#endif
 #if RS_WS && RS_WGS > 2
 #error "RS_WS: the copying warpgroup stands in for at most two MMA warpgroups"
-#endif
-#if RS_F32 && !(RS_WS && (RS_CLUSTER == 2 || RS_CLUSTER == 4))
-#error "RS_F32 needs RS_WS = 1 and RS_CLUSTER = 2 or 4 (the float32 rows a thread holds: 8 x 64 / RS_CLUSTER registers)"
-#endif
-#if !RS_F32 && RS_CLUSTER != 1
-#error "RS_CLUSTER > 1 shares the float32 rounding work: only with RS_F32"
 #endif
 #if RS_STAGES < 3
 #error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
@@ -204,93 +171,6 @@ struct RsCopier {
     }
 };
 
-#if RS_F32
-// What one copying thread (p in [0, 128)) converts of every stage: 16-byte fp16 chunks (8 values)
-// at chunk column c = p % 16 of the token rows rank * ROWS + p / 16 + 8 i of the tile, i < ITERS,
-// ROWS = RS_BN / RS_CLUSTER being this CTA's share. Rows 8 apart keep the swizzle term, so every
-// chunk's offset is one constant plus 1024 i. Loaded as float32 (2 x 16 bytes per chunk, 16
-// threads per 512-byte row: coalesced), rounded to nearest even (cvt.rn.f16x2.f32, the rounding
-// of convert.f16 and of numpy's astype), stored into this CTA's buffer (the slice then goes to the
-// other CTAs whole).
-struct RsConverter {
-    static constexpr int ROWS = RS_BN / RS_CLUSTER, ITERS = ROWS / 8;
-    const float* src;  // row m0 + r0, column c * 8
-    unsigned dst;      // byte offset of the first chunk in a buffer
-    int r0, c;
-    float4 v[ITERS][2];
-
-    __device__ __forceinline__ RsConverter(int p, const float* A, int M, int K, int m0, unsigned rank)
-        : r0((int)rank * ROWS + p / 16), c(p % 16) {
-        src = A + (size_t)min(m0 + r0, M - 1) * K + c * 8;
-        dst = rs_sw(r0, c * 8);
-    }
-    // stage k0's float32 values into registers; chunks past M or K read as zeros
-    __device__ __forceinline__ void load(int k0, bool full_rows, const float* A, int M, int K, int m0) {
-        if (full_rows && k0 + 128 <= K) {
-#pragma unroll
-            for (int i = 0; i < ITERS; ++i) {
-                const float4* q = reinterpret_cast<const float4*>(src + (size_t)8 * i * K + k0);
-                v[i][0] = q[0];
-                v[i][1] = q[1];
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < ITERS; ++i) {
-                const int r = m0 + r0 + 8 * i, k = k0 + c * 8;
-                if (r < M && k < K) {
-                    const float4* q = reinterpret_cast<const float4*>(A + (size_t)r * K + k);
-                    v[i][0] = q[0];
-                    v[i][1] = q[1];
-                } else {
-                    v[i][0] = v[i][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-                }
-            }
-        }
-    }
-    __device__ __forceinline__ uint4 rounded(int i) const {
-        const __half2 h0 = __floats2half2_rn(v[i][0].x, v[i][0].y), h1 = __floats2half2_rn(v[i][0].z, v[i][0].w);
-        const __half2 h2 = __floats2half2_rn(v[i][1].x, v[i][1].y), h3 = __floats2half2_rn(v[i][1].z, v[i][1].w);
-        return make_uint4(*reinterpret_cast<const unsigned*>(&h0), *reinterpret_cast<const unsigned*>(&h1),
-                          *reinterpret_cast<const unsigned*>(&h2), *reinterpret_cast<const unsigned*>(&h3));
-    }
-    // the rounded chunks into this CTA's buffer at shared address buf
-    __device__ __forceinline__ void store(unsigned buf) const {
-#pragma unroll
-        for (int i = 0; i < ITERS; ++i) {
-            const uint4 h = rounded(i);
-            asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(buf + dst + 1024 * i), "r"(h.x), "r"(h.y),
-                         "r"(h.z), "r"(h.w) : "memory");
-        }
-    }
-    // RS_F32_XFER = 1: the same chunks also into the other CTAs' buffers (offset off), st.async
-    // completing bytes on their `full` mbarriers
-    __device__ __forceinline__ void store_remote(unsigned off, unsigned rank, const unsigned (&bases)[RS_CLUSTER],
-                                                 const unsigned (&fulls)[RS_CLUSTER], unsigned bar_off) const {
-#pragma unroll
-        for (int i = 0; i < ITERS; ++i) {
-            const uint4 h = rounded(i);
-#pragma unroll
-            for (int j = 1; j < RS_CLUSTER; ++j) {
-                const unsigned to = (rank + j) % RS_CLUSTER;
-                st_async16(bases[to] + off + dst + 1024 * i, h, fulls[to] + bar_off);
-            }
-        }
-    }
-};
-#endif
-
-// a consumer warp's release of a buffer (after __syncwarp): to the producer of every CTA that
-// writes into it, lane j arriving in CTA j (one instruction stream, no loop: a loop of remote
-// arrivals here made ptxas serialize the wgmma, C7513)
-static __device__ __forceinline__ void rs_release(unsigned bar) {
-    const unsigned lane = threadIdx.x % 32;
-#if RS_CLUSTER > 1
-    if (lane < RS_CLUSTER) mbar_arrive_remote(cluster_map(bar, lane));
-#else
-    if (lane == 0) mbar_arrive(bar);
-#endif
-}
-
 // One stage of the MMA: this warp's raw quants of the stage from shared memory into registers in
 // natural k order, then per half-stage (2 blocks = 4 k-steps): wait_group 1 (the same half of the
 // previous stage retired: its fragment registers are free), dequantize into them, wgmma.fence,
@@ -311,7 +191,7 @@ static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, uns
         wgmma_wait<1>();
         if (RELEASE && u == 1) {
             __syncwarp();
-            if (release_bar) rs_release(release_bar);
+            if (release_bar && (threadIdx.x % 32) == 0) mbar_arrive(release_bar);
         }
 #pragma unroll
         for (int i = 0; i < 16; ++i) wg_fence_operand(fr[u][i / 4][i % 4]);
@@ -335,9 +215,8 @@ static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, uns
     }
 }
 
-// TA: __half, or float with RS_F32
-template <typename SF, typename TA>
-static __device__ __forceinline__ void wgmma_rs_f16_gemm(const TA* __restrict__ A, const unsigned char* __restrict__ Wp,
+template <typename SF>
+static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
                                                          float* __restrict__ C, int M, int N, int K) {
     constexpr int GROUP_PIECES = SF::PIECES * 32;                     // uint4 per (tile, group)
     constexpr int W_BYTES = RS_TILES * (GROUP_PIECES * 16 + 8 * 16);  // raw quants + scales of a stage
@@ -375,123 +254,44 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const TA* __restrict__ 
     // stage's wgmma have retired). No CTA barrier in the loop, and the producer refills a buffer as
     // soon as it is free: RS_STAGES - 1 stages in flight instead of RS_STAGES - 2.
     const unsigned bars = base + RS_STAGES * STAGE_BYTES;  // full[b] at bars + 8 b, empty[b] at bars + 8 (RS_STAGES + b)
-    // full: the 128 producer threads' cp.async arrivals (+ with RS_F32 one expect_tx arrival for
-    // the slices the other CTAs' bulk copies deliver, and one once this CTA's own slice is
-    // written); empty: every MMA warp of the cluster
     if (tid == 0)
         for (int b = 0; b < RS_STAGES; ++b) {
-            mbar_init(bars + 8 * b, 128 + 2 * RS_F32);
-            mbar_init(bars + 8 * (RS_STAGES + b), RS_CLUSTER * RS_THREADS / 32);
+            mbar_init(bars + 8 * b, 128);
+            mbar_init(bars + 8 * (RS_STAGES + b), RS_THREADS / 32);
         }
-#if RS_CLUSTER > 1
-    // no CTA may arrive on, or write into, another before that one's mbarriers exist
-    if (tid == 0) fence_mbarrier_init_cluster();
-    cluster_sync();
-#else
     __syncthreads();
-#endif
     if (wgi == RS_WGS) {
-#if RS_F32
-        const __half* const A16 = nullptr;  // the activations are converted, not copied (RsConverter)
-#else
-        const __half* const A16 = A;
-#endif
         // producer thread p copies what threads p + 128 i of the non-specialized kernel copy
-        const RsCopier<SF> cp0(tid - RS_THREADS, A16, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
+        const RsCopier<SF> cp0(tid - RS_THREADS, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
 #if RS_WGS > 1
-        const RsCopier<SF> cp1(tid - RS_THREADS + 128, A16, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
+        const RsCopier<SF> cp1(tid - RS_THREADS + 128, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
 #endif
         auto copy = [&](int s, bool act, bool w) {
             const unsigned buf = base + (s % RS_STAGES) * STAGE_BYTES;
+            const int k0 = (g_begin + s) * 128;
             if (w) {
                 cp0.w(buf + RS_ACT_BYTES, s);
 #if RS_WGS > 1
                 cp1.w(buf + RS_ACT_BYTES, s);
 #endif
             }
-#if !RS_F32
             if (act) {
-                const int k0 = (g_begin + s) * 128;
-                cp0.act(buf, k0, a_full_rows, A16, M, K, m0);
+                cp0.act(buf, k0, a_full_rows, A, M, K, m0);
 #if RS_WGS > 1
-                cp1.act(buf, k0, a_full_rows, A16, M, K, m0);
+                cp1.act(buf, k0, a_full_rows, A, M, K, m0);
 #endif
             }
-#endif
         };
         // the first buffers' weights before waiting for the previous grid (see below)
         for (int s = 0; s < RS_STAGES && s < n_stages; ++s) copy(s, false, true);
         pdl_wait();
-#if RS_F32
-        const unsigned rank = cluster_ctarank();
-        constexpr unsigned SLICE = RsConverter::ROWS * 128;  // bytes of this CTA's rows per 64-wide K atom
-        unsigned bases[RS_CLUSTER], fulls[RS_CLUSTER];
-#pragma unroll
-        for (int j = 0; j < RS_CLUSTER; ++j) {
-            bases[j] = cluster_map(base, j);
-            fulls[j] = cluster_map(bars, j);
-        }
-        // RS_F32_DEPTH register sets: the float32 loads of that many stages fly at once (one set
-        // leaves a stage's loads a single L2 round trip to land in)
-        RsConverter cv[RS_F32_DEPTH] = {
-            RsConverter(tid - RS_THREADS, A, M, K, m0, rank),
-#if RS_F32_DEPTH > 1
-            RsConverter(tid - RS_THREADS, A, M, K, m0, rank),
-#endif
-        };
-#pragma unroll
-        for (int u = 0; u < RS_F32_DEPTH; ++u)
-            if (u < n_stages) cv[u].load((g_begin + u) * 128, a_full_rows, A, M, K, m0);
-        auto stage = [&](int s, RsConverter& c) {
-            const int b = s % RS_STAGES;
-            // the buffer must be free in every CTA of the cluster (remote writes follow)
-            if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
-            // after the wait: this buffer's previous phase is complete, so the bytes count for stage s
-            if (tid == RS_THREADS) mbar_arrive_expect_tx(bars + 8 * b, (RS_CLUSTER - 1) * 2 * SLICE);
-#if RS_F32_XFER
-            c.store_remote(b * STAGE_BYTES, rank, bases, fulls, 8 * b);
-            c.store(base + b * STAGE_BYTES);
-            named_barrier_sync(1, 128);
-            if (tid == RS_THREADS) mbar_arrive(bars + 8 * b);  // this CTA's own slice
-#else
-            c.store(base + b * STAGE_BYTES);
-            fence_proxy_async();  // st.shared (generic proxy) -> the bulk copy's reads (async proxy)
-            named_barrier_sync(1, 128);
-            if (tid == RS_THREADS) {
-#pragma unroll
-                for (int j = 1; j < RS_CLUSTER; ++j) {
-                    const unsigned to = (rank + j) % RS_CLUSTER;
-#pragma unroll
-                    for (int atom = 0; atom < 2; ++atom) {
-                        const unsigned off = b * STAGE_BYTES + atom * (RS_BN * 128) + rank * SLICE;
-                        bulk_copy_to_cluster(bases[to] + off, base + off, SLICE, fulls[to] + 8 * b);
-                    }
-                }
-                mbar_arrive(bars + 8 * b);  // this CTA's own slice (the barrier above ordered its stores)
-            }
-#endif
-            // the weights after the activations: the fence above would otherwise wait for these copies
-            copy(s, false, s >= RS_STAGES);
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
-            // a later stage's float32 loads fly while this thread waits for its buffers
-            if (s + RS_F32_DEPTH < n_stages) c.load((g_begin + s + RS_F32_DEPTH) * 128, a_full_rows, A, M, K, m0);
-        };
-        for (int s = 0; s < n_stages; s += RS_F32_DEPTH)
-#pragma unroll
-            for (int u = 0; u < RS_F32_DEPTH; ++u)
-                if (s + u < n_stages) stage(s + u, cv[u]);
-#else
         for (int s = 0; s < n_stages; ++s) {
             const int b = s % RS_STAGES;
             if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
             copy(s, true, s >= RS_STAGES);
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
         }
-#endif
         asm volatile("cp.async.wait_all;\n" ::: "memory");
-#if RS_CLUSTER > 1
-        cluster_sync();  // see the end of the kernel
-#endif
         return;
     }
     pdl_wait();
@@ -553,8 +353,4 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const TA* __restrict__ 
                     C[(size_t)tok * N + n] = d[4 * c + i];
             }
         }
-#if RS_CLUSTER > 1
-    // a CTA's shared memory and mbarriers must outlive the other CTAs' last arrivals and writes
-    cluster_sync();
-#endif
 }
