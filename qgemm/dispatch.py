@@ -298,10 +298,12 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if not x_on_device:
         if not np.isfinite(dx).all():
             raise ValueError("matmul: activations must be finite")
-        if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size and np.abs(dx).max() >= _F16_INF_FROM:
+        if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size:
             # these kernels round x to float16 themselves, with no prologue to flag what overflows
-            raise ValueError(f"matmul: the activations overflow the GPU format of this path ({p.kernel} rounds them to "
-                             f"float16): |x| max {float(np.abs(dx).max()):g} is beyond half's range (65504); scale them down")
+            amax = float(np.abs(dx).max())
+            if amax >= _F16_INF_FROM:
+                raise ValueError(f"matmul: the activations overflow the GPU format of this path ({p.kernel} rounds them "
+                                 f"to float16): |x| max {amax:g} is beyond half's range (65504); scale them down")
         dx = runtime.DeviceArray.from_host(np.ascontiguousarray(dx))
     if not w_on_device:
         wb = runtime.DeviceArray.from_host(wb)
