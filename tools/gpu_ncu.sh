@@ -6,6 +6,8 @@
 #   KERNELS="w4a8.mma" SHAPE=512x4096x4096 bash tools/gpu_ncu.sh
 #   NCU_SET=full KERNELS="w4a16.wgmma_rs" bash tools/gpu_ncu.sh          # every section (pipes, shared memory, source counters)
 #   PEERS="512x4096x4096" KERNELS="w4a16.wgmma_rs" bash tools/gpu_ncu.sh  # also cuBLAS fp16 (torch) at that shape
+#   SOURCE=1 KERNELS="w4a16.wgmma_rs" bash tools/gpu_ncu.sh   # + per-SASS-instruction stall samples (CSV; summarize
+#                                                             #   with tools/ncu_source_top.py); DEFINES="RS_GROUPS=4" for a variant
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/ncu}
@@ -15,14 +17,22 @@ NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null |
 [ -n "$NCU" ] || { echo "ncu not found"; exit 2; }
 run() {  # kernel shape
     local name=$1 shape=$2 entry=${1/./_}
+    local rep="$OUT/ncu-${name}-${shape}${DEFINES:+-${DEFINES//[=,]/_}}"
     python3 -m qgemm compile "$name" > /dev/null  # compile outside the profiled process
+    # DEFINES (KEY=INT,...) go on top of the launch configuration (tools/probe_defines.py does the launch)
+    local cmd=(python3 -m qgemm profile "$name" --shape "$shape" --warmup 0 --iters 1 --no-peers)
+    [ -n "${DEFINES:-}" ] && cmd=(python3 tools/probe_defines.py "$name" "$shape" "v=${DEFINES//,/;}" --reps 1 --iters 1)
     "$NCU" --target-processes all -k "regex:^${entry}\$" -c 1 \
         ${NCU_SET:+--set $NCU_SET} --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
-        python3 -m qgemm profile "$name" --shape "$shape" --warmup 0 --iters 1 --no-peers \
-        > "$OUT/ncu-${name}-${shape}.txt" 2>&1
+        ${SOURCE:+--section SourceCounters --import-source no -o "$rep" -f} \
+        "${cmd[@]}" > "$rep.txt" 2>&1
+    if [ -n "${SOURCE:-}" ]; then
+        "$NCU" --import "$rep.ncu-rep" >> "$rep.txt" 2>&1
+        "$NCU" --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2>&1
+    fi
     echo "== $name $shape"; grep -E "Duration|Throughput|Achieved Occupancy|Stall|Issue Slot|Shared|Tensor|Pipe|Bank|Hit Rate" \
-        "$OUT/ncu-${name}-${shape}.txt" | head -30
+        "$rep.txt" | head -30
 }
 peer() {  # cuBLAS through torch at the same shape: its kernel name says its tile and cluster shape
     local shape=$1 m n k

@@ -52,6 +52,9 @@
 #ifndef SK_UNROLL
 #define SK_UNROLL 2
 #endif
+#ifndef SK_PROBE
+#define SK_PROBE 0
+#endif
 #ifndef SK_XSMEM
 #define SK_XSMEM 0  // 1 (SK_MT == 1 only): stage the CTA's activations in shared memory as fp16 fragments
 #endif
@@ -184,9 +187,15 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
 #pragma unroll
             for (int r = 0; r < SK_R; ++r) {
                 const size_t base = (size_t)min(tile0 + r, ntiles - 1) * ngroups + Gu;
+#if SK_PROBE == 2  // timing probe: no weight loads
+#pragma unroll
+                for (int p = 0; p < SF::PIECES; ++p) wq[u][r][p] = make_uint4(G + u, lane * (p + 1), base, r);
+                wd[u][r] = make_uint4(0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u);
+#else
 #pragma unroll
                 for (int p = 0; p < SF::PIECES; ++p) wq[u][r][p] = ld_stream16(qs + base * GROUP_PIECES + p * 32 + lane);
                 wd[u][r] = __ldg(ds + base * 8 + g);
+#endif
             }
         }
     };
@@ -239,7 +248,12 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
 #pragma unroll
                     for (int r = 0; r < SK_R; ++r) {
                         unsigned af[2][4];
+#if SK_PROBE == 1  // timing probe: no dequantization
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) { af[0][i] = (&wq[u][r][0].x)[i] ^ (unsigned)j; af[1][i] = (&wq[u][r][SF::PIECES - 1].x)[i] ^ (unsigned)j; }
+#else
                         SF::frags(wq[u][r], wd[u][r], j, af);
+#endif
 #pragma unroll
                         for (int s = 0; s < 2; ++s)
 #pragma unroll
@@ -260,7 +274,7 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
     // is) still runs; everything that touches X or C comes after the wait. Without the launch
     // attribute the wait returns at once.
     pdl_wait();
-#if SK_XSMEM
+#if SK_XSMEM && SK_PROBE != 3  // probe 3: no activation staging
     for (int r = 0; r < M; ++r)
         for (int i = threadIdx.x; i < cta_nb * 8; i += SK_WARPS * 32) {
             const int q = i % 8, bl = i / 8;  // q = 4 s + t

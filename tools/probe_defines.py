@@ -1,0 +1,66 @@
+"""Side-by-side timing of one kernel with #define overrides on top of its launch configuration.
+
+`qgemm tune --dry-run --only` times the configurations in a kernel's candidate list; this times
+anything the source understands, including compile-time switches that are not tunables (an
+experiment's toggles, or timing probes that skip part of the work and so give wrong results: each
+variant's first launch is checked against the exact reference and the line says `ok` or `WRONG`).
+Variants alternate within each repetition, in one process, hot (graph-batched, as `qgemm bench`).
+
+    python tools/probe_defines.py w4a16.wgmma_rs 512x4096x4096,2048x4096x4096 base probe1=RS_PROBE=1
+    python tools/probe_defines.py w4a16.skinny 1x4096x4096 base u2=SK_UNROLL=2 --reps 3
+
+A variant is `label` (the configuration as is) or `label=KEY=INT[;KEY=INT...]`.
+"""
+import argparse
+import statistics
+
+import numpy as np
+
+from qgemm import bench, check, registry, runtime
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    label, _, rest = text.partition("=")
+    defines = {}
+    for kv in filter(None, rest.split(";")):
+        key, _, val = kv.partition("=")
+        if not key or not val:
+            raise SystemExit(f"variant {text!r}: expected label=KEY=INT[;KEY=INT...]")
+        defines[key.strip()] = int(val)
+    return label, defines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel")
+    ap.add_argument("shapes", help="MxNxK[,MxNxK...]")
+    ap.add_argument("variants", nargs="+")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variants]
+    k = registry.get(args.kernel)
+    rng = np.random.default_rng(0)
+    for shape in args.shapes.split(","):
+        m, n, kk = (int(v) for v in shape.split("x"))
+        inp = check.make_inputs(k.op, m, n, kk, rng)
+        exact = k.op.exact(inp.a, inp.w)
+        da, dw = runtime.DeviceArray.from_host(inp.a), k.upload_weights(inp.w)
+        dc = runtime.DeviceArray.empty((m, n), np.float32)
+        base = k.config_for(m, n, kk)
+        print(f"{args.kernel} {shape}: configuration {' '.join(f'{a}={b}' for a, b in base.items())}", flush=True)
+        for rep in range(args.reps):
+            for label, extra in variants:
+                d = {**base, **extra}
+                dc.fill_bytes(0xFF)
+                k.launch(da, dw, dc, m, n, kk, defines=d)
+                out = dc.to_host()
+                ok = not np.isnan(out).any() and check.reference.relative_error(out, exact) <= k.op.exact_tol
+                times, _ = bench._time_launches(
+                    lambda i, stream=None: k.launch(da, dw, dc, m, n, kk, stream=stream, defines=d), 1, 3, args.iters)
+                print(f"  rep {rep} {label:12s} {statistics.median(times):8.2f} us  {'ok' if ok else 'WRONG'}  "
+                      f"{' '.join(f'{a}={b}' for a, b in extra.items())}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
