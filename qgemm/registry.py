@@ -264,9 +264,8 @@ _RS_PIECES = {"q4_0": 2, "q8_0": 4}
 
 def _rs_stage_bytes(wfmt: str, d: dict) -> int:
     """One pipeline buffer: the activation tile [RS_BN][128] fp16, the CTA's raw quants and scales
-    (4 tiles of 16 rows per warpgroup; none with RS_WDIRECT, where the MMA warps load their own),
-    rounded up to the 1024-byte swizzle alignment."""
-    w = 0 if d.get("RS_WDIRECT") else 4 * d["RS_WGS"] * (_RS_PIECES[wfmt] * 32 * 16 + 128)
+    (4 tiles of 16 rows per warpgroup), rounded up to the 1024-byte swizzle alignment."""
+    w = 4 * d["RS_WGS"] * (_RS_PIECES[wfmt] * 32 * 16 + 128)
     return cdiv(d["RS_BN"] * 256 + w, 1024) * 1024
 
 

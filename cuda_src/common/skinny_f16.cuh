@@ -18,16 +18,22 @@
 // logical k and the physical K index, applied to both operands, gives the same sum. The
 // fragment wants, for lane (g, t), logical k pairs (2t, 2t+1) and (2t+8, 2t+9) of each k16 step
 // (PTX mma.m16n8k16 A and B layouts). Map step s of block b to
-//     (2t, 2t+1) -> physical 32b + 16s + 4t + (0, 1),   (2t+8, 2t+9) -> 32b + 16s + 4t + (2, 3).
+//     (2t, 2t+1) -> physical 32b + 16s + 4t + (0, 2),   (2t+8, 2t+9) -> 32b + 16s + 4t + (1, 3).
 // Then a lane's weights are whole qs words (for Q4_0, word t of a block holds physical 4t..4t+3 in
 // its low nibbles and 16+4t..16+4t+3 in its high nibbles: both k-steps from one word), and its
 // activations are two float4 loads per block, x[32b + 4t ..] and x[32b + 16 + 4t ..], each
-// giving the b0 = (x, y) and b1 = (z, w) halves of a B fragment.
+// giving the b0 = (x, z) and b1 = (y, w) halves of a B fragment. The pairing of bytes 0 and 2
+// (1 and 3) is what makes the dequantization cheap:
 //
-// Dequantization is that of common/mma_f16.cuh (nibble or byte under the exponent of 1024, one
-// HSUB2 to the exact signed value, one HMUL2 by d: d (q - 8) rounded once to fp16), activations
-// are rounded to fp16 in registers (cvt.rn), the MMAs accumulate in fp32:
-// qgemm.reference.exact_w4a16s models exactly this.
+// Dequantization (frags below): a byte pair 16 bits apart goes under fp16's exponent of 1024 with
+// one LOP3, (w & mask) | 0x64006400, as in Marlin; a shift by 8 brings the other pair there. Q4_0:
+// the low nibbles give 1024 + q, minus 1032 is q - 8 (HADD2); the high nibbles (mask 0x00F000F0)
+// give 1024 + 16 q, and (1024 + 16 q) / 16 - 72 = q - 8 (HFMA2); Q8_0: the same LOP3 also flips
+// the sign bit (1024 + 128 + q), minus 1152. All of that is exact (small integers, a power-of-two
+// factor); then one HMUL2 by d, with d broadcast by HMUL2's operand selector (.H0_H0 / .H1_H1): so
+// d (q - 8) or d q is rounded once to fp16, per half pair 1.25 (Q4_0) or 1.5 (Q8_0) instructions
+// of extraction + 2 of arithmetic. Activations are rounded to fp16 in registers (cvt.rn), the MMAs
+// accumulate in fp32: qgemm.reference.exact_w4a16s models exactly this.
 //
 // Work split: a CTA owns SK_R tiles (16 SK_R rows of W) and SK_MT 8-token fragments; its SK_WARPS
 // warps split the K groups and are summed through shared memory; gridDim.y > 1 splits K across
@@ -52,9 +58,6 @@
 #ifndef SK_UNROLL
 #define SK_UNROLL 2
 #endif
-#ifndef SK_PROBE
-#define SK_PROBE 0
-#endif
 #ifndef SK_XSMEM
 #define SK_XSMEM 0  // 1 (SK_MT == 1 only): stage the CTA's activations in shared memory as fp16 fragments
 #endif
@@ -73,25 +76,42 @@
 #define SK_PDL_EARLY (!SK_XSMEM)
 #endif
 
+// (x & mask) | bits (Q4_0), and x ^ 0x80 under the mask with the bits elsewhere (Q8_0's sign flip):
+// one LOP3 each
+static __device__ __forceinline__ unsigned lop3_and_or(unsigned x, unsigned mask, unsigned bits) {
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
+    return r;
+}
+static __device__ __forceinline__ unsigned lop3_xor_under(unsigned x, unsigned mask, unsigned bits) {
+    unsigned r;  // mask ? x ^ bits : bits
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
+    return r;
+}
+// d (row g + 8h, block j) broadcast to both halves: j's half of the scale word, as an HMUL2 operand selector
+static __device__ __forceinline__ __half2 sk_scale(const uint4& dq, int h, int j) {
+    const unsigned dw = (&dq.x)[2 * h + j / 2];
+    const __half2 pair = *reinterpret_cast<const __half2*>(&dw);
+    return (j & 1) ? __high2half2(pair) : __low2half2(pair);
+}
+static __device__ __forceinline__ unsigned sk_h2(__half2 x) { return *reinterpret_cast<const unsigned*>(&x); }
+static __device__ __forceinline__ __half2 sk_as_h2(unsigned x) { return *reinterpret_cast<const __half2*>(&x); }
+
 struct SkQ4_0 {
     static constexpr int PIECES = 2;  // 16-byte pieces per lane per (tile, group)
     // weights of block j (0..3) of the group, rows g (h = 0) and g + 8 (h = 1): the A fragments
-    // of its two k-steps
+    // of its two k-steps. Word w's bytes [b0 b1 b2 b3]: (b0, b2) and (b1, b3) are the pairs.
     static __device__ __forceinline__ void frags(const uint4 (&q)[PIECES], const uint4& dq, int j, unsigned (&a)[2][4]) {
-        const __half2 bias = __float2half2_rn(1032.0f);
+        const __half2 bias = __float2half2_rn(1032.0f), sixteenth = __float2half2_rn(0.0625f), bias16 = __float2half2_rn(-72.0f);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const unsigned w = (&q[h].x)[j];
-            const unsigned dw = (&dq.x)[2 * h + j / 2];
-            const unsigned d2u = __byte_perm(dw, 0, (j & 1) ? 0x3232 : 0x1010);
-            const __half2 d2 = *reinterpret_cast<const __half2*>(&d2u);
-            unsigned l0, l1, h0, h1;
-            bytes_to_h2(w & 0x0F0F0F0Fu, l0, l1);         // physical 4t + (0,1), 4t + (2,3): step 0
-            bytes_to_h2((w >> 4) & 0x0F0F0F0Fu, h0, h1);  // 16 + the same: step 1
-            a[0][h] = h2_affine(l0, bias, d2);      // A regs: {row g pair 0, row g+8 pair 0,
-            a[0][2 + h] = h2_affine(l1, bias, d2);  //          row g pair 1, row g+8 pair 1}
-            a[1][h] = h2_affine(h0, bias, d2);
-            a[1][2 + h] = h2_affine(h1, bias, d2);
+            const __half2 d2 = sk_scale(dq, h, j);
+            // A regs: {row g pair 0, row g+8 pair 0, row g pair 1, row g+8 pair 1}; step 1 = high nibbles
+            a[0][h] = sk_h2(__hmul2(__hsub2(sk_as_h2(lop3_and_or(w, 0x000F000Fu, 0x64006400u)), bias), d2));
+            a[0][2 + h] = sk_h2(__hmul2(__hsub2(sk_as_h2(lop3_and_or(w >> 8, 0x000F000Fu, 0x64006400u)), bias), d2));
+            a[1][h] = sk_h2(__hmul2(__hfma2(sk_as_h2(lop3_and_or(w, 0x00F000F0u, 0x64006400u)), sixteenth, bias16), d2));
+            a[1][2 + h] = sk_h2(__hmul2(__hfma2(sk_as_h2(lop3_and_or(w >> 8, 0x00F000F0u, 0x64006400u)), sixteenth, bias16), d2));
         }
     }
 };
@@ -99,20 +119,16 @@ struct SkQ4_0 {
 struct SkQ8_0 {
     static constexpr int PIECES = 4;
     static __device__ __forceinline__ void frags(const uint4 (&q)[PIECES], const uint4& dq, int j, unsigned (&a)[2][4]) {
-        const __half2 bias = __float2half2_rn(1152.0f);  // 1024 + 128: the sign bias below
+        const __half2 bias = __float2half2_rn(1152.0f);  // 1024 + 128: the sign flip below
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const uint4& piece = q[2 * h + j / 2];
-            const unsigned dw = (&dq.x)[2 * h + j / 2];
-            const unsigned d2u = __byte_perm(dw, 0, (j & 1) ? 0x3232 : 0x1010);
-            const __half2 d2 = *reinterpret_cast<const __half2*>(&d2u);
+            const __half2 d2 = sk_scale(dq, h, j);
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
-                const unsigned w = (&piece.x)[2 * (j & 1) + s] ^ 0x80808080u;  // word t (s = 0), t + 4 (s = 1)
-                unsigned v0, v1;
-                bytes_to_h2(w, v0, v1);
-                a[s][h] = h2_affine(v0, bias, d2);
-                a[s][2 + h] = h2_affine(v1, bias, d2);
+                const unsigned w = (&piece.x)[2 * (j & 1) + s];  // word t (s = 0), t + 4 (s = 1)
+                a[s][h] = sk_h2(__hmul2(__hsub2(sk_as_h2(lop3_xor_under(w, 0x00FF00FFu, 0x64806480u)), bias), d2));
+                a[s][2 + h] = sk_h2(__hmul2(__hsub2(sk_as_h2(lop3_xor_under(w >> 8, 0x00FF00FFu, 0x64806480u)), bias), d2));
             }
         }
     }
@@ -187,15 +203,9 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
 #pragma unroll
             for (int r = 0; r < SK_R; ++r) {
                 const size_t base = (size_t)min(tile0 + r, ntiles - 1) * ngroups + Gu;
-#if SK_PROBE == 2  // timing probe: no weight loads
-#pragma unroll
-                for (int p = 0; p < SF::PIECES; ++p) wq[u][r][p] = make_uint4(G + u, lane * (p + 1), base, r);
-                wd[u][r] = make_uint4(0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u);
-#else
 #pragma unroll
                 for (int p = 0; p < SF::PIECES; ++p) wq[u][r][p] = ld_stream16(qs + base * GROUP_PIECES + p * 32 + lane);
                 wd[u][r] = __ldg(ds + base * 8 + g);
-#endif
             }
         }
     };
@@ -241,19 +251,14 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
                     for (int nt = 0; nt < SK_MT; ++nt)
 #pragma unroll
                         for (int s = 0; s < 2; ++s) {
-                            bf[nt][s][0] = f2_to_h2(xv[jj][nt][s].x, xv[jj][nt][s].y);
-                            bf[nt][s][1] = f2_to_h2(xv[jj][nt][s].z, xv[jj][nt][s].w);
+                            bf[nt][s][0] = f2_to_h2(xv[jj][nt][s].x, xv[jj][nt][s].z);  // the k permutation
+                            bf[nt][s][1] = f2_to_h2(xv[jj][nt][s].y, xv[jj][nt][s].w);
                         }
 #endif
 #pragma unroll
                     for (int r = 0; r < SK_R; ++r) {
                         unsigned af[2][4];
-#if SK_PROBE == 1  // timing probe: no dequantization
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) { af[0][i] = (&wq[u][r][0].x)[i] ^ (unsigned)j; af[1][i] = (&wq[u][r][SF::PIECES - 1].x)[i] ^ (unsigned)j; }
-#else
                         SF::frags(wq[u][r], wd[u][r], j, af);
-#endif
 #pragma unroll
                         for (int s = 0; s < 2; ++s)
 #pragma unroll
@@ -274,14 +279,14 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
     // is) still runs; everything that touches X or C comes after the wait. Without the launch
     // attribute the wait returns at once.
     pdl_wait();
-#if SK_XSMEM && SK_PROBE != 3  // probe 3: no activation staging
+#if SK_XSMEM
     for (int r = 0; r < M; ++r)
         for (int i = threadIdx.x; i < cta_nb * 8; i += SK_WARPS * 32) {
             const int q = i % 8, bl = i / 8;  // q = 4 s + t
             const int b = cta_b0 + bl;
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);  // padding blocks past K: zeros
             if (b < nb) v = __ldg(reinterpret_cast<const float4*>(X + (size_t)r * K + b * QK + 4 * q));
-            xs[((bl * 2 + q / 4) * M + r) * 4 + q % 4] = make_uint2(f2_to_h2(v.x, v.y), f2_to_h2(v.z, v.w));
+            xs[((bl * 2 + q / 4) * M + r) * 4 + q % 4] = make_uint2(f2_to_h2(v.x, v.z), f2_to_h2(v.y, v.w));
         }
     __syncthreads();
 #endif

@@ -13,7 +13,8 @@
 //   W stage: 128 rows x 128 K fp16, dequantized by the CTA's threads from the skinny layout:
 //            thread (tile T = tid / 32, lane) holds rows 16T + g and 16T + g + 8, qs word t of
 //            the group's 4 blocks -- exactly SkQ4_0 / SkQ8_0::frags' A fragments, which are the
-//            4 contiguous values 32j + 4t .. + 3 and 32j + 16 + 4t .. + 3 of each block j.
+//            4 values 32j + 4t .. + 3 and 32j + 16 + 4t .. + 3 of each block j, paired (0, 2)
+//            and (1, 3): one PRMT per pair puts them back in order for the 8-byte store.
 // Both tiles use wgmma's K-major 128-byte-swizzle layout: a tile is two 64-wide K atoms of
 // [rows][128 B], and the 16-byte chunk c of row r sits at chunk c ^ (r % 8) (the hardware applies
 // the same XOR on the address bits when it reads, so the 8 rows of a core matrix hit 8 different
@@ -102,8 +103,10 @@ static __device__ __forceinline__ void wgmma_f16_gemm(const __half* __restrict__
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = 16 * T + g + 8 * h;
-                wg_sts64(dst + wg_sw(row, 32 * j + 4 * t), a[0][h], a[0][2 + h]);
-                wg_sts64(dst + wg_sw(row, 32 * j + 16 + 4 * t), a[1][h], a[1][2 + h]);
+#pragma unroll
+                for (int s = 0; s < 2; ++s)
+                    wg_sts64(dst + wg_sw(row, 32 * j + 16 * s + 4 * t), __byte_perm(a[s][h], a[s][2 + h], 0x5410),
+                             __byte_perm(a[s][h], a[s][2 + h], 0x7632));
             }
         }
     };

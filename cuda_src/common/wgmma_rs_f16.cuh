@@ -21,7 +21,8 @@
 // t / 2) and bytes 2t+8, 2t+9 (the same pair of word t / 2 + 2). Each lane therefore reads the
 // 16-byte pieces of lanes (g, t/2) and (g, t/2 + 2) (from shared memory, where the warp's raw
 // quants were copied whole) and keeps the low (t even) or high (t odd) byte pair of each word of
-// both: one PRMT per word. After that, SkQ*::frags' output is the natural A fragment
+// both, interleaved [p0 q0 p1 q1] (SkQ*::frags pairs bytes 0, 2 and 1, 3): one PRMT per word.
+// After that, SkQ*::frags' output is the natural A fragment
 //     a0a1 = (row g, k 2t..2t+1), a2a3 = (row g+8, ..), a4a5 = (row g, k 2t+8..), a6a7 = (row g+8, ..)
 // which is also wgmma's register A layout for warp w of the warpgroup, rows 16w .. 16w + 15.
 //
@@ -70,35 +71,8 @@
 #ifndef RS_MINB
 #define RS_MINB 1  // CTAs per SM the registers must allow (2: <= 128 registers, twice the warps to hide latency)
 #endif
-#ifndef RS_PROBE
-#define RS_PROBE 0
-#endif
 #ifndef RS_WS
 #define RS_WS 0  // 1: warp-specialized -- one more warpgroup only copies; per-buffer mbarriers instead of CTA barriers
-#endif
-#ifndef RS_GROUPS
-#define RS_GROUPS 2  // wgmma commit groups per stage: 2 (halves) or 4 (blocks); see rs_mma_stage
-#endif
-#if RS_GROUPS != 2 && RS_GROUPS != 4
-#error "RS_GROUPS must be 2 or 4"
-#endif
-#ifndef RS_LOP3
-#define RS_LOP3 0  // 1: Q4_0 dequantized with LOP3 magic-number extraction (RsFrags<SkQ4_0>)
-#endif
-#ifndef RS_DESC_ADD
-#define RS_DESC_ADD 0  // 1: wgmma descriptors as a per-stage base plus constant offsets (wg_desc_at)
-#endif
-#ifndef RS_PREFETCH
-#define RS_PREFETCH 0  // 1 (RS_WS only): a stage's quants read from shared memory one stage early
-#endif
-#if RS_PREFETCH && (!RS_WS || RS_WDIRECT)
-#error "RS_PREFETCH needs RS_WS and not RS_WDIRECT"
-#endif
-#ifndef RS_WDIRECT
-#define RS_WDIRECT 0  // 1 (RS_WS only): the MMA warps load their raw quants from global memory, one stage ahead
-#endif
-#if RS_WDIRECT && !RS_WS
-#error "RS_WDIRECT needs RS_WS"
 #endif
 #if RS_WS && RS_WGS > 2
 #error "RS_WS: the copying warpgroup stands in for at most two MMA warpgroups"
@@ -130,55 +104,8 @@ static __device__ __forceinline__ void rs_cp_async16(unsigned dst, const void* s
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
-// How a warp turns its natural-order words into A fragments. By default SkQ*::frags (the skinny
-// kernels' dequantization; the natural word is bytes [p0 p1 q0 q1]: p the byte pair of word t / 2,
-// k = 2t, 2t + 1 (low nibbles; + 16 high), q the same pair of word t / 2 + 2, k = 2t + 8, 2t + 9).
-template <typename SF>
-struct RsFrags {
-    static constexpr unsigned SEL_EVEN = 0x5410u, SEL_ODD = 0x7632u;  // rs_natural: [p0 p1 q0 q1]
-    static __device__ __forceinline__ void frags(const uint4 (&q)[SF::PIECES], const uint4& dq, int j, unsigned (&a)[2][4]) {
-        SF::frags(q, dq, j, a);
-    }
-};
-#if RS_LOP3
-// Q4_0 with the bytes interleaved [p0 q0 p1 q1], so that one LOP3 (x & 0x000F000F | 0x64006400: two
-// nibbles 16 bits apart under fp16's exponent of 1024) makes a fragment's half pair (p0, p1) and a
-// shift by 8 the pair (q0, q1) (as in Marlin's dequantization): per word 1 shift + 4 LOP3 instead of
-// 2 LOP3/shift + 4 PRMT. Low nibbles: (1024 + q) - 1032 = q - 8 (HADD2); high nibbles come as
-// 1024 + 16 q: (1024 + 16 q) / 16 - 72 = q - 8 (HFMA2, exact: every term is a small integer or a
-// power of two). Then one HMUL2 by d: d (q - 8) rounded once, bit for bit SkQ4_0::frags.
-static __device__ __forceinline__ unsigned rs_lop3_or(unsigned x, unsigned mask, unsigned bits) {
-    unsigned r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));  // (x & mask) | bits
-    return r;
-}
-template <>
-struct RsFrags<SkQ4_0> {
-    static constexpr unsigned SEL_EVEN = 0x5140u, SEL_ODD = 0x7362u;  // rs_natural: [p0 q0 p1 q1]
-    static __device__ __forceinline__ void frags(const uint4 (&q)[2], const uint4& dq, int j, unsigned (&a)[2][4]) {
-        const __half2 bias = __float2half2_rn(1032.0f), sixteenth = __float2half2_rn(0.0625f), bias16 = __float2half2_rn(-72.0f);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const unsigned w = (&q[h].x)[j];
-            const unsigned dw = (&dq.x)[2 * h + j / 2];
-            const __half2 dpair = *reinterpret_cast<const __half2*>(&dw);
-            // the scale broadcast as an operand selector of HMUL2 (.H0_H0 / .H1_H1), not a PRMT
-            const __half2 d2 = (j & 1) ? __high2half2(dpair) : __low2half2(dpair);
-            const unsigned v[4] = {rs_lop3_or(w, 0x000F000Fu, 0x64006400u), rs_lop3_or(w >> 8, 0x000F000Fu, 0x64006400u),
-                                   rs_lop3_or(w, 0x00F000F0u, 0x64006400u), rs_lop3_or(w >> 8, 0x00F000F0u, 0x64006400u)};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {  // i: (p low, q low, p high, q high) -> a[step i / 2][2 (i % 2) + h]
-                __half2 x = *reinterpret_cast<const __half2*>(&v[i]);
-                x = i < 2 ? __hsub2(x, bias) : __hfma2(x, sixteenth, bias16);
-                x = __hmul2(x, d2);
-                a[i / 2][2 * (i % 2) + h] = *reinterpret_cast<const unsigned*>(&x);
-            }
-        }
-    }
-};
-#endif
-
-// the natural-order word: byte pair (t odd ? 2,3 : 0,1) of p's word, then the same pair of q's
+// the natural-order word: byte pair (t odd ? 2,3 : 0,1) of p's word interleaved with the same pair
+// of q's, [p0 q0 p1 q1], so SkQ*::frags' byte pairs (0, 2) and (1, 3) are (p0, p1) and (q0, q1)
 static __device__ __forceinline__ uint4 rs_natural(const uint4& p, const uint4& q, unsigned sel) {
     return make_uint4(__byte_perm(p.x, q.x, sel), __byte_perm(p.y, q.y, sel), __byte_perm(p.z, q.z, sel),
                       __byte_perm(p.w, q.w, sel));
@@ -246,102 +173,49 @@ struct RsCopier {
     }
 };
 
-// This warp's raw quants and scales of a stage, from the stage buffer in shared memory, in natural
-// k order (see the top of this file).
-template <typename SF>
-static __device__ __forceinline__ void rs_smem_quants(const unsigned char* st, int lt, int g, int src0, unsigned sel,
-                                                      uint4 (&nat)[SF::PIECES], uint4& dq) {
+// One stage of the MMA: this warp's raw quants of the stage from shared memory into registers in
+// natural k order, then per half-stage (2 blocks = 4 k-steps): wait_group 1 (the same half of the
+// previous stage retired: its fragment registers are free), dequantize into them, wgmma.fence,
+// 4 wgmma, commit. So the dequantization of one half runs while the tensor core works on the
+// previous one. After the second wait the whole previous stage has retired in this warpgroup:
+// RELEASE (warp-specialized kernel) then frees its buffer for the producer.
+template <typename SF, bool RELEASE>
+static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, unsigned act, int lt, int g, int src0, unsigned sel,
+                                                    unsigned (&fr)[2][4][4], float (&d)[RS_BN / 2], unsigned release_bar) {
     constexpr int GROUP_PIECES = SF::PIECES * 32;
     const uint4* wq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES) + lt * GROUP_PIECES;
-    dq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES + RS_TILES * GROUP_PIECES * 16)[lt * 8 + g];
-#if RS_PROBE == 2  // timing probe: no shared loads of the raw quants
-#pragma unroll
-    for (int p = 0; p < SF::PIECES; ++p) nat[p] = make_uint4(0x01234567u * (p + 1), 0x11111111u, 0x89abcdefu, sel);
-#else
+    const uint4 dq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES + RS_TILES * GROUP_PIECES * 16)[lt * 8 + g];
+    uint4 nat[SF::PIECES];
 #pragma unroll
     for (int p = 0; p < SF::PIECES; ++p) nat[p] = rs_natural(wq[p * 32 + src0], wq[p * 32 + src0 + 2], sel);
-#endif
-}
-
-// RS_WDIRECT: a stage's raw quants and scales as this warp loads them from global memory, one stage
-// ahead, into registers. The natural order needs the pieces of lanes (g, t/2) and (g, t/2 + 2):
-// `lo` and `hi` below, two 16-byte loads per piece. Across the warp they cover the piece's 512
-// bytes once (lo: lanes 4g, 4g + 1; hi: 4g + 2, 4g + 3 -- different 32-byte sectors), so no byte
-// crosses L2 -> SM twice; only the load instructions double.
-template <typename SF>
-struct RsRawQuants {
-    uint4 lo[SF::PIECES], hi[SF::PIECES], dq;
-    __device__ __forceinline__ void load(const uint4* q, const uint4* d, int src0, int g) {
-#pragma unroll
-        for (int p = 0; p < SF::PIECES; ++p) {
-            lo[p] = ld_stream16(q + p * 32 + src0);
-            hi[p] = ld_stream16(q + p * 32 + src0 + 2);
-        }
-        dq = __ldg(d + g);
-    }
-    __device__ __forceinline__ void natural(unsigned sel, uint4 (&nat)[SF::PIECES]) const {
-#pragma unroll
-        for (int p = 0; p < SF::PIECES; ++p) nat[p] = rs_natural(lo[p], hi[p], sel);
-    }
-};
-
-// One stage of the MMA on this warp's quants (natural k order) and scales, in RS_GROUPS commit
-// groups of 4 / RS_GROUPS blocks (2 k-steps per block): per group, wait until at most
-// RS_GROUPS - 1 groups are in flight (so the same group of the previous stage has retired and its
-// fragment registers are free), dequantize into them, wgmma.fence, the group's wgmma, commit.
-// The dequantization of a group thus runs while the tensor core works through the RS_GROUPS - 1
-// groups before it: 4 wgmma with halves (RS_GROUPS = 2), 6 with blocks (RS_GROUPS = 4), and the
-// stage's first dequantization, which waits for the shared loads of its quants, is half as long.
-// Once the last group's wait returns, the whole previous stage has retired in this warp: RELEASE
-// (warp-specialized kernel) then frees its buffer for the producer.
-struct RsNoHook {
-    __device__ __forceinline__ void operator()() const {}
-};
-template <typename SF, bool RELEASE, typename Hook = RsNoHook>
-static __device__ __forceinline__ void rs_mma_stage(const uint4 (&nat)[SF::PIECES], const uint4& dq, unsigned act,
-                                                    unsigned (&fr)[2][4][4], float (&d)[RS_BN / 2], unsigned release_bar,
-                                                    const Hook& after_first_group = Hook()) {
-    constexpr int BLOCKS = 4 / RS_GROUPS;  // per commit group
-#if RS_DESC_ADD
     const unsigned act_desc = wg_desc_lo(act);
-#endif
 #pragma unroll
-    for (int q = 0; q < RS_GROUPS; ++q) {
-        wgmma_wait<RS_GROUPS - 1>();
-        if (RELEASE && q == RS_GROUPS - 1) {
+    for (int u = 0; u < 2; ++u) {
+        wgmma_wait<1>();
+        if (RELEASE && u == 1) {
             __syncwarp();
             if (release_bar && (threadIdx.x % 32) == 0) mbar_arrive(release_bar);
         }
 #pragma unroll
-        for (int j = q * BLOCKS; j < (q + 1) * BLOCKS; ++j) {  // block j: k-steps 2j, 2j + 1 = fr[j / 2][2 (j % 2) + 0, 1]
+        for (int i = 0; i < 16; ++i) wg_fence_operand(fr[u][i / 4][i % 4]);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) wg_fence_operand(fr[j / 2][2 * (j % 2) + i / 4][i % 4]);
+        for (int jj = 0; jj < 2; ++jj) {
             unsigned a[2][4];
-#if RS_PROBE >= 1  // timing probe: no dequantization (the raw words as fragments)
+            SF::frags(nat, dq, 2 * u + jj, a);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                a[0][i] = (&nat[0].x)[i] ^ (unsigned)j;
-                a[1][i] = (&nat[SF::PIECES - 1].x)[i] ^ (unsigned)(j + 2);
-            }
-#else
-            RsFrags<SF>::frags(nat, dq, j, a);
-#endif
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                fr[j / 2][2 * (j % 2)][i] = a[0][i];
-                fr[j / 2][2 * (j % 2) + 1][i] = a[1][i];
+                fr[u][2 * jj][i] = a[0][i];
+                fr[u][2 * jj + 1][i] = a[1][i];
             }
         }
         wgmma_fence();
 #pragma unroll
-        for (int step = 2 * q * BLOCKS; step < 2 * (q + 1) * BLOCKS; ++step)  // atom step / 4, 32 bytes per step inside it
-#if RS_DESC_ADD
-            RS_WGMMA(d, fr[step / 4][step % 4], wg_desc_at(act_desc, (step >> 2) * (RS_BN * 128) + (step & 3) * 32));
-#else
-            RS_WGMMA(d, fr[step / 4][step % 4], wg_desc(act + (step >> 2) * (RS_BN * 128) + (step & 3) * 32));
-#endif
+        for (int kk = 0; kk < 4; ++kk) {
+            const int step = 4 * u + kk;  // k-step of the stage: atom step / 4, 32 bytes per step inside it
+            // one add per wgmma (measured: the full descriptor cost ~6 uniform instructions each)
+            RS_WGMMA(d, fr[u][kk], wg_desc_at(act_desc, (step >> 2) * (RS_BN * 128) + (step & 3) * 32));
+        }
         wgmma_commit();
-        if (q == 0) after_first_group();
     }
 }
 
@@ -349,7 +223,7 @@ template <typename SF>
 static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
                                                          float* __restrict__ C, int M, int N, int K) {
     constexpr int GROUP_PIECES = SF::PIECES * 32;                     // uint4 per (tile, group)
-    constexpr int W_BYTES = RS_WDIRECT ? 0 : RS_TILES * (GROUP_PIECES * 16 + 8 * 16);  // raw quants + scales of a stage
+    constexpr int W_BYTES = RS_TILES * (GROUP_PIECES * 16 + 8 * 16);  // raw quants + scales of a stage
     constexpr int STAGE_BYTES = (RS_ACT_BYTES + W_BYTES + 1023) / 1024 * 1024;
     extern __shared__ unsigned char rs_smem_raw[];
     const unsigned raw = (unsigned)__cvta_generic_to_shared(rs_smem_raw);
@@ -374,7 +248,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     for (int i = 0; i < RS_BN / 2; ++i) d[i] = 0.0f;
     unsigned fr[2][4][4];  // A fragments of the two half-stages (k-steps 0-3, 4-7)
     const int lt = 4 * wgi + warp_in_wg;  // this warp's 16-row tile in the CTA
-    const unsigned sel = (t & 1) ? RsFrags<SF>::SEL_ODD : RsFrags<SF>::SEL_EVEN;
+    const unsigned sel = (t & 1) ? 0x7362u : 0x5140u;
     const int src0 = 4 * g + t / 2;  // the lanes whose qs words hold this lane's natural k
 
 #if RS_WS
@@ -413,85 +287,26 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
             }
         };
         // the first buffers' weights before waiting for the previous grid (see below)
-        if (!RS_WDIRECT)
-            for (int s = 0; s < RS_STAGES && s < n_stages; ++s) copy(s, false, true);
+        for (int s = 0; s < RS_STAGES && s < n_stages; ++s) copy(s, false, true);
         pdl_wait();
         for (int s = 0; s < n_stages; ++s) {
             const int b = s % RS_STAGES;
             if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
-            copy(s, true, !RS_WDIRECT && s >= RS_STAGES);
+            copy(s, true, s >= RS_STAGES);
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         return;
     }
-#if RS_WDIRECT
-    // this warp's weights of its first stage (no earlier kernel writes them: before the PDL wait)
-    const size_t wtile = (size_t)min(n0 / 16 + lt, ntiles - 1) * ngroups + g_begin;
-    const uint4* const wq0 = qs + wtile * GROUP_PIECES;
-    const uint4* const wd0 = ds + wtile * 8;
-    RsRawQuants<SF> wraw;
-    if (n_stages > 0) wraw.load(wq0, wd0, src0, g);
-#endif
-#if RS_PROBE == 3
-    unsigned probe_sink = 0;
-#endif
     pdl_wait();
-#if RS_PREFETCH
-    // The shared loads of a stage's quants are issued one stage early, after the previous stage's
-    // first commit group, so the dequantization at the top of a stage never waits for them. That
-    // needs the stage's buffer full one stage early: the MMA warps wait for buffer s + 1 at the top
-    // of stage s (outside the wgmma sequence: a wait loop between two commit groups makes ptxas
-    // serialize every wgmma, C7513), which leaves RS_STAGES - 2 stages of copies in flight.
-    uint4 nat[SF::PIECES], dq, nat_next[SF::PIECES], dq_next;
-    if (n_stages > 0) {
-        mbar_wait(bars, 0);
-        fence_proxy_async();
-        rs_smem_quants<SF>(smem, lt, g, src0, sel, nat, dq);
-    }
-    for (int s = 0; s < n_stages; ++s) {
-        const int b = s % RS_STAGES, b1 = (s + 1) % RS_STAGES;
-        if (s + 1 < n_stages) {
-            mbar_wait(bars + 8 * b1, ((s + 1) / RS_STAGES) & 1);
-            fence_proxy_async();
-        }
-        // after the last stage this reads whatever buffer s + 1 holds (never used)
-        auto prefetch = [&]() { rs_smem_quants<SF>(smem + b1 * STAGE_BYTES, lt, g, src0, sel, nat_next, dq_next); };
-        rs_mma_stage<SF, true>(nat, dq, base + b * STAGE_BYTES, fr, d, s > 0 ? bars + 8 * (RS_STAGES + (s - 1) % RS_STAGES) : 0u,
-                               prefetch);
-#pragma unroll
-        for (int p = 0; p < SF::PIECES; ++p) nat[p] = nat_next[p];
-        dq = dq_next;
-    }
-#else
     for (int s = 0; s < n_stages; ++s) {
         const int b = s % RS_STAGES;
         mbar_wait(bars + 8 * b, (s / RS_STAGES) & 1);
         // the copies were cp.async (generic proxy), wgmma reads through the async proxy
         fence_proxy_async();
-        uint4 nat[SF::PIECES], dq;
-#if RS_WDIRECT
-        wraw.natural(sel, nat);
-        dq = wraw.dq;
-        // the registers are free again: stage s + 1's loads get this whole stage to land
-        if (s + 1 < n_stages) wraw.load(wq0 + (size_t)(s + 1) * GROUP_PIECES, wd0 + (size_t)(s + 1) * 8, src0, g);
-#elif RS_PROBE == 3  // probe: the shared loads issued, consumed only after the stage's wgmma
-        uint4 natl[SF::PIECES], dql;
-        rs_smem_quants<SF>(smem + b * STAGE_BYTES, lt, g, src0, sel, natl, dql);
-#pragma unroll
-        for (int p = 0; p < SF::PIECES; ++p) nat[p] = make_uint4(0x01234567u * (p + 1), 0x11111111u, 0x89abcdefu, sel);
-        dq = make_uint4(0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u);
-#else
-        rs_smem_quants<SF>(smem + b * STAGE_BYTES, lt, g, src0, sel, nat, dq);
-#endif
-        rs_mma_stage<SF, true>(nat, dq, base + b * STAGE_BYTES, fr, d, s > 0 ? bars + 8 * (RS_STAGES + (s - 1) % RS_STAGES) : 0u);
-#if RS_PROBE == 3
-#pragma unroll
-        for (int p = 0; p < SF::PIECES; ++p) probe_sink ^= natl[p].x ^ natl[p].y ^ natl[p].z ^ natl[p].w;
-        probe_sink ^= dql.x;
-#endif
+        rs_mma_stage<SF, true>(smem + b * STAGE_BYTES, base + b * STAGE_BYTES, lt, g, src0, sel, fr, d,
+                               s > 0 ? bars + 8 * (RS_STAGES + (s - 1) % RS_STAGES) : 0u);
     }
-#endif  // RS_PREFETCH
 #else
     const RsCopier<SF> cp(tid, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
     // The weights of the first stages do not depend on the previous kernel (the activations'
@@ -513,9 +328,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         cp_async_wait<RS_STAGES - 3>();
         fence_proxy_async();
         __syncthreads();
-        uint4 nat[SF::PIECES], dq;
-        rs_smem_quants<SF>(smem + buf * STAGE_BYTES, lt, g, src0, sel, nat, dq);
-        rs_mma_stage<SF, false>(nat, dq, base + buf * STAGE_BYTES, fr, d, 0u);
+        rs_mma_stage<SF, false>(smem + buf * STAGE_BYTES, base + buf * STAGE_BYTES, lt, g, src0, sel, fr, d, 0u);
         // the refill of the buffer of stage s - 2 (retired before the barrier) goes after this
         // stage's wgmma are issued, so the tensor core is fed before this warp's copy work (between
         // the two halves, ptxas serializes every wgmma: C7513, tested in tests/test_cli_registry.py)
@@ -528,9 +341,6 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     }
 #endif
     wgmma_wait<0>();
-#if RS_PROBE == 3 && RS_WS
-    if (wgi < RS_WGS && probe_sink == 0x9e3779b9u) C[0] = 1.0f;
-#endif
 
     // accumulator layout (m64nNk16, f32): warp w owns rows 16w .. 16w + 15 (weight rows);
     // d[4c + 0..1] = (row g, cols 8c + 2t + 0..1), d[4c + 2..3] = (row g + 8, same cols) (tokens)
