@@ -57,33 +57,43 @@ def _h2(u):  # 32-bit word -> (lo, hi) halves as float64
     return np.array([u & 0xFFFF, u >> 16], dtype=np.uint16).view(np.float16).astype(np.float64)
 
 
-def _affine(v, bias, d):  # h2_affine: (h - bias) exact, times d rounded once to fp16
+def _affine(v, bias, d):  # (h - bias) exact, times d rounded once to fp16 (HADD2, HMUL2)
     h = _h2(v)
     return ((h - bias).astype(np.float16) * np.float16(d)).astype(np.float16).astype(np.float64)
 
 
+def _affine16(v, d):  # HFMA2(h, 1/16, -72): exact q - 8 from 1024 + 16 q, then HMUL2 by d
+    h = _h2(v)
+    return ((h / 16 - 72).astype(np.float16) * np.float16(d)).astype(np.float16).astype(np.float64)
+
+
+def _and_or(x, mask, bits):  # LOP3 0xEA
+    return (x & mask) | bits
+
+
+def _xor_under(x, mask, bits):  # LOP3 0x6A: mask ? x ^ bits : bits
+    return ((x ^ bits) & mask) | (bits & ~mask & 0xFFFFFFFF)
+
+
 def _frags(fmt, q, dq, j):
-    """SkQ4_0 / SkQ8_0::frags: -> a[s][reg] = 2 values each (the pair of that A register)."""
+    """SkQ4_0 / SkQ8_0::frags: -> a[s][reg] = 2 values each (the pair of that A register). The
+    pairs are bytes (0, 2) and (1, 3) of a word, put under fp16's exponent of 1024 by one LOP3."""
     a = [[None] * 4 for _ in range(2)]
     for h in range(2):
         dw = dq[2 * h + j // 2]
         d = np.array([(dw >> 16) if j & 1 else (dw & 0xFFFF)], np.uint16).view(np.float16)[0]
         if fmt == "q4_0":
             w = q[h][j]
-            lo, hi = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F
-            pairs = [(_byte_perm(lo, 0x64646464, 0x5140), _byte_perm(lo, 0x64646464, 0x7362)),
-                     (_byte_perm(hi, 0x64646464, 0x5140), _byte_perm(hi, 0x64646464, 0x7362))]
-            bias = 1032.0
+            a[0][h] = _affine(_and_or(w, 0x000F000F, 0x64006400), 1032.0, d)
+            a[0][2 + h] = _affine(_and_or(w >> 8, 0x000F000F, 0x64006400), 1032.0, d)
+            a[1][h] = _affine16(_and_or(w, 0x00F000F0, 0x64006400), d)
+            a[1][2 + h] = _affine16(_and_or(w >> 8, 0x00F000F0, 0x64006400), d)
         else:
             piece = q[2 * h + j // 2]
-            pairs = []
             for s in range(2):
-                w = piece[2 * (j & 1) + s] ^ 0x80808080
-                pairs.append((_byte_perm(w, 0x64646464, 0x5140), _byte_perm(w, 0x64646464, 0x7362)))
-            bias = 1152.0
-        for s in range(2):
-            a[s][h] = _affine(pairs[s][0], bias, d)
-            a[s][2 + h] = _affine(pairs[s][1], bias, d)
+                w = piece[2 * (j & 1) + s]
+                a[s][h] = _affine(_xor_under(w, 0x00FF00FF, 0x64806480), 1152.0, d)
+                a[s][2 + h] = _affine(_xor_under(w >> 8, 0x00FF00FF, 0x64806480), 1152.0, d)
     return a
 
 
@@ -121,8 +131,8 @@ def emulate_skinny(fmt, x, blocks):
                         row = min(nt * 8 + g, m - 1)
                         for s in range(2):
                             xs = xh[row, 32 * b + 16 * s + 4 * t: 32 * b + 16 * s + 4 * t + 4] if b < nb else np.zeros(4)
-                            B[nt, s, 2 * t:2 * t + 2, g] = xs[0:2]  # b0 = (x, y), b1 = (z, w)
-                            B[nt, s, 2 * t + 8:2 * t + 10, g] = xs[2:4]
+                            B[nt, s, 2 * t:2 * t + 2, g] = xs[0::2]  # b0 = (x, z), b1 = (y, w)
+                            B[nt, s, 2 * t + 8:2 * t + 10, g] = xs[1::2]
                 for nt in range(mt):
                     prod = A[0] @ B[nt, 0] + A[1] @ B[nt, 1]  # [16 rows, 8 tokens]
                     for r in range(16):
@@ -156,7 +166,7 @@ def test_skinny_kernels_registered():
 
 def emulate_wgmma_rs(fmt, x, blocks):
     """common/wgmma_rs_f16.cuh without a GPU: lane (g, t) of the warp owning 16-row tile T reads
-    the pieces of lanes (g, t/2) and (g, t/2 + 2), keeps byte pair t % 2 of each word (one PRMT),
+    the pieces of lanes (g, t/2) and (g, t/2 + 2), keeps byte pair t % 2 of each word, interleaved (one PRMT),
     dequantizes with SkQ*::frags and hands wgmma the fragment as its register A operand, whose k
     order must be *natural* (the activations come unpermuted from shared memory)."""
     m, k = x.shape
@@ -175,7 +185,7 @@ def emulate_wgmma_rs(fmt, x, blocks):
         for G in range(ngroups):
             for lane in range(32):
                 g, t = lane // 4, lane % 4
-                sel = 0x7632 if t & 1 else 0x5410
+                sel = 0x7362 if t & 1 else 0x5140  # [p0 q0 p1 q1]
                 src0 = 4 * g + t // 2
                 nat = [[_byte_perm(int(words[T, G, p, src0, i]), int(words[T, G, p, src0 + 2, i]), sel) for i in range(4)]
                        for p in range(pieces)]

@@ -27,7 +27,10 @@ def main() -> None:
     args = ap.parse_args()
     text = open(args.csv, encoding="utf-8", errors="replace").read()
     start = text.find('"Address","Source"')  # skip ncu's lines before the header (kernel name)
-    rows = list(csv.reader(io.StringIO(text[max(start, 0):])))
+    if start < 0:
+        raise SystemExit(f"{args.csv}: no source-page header (\"Address\",\"Source\",...); expected the output of "
+                         "ncu --import R --page source --csv --print-source sass")
+    rows = list(csv.reader(io.StringIO(text[start:])))
     header, body = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
     col = {h: i for i, h in enumerate(header)}
     src = next(i for h, i in col.items() if h.strip() == "Source")
