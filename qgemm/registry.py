@@ -191,6 +191,7 @@ def _skinny_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
             # (larger configurations spill under the 255-register cap: checked with `qgemm compile`)
             and d["SK_UNROLL"] * d["SK_R"] * (pieces + 1) <= 12 and d["SK_R"] * d["SK_MT"] <= 8
             and d["SK_UNROLL"] * d["SK_MT"] <= 8 and d["SK_WARPS"] * d["SK_MT"] * pieces <= 128
+            and (d.get("SK_ACC", 1) == 1 or d["SK_R"] * d["SK_MT"] <= 4)  # a second accumulator set
             # 16 warps (512 threads) leave 128 registers per thread: half the weights in flight
             and (d["SK_WARPS"] < 16 or (d["SK_UNROLL"] * d["SK_R"] * (pieces + 1) <= 6 and d["SK_R"] * d["SK_MT"] <= 2)))
 
@@ -217,7 +218,12 @@ def _skinny_config(wfmt: str):
         warps = 8 if mt <= 4 else 4
         if cdiv(cdiv(n, 16), r) >= 4 * sm_count:  # plenty of CTAs already
             split = 1
-        d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": split, "SK_XSMEM": int(m == 1)}
+        # two accumulator sets (two independent MMA chains) for Q4_0 at 9-16 tokens: 9.1 -> 7.9 us at
+        # 16x4096x4096 on the H100; no gain at M = 1, a loss at M = 8, for Q8_0, and at long K with
+        # the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8)
+        acc = 2 if wfmt == "q4_0" and mt == 2 and not long_k else 1
+        d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": split, "SK_XSMEM": int(m == 1),
+             "SK_ACC": acc}
         if not _skinny_ok(d, wfmt, m, k):  # activations of a long K do not fit in shared memory
             d["SK_XSMEM"] = 0
         while not _skinny_ok(d, wfmt, m, k) and d["SK_UNROLL"] > 1:
@@ -231,8 +237,9 @@ def _skinny_config(wfmt: str):
 def _skinny_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
-        out = [{"SK_R": r, "SK_MT": mt, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_XSMEM": x}
-               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in (1, 2, 4) for x in ((0, 1) if mt == 1 else (0,))]
+        out = [{"SK_R": r, "SK_MT": mt, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_XSMEM": x, "SK_ACC": a}
+               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in (1, 2, 4) for x in ((0, 1) if mt == 1 else (0,))
+               for a in ((1, 2) if mt <= 2 else (1,))]
         return [d for d in out if _skinny_ok(d, wfmt, m, k)]
     return candidates
 

@@ -58,6 +58,9 @@
 #ifndef SK_UNROLL
 #define SK_UNROLL 2
 #endif
+#ifndef SK_ACC
+#define SK_ACC 1  // accumulator sets (1 or 2): see acc below
+#endif
 #ifndef SK_XSMEM
 #define SK_XSMEM 0  // 1 (SK_MT == 1 only): stage the CTA's activations in shared memory as fp16 fragments
 #endif
@@ -182,13 +185,18 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
     const int xs_row = min(g, M - 1);
 #endif
 
-    float acc[SK_R][SK_MT][4];
+    // SK_ACC: independent accumulator sets, MMA k-step s adding into set s % SK_ACC, summed at the
+    // end -- each mma.sync waits for the one before it on the same accumulators, so one set makes
+    // a chain of 2 MMAs per block through the warp's whole K slice
+    float acc[SK_ACC][SK_R][SK_MT][4];
 #pragma unroll
-    for (int r = 0; r < SK_R; ++r)
+    for (int c = 0; c < SK_ACC; ++c)
 #pragma unroll
-        for (int nt = 0; nt < SK_MT; ++nt)
+        for (int r = 0; r < SK_R; ++r)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[r][nt][i] = 0.0f;
+            for (int nt = 0; nt < SK_MT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[c][r][nt][i] = 0.0f;
 
     // Weight loads are software-pipelined: set A holds groups [G, G + U) while set B's loads for
     // [G + U, G + 2U) are in flight, then the roles swap. The loop body is written out twice
@@ -263,7 +271,7 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
                         for (int s = 0; s < 2; ++s)
 #pragma unroll
                             for (int nt = 0; nt < SK_MT; ++nt)
-                                mma_f16(acc[r][nt], af[s][0], af[s][1], af[s][2], af[s][3], bf[nt][s][0], bf[nt][s][1]);
+                                mma_f16(acc[s % SK_ACC][r][nt], af[s][0], af[s][1], af[s][2], af[s][3], bf[nt][s][0], bf[nt][s][1]);
                     }
                 }
             }
@@ -307,7 +315,7 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
 #pragma unroll
         for (int nt = 0; nt < SK_MT; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) red[warp][(r * SK_MT + nt) * 4 + i][lane] = acc[r][nt][i];
+            for (int i = 0; i < 4; ++i) red[warp][(r * SK_MT + nt) * 4 + i][lane] = SK_ACC > 1 ? acc[0][r][nt][i] + acc[SK_ACC - 1][r][nt][i] : acc[0][r][nt][i];
     __syncthreads();
     const bool atomic = gridDim.y > 1;
     for (int idx = threadIdx.x; idx < SK_R * SK_MT * 4 * 32; idx += SK_WARPS * 32) {
