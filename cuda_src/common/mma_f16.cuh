@@ -14,10 +14,10 @@
 //     B 16x8 col-major:  b0 = {B[2t][g], B[2t+1][g]},  b1 = {B[2t+8][g], B[2t+9][g]}
 // A 32-value quant block is two k16 steps. For Q4_0 the values 2t, 2t+1, 2t+8, 2t+9 of step 0 are
 // the LOW nibbles of qs[2t], qs[2t+1], qs[2t+8], qs[2t+9] and those of step 1 are the HIGH nibbles
-// of the same four bytes: one 32-bit gather gives a thread both steps. A nibble v becomes the
-// half 1024 + v by byte-permuting it under 0x64 (the exponent of 1024), subtracting 1032 gives
-// v - 8 exactly, and one HMUL2 by d gives d (v - 8) rounded once to fp16 -- which is what
-// qgemm.reference.exact_w4a16h models. Q8_0 bytes get the same treatment with x ^ 0x80 and 1152.
+// of the same four bytes: one 32-bit gather gives a thread both steps, interleaved
+// [2t 2t+8 2t+1 2t+9] so that the magic-number dequantization below takes the pairs (2t, 2t+1)
+// and (2t+8, 2t+9) with one LOP3 each: d (v - 8) rounded once to fp16 -- which is what
+// qgemm.reference.exact_w4a16h models. Q8_0 bytes get the same treatment (1152, sign flip).
 //
 // Staging: cp.async, MMA_STAGES deep: fp16 activations in 16-byte pieces, weight blocks in 8-byte
 // pieces (raw bytes, rows padded to 80 B for Q4_0 / 144 B for Q8_0); the same 2-byte fallback as
@@ -42,36 +42,51 @@ static __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void*
                  : "r"(s));
 }
 
-// 4 bytes [x0 x1 x2 x3] (each < 256 after the bias) -> half2(1024 + x0, 1024 + x1), half2(1024 + x2, 1024 + x3)
-static __device__ __forceinline__ void bytes_to_h2(unsigned x, unsigned& lo, unsigned& hi) {
-    lo = __byte_perm(x, 0x64646464u, 0x5140);
-    hi = __byte_perm(x, 0x64646464u, 0x7362);
+// Dequantization by magic numbers, shared by every fp16-path kernel (here, common/skinny_f16.cuh,
+// and through it the wgmma kernels). A byte pair 16 bits apart -- bytes (0, 2) or, after a shift by
+// 8, (1, 3) of a word -- goes under fp16's exponent of 1024 with one LOP3: (w & mask) | 0x64006400.
+//   Q4_0 low nibbles:  1024 + q        -> HADD2 -1032        = q - 8 (exact)
+//   Q4_0 high nibbles: 1024 + 16 q     -> HFMA2 x/16 - 72    = q - 8 (exact: small integers and a power of two)
+//   Q8_0 bytes:        1024 + 128 + q  -> HADD2 -1152        = q     (the same LOP3 flips the sign bit)
+// then one HMUL2 by the scale: d (q - 8) or d q rounded once to fp16 (qgemm.reference's
+// dequantize_to_f16), the scale broadcast by HMUL2's operand selector where it is a half of a word.
+static __device__ __forceinline__ unsigned lop3_and_or(unsigned x, unsigned mask, unsigned bits) {
+    unsigned r;  // (x & mask) | bits
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
+    return r;
 }
-
-static __device__ __forceinline__ unsigned h2_affine(unsigned v, __half2 bias, __half2 d) {
-    __half2 h = *reinterpret_cast<__half2*>(&v);
-    h = __hmul2(__hsub2(h, bias), d);
-    return *reinterpret_cast<unsigned*>(&h);
+static __device__ __forceinline__ unsigned lop3_xor_under(unsigned x, unsigned mask, unsigned bits) {
+    unsigned r;  // mask ? x ^ bits : bits
+    asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
+    return r;
+}
+static __device__ __forceinline__ unsigned h2_bits(__half2 x) { return *reinterpret_cast<const unsigned*>(&x); }
+static __device__ __forceinline__ __half2 as_h2(unsigned x) { return *reinterpret_cast<const __half2*>(&x); }
+// pair (0, 2) of w (use w >> 8 for the pair (1, 3)) -> half2 of d (q - 8) / d q
+static __device__ __forceinline__ unsigned dq_q4_lo(unsigned w, __half2 d2) {
+    return h2_bits(__hmul2(__hsub2(as_h2(lop3_and_or(w, 0x000F000Fu, 0x64006400u)), __float2half2_rn(1032.0f)), d2));
+}
+static __device__ __forceinline__ unsigned dq_q4_hi(unsigned w, __half2 d2) {
+    return h2_bits(__hmul2(__hfma2(as_h2(lop3_and_or(w, 0x00F000F0u, 0x64006400u)), __float2half2_rn(0.0625f),
+                                   __float2half2_rn(-72.0f)), d2));
+}
+static __device__ __forceinline__ unsigned dq_q8(unsigned w, __half2 d2) {
+    return h2_bits(__hmul2(__hsub2(as_h2(lop3_xor_under(w, 0x00FF00FFu, 0x64806480u)), __float2half2_rn(1152.0f)), d2));
 }
 
 struct HfQ4_0 {
     typedef block_q4_0 block_w;
     static constexpr int BYTES = 18;
     static constexpr int ROW = 80;
-    // B fragments of k-steps 0 and 1 of block b for W row `row`
+    // B fragments of k-steps 0 and 1 of block b for W row `row`: bytes [2t 2t+8 2t+1 2t+9] of qs
     static __device__ __forceinline__ void frags(const unsigned char* row, int b, int t, unsigned (&bf)[2][2]) {
         const unsigned char* qs = row + b * 18 + 2;
-        const unsigned x = (unsigned)lds16(qs + 2 * t) | ((unsigned)lds16(qs + 2 * t + 8) << 16);
-        const __half d = *(const __half*)(row + b * 18);
-        const __half2 d2 = __half2half2(d);
-        const __half2 bias = __float2half2_rn(1032.0f);
-        unsigned l0, l1, h0, h1;
-        bytes_to_h2(x & 0x0F0F0F0Fu, l0, l1);
-        bytes_to_h2((x >> 4) & 0x0F0F0F0Fu, h0, h1);
-        bf[0][0] = h2_affine(l0, bias, d2);
-        bf[0][1] = h2_affine(l1, bias, d2);
-        bf[1][0] = h2_affine(h0, bias, d2);
-        bf[1][1] = h2_affine(h1, bias, d2);
+        const unsigned x = __byte_perm(lds16(qs + 2 * t), lds16(qs + 2 * t + 8), 0x5140);
+        const __half2 d2 = __half2half2(*(const __half*)(row + b * 18));
+        bf[0][0] = dq_q4_lo(x, d2);
+        bf[0][1] = dq_q4_lo(x >> 8, d2);
+        bf[1][0] = dq_q4_hi(x, d2);
+        bf[1][1] = dq_q4_hi(x >> 8, d2);
     }
 };
 
@@ -81,16 +96,12 @@ struct HfQ8_0 {
     static constexpr int ROW = 144;
     static __device__ __forceinline__ void frags(const unsigned char* row, int b, int t, unsigned (&bf)[2][2]) {
         const unsigned char* qs = row + b * 34 + 2;
-        const __half d = *(const __half*)(row + b * 34);
-        const __half2 d2 = __half2half2(d);
-        const __half2 bias = __float2half2_rn(1152.0f);  // 1024 + 128: the sign bias below
+        const __half2 d2 = __half2half2(*(const __half*)(row + b * 34));
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
-            const unsigned x = ((unsigned)lds16(qs + 16 * s + 2 * t) | ((unsigned)lds16(qs + 16 * s + 2 * t + 8) << 16)) ^ 0x80808080u;
-            unsigned v0, v1;
-            bytes_to_h2(x, v0, v1);
-            bf[s][0] = h2_affine(v0, bias, d2);
-            bf[s][1] = h2_affine(v1, bias, d2);
+            const unsigned x = __byte_perm(lds16(qs + 16 * s + 2 * t), lds16(qs + 16 * s + 2 * t + 8), 0x5140);
+            bf[s][0] = dq_q8(x, d2);
+            bf[s][1] = dq_q8(x >> 8, d2);
         }
     }
 };

@@ -25,8 +25,9 @@
 // giving the b0 = (x, z) and b1 = (y, w) halves of a B fragment. The pairing of bytes 0 and 2
 // (1 and 3) is what makes the dequantization cheap:
 //
-// Dequantization (frags below): a byte pair 16 bits apart goes under fp16's exponent of 1024 with
-// one LOP3, (w & mask) | 0x64006400, as in Marlin; a shift by 8 brings the other pair there. Q4_0:
+// Dequantization (frags below, helpers in common/mma_f16.cuh): a byte pair 16 bits apart goes under
+// fp16's exponent of 1024 with one LOP3, (w & mask) | 0x64006400, as in Marlin; a shift by 8 brings
+// the other pair there. Q4_0:
 // the low nibbles give 1024 + q, minus 1032 is q - 8 (HADD2); the high nibbles (mask 0x00F000F0)
 // give 1024 + 16 q, and (1024 + 16 q) / 16 - 72 = q - 8 (HFMA2); Q8_0: the same LOP3 also flips
 // the sign bit (1024 + 128 + q), minus 1152. All of that is exact (small integers, a power-of-two
@@ -79,42 +80,26 @@
 #define SK_PDL_EARLY (!SK_XSMEM)
 #endif
 
-// (x & mask) | bits (Q4_0), and x ^ 0x80 under the mask with the bits elsewhere (Q8_0's sign flip):
-// one LOP3 each
-static __device__ __forceinline__ unsigned lop3_and_or(unsigned x, unsigned mask, unsigned bits) {
-    unsigned r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
-    return r;
-}
-static __device__ __forceinline__ unsigned lop3_xor_under(unsigned x, unsigned mask, unsigned bits) {
-    unsigned r;  // mask ? x ^ bits : bits
-    asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
-    return r;
-}
 // d (row g + 8h, block j) broadcast to both halves: j's half of the scale word, as an HMUL2 operand selector
 static __device__ __forceinline__ __half2 sk_scale(const uint4& dq, int h, int j) {
     const unsigned dw = (&dq.x)[2 * h + j / 2];
-    const __half2 pair = *reinterpret_cast<const __half2*>(&dw);
-    return (j & 1) ? __high2half2(pair) : __low2half2(pair);
+    return (j & 1) ? __high2half2(as_h2(dw)) : __low2half2(as_h2(dw));
 }
-static __device__ __forceinline__ unsigned sk_h2(__half2 x) { return *reinterpret_cast<const unsigned*>(&x); }
-static __device__ __forceinline__ __half2 sk_as_h2(unsigned x) { return *reinterpret_cast<const __half2*>(&x); }
 
 struct SkQ4_0 {
     static constexpr int PIECES = 2;  // 16-byte pieces per lane per (tile, group)
     // weights of block j (0..3) of the group, rows g (h = 0) and g + 8 (h = 1): the A fragments
     // of its two k-steps. Word w's bytes [b0 b1 b2 b3]: (b0, b2) and (b1, b3) are the pairs.
     static __device__ __forceinline__ void frags(const uint4 (&q)[PIECES], const uint4& dq, int j, unsigned (&a)[2][4]) {
-        const __half2 bias = __float2half2_rn(1032.0f), sixteenth = __float2half2_rn(0.0625f), bias16 = __float2half2_rn(-72.0f);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const unsigned w = (&q[h].x)[j];
             const __half2 d2 = sk_scale(dq, h, j);
             // A regs: {row g pair 0, row g+8 pair 0, row g pair 1, row g+8 pair 1}; step 1 = high nibbles
-            a[0][h] = sk_h2(__hmul2(__hsub2(sk_as_h2(lop3_and_or(w, 0x000F000Fu, 0x64006400u)), bias), d2));
-            a[0][2 + h] = sk_h2(__hmul2(__hsub2(sk_as_h2(lop3_and_or(w >> 8, 0x000F000Fu, 0x64006400u)), bias), d2));
-            a[1][h] = sk_h2(__hmul2(__hfma2(sk_as_h2(lop3_and_or(w, 0x00F000F0u, 0x64006400u)), sixteenth, bias16), d2));
-            a[1][2 + h] = sk_h2(__hmul2(__hfma2(sk_as_h2(lop3_and_or(w >> 8, 0x00F000F0u, 0x64006400u)), sixteenth, bias16), d2));
+            a[0][h] = dq_q4_lo(w, d2);
+            a[0][2 + h] = dq_q4_lo(w >> 8, d2);
+            a[1][h] = dq_q4_hi(w, d2);
+            a[1][2 + h] = dq_q4_hi(w >> 8, d2);
         }
     }
 };
@@ -122,7 +107,6 @@ struct SkQ4_0 {
 struct SkQ8_0 {
     static constexpr int PIECES = 4;
     static __device__ __forceinline__ void frags(const uint4 (&q)[PIECES], const uint4& dq, int j, unsigned (&a)[2][4]) {
-        const __half2 bias = __float2half2_rn(1152.0f);  // 1024 + 128: the sign flip below
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const uint4& piece = q[2 * h + j / 2];
@@ -130,8 +114,8 @@ struct SkQ8_0 {
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
                 const unsigned w = (&piece.x)[2 * (j & 1) + s];  // word t (s = 0), t + 4 (s = 1)
-                a[s][h] = sk_h2(__hmul2(__hsub2(sk_as_h2(lop3_xor_under(w, 0x00FF00FFu, 0x64806480u)), bias), d2));
-                a[s][2 + h] = sk_h2(__hmul2(__hsub2(sk_as_h2(lop3_xor_under(w >> 8, 0x00FF00FFu, 0x64806480u)), bias), d2));
+                a[s][h] = dq_q8(w, d2);
+                a[s][2 + h] = dq_q8(w >> 8, d2);
             }
         }
     }
