@@ -25,16 +25,12 @@
 // giving the b0 = (x, z) and b1 = (y, w) halves of a B fragment. The pairing of bytes 0 and 2
 // (1 and 3) is what makes the dequantization cheap:
 //
-// Dequantization (frags below, helpers in common/mma_f16.cuh): a byte pair 16 bits apart goes under
-// fp16's exponent of 1024 with one LOP3, (w & mask) | 0x64006400, as in Marlin; a shift by 8 brings
-// the other pair there. Q4_0:
-// the low nibbles give 1024 + q, minus 1032 is q - 8 (HADD2); the high nibbles (mask 0x00F000F0)
-// give 1024 + 16 q, and (1024 + 16 q) / 16 - 72 = q - 8 (HFMA2); Q8_0: the same LOP3 also flips
-// the sign bit (1024 + 128 + q), minus 1152. All of that is exact (small integers, a power-of-two
-// factor); then one HMUL2 by d, with d broadcast by HMUL2's operand selector (.H0_H0 / .H1_H1): so
-// d (q - 8) or d q is rounded once to fp16, per half pair 1.25 (Q4_0) or 1.5 (Q8_0) instructions
-// of extraction + 2 of arithmetic. Activations are rounded to fp16 in registers (cvt.rn), the MMAs
-// accumulate in fp32: qgemm.reference.exact_w4a16s models exactly this.
+// Dequantization (frags below) is the magic-number one of common/mma_f16.cuh (dq_q4_lo / dq_q4_hi /
+// dq_q8: one LOP3 per byte pair, exact integer arithmetic, one HMUL2 by d with the scale broadcast
+// by HMUL2's operand selector), so d (q - 8) or d q is rounded once to fp16; per half pair 1.25
+// (Q4_0) or 1.5 (Q8_0) instructions of extraction + 2 of arithmetic. Activations are rounded to
+// fp16 in registers (cvt.rn), the MMAs accumulate in fp32: qgemm.reference.exact_w4a16s models
+// exactly this.
 //
 // Work split: a CTA owns SK_R tiles (16 SK_R rows of W) and SK_MT 8-token fragments; its SK_WARPS
 // warps split the K groups and are summed through shared memory; gridDim.y > 1 splits K across
@@ -61,6 +57,9 @@
 #endif
 #ifndef SK_ACC
 #define SK_ACC 1  // accumulator sets (1 or 2): see acc below
+#endif
+#if SK_ACC != 1 && SK_ACC != 2
+#error "SK_ACC must be 1 or 2"
 #endif
 #ifndef SK_XSMEM
 #define SK_XSMEM 0  // 1 (SK_MT == 1 only): stage the CTA's activations in shared memory as fp16 fragments
