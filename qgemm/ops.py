@@ -57,6 +57,9 @@ W8A16H = Op("w8a16h", "W8A16 (fp16 MMA)", "gemm", F.F16, F.Q8_0, F.F32, "hmma", 
 # (qgemm.packing) but given as ggml blocks (the kernel object packs them)
 W4A16S = Op("w4a16s", "W4A16 skinny (f32 in, fp16 MMA)", "gemm", F.F32, F.Q4_0, F.F32, "hmma", 5e-5, 2e-2, reference.exact_w4a16s)
 W8A16S = Op("w8a16s", "W8A16 skinny (f32 in, fp16 MMA)", "gemm", F.F32, F.Q8_0, F.F32, "hmma", 5e-5, 1e-3, reference.exact_w8a16s)
+# skinny int8 kernels: float32 activations quantized to int8 by the kernel (float32 scale per block)
+W4A8S = Op("w4a8s", "W4A8 skinny (f32 in, int8 MMA)", "gemm", F.F32, F.Q4_0, F.F32, "imma", 1e-5, 2e-2, reference.exact_w4a8s)
+W8A8S = Op("w8a8s", "W8A8 skinny (f32 in, int8 MMA)", "gemm", F.F32, F.Q8_0, F.F32, "imma", 1e-5, 1e-3, reference.exact_w8a8s)
 QUANTIZE_Q8_1 = Op("quantize_q8_1", "Quantize to Q8_1", "quantize", F.F32, None, F.Q8_1, "memory", 0.0, 1e-3,
                    cpu=lambda x: F.quantize_q8_1(x))
 QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", F.F16, None, F.Q8_1, "memory", 0.0, 1e-3,
@@ -64,7 +67,7 @@ QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", 
 CONVERT_F16 = Op("convert_f16", "Convert to f16", "quantize", F.F32, None, F.F16, "memory", 0.0, 1e-6,
                  cpu=lambda x: np.asarray(x, dtype=np.float32).astype(np.float16))
 
-OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, W4A16S, W8A16S, QUANTIZE_Q8_1,
+OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, W4A16S, W8A16S, W4A8S, W8A8S, QUANTIZE_Q8_1,
                               QUANTIZE_Q8_1_F16, CONVERT_F16)}
 
 

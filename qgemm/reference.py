@@ -112,6 +112,40 @@ def exact_w8a8(a_q8_1: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
     return np.sum(dw * da * sumi, axis=-1)
 
 
+def quantize_rows_i8(a_f32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The activation quantization of the skinny int8 kernels (w4a8.skinny, w8a8.skinny), in
+    float32 exactly as the GPU does it (IEEE division and reciprocal, round to nearest even):
+    per block of 32, d = amax / 127, q = rint(x * (1 / d)), q = 0 where d < FLT_MIN.
+    -> (q int8 [M, K/32, 32], d float32 [M, K/32]). Unlike Q8_1, d is not rounded to half."""
+    x = np.asarray(a_f32, dtype=np.float32)
+    m, k = x.shape
+    xb = x.reshape(m, k // F.QK, F.QK)
+    amax = np.abs(xb).max(axis=-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    ok = d >= np.finfo(np.float32).tiny
+    inv = np.where(ok, np.float32(1) / np.where(ok, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.int8)  # float32 product, then round half to even
+    return q, d
+
+
+def exact_w4a8s(a_f32: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
+    """w4a8.skinny: quantize_rows_i8 activations x Q4_0, the -8 compensated in integers:
+    per block d_w d_a (sumi - 8 sum q_a), sumi on the stored nibbles 0..15."""
+    qa, da = quantize_rows_i8(a_f32)
+    w = F.as_blocks(w_q4_0, F.Q4_0, "W")
+    qw = np.concatenate([w["qs"] & 0x0F, w["qs"] >> 4], axis=-1)
+    sumi = block_sumi(qa, qw) - 8 * qa.astype(np.int64).sum(axis=-1)[:, None, :]
+    return np.sum(w["d"].astype(np.float64)[None] * da.astype(np.float64)[:, None] * sumi, axis=-1)
+
+
+def exact_w8a8s(a_f32: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
+    """w8a8.skinny: quantize_rows_i8 activations x Q8_0: per block d_w d_a sumi."""
+    qa, da = quantize_rows_i8(a_f32)
+    w = F.as_blocks(w_q8_0, F.Q8_0, "W")
+    sumi = block_sumi(qa, w["qs"])
+    return np.sum(w["d"].astype(np.float64)[None] * da.astype(np.float64)[:, None] * sumi, axis=-1)
+
+
 def exact_w4a8_uncompensated(a_q8_1: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
     """What you get if you forget the -8: d_w * d_a * sumi on the stored nibbles (wrong on purpose,
     for the tutorial and the tests that show why the compensation exists)."""
@@ -132,6 +166,8 @@ EXACT = {
     "w8a16h": exact_w8a16h,
     "w4a16s": exact_w4a16s,
     "w8a16s": exact_w8a16s,
+    "w4a8s": exact_w4a8s,
+    "w8a8s": exact_w8a8s,
 }
 
 

@@ -244,6 +244,48 @@ def _skinny_candidates(wfmt: str):
     return candidates
 
 
+# ---- skinny int8 MMA for decode (common/skinny_i8.cuh) ----------------------------------------
+SKINNY_I8_MAX_M = 8
+
+
+def _skinny_i8_mq(m: int) -> int:
+    """Tokens the kernel is compiled for: the power of two >= M (1, 2, 4, 8)."""
+    return 1 << max(0, (min(m, SKINNY_I8_MAX_M) - 1).bit_length())
+
+
+def _skinny_i8_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
+    pieces = 2 if wfmt == "q4_0" else 4
+    mq, w, u, r = d["SK_MQ"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_R"]
+    # static shared memory: the reduction (512 B per warp and tile) and the per-warp double buffer
+    # of quantized activations (32 B + 8 B of scales per block, token, step)
+    smem = w * r * 512 + w * 2 * u * 4 * (32 * mq + 8 * max(mq, 2))
+    return (mq >= min(m, SKINNY_I8_MAX_M) and smem <= 48 * 1024
+            # registers: two pipelined sets of weights and of float4 activations, the accumulators
+            and u * r * (pieces + 1) <= 12 and u * mq <= 8 and r <= 4
+            and (w < 16 or u * r * (pieces + 1) <= 6))
+
+
+def _skinny_i8_config(wfmt: str):
+    def config(m: int, n: int, k: int, sm_count: int) -> dict:
+        # untuned default: as the fp16 skinny kernel at M = 1 (8 warps splitting K, one 16-row tile
+        # per CTA at K = 4096, two for long K); tuned on the H100 (docs/perf/NOTES.md, session 9)
+        long_k = k >= 8192
+        d = {"SK_R": 2 if long_k else 1, "SK_WARPS": 8, "SK_UNROLL": 2, "SK_GSPLIT": 1, "SK_MQ": _skinny_i8_mq(m)}
+        while not _skinny_i8_ok(d, wfmt, m, k) and d["SK_UNROLL"] > 1:
+            d = {**d, "SK_UNROLL": d["SK_UNROLL"] // 2}
+        return d
+    return config
+
+
+def _skinny_i8_candidates(wfmt: str):
+    def candidates(m: int, n: int, k: int) -> list[dict]:
+        mq = _skinny_i8_mq(m)
+        out = [{"SK_R": r, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_MQ": mq}
+               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in (1, 2, 4)]
+        return [d for d in out if _skinny_i8_ok(d, wfmt, m, k)]
+    return candidates
+
+
 # ---- Hopper wgmma prefill (common/wgmma_f16.cuh) -------------------------------------------
 def _wgmma_geometry(m: int, n: int, k: int, d: dict) -> Launch:
     # 128 x 128 tiles; WG_STAGES buffers of two 32 KB fp16 tiles, +1 KB to align them to 1024 B
@@ -389,6 +431,16 @@ _SPECS = [
                "production decode / small batch (M <= 64): f32 x Q8_0 (repacked once, 16-byte loads) on fp16 tensor "
                "cores, tokens on the MMA's N side", min_arch=80, config=_skinny_config("q8_0"),
                candidates=_skinny_candidates("q8_0"), max_m=SKINNY_MAX_M, weight_layout="skinny", pdl=True),
+    KernelSpec("w4a8.skinny", ops.W4A8S, 6, "w4a8/skinny.cu", "w4a8_skinny", _skinny_geometry,
+               "production decode (M <= 8): f32 activations quantized to int8 by the kernel x Q4_0 (repacked once) "
+               "on int8 tensor cores, tokens on the MMA's N side, the -8 compensated in integers", min_arch=80,
+               config=_skinny_i8_config("q4_0"), candidates=_skinny_i8_candidates("q4_0"), max_m=SKINNY_I8_MAX_M,
+               unit="imma", weight_layout="skinny", pdl=True),
+    KernelSpec("w8a8.skinny", ops.W8A8S, 6, "w8a8/skinny.cu", "w8a8_skinny", _skinny_geometry,
+               "production decode (M <= 8): f32 activations quantized to int8 by the kernel x Q8_0 (repacked once) "
+               "on int8 tensor cores, tokens on the MMA's N side, the weight words as the A fragments", min_arch=80,
+               config=_skinny_i8_config("q8_0"), candidates=_skinny_i8_candidates("q8_0"), max_m=SKINNY_I8_MAX_M,
+               unit="imma", weight_layout="skinny", pdl=True),
     KernelSpec("w4a16.wgmma", ops.W4A16H, 6, "w4a16/wgmma.cu", "w4a16_wgmma", _wgmma_geometry,
                "production prefill on Hopper: f16 x Q4_0 (repacked once) through asynchronous wgmma, dequantized into "
                "swizzled shared memory while the previous stage multiplies", min_arch=90, arch_suffix="a",

@@ -426,6 +426,47 @@ def test_skinny_every_candidate_configuration(name, rng):
     _every_candidate(qgemm.get(name), ((1, 33, 160), (9, 4097, 4128), (57, 47, 32)), rng)
 
 
+SKINNY_I8 = ["w4a8.skinny", "w8a8.skinny"]
+
+
+@pytest.mark.parametrize("name", SKINNY_I8)
+def test_skinny_i8_every_candidate_configuration(name, rng):
+    """The int8 decode kernels: every tunable configuration at 1, 3 and 8 tokens (SK_MQ 1, 4, 8),
+    N not a multiple of 16, K of 5 and 129 blocks (a padded last group) and a long K split
+    across CTAs; fresh inputs, poisoned outputs, exact-math reference (their own quantizer)."""
+    _every_candidate(qgemm.get(name), ((1, 33, 160), (3, 47, 32), (8, 4097, 4128), (1, 100, 14336)), rng)
+
+
+@pytest.mark.parametrize("name", SKINNY_I8)
+def test_skinny_i8_activation_edges(name, rng):
+    """Blocks the quantizer must not trip on: all zeros (d = 0), values below FLT_MIN * 127 (q = 0
+    rather than 1/d = inf), exact ties (x / d = k + 0.5: rounded to even), huge values (no half
+    range to overflow: d stays float32); the kernel must match the exact reference bit for bit
+    up to float summation order, and the result must be finite."""
+    k = qgemm.get(name)
+    fmt = k.op.w.name
+    m, n, kk = 2, 64, 256
+    x = rng.standard_normal((m, kk), dtype=np.float32)
+    x[0, :32] = 0.0
+    x[0, 32:64] = 1e-38
+    x[1, :32] = np.arange(32, dtype=np.float32) - 15.5
+    x[1, 64:96] *= 1e30
+    w = F.quantize(rng.standard_normal((n, kk), dtype=np.float32), fmt)
+    out = k(x, w)
+    ref = k.op.exact(x, w)
+    assert np.isfinite(out).all()
+    assert qgemm.reference.relative_error(out, ref) <= 1e-5
+    # and through qgemm.matmul (path override: the default plan may pick the fp16 kernel)
+    c = qgemm.matmul(x, qgemm.pack_weights(w), path=name)
+    assert qgemm.reference.relative_error(c, ref) <= 1e-5
+
+
+def test_skinny_i8_rejects_more_than_8_tokens(rng):
+    w = qgemm.quantize_q8_0(rng.standard_normal((64, 256), dtype=np.float32))
+    with pytest.raises(ValueError, match="M <= 8"):
+        qgemm.matmul(rng.standard_normal((9, 256), dtype=np.float32), qgemm.pack_weights(w), path="w8a8.skinny")
+
+
 def _every_candidate(k, shapes, rng):
     """Each configuration `qgemm tune` may pick, on fresh inputs per shape, poisoned output."""
     for (m, n, kk) in shapes:

@@ -167,13 +167,77 @@ def test_exact_w8a16_matches_slow_loop(small_case):
 
 
 def test_exact_table_and_fp32():
-    assert set(R.EXACT) == {"fp32", "w4a16", "w8a16", "w4a8", "w8a8", "w4a16h", "w8a16h", "w4a16s", "w8a16s"}
+    assert set(R.EXACT) == {"fp32", "w4a16", "w8a16", "w4a8", "w8a8", "w4a16h", "w8a16h", "w4a16s", "w8a16s", "w4a8s",
+                            "w8a8s"}
     a = np.array([[1.0, 2.0, 3.0]], dtype=np.float64)
     w = np.array([[0.1, 0.2, 0.3], [1.0, 0.0, -1.0]])
     got = R.exact_fp32(a, w)
     ref = a.astype(F32).astype(np.float64) @ w.astype(F32).astype(np.float64).T
     assert np.array_equal(got, ref)
     assert got[0, 1] == -2.0
+
+
+# --------------------------------------------------------------------------------------------
+# the skinny int8 kernels' own activation quantization (float32 scale, round half to even)
+
+
+def slow_quantize_rows_i8(a):
+    """One value at a time in float32 scalars (what one GPU lane does)."""
+    m, k = a.shape
+    q = np.zeros((m, k // 32, 32), np.int8)
+    d = np.zeros((m, k // 32), F32)
+    for i in range(m):
+        for b in range(k // 32):
+            blk = a[i, 32 * b:32 * b + 32].astype(F32)
+            amax = F32(0)
+            for v in blk:
+                amax = max(amax, F32(abs(v)))
+            d[i, b] = F32(amax / F32(127))
+            inv = F32(F32(1) / d[i, b]) if d[i, b] >= np.finfo(F32).tiny else F32(0)
+            for j, v in enumerate(blk):
+                q[i, b, j] = int(np.rint(F32(v * inv)))
+    return q, d
+
+
+def test_quantize_rows_i8_matches_scalar_loop_and_edges():
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    a = (rng.standard_normal((3, 256)) * rng.uniform(0.01, 100, (3, 1))).astype(F32)
+    a[0, :32] = 0.0  # an all-zero block: d = 0, q = 0
+    a[1, 32:64] = 1e-38  # d below FLT_MIN: q = 0 (1 / d would overflow)
+    a[2, 64:96] = np.arange(32) - 15.5  # amax 16.5: several products land near .5
+    a[2, 96] = 127 * 0.25  # with amax 127 * 0.5 below (d = 0.5): x * (1/d) = 63.5 exactly -> 64
+    a[2, 97:128] = 0.0
+    a[2, 97] = 127 * 0.5
+    a[2, 98] = 1.25  # 2.5 -> 2, where ggml's roundf would give 3
+    q, d = R.quantize_rows_i8(a)
+    qs, ds = slow_quantize_rows_i8(a)
+    assert np.array_equal(q, qs) and np.array_equal(d, ds), f"seed={seed}"
+    assert d[0, 0] == 0 and not q[0, 0].any() and not q[1, 1].any()
+    assert d[2, 3] == 0.5 and q[2, 3, 0] == 64 and q[2, 3, 1] == 127 and q[2, 3, 2] == 2  # ties to even
+    assert np.abs(q.astype(int)).max() <= 127
+    # reconstruction within half a step where the block is representable
+    recon = q.astype(F32) * d[..., None]
+    ok = d >= np.finfo(F32).tiny
+    err = np.abs(recon - a.reshape(3, 8, 32))[ok]
+    assert (err <= 0.5001 * np.repeat(d[ok][:, None], 32, axis=1)).all(), f"seed={seed}"
+
+
+def test_exact_skinny_int8_references_match_slow_loops(small_case):
+    from qgemm import check, ops
+
+    seed, a, w = small_case
+    q, d = slow_quantize_rows_i8(a)
+    for fmt, exact in (("q4_0", R.exact_w4a8s), ("q8_0", R.exact_w8a8s)):
+        wq = F.quantize(w, fmt)
+        wd = F.dequantize(wq, fmt).astype(np.float64)  # d_w (q - 8) or d_w q, exact
+        # the per-block formula d_w d_a (sumi - 8 sum q_a) is the product of the dequantized operands
+        slow = np.einsum("mbk,nbk->mn", q.astype(np.float64) * d.astype(np.float64)[..., None],
+                         wd.reshape(w.shape[0], -1, 32))
+        assert_close(exact(a, wq), slow, f"{fmt} seed={seed}")
+        op = ops.W4A8S if fmt == "q4_0" else ops.W8A8S  # 15 outputs: the tolerance widens with few outputs
+        assert F.nmse(exact(a, wq), R.truth(a, w)) <= check.nmse_tolerance(op, (a.shape[0], w.shape[0], a.shape[1])), \
+            f"{fmt} seed={seed}"
 
 
 # --------------------------------------------------------------------------------------------

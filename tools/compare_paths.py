@@ -5,7 +5,7 @@ so that drift between the first and the second pass shows.
     python tools/compare_paths.py --shapes 512x4096x4096,2048x4096x4096 \
         --paths default,w4a16.wgmma,w8a16.wgmma --json out.json
 
-A path is used only for weights of its own format (w4a16.* -> q4_0, w8a16.* -> q8_0); the
+A path is used only for weights of its own format (w4a16.*, w4a8.* -> q4_0; w8a16.*, w8a8.* -> q8_0); the
 kernel-alone time is reported beside the whole op (they are equal for a path without prologue).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
 
-    from qgemm import bench, formats as F, runtime
+    from qgemm import bench, formats as F, registry, runtime
 
     rng = np.random.default_rng(0)
     rows = []
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
         m, n, k = (int(v) for v in shape.lower().split("x"))
         for fmt in a.fmts.split(","):
             weights = {(fmt, n, k): F.quantize(rng.standard_normal((n, k), dtype=np.float32), fmt)}
-            paths = [p for p in a.paths.split(",") if p == "default" or p.startswith("w4a16" if fmt == "q4_0" else "w8a16")]
+            paths = [p for p in a.paths.split(",") if p == "default" or registry.spec(p).op.w.name == fmt]
             for rep in range(a.repeats):
                 for p in paths:
                     r = bench.time_matmul(fmt, m, n, k, False, rng, weights, iters=a.iters,

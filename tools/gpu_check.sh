@@ -6,6 +6,7 @@
 #   bash tools/gpu_check.sh                 # everything
 #   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh
 #   QGEMM_CHECK="skinny decode ncu" bash tools/gpu_check.sh    # decode path: tests, tune, bench M <= 64, ncu
+#   QGEMM_CHECK="i8" bash tools/gpu_check.sh                   # int8 decode kernels: tests, every config vs fp16, whole op
 #   QGEMM_CHECK="rs" bash tools/gpu_check.sh                   # Hopper prefill: wgmma_rs vs wgmma, tests, tune
 #   QGEMM_CHECK="l2" bash tools/gpu_check.sh                   # prefill: warpgroups per CTA, L2 throughput (ncu) vs cuBLAS
 set -uo pipefail
@@ -19,6 +20,7 @@ PY=${PYTHON:-python3}
 STEPS=${QGEMM_CHECK:-"info tests validate tutorial profile bench report"}
 SHAPE=${QGEMM_SHAPE:-512x4096x4096}
 RS_SHAPES=${QGEMM_RS_SHAPES:-64x4096x4096,128x4096x4096,512x4096x4096,2048x4096x4096,512x4096x14336}
+I8_SHAPES=${QGEMM_I8_SHAPES:-1x4096x4096,1x4096x14336,2x4096x4096,4x4096x4096,8x4096x4096}
 TUNE_SHAPES=${QGEMM_TUNE_SHAPES:-1x4096x4096,8x4096x4096,1x4096x14336,8x4096x14336,16x4096x4096,32x4096x4096,64x4096x4096}
 LOG="$OUT/gpu_check.log"
 rc=0
@@ -36,6 +38,15 @@ for step in $STEPS; do
               run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny or packed or matmul"
               for s in ${TUNE_SHAPES//,/ }; do for k in w4a16.skinny w8a16.skinny; do
                   run $PY -m qgemm tune $k --shape $s --iters 10; done; done ;;
+    i8)       # the int8 decode kernels (w4a8.skinny, w8a8.skinny) against the fp16 ones: precompile every
+              # candidate, their GPU tests, every configuration timed side by side with the fp16 kernel's
+              # (nothing stored), then the whole op through qgemm.matmul, default plan vs each path
+              run $PY tools/precompile.py w4a8.skinny w8a8.skinny --shapes "1x33x160,3x47x32,8x4097x4128,1x100x14336,2x64x256,$I8_SHAPES"
+              run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny_i8"
+              for s in ${I8_SHAPES//,/ }; do for k in w4a8.skinny w8a8.skinny; do
+                  run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run; done; done
+              run $PY tools/compare_paths.py --shapes "$I8_SHAPES" --repeats 3 \
+                  --paths default,w4a16.skinny,w4a8.skinny,w8a16.skinny,w8a8.skinny --json "$OUT/i8_paths.json" ;;
     rs)       # the Hopper prefill kernels: register-A wgmma (wgmma_rs) against the shared-memory one (wgmma):
               # precompile every candidate, their GPU tests, both timed per shape, then tune wgmma_rs (stored)
               run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs w4a16.wgmma w8a16.wgmma \

@@ -120,14 +120,6 @@ struct SkQ8_0 {
     }
 };
 
-static __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
-    uint4 v;  // read once: do not keep it in L1 (not volatile: the compiler may schedule it early)
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 static __device__ __forceinline__ unsigned f2_to_h2(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const unsigned*>(&h);

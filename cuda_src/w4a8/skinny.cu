@@ -1,0 +1,9 @@
+// Production decode: float32 activations, quantized to int8 per 32-block by the kernel itself, x
+// Q4_0 weights (repacked once by qgemm.packing into the skinny layout) on int8 tensor cores with
+// the tokens on the MMA's N side; the -8 of Q4_0 compensated in integers (common/skinny_i8.cuh).
+#include "common/skinny_i8.cuh"
+
+extern "C" __global__ void __launch_bounds__(SK_WARPS * 32)
+w4a8_skinny(const float* __restrict__ X, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
+    skinny_i8<SkI8Q4_0>(X, W, C, M, N, K);
+}
