@@ -6,6 +6,8 @@
 With weights from `qgemm.pack_weights` (repacked once, at load) and float32 activations:
 - M >= 17 on sm_90: `convert.f16` + `w4a16.wgmma_rs` / `w8a16.wgmma_rs` (asynchronous warpgroup
   MMA, the weights dequantized into registers as its A operand);
+- M = 1: `w4a8.skinny` / `w8a8.skinny` alone -- int8 tensor cores with the token on the MMA's N side,
+  the weight words used as fragments as they are, the activations quantized per block by the kernel;
 - otherwise M <= 32: `w4a16.skinny` / `w8a16.skinny` alone -- fp16 tensor cores with the tokens on the
   MMA's N side, 16-byte weight loads, the activations read (and rounded to fp16) by the kernel.
 Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM runs:
@@ -31,8 +33,10 @@ from . import formats as F
 from . import registry, runtime
 
 _DEFAULTS = {
-    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny", "wgmma": "w4a16.wgmma_rs"},
-    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a", "skinny": "w8a16.skinny", "wgmma": "w8a16.wgmma_rs"},
+    "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny",
+             "skinny_i8": "w4a8.skinny", "wgmma": "w4a16.wgmma_rs"},
+    "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a", "skinny": "w8a16.skinny",
+             "skinny_i8": "w8a8.skinny", "wgmma": "w8a16.wgmma_rs"},
 }
 GEMV_MAX_M = 8
 # packed weights, float32 activations: the skinny kernels up to this M (H100: 2.5x faster than
@@ -44,6 +48,12 @@ SKINNY_MAX_M = 32
 # (a variant rounding the float32 activations itself, staged through registers, measured 1.5x slower
 # than convert.f16 + this kernel at 512x4096x4096: docs/perf/NOTES.md)
 WGMMA_MIN_M = 17
+# packed weights, float32 activations, one token: the int8 skinny kernels (activations quantized per
+# block by the kernel, no dequantization of the weights). H100, whole op, same process: Q4_0
+# 1x4096x4096 4.7 vs 4.9-5.1 us for the fp16 kernel (4.2 tuned), 1x4096x14336 11.4 vs 14.7; Q8_0
+# 5.7 vs 5.9-6.2, 21.5-21.9 vs 23.2. From two tokens on they are slower (the quantization is per
+# token, the dequantization it saves per weight): 2x4096x4096 Q8_0 9.8 vs 6.2.
+SKINNY_I8_MAX_M = 1
 _F16_INF_FROM = 65520.0  # float32 values of this magnitude and above round to float16 inf (max finite 65504)
 
 
@@ -150,6 +160,11 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         name, source = choice["wgmma"], "default"
         reason = (f"M={m} >= {WGMMA_MIN_M} with packed weights on sm_90: asynchronous wgmma with the weights "
                   "dequantized into registers as its A operand while the previous half-stage multiplies")
+    elif packed and x_dtype == "f32" and m <= SKINNY_I8_MAX_M and (cc is None or cc >= 80):
+        name, source = choice["skinny_i8"], "default"
+        reason = (f"M={m} with packed weights: int8 tensor cores, tokens on the MMA's N side, each weight byte read "
+                  "once in 16-byte loads and used as the MMA fragment as is; the kernel quantizes the float32 "
+                  "activations per 32-block itself (no prologue kernel)")
     elif packed and x_dtype == "f32" and m <= SKINNY_MAX_M and (cc is None or cc >= 80):
         name, source = choice["skinny"], "default"
         reason = (f"M={m} <= {SKINNY_MAX_M} with packed weights: tokens on the MMA's N side, each weight byte read once "

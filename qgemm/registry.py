@@ -267,12 +267,19 @@ def _skinny_i8_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
 
 def _skinny_i8_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # untuned default: as the fp16 skinny kernel at M = 1 (8 warps splitting K, one 16-row tile
-        # per CTA at K = 4096, two for long K); tuned on the H100 (docs/perf/NOTES.md, session 9)
-        long_k = k >= 8192
-        d = {"SK_R": 2 if long_k else 1, "SK_WARPS": 8, "SK_UNROLL": 2, "SK_GSPLIT": 1, "SK_MQ": _skinny_i8_mq(m)}
-        while not _skinny_i8_ok(d, wfmt, m, k) and d["SK_UNROLL"] > 1:
-            d = {**d, "SK_UNROLL": d["SK_UNROLL"] // 2}
+        # The untuned default follows `qgemm tune` on the H100 (docs/perf/NOTES.md, session 9). Q4_0:
+        # two 16-row tiles per CTA sharing each quantized activation block, 16 warps splitting K
+        # (1x4096x4096 4.2 us, 1x4096x14336 12.1); Q8_0 (twice the weight registers): one tile, 8
+        # warps (5.1 us; at K = 14336, DRAM-bound, two groups in flight per lane: 21.4), two tiles
+        # with more tokens. M > 1 is measured slower than the fp16 kernel, so qgemm.matmul uses
+        # this kernel only at M = 1 (path= for the rest).
+        if wfmt == "q4_0":
+            r, warps, unroll = 2, 16, 1
+        else:
+            r, warps, unroll = 1 if m == 1 else 2, 8, 2 if (m == 1 and k >= 8192) else 1
+        d = {"SK_R": r, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": 1, "SK_MQ": _skinny_i8_mq(m)}
+        while not _skinny_i8_ok(d, wfmt, m, k) and d["SK_WARPS"] > 4:
+            d = {**d, "SK_WARPS": d["SK_WARPS"] // 2}
         return d
     return config
 

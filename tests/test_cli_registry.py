@@ -226,9 +226,10 @@ def test_matmul_plan_with_packed_weights(fmt):
     """Without a GPU (CI) the plan assumes sm_80+ but not sm_90: packed weights take the skinny
     kernels (no prologue) up to SKINNY_MAX_M, then the mma.sync path; wgmma needs an sm_90 GPU."""
     w = "4" if fmt == "q4_0" else "8"
-    for m in (1, 8, qgemm.dispatch.SKINNY_MAX_M):
+    for m in (1, 2, 8, qgemm.dispatch.SKINNY_MAX_M):
         p = qgemm.plan(m, 4096, 4096, fmt, packed=True)
-        assert p.kernel == f"w{w}a16.skinny" and p.quantizer is None and p.packed
+        # one token: the int8 kernel (activations quantized by the kernel); more: the fp16 one
+        assert p.kernel == (f"w{w}a8.skinny" if m == 1 else f"w{w}a16.skinny") and p.quantizer is None and p.packed
         assert p.defines == qgemm.spec(p.kernel).config(m, 4096, 4096, 132)
         assert "packed" in qgemm.explain(m, 4096, 4096, fmt, packed=True)
     p = qgemm.plan(qgemm.dispatch.SKINNY_MAX_M + 1, 4096, 4096, fmt, packed=True)
@@ -244,6 +245,12 @@ def test_matmul_plan_with_packed_weights(fmt):
         qgemm.plan(4, 4096, 4096, fmt, x_dtype="f16", path=f"w{w}a16.skinny", packed=True)
     with pytest.raises(ValueError, match="M <= 64"):
         qgemm.plan(65, 4096, 4096, fmt, path=f"w{w}a16.skinny", packed=True)
+    with pytest.raises(ValueError, match="M <= 8"):
+        qgemm.plan(9, 4096, 4096, fmt, path=f"w{w}a8.skinny", packed=True)
+    with pytest.raises(ValueError, match="pack_weights"):
+        qgemm.plan(1, 4096, 4096, fmt, path=f"w{w}a8.skinny")
+    p = qgemm.plan(4, 4096, 4096, fmt, path=f"w{w}a8.skinny", packed=True)
+    assert p.quantizer is None and p.defines["SK_MQ"] == 4 and "int8" not in p.reason
     for path in (f"w{w}a16.wgmma", f"w{w}a16.wgmma_rs"):
         p = qgemm.plan(512, 4096, 4096, fmt, path=path, packed=True)
         assert p.kernel == path and p.quantizer == "convert.f16" and p.packed

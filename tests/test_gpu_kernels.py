@@ -606,6 +606,12 @@ def test_matmul_overflow_and_two_streams(rng):
     if qgemm.plan(4, n, k, "q4_0", packed=True).quantizer is None:  # the skinny kernel (sm_80+)
         with pytest.raises(ValueError, match="overflow.*w4a16.skinny rounds them to float16"):
             qgemm.matmul(x, pw)
+    # one token: the int8 kernel quantizes x with a float32 scale per block: no half range to overflow
+    x1 = rng.standard_normal((1, k), dtype=np.float32)
+    x1[0, :32] *= 1e6
+    p1 = qgemm.plan(1, n, k, "q4_0", packed=True)
+    c1 = qgemm.matmul(x1, pw)
+    assert np.isfinite(c1).all() and qgemm.reference.relative_error(c1, p1.reference(x1, w)) <= 1e-5
     m = 600
     s1, s2 = qgemm.runtime.create_stream(), qgemm.runtime.create_stream()
     xs = [rng.standard_normal((m, k), dtype=np.float32) for _ in range(4)]
