@@ -112,19 +112,24 @@ def exact_w8a8(a_q8_1: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
     return np.sum(dw * da * sumi, axis=-1)
 
 
+INV127_F32 = np.float32(float.fromhex("0x1.020408p-7"))  # fl32(1/127), the kernels' constant
+I8_TINY = np.float32(2.0 ** -118)  # below this amax a block quantizes to 0 (127 / amax would overflow)
+
+
 def quantize_rows_i8(a_f32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The activation quantization of the skinny int8 kernels (w4a8.skinny, w8a8.skinny), in
-    float32 exactly as the GPU does it (IEEE division and reciprocal, round to nearest even):
-    per block of 32, d = amax / 127, q = rint(x * (1 / d)), q = 0 where d < FLT_MIN.
-    -> (q int8 [M, K/32, 32], d float32 [M, K/32]). Unlike Q8_1, d is not rounded to half."""
+    float32 exactly as the GPU does it: per block of 32, amax = max |x|,
+    q = rint(x * (127 / amax)) (IEEE division; round half to even), d = amax * fl(1/127) (one
+    rounding); q = 0 where amax < 2^-118. -> (q int8 [M, K/32, 32], d float32 [M, K/32]).
+    Unlike Q8_1, d is not rounded to half (and no float sum is kept: the kernels sum q exactly)."""
     x = np.asarray(a_f32, dtype=np.float32)
     m, k = x.shape
     xb = x.reshape(m, k // F.QK, F.QK)
     amax = np.abs(xb).max(axis=-1)
-    d = (amax / np.float32(127)).astype(np.float32)
-    ok = d >= np.finfo(np.float32).tiny
-    inv = np.where(ok, np.float32(1) / np.where(ok, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    ok = amax >= I8_TINY
+    inv = np.where(ok, np.float32(127) / np.where(ok, amax, np.float32(1)), np.float32(0)).astype(np.float32)
     q = np.rint(xb * inv[..., None]).astype(np.int8)  # float32 product, then round half to even
+    d = (amax * INV127_F32).astype(np.float32)
     return q, d
 
 

@@ -439,8 +439,8 @@ def test_skinny_i8_every_candidate_configuration(name, rng):
 
 @pytest.mark.parametrize("name", SKINNY_I8)
 def test_skinny_i8_activation_edges(name, rng):
-    """Blocks the quantizer must not trip on: all zeros (d = 0), values below FLT_MIN * 127 (q = 0
-    rather than 1/d = inf), exact ties (x / d = k + 0.5: rounded to even), huge values (no half
+    """Blocks the quantizer must not trip on: all zeros (d = 0), values below 2^-118 (q = 0 rather
+    than 127 / amax = inf), exact ties (x * 127 / amax = k + 0.5: rounded to even), huge values (no half
     range to overflow: d stays float32); the kernel must match the exact reference bit for bit
     up to float summation order, and the result must be finite."""
     k = qgemm.get(name)

@@ -186,14 +186,16 @@ def slow_quantize_rows_i8(a):
     m, k = a.shape
     q = np.zeros((m, k // 32, 32), np.int8)
     d = np.zeros((m, k // 32), F32)
+    inv127 = F32(float.fromhex("0x1.020408p-7"))
+    assert inv127 == F32(1) / F32(127)  # the constant is fl32(1/127)
     for i in range(m):
         for b in range(k // 32):
             blk = a[i, 32 * b:32 * b + 32].astype(F32)
             amax = F32(0)
             for v in blk:
                 amax = max(amax, F32(abs(v)))
-            d[i, b] = F32(amax / F32(127))
-            inv = F32(F32(1) / d[i, b]) if d[i, b] >= np.finfo(F32).tiny else F32(0)
+            d[i, b] = F32(amax * inv127)
+            inv = F32(F32(127) / amax) if amax >= F32(2.0 ** -118) else F32(0)
             for j, v in enumerate(blk):
                 q[i, b, j] = int(np.rint(F32(v * inv)))
     return q, d
@@ -204,9 +206,9 @@ def test_quantize_rows_i8_matches_scalar_loop_and_edges():
     rng = np.random.default_rng(seed)
     a = (rng.standard_normal((3, 256)) * rng.uniform(0.01, 100, (3, 1))).astype(F32)
     a[0, :32] = 0.0  # an all-zero block: d = 0, q = 0
-    a[1, 32:64] = 1e-38  # d below FLT_MIN: q = 0 (1 / d would overflow)
+    a[1, 32:64] = 1e-38  # amax below 2^-118: q = 0 (127 / amax would overflow)
     a[2, 64:96] = np.arange(32) - 15.5  # amax 16.5: several products land near .5
-    a[2, 96] = 127 * 0.25  # with amax 127 * 0.5 below (d = 0.5): x * (1/d) = 63.5 exactly -> 64
+    a[2, 96] = 127 * 0.25  # with amax 127 * 0.5 below (127 / amax = 2): x * 2 = 63.5 exactly -> 64
     a[2, 97:128] = 0.0
     a[2, 97] = 127 * 0.5
     a[2, 98] = 1.25  # 2.5 -> 2, where ggml's roundf would give 3
@@ -214,7 +216,7 @@ def test_quantize_rows_i8_matches_scalar_loop_and_edges():
     qs, ds = slow_quantize_rows_i8(a)
     assert np.array_equal(q, qs) and np.array_equal(d, ds), f"seed={seed}"
     assert d[0, 0] == 0 and not q[0, 0].any() and not q[1, 1].any()
-    assert d[2, 3] == 0.5 and q[2, 3, 0] == 64 and q[2, 3, 1] == 127 and q[2, 3, 2] == 2  # ties to even
+    assert abs(d[2, 3] - 0.5) <= 1e-7 and q[2, 3, 0] == 64 and q[2, 3, 1] == 127 and q[2, 3, 2] == 2  # ties to even
     assert np.abs(q.astype(int)).max() <= 127
     # reconstruction within half a step where the block is representable
     recon = q.astype(F32) * d[..., None]

@@ -77,6 +77,14 @@ static __device__ __forceinline__ void mma_s8(int (&c)[4], int a0, int a1, int a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Where part p of `total` items split into `parts` near-equal runs begins: total * p / parts in 32
+// bits. A 64-bit division by a runtime value is a ~100-instruction subroutine call, and the decode
+// kernels' first weight load waits for it; here total < 2^24 (K / 128 groups, K an int) and
+// parts <= 256 (CTAs x warps along K), so the product fits.
+static __device__ __forceinline__ int split_point(int total, int p, int parts) {
+    return (int)(((unsigned)total * (unsigned)p) / (unsigned)parts);
+}
+
 // weights streamed global -> registers, read once: not kept in L1 (not volatile: the compiler may
 // schedule it early)
 static __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {

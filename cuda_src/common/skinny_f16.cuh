@@ -140,7 +140,7 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
     const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
     const int tile0 = blockIdx.x * SK_R;
     const int slices = gridDim.y * SK_WARPS, slice = blockIdx.y * SK_WARPS + warp;
-    const int gb = (int)((long long)ngroups * slice / slices), ge = (int)((long long)ngroups * (slice + 1) / slices);
+    const int gb = split_point(ngroups, slice, slices), ge = split_point(ngroups, slice + 1, slices);
 
     // B operand rows: token 8 nt + g; rows >= M read row M - 1 and their results are never stored
     const float* xrow[SK_MT];
@@ -154,8 +154,8 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
     // the loop below never waits on a global activation load. Rows >= M are not stored: lanes
     // of those rows read row M - 1 (results never stored), which is a broadcast for M = 1.
     extern __shared__ __align__(16) uint2 xs[];
-    const int cta_gb = (int)((long long)ngroups * (blockIdx.y * SK_WARPS) / slices);
-    const int cta_ge = (int)((long long)ngroups * ((blockIdx.y + 1) * SK_WARPS) / slices);
+    const int cta_gb = split_point(ngroups, blockIdx.y * SK_WARPS, slices);
+    const int cta_ge = split_point(ngroups, (blockIdx.y + 1) * SK_WARPS, slices);
     const int cta_b0 = cta_gb * 4, cta_nb = (cta_ge - cta_gb) * 4;
     const int xs_row = min(g, M - 1);
 #endif

@@ -19,8 +19,8 @@
 // Activations. Each warp quantizes the activations of its own K slice, one group (4 blocks, 128
 // values) per step, loaded one step ahead with the weights: lane l holds values 4(l % 8) .. +3 of
 // block l / 8 as a float4 and, per block of 32 (8 lanes, a 3-step xor butterfly for the max),
-//     amax = max |x|,  d = amax / 127 (IEEE),  q = rint(x * (1 / d))   (round to nearest even;
-//     q = 0 where d is below FLT_MIN, so 1 / d never overflows)
+//     amax = max |x|,  q = rint(x * (127 / amax))  (IEEE division, round to nearest even),
+//     d = amax * fl(1/127)  (one rounding; q = 0 where amax < 2^-118, so 127 / amax stays finite)
 // d stays float32 (no half rounding as in Q8_1) and q sums exactly in DP4A, so the per-block
 // result d_w d (sumi [- 8 sum q]) has one product rounding -- qgemm.reference.quantize_rows_i8 and
 // exact_w4a8s / exact_w8a8s are this arithmetic in numpy. The quantized words go through a
@@ -107,7 +107,7 @@ static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, co
     const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
     const int tile0 = blockIdx.x * SK_R;
     const int slices = gridDim.y * SK_WARPS, slice = blockIdx.y * SK_WARPS + warp;
-    const int gb = (int)((long long)ngroups * slice / slices), ge = (int)((long long)ngroups * (slice + 1) / slices);
+    const int gb = split_point(ngroups, slice, slices), ge = split_point(ngroups, slice + 1, slices);
     const int mrow = min(g, M - 1);  // the B fragment's token; rows >= M are never stored
     // this lane's quantization slot: block jl of a group, qs word wl (values 4 wl .. 4 wl + 3)
     const int jl = lane / 8, wl = lane % 8;
@@ -157,8 +157,9 @@ static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, co
                 float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
                 for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-                const float d = __fdiv_rn(amax, 127.0f);
-                const float id = d >= 1.17549435e-38f ? __frcp_rn(d) : 0.0f;
+                // one IEEE division per block and lane (its slow path is a call), the scale by a multiply
+                const float id = amax >= 0x1p-118f ? __fdiv_rn(127.0f, amax) : 0.0f;
+                const float d = __fmul_rn(amax, 0x1.020408p-7f);  // fl(1/127), exactly as the reference
                 const int q0 = __float2int_rn(__fmul_rn(v.x, id)), q1 = __float2int_rn(__fmul_rn(v.y, id));
                 const int q2 = __float2int_rn(__fmul_rn(v.z, id)), q3 = __float2int_rn(__fmul_rn(v.w, id));
                 const unsigned word = __byte_perm(__byte_perm(q0, q1, 0x0040), __byte_perm(q2, q3, 0x0040), 0x5410);
