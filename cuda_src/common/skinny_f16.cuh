@@ -79,6 +79,8 @@
 #define SK_PDL_EARLY (!SK_XSMEM)
 #endif
 
+#include "common/skinny_common.cuh"
+
 // d (row g + 8h, block j) broadcast to both halves: j's half of the scale word, as an HMUL2 operand selector
 static __device__ __forceinline__ __half2 sk_scale(const uint4& dq, int h, int j) {
     const unsigned dw = (&dq.x)[2 * h + j / 2];
@@ -132,15 +134,9 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
 #if SK_PDL_EARLY
     pdl_launch_dependents();  // see SK_PDL_EARLY
 #endif
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int g = lane / 4, t = lane % 4;
-    const int nb = K / QK, ngroups = (nb + 3) / 4, ntiles = (N + 15) / 16;
-    constexpr int GROUP_PIECES = SF::PIECES * 32;  // uint4 per (tile, group)
-    const uint4* qs = reinterpret_cast<const uint4*>(Wp);
-    const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
-    const int tile0 = blockIdx.x * SK_R;
-    const int slices = gridDim.y * SK_WARPS, slice = blockIdx.y * SK_WARPS + warp;
-    const int gb = split_point(ngroups, slice, slices), ge = split_point(ngroups, slice + 1, slices);
+    const SkSlice<SF::PIECES> sl(Wp, N, K);
+    const int lane = sl.lane, warp = sl.warp, g = sl.g, t = sl.t, nb = sl.nb, ngroups = sl.ngroups;
+    const int tile0 = sl.tile0, gb = sl.gb, ge = sl.ge;
 
     // B operand rows: token 8 nt + g; rows >= M read row M - 1 and their results are never stored
     const float* xrow[SK_MT];
@@ -154,6 +150,7 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
     // the loop below never waits on a global activation load. Rows >= M are not stored: lanes
     // of those rows read row M - 1 (results never stored), which is a broadcast for M = 1.
     extern __shared__ __align__(16) uint2 xs[];
+    const int slices = gridDim.y * SK_WARPS;
     const int cta_gb = split_point(ngroups, blockIdx.y * SK_WARPS, slices);
     const int cta_ge = split_point(ngroups, (blockIdx.y + 1) * SK_WARPS, slices);
     const int cta_b0 = cta_gb * 4, cta_nb = (cta_ge - cta_gb) * 4;
@@ -177,21 +174,9 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
     // [G + U, G + 2U) are in flight, then the roles swap. The loop body is written out twice
     // rather than copying B into A, because a register move of a load still in flight would
     // wait for it (the scoreboard), which is exactly the stall the pipeline is there to hide.
-    typedef uint4 WSet[SK_UNROLL][SK_R][SF::PIECES];
-    typedef uint4 DSet[SK_UNROLL][SK_R];
-    auto load = [&](WSet& wq, DSet& wd, int G) {
-#pragma unroll
-        for (int u = 0; u < SK_UNROLL; ++u) {
-            const int Gu = min(G + u, ge - 1);  // clamped: the loads stay in bounds, the math is skipped
-#pragma unroll
-            for (int r = 0; r < SK_R; ++r) {
-                const size_t base = (size_t)min(tile0 + r, ntiles - 1) * ngroups + Gu;
-#pragma unroll
-                for (int p = 0; p < SF::PIECES; ++p) wq[u][r][p] = ld_stream16(qs + base * GROUP_PIECES + p * 32 + lane);
-                wd[u][r] = __ldg(ds + base * 8 + g);
-            }
-        }
-    };
+    typedef typename SkSlice<SF::PIECES>::WSet WSet;
+    typedef typename SkSlice<SF::PIECES>::DSet DSet;
+    auto load = [&](WSet& wq, DSet& wd, int G) { sl.load(wq, wd, G); };
     // Activation loads: x is small and shared by every CTA, so these hit L1/L2, but each one's
     // latency sits right before its MMA. A u step's loads are therefore issued together, before
     // any is converted (one latency per 4 blocks instead of one per block; 8 SK_MT float4
@@ -292,18 +277,5 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
 #pragma unroll
             for (int i = 0; i < 4; ++i) red[warp][(r * SK_MT + nt) * 4 + i][lane] = SK_ACC > 1 ? acc[0][r][nt][i] + acc[SK_ACC - 1][r][nt][i] : acc[0][r][nt][i];
     __syncthreads();
-    const bool atomic = gridDim.y > 1;
-    for (int idx = threadIdx.x; idx < SK_R * SK_MT * 4 * 32; idx += SK_WARPS * 32) {
-        const int l = idx % 32, i = (idx / 32) % 4, nt = (idx / 128) % SK_MT, r = idx / (128 * SK_MT);
-        const int row = (tile0 + r) * 16 + l / 4 + (i >= 2 ? 8 : 0);
-        const int tok = nt * 8 + (l % 4) * 2 + (i & 1);
-        if (row >= N || tok >= M) continue;
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < SK_WARPS; ++w) v += red[w][idx / 32][l];
-        if (atomic)
-            atomicAdd(C + (size_t)tok * N + row, v);
-        else
-            C[(size_t)tok * N + row] = v;
-    }
+    sk_reduce_store<SK_MT>(red, C, M, N, tile0);
 }

@@ -59,6 +59,7 @@
 #define SK_PDL_EARLY 0
 #endif
 #define SK_MQP (SK_MQ < 2 ? 2 : SK_MQ)  // token slots of the scale rows: a lane reads tokens 2t, 2t + 1
+#include "common/skinny_common.cuh"
 
 struct SkI8Q4_0 {
     static constexpr int PIECES = 2;  // 16-byte pieces per lane per (tile, group): rows g, g + 8
@@ -99,15 +100,8 @@ static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, co
 #if SK_PDL_EARLY
     pdl_launch_dependents();
 #endif
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int g = lane / 4, t = lane % 4;
-    const int nb = K / QK, ngroups = (nb + 3) / 4, ntiles = (N + 15) / 16;
-    constexpr int GROUP_PIECES = SF::PIECES * 32;  // uint4 per (tile, group)
-    const uint4* qs = reinterpret_cast<const uint4*>(Wp);
-    const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
-    const int tile0 = blockIdx.x * SK_R;
-    const int slices = gridDim.y * SK_WARPS, slice = blockIdx.y * SK_WARPS + warp;
-    const int gb = split_point(ngroups, slice, slices), ge = split_point(ngroups, slice + 1, slices);
+    const SkSlice<SF::PIECES> sl(Wp, N, K);
+    const int lane = sl.lane, warp = sl.warp, g = sl.g, t = sl.t, nb = sl.nb, tile0 = sl.tile0, gb = sl.gb, ge = sl.ge;
     const int mrow = min(g, M - 1);  // the B fragment's token; rows >= M are never stored
     // this lane's quantization slot: block jl of a group, qs word wl (values 4 wl .. 4 wl + 3)
     const int jl = lane / 8, wl = lane % 8;
@@ -120,22 +114,10 @@ static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, co
 
     // Software pipeline as in skinny_f16.cuh: set A computes while set B's loads are in flight,
     // the loop body written out twice (a register move of a load in flight would wait for it).
-    typedef uint4 WSet[SK_UNROLL][SK_R][SF::PIECES];
-    typedef uint4 DSet[SK_UNROLL][SK_R];
+    typedef typename SkSlice<SF::PIECES>::WSet WSet;
+    typedef typename SkSlice<SF::PIECES>::DSet DSet;
     typedef float4 XSet[SK_UNROLL][SK_MQ];
-    auto load_w = [&](WSet& wq, DSet& wd, int G) {
-#pragma unroll
-        for (int u = 0; u < SK_UNROLL; ++u) {
-            const int Gu = min(G + u, ge - 1);  // clamped: the loads stay in bounds, the math is skipped
-#pragma unroll
-            for (int r = 0; r < SK_R; ++r) {
-                const size_t base = (size_t)min(tile0 + r, ntiles - 1) * ngroups + Gu;
-#pragma unroll
-                for (int p = 0; p < SF::PIECES; ++p) wq[u][r][p] = ld_stream16(qs + base * GROUP_PIECES + p * 32 + lane);
-                wd[u][r] = __ldg(ds + base * 8 + g);
-            }
-        }
-    };
+    auto load_w = [&](WSet& wq, DSet& wd, int G) { sl.load(wq, wd, G); };
     // Blocks past K (the last group's padding) re-read block nb - 1: finite values whose weights
     // are d = 0, so they add exactly 0.
     auto load_x = [&](XSet& xv, int G) {
@@ -238,18 +220,5 @@ static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, co
 #pragma unroll
         for (int i = 0; i < 4; ++i) red[warp][r * 4 + i][lane] = acc[r][i];
     __syncthreads();
-    const bool atomic = gridDim.y > 1;
-    for (int idx = threadIdx.x; idx < SK_R * 4 * 32; idx += SK_WARPS * 32) {
-        const int l = idx % 32, i = (idx / 32) % 4, r = idx / 128;
-        const int row = (tile0 + r) * 16 + l / 4 + (i >= 2 ? 8 : 0);
-        const int tok = (l % 4) * 2 + (i & 1);
-        if (row >= N || tok >= M) continue;
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < SK_WARPS; ++w) v += red[w][idx / 32][l];
-        if (atomic)
-            atomicAdd(C + (size_t)tok * N + row, v);
-        else
-            C[(size_t)tok * N + row] = v;
-    }
+    sk_reduce_store<1>(red, C, M, N, tile0);
 }

@@ -1,0 +1,70 @@
+// What the two skinny decode kernels (common/skinny_f16.cuh, common/skinny_i8.cuh) share: the
+// addressing of the packed "skinny" weight layout (qgemm.packing), the split of a CTA's K groups
+// among its warps and of K among CTAs (gridDim.y), the software-pipelined weight loads, and the
+// cross-warp reduction and store of the C fragments. Include it after SK_R, SK_WARPS and
+// SK_UNROLL have their values.
+#pragma once
+#include "common/mma_gemm.cuh"
+
+template <int PIECES>  // 16-byte pieces per lane per (tile, group): 2 (Q4_0), 4 (Q8_0)
+struct SkSlice {
+    static constexpr int GROUP_PIECES = PIECES * 32;  // uint4 per (tile, group)
+    typedef uint4 WSet[SK_UNROLL][SK_R][PIECES];
+    typedef uint4 DSet[SK_UNROLL][SK_R];
+    int lane, warp, g, t, nb, ngroups, ntiles, tile0, gb, ge;
+    const uint4* qs;
+    const uint4* ds;
+
+    // This warp's groups [gb, ge): the CTA's K range split among its warps, K split among the
+    // gridDim.y CTAs of a tile (their partial sums meet in C through atomics)
+    __device__ __forceinline__ SkSlice(const unsigned char* Wp, int N, int K) {
+        lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        g = lane / 4, t = lane % 4;
+        nb = K / QK, ngroups = (nb + 3) / 4, ntiles = (N + 15) / 16;
+        qs = reinterpret_cast<const uint4*>(Wp);
+        ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
+        tile0 = blockIdx.x * SK_R;
+        const int slices = gridDim.y * SK_WARPS, slice = blockIdx.y * SK_WARPS + warp;
+        gb = split_point(ngroups, slice, slices), ge = split_point(ngroups, slice + 1, slices);
+    }
+
+    // Groups [G, G + SK_UNROLL) of the CTA's SK_R tiles: every weight byte read once, by one lane, in
+    // 16-byte loads (a warp load is 512 contiguous bytes). Past the warp's last group the loads are
+    // clamped to it (in bounds; the math is skipped); tiles past N re-read the last tile (never stored).
+    __device__ __forceinline__ void load(WSet& wq, DSet& wd, int G) const {
+#pragma unroll
+        for (int u = 0; u < SK_UNROLL; ++u) {
+            const int Gu = min(G + u, ge - 1);
+#pragma unroll
+            for (int r = 0; r < SK_R; ++r) {
+                const size_t base = (size_t)min(tile0 + r, ntiles - 1) * ngroups + Gu;
+#pragma unroll
+                for (int p = 0; p < PIECES; ++p) wq[u][r][p] = ld_stream16(qs + base * GROUP_PIECES + p * 32 + lane);
+                wd[u][r] = __ldg(ds + base * 8 + g);
+            }
+        }
+    }
+};
+
+// The CTA's C fragments after every warp has written its partial sums to red[warp][(r * MT + nt) * 4
+// + i][lane] and the CTA has passed a barrier: summed over the warps in a fixed order and stored
+// (fragment element i of lane l: W row g + 8 (i >= 2), token 2t + (i & 1) of 8-token fragment nt),
+// or added into C with atomics when K is split across CTAs (C zeroed by the launcher).
+template <int MT>
+static __device__ __forceinline__ void sk_reduce_store(const float (&red)[SK_WARPS][SK_R * MT * 4][32], float* __restrict__ C,
+                                                       int M, int N, int tile0) {
+    const bool atomic = gridDim.y > 1;
+    for (int idx = threadIdx.x; idx < SK_R * MT * 4 * 32; idx += SK_WARPS * 32) {
+        const int l = idx % 32, i = (idx / 32) % 4, nt = (idx / 128) % MT, r = idx / (128 * MT);
+        const int row = (tile0 + r) * 16 + l / 4 + (i >= 2 ? 8 : 0);
+        const int tok = nt * 8 + (l % 4) * 2 + (i & 1);
+        if (row >= N || tok >= M) continue;
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < SK_WARPS; ++w) v += red[w][idx / 32][l];
+        if (atomic)
+            atomicAdd(C + (size_t)tok * N + row, v);
+        else
+            C[(size_t)tok * N + row] = v;
+    }
+}
