@@ -101,12 +101,21 @@ class Profile:
         return asdict(self)
 
 
+_SAMPLE_US = 1000.0  # GPU time one sample (one graph replay) should span
+_MAX_BATCH = 1000
+_TRIAL_BATCH = 16
+
+
 def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[float], dict]:
     """Per-launch times in us. A single launch between two events would also time Python's launch
     overhead whenever the kernel is shorter than it (the GPU idles waiting for the launch), so
     launches are batched: B back-to-back launches (cycling through the buffer sets) are captured
     once as a CUDA graph and replayed; each replay's time / B is one sample. B is chosen so a
-    replay takes about 1 ms. Falls back to uncaptured back-to-back batches if capture fails."""
+    replay takes about 1 ms of GPU time, from a captured trial graph of 16 launches: sizing it from
+    one plain launch (as before session 9) measured Python's launch overhead (25-110 us per call
+    with qgemm.matmul's planning), gave batches of 9-39 decode ops, and left the graph's own
+    launch latency (a few us per replay) in every sample. Falls back to uncaptured back-to-back
+    batches if capture fails."""
     stream = runtime.create_stream()
     for i in range(max(warmup, 1)):
         launch(i % sets, stream)
@@ -115,19 +124,29 @@ def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[flo
     launch(0, stream)
     e1 = runtime.record_event(stream)
     single = runtime.elapsed_ms(e0, e1) * 1e3
-    batch = int(min(max(1000.0 / max(single, 1e-3), 1), 200))
-    method = f"CUDA graph of {batch} back-to-back launches per sample"
 
-    def record():
-        for j in range(batch):
-            launch(j % sets, stream)
+    def recorder(count):
+        def record():
+            for j in range(count):
+                launch(j % sets, stream)
+        return record
 
     try:
-        graph = runtime.Graph(record, stream)
+        trial = runtime.Graph(recorder(_TRIAL_BATCH), stream)
+        trial.launch()
+        runtime.synchronize(stream)
+        e0 = runtime.record_event(stream)
+        trial.launch()
+        e1 = runtime.record_event(stream)
+        per_launch = runtime.elapsed_ms(e0, e1) * 1e3 / _TRIAL_BATCH
+        batch = int(min(max(_SAMPLE_US / max(per_launch, 1e-3), 1), _MAX_BATCH))
+        graph = runtime.Graph(recorder(batch), stream)
         replay = graph.launch
+        method = f"CUDA graph of {batch} back-to-back launches per sample"
     except Exception as e:  # pragma: no cover - depends on the driver
+        batch = int(min(max(_SAMPLE_US / max(single, 1e-3), 1), 200))
         method = f"batches of {batch} back-to-back launches (graph capture failed: {e})"
-        replay = record
+        replay = recorder(batch)
     replay()
     runtime.synchronize(stream)
     times = []
