@@ -1,10 +1,11 @@
 // What the two skinny decode kernels (common/skinny_f16.cuh, common/skinny_i8.cuh) share: the
 // addressing of the packed "skinny" weight layout (qgemm.packing), the split of a CTA's K groups
 // among its warps and of K among CTAs (gridDim.y), the software-pipelined weight loads, and the
-// cross-warp reduction and store of the C fragments. Include it after SK_R, SK_WARPS and
-// SK_UNROLL have their values.
+// cross-warp reduction and store of the C fragments. Include it after SK_R, SK_WARPS, SK_UNROLL
+// and SK_PDL_EARLY have their values.
 #pragma once
 #include "common/mma_gemm.cuh"
+#include "common/pdl.cuh"
 
 template <int PIECES>  // 16-byte pieces per lane per (tile, group): 2 (Q4_0), 4 (Q8_0)
 struct SkSlice {
@@ -46,13 +47,26 @@ struct SkSlice {
     }
 };
 
-// The CTA's C fragments after every warp has written its partial sums to red[warp][(r * MT + nt) * 4
-// + i][lane] and the CTA has passed a barrier: summed over the warps in a fixed order and stored
-// (fragment element i of lane l: W row g + 8 (i >= 2), token 2t + (i & 1) of 8-token fragment nt),
-// or added into C with atomics when K is split across CTAs (C zeroed by the launcher).
-template <int MT>
-static __device__ __forceinline__ void sk_reduce_store(const float (&red)[SK_WARPS][SK_R * MT * 4][32], float* __restrict__ C,
-                                                       int M, int N, int tile0) {
+// The end of both kernels, after the main loop: the programmatic-dependent-launch trigger (unless
+// SK_PDL_EARLY fired it at entry: common/skinny_f16.cuh says when each is better), then the CTA's C
+// fragments -- frag(r, nt, i) is fragment element i of tile r and 8-token fragment nt in this lane:
+// W row g + 8 (i >= 2), token 2t + (i & 1) -- written per warp to red, summed over the warps in a
+// fixed order and stored, or added into C with atomics when K is split across CTAs (C zeroed by
+// the launcher).
+template <int MT, typename Frag>
+static __device__ __forceinline__ void sk_reduce_store(float (&red)[SK_WARPS][SK_R * MT * 4][32], const Frag& frag,
+                                                       float* __restrict__ C, int M, int N, int tile0) {
+#if !SK_PDL_EARLY
+    pdl_launch_dependents();  // this CTA's last weight load is issued
+#endif
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int r = 0; r < SK_R; ++r)
+#pragma unroll
+        for (int nt = 0; nt < MT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[warp][(r * MT + nt) * 4 + i][lane] = frag(r, nt, i);
+    __syncthreads();
     const bool atomic = gridDim.y > 1;
     for (int idx = threadIdx.x; idx < SK_R * MT * 4 * 32; idx += SK_WARPS * 32) {
         const int l = idx % 32, i = (idx / 32) % 4, nt = (idx / 128) % MT, r = idx / (128 * MT);

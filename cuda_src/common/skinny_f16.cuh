@@ -266,16 +266,8 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
         compute(wqB, wdB, G + SK_UNROLL);
     }
 
-#if !SK_PDL_EARLY
-    pdl_launch_dependents();  // this CTA's last weight load is issued
-#endif
     // C fragment: acc[..][0..1] -> W row g, tokens 2t, 2t+1; acc[..][2..3] -> row g + 8
-#pragma unroll
-    for (int r = 0; r < SK_R; ++r)
-#pragma unroll
-        for (int nt = 0; nt < SK_MT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) red[warp][(r * SK_MT + nt) * 4 + i][lane] = SK_ACC > 1 ? acc[0][r][nt][i] + acc[SK_ACC - 1][r][nt][i] : acc[0][r][nt][i];
-    __syncthreads();
-    sk_reduce_store<SK_MT>(red, C, M, N, tile0);
+    sk_reduce_store<SK_MT>(red, [&](int r, int nt, int i) {
+        return SK_ACC > 1 ? acc[0][r][nt][i] + acc[SK_ACC - 1][r][nt][i] : acc[0][r][nt][i];
+    }, C, M, N, tile0);
 }

@@ -211,14 +211,6 @@ static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, co
         compute(wqB, wdB, G + SK_UNROLL, 1);
     }
 
-#if !SK_PDL_EARLY
-    pdl_launch_dependents();  // this CTA's last weight load is issued
-#endif
     // C fragment: acc[r][0..1] -> W row g, tokens 2t, 2t+1; acc[r][2..3] -> row g + 8
-#pragma unroll
-    for (int r = 0; r < SK_R; ++r)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][r * 4 + i][lane] = acc[r][i];
-    __syncthreads();
-    sk_reduce_store<1>(red, C, M, N, tile0);
+    sk_reduce_store<1>(red, [&](int r, int, int i) { return acc[r][i]; }, C, M, N, tile0);
 }
