@@ -163,7 +163,8 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
     elif packed and x_dtype == "f32" and m <= SKINNY_I8_MAX_M and (cc is None or cc >= 80):
         name, source = choice["skinny_i8"], "default"
         reason = (f"M={m} with packed weights: int8 tensor cores, tokens on the MMA's N side, each weight byte read "
-                  "once in 16-byte loads and used as the MMA fragment as is; the kernel quantizes the float32 "
+                  "once in 16-byte loads and used as the MMA fragment (Q8_0 as is, Q4_0 after one mask per nibble half); the "
+                  "kernel quantizes the float32 "
                   "activations per 32-block itself (no prologue kernel)")
     elif packed and x_dtype == "f32" and m <= SKINNY_MAX_M and (cc is None or cc >= 80):
         name, source = choice["skinny"], "default"
