@@ -7,7 +7,8 @@ With weights from `qgemm.pack_weights` (repacked once, at load) and float32 acti
 - M >= 17 on sm_90: `convert.f16` + `w4a16.wgmma_rs` / `w8a16.wgmma_rs` (asynchronous warpgroup
   MMA, the weights dequantized into registers as its A operand);
 - M = 1: `w4a8.skinny` / `w8a8.skinny` alone -- int8 tensor cores with the token on the MMA's N side,
-  the weight words used as fragments as they are, the activations quantized per block by the kernel;
+  the weight words used as fragments (Q4_0 after one mask), the activations quantized per block by
+  the kernel;
 - otherwise M <= 32: `w4a16.skinny` / `w8a16.skinny` alone -- fp16 tensor cores with the tokens on the
   MMA's N side, 16-byte weight loads, the activations read (and rounded to fp16) by the kernel.
 Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM runs:
@@ -49,10 +50,11 @@ SKINNY_MAX_M = 32
 # than convert.f16 + this kernel at 512x4096x4096: docs/perf/NOTES.md)
 WGMMA_MIN_M = 17
 # packed weights, float32 activations, one token: the int8 skinny kernels (activations quantized per
-# block by the kernel, no dequantization of the weights). H100, whole op, same process: Q4_0
-# 1x4096x4096 4.7 vs 4.9-5.1 us for the fp16 kernel (4.2 tuned), 1x4096x14336 11.4 vs 14.7; Q8_0
-# 5.7 vs 5.9-6.2, 21.5-21.9 vs 23.2. From two tokens on they are slower (the quantization is per
-# token, the dequantization it saves per weight): 2x4096x4096 Q8_0 9.8 vs 6.2.
+# block by the kernel, no dequantization of the weights). H100, whole op, same process, untuned
+# first version: Q4_0 1x4096x4096 4.7 vs 4.9-5.1 us for the fp16 kernel, 1x4096x14336 11.4 vs 14.7;
+# Q8_0 5.7 vs 5.9-6.2, 21.5-21.9 vs 23.2 (tuned and trimmed since: 3.8 / 9.8 / 5.6 / 20.8 in the
+# session-9 bench). From two tokens on they are slower (the quantization is per token, the
+# dequantization it saves per weight): 2x4096x4096 Q8_0 9.8 vs 6.2.
 SKINNY_I8_MAX_M = 1
 _F16_INF_FROM = 65520.0  # float32 values of this magnitude and above round to float16 inf (max finite 65504)
 
@@ -163,9 +165,8 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
     elif packed and x_dtype == "f32" and m <= SKINNY_I8_MAX_M and (cc is None or cc >= 80):
         name, source = choice["skinny_i8"], "default"
         reason = (f"M={m} with packed weights: int8 tensor cores, tokens on the MMA's N side, each weight byte read "
-                  "once in 16-byte loads and used as the MMA fragment (Q8_0 as is, Q4_0 after one mask per nibble half); the "
-                  "kernel quantizes the float32 "
-                  "activations per 32-block itself (no prologue kernel)")
+                  "once in 16-byte loads and used as the MMA fragment (Q8_0 as is, Q4_0 after one mask per nibble "
+                  "half); the kernel quantizes the float32 activations per 32-block itself (no prologue kernel)")
     elif packed and x_dtype == "f32" and m <= SKINNY_MAX_M and (cc is None or cc >= 80):
         name, source = choice["skinny"], "default"
         reason = (f"M={m} <= {SKINNY_MAX_M} with packed weights: tokens on the MMA's N side, each weight byte read once "

@@ -11,17 +11,18 @@
 #pragma once
 #include <cuda_fp16.h>
 
-// wgmma shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 B apart
-static __device__ __forceinline__ unsigned long long wg_desc(unsigned smem_addr) {
-    return (unsigned long long)((smem_addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
-}
-// The same descriptor as a base plus an offset: wg_desc(addr + off) == wg_desc_at(wg_desc_lo(addr), off) for 16-byte
-// multiples off while addr + off stays below 256 KB (all of shared memory), since the 14-bit address field in the
-// low word then cannot carry. One 32-bit add per wgmma instead of recomputing and masking the whole descriptor.
+// wgmma shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 B apart.
+// Low word: the start address / 16 (14 bits) and the leading byte offset field (1 << 16); high word:
+// the stride between 8-row groups / 16 and the 128-byte swizzle mode (bit 62).
+// wg_desc(addr + off) == wg_desc_at(wg_desc_lo(addr), off) for 16-byte multiples off while
+// addr + off stays below 256 KB (all of shared memory), since the 14-bit address field in the low
+// word then cannot carry: one 32-bit add per wgmma instead of recomputing and masking the whole
+// descriptor.
 static __device__ __forceinline__ unsigned wg_desc_lo(unsigned smem_addr) { return ((smem_addr & 0x3FFFF) >> 4) | (1u << 16); }
 static __device__ __forceinline__ unsigned long long wg_desc_at(unsigned desc_lo, unsigned off) {
     return ((unsigned long long)((1024 >> 4) | (1u << 30)) << 32) | (desc_lo + (off >> 4));
 }
+static __device__ __forceinline__ unsigned long long wg_desc(unsigned smem_addr) { return wg_desc_at(wg_desc_lo(smem_addr), 0); }
 
 static __device__ __forceinline__ void wg_cp_async16_zfill(unsigned dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
