@@ -146,7 +146,7 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         s = registry.spec(path)
         layout = s.weight_layout is not None
         if (s.op.kind != "gemm" or s.op.w is None or s.op.w.name != fmt
-                or s.op.a.name not in (("f32", "f16") if layout else ("q8_1", "f16"))):
+                or s.op.a.name not in (("f32", "f16", "q8_1") if layout else ("q8_1", "f16"))):
             raise ValueError(f"matmul: path {path!r} computes {s.op}; for {fmt} weights it must take Q8_1 or f16 activations "
                              f"and {fmt} weights (e.g. {choice['mma']}, {choice['gemv']}, {choice['dp4a']}), or be "
                              f"{choice['skinny']} with packed weights")

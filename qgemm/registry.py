@@ -293,6 +293,52 @@ def _skinny_i8_candidates(wfmt: str):
     return candidates
 
 
+# ---- skinny int8 MMA on Q8_1 activations (common/skinny_q8_1.cuh) ---------------------------
+SKINNY_Q8_1_MAX_M = 32
+
+
+def _skinny_q8_1_mt(m: int) -> int:
+    """8-token tiles the kernel is compiled for: 1, 2 or 4 (M <= 8, 16, 32)."""
+    return 1 if m <= 8 else (2 if m <= 16 else 4)
+
+
+def _skinny_q8_1_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
+    pieces = 2 if wfmt == "q4_0" else 4
+    mt, w, u, r = d["SK_MT"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_R"]
+    # static shared memory: the cross-warp reduction (512 B per warp, tile and 8 tokens);
+    # registers: two pipelined sets of weights (uint4s) and of activation words (4 per block and
+    # 8-token tile), the accumulators. u r mt > 4 spills under the 255-register cap, and 16 warps
+    # leave 128 registers per thread (both from `qgemm compile`, sm_90, NVRTC 13)
+    return (8 * mt >= min(m, SKINNY_Q8_1_MAX_M) and w * r * mt * 512 <= 48 * 1024
+            and u * r * (pieces + 1) <= 12 and u * r * mt <= 4
+            and (w < 16 or (u * r * (pieces + 1) <= 6 and u * mt <= 1)))
+
+
+def _skinny_q8_1_config(wfmt: str):
+    def config(m: int, n: int, k: int, sm_count: int) -> dict:
+        # First version: the int8 M = 1 kernel's tuned split (common/skinny_i8.cuh) -- Q4_0 two
+        # 16-row tiles per CTA and 16 warps, Q8_0 one tile and 8 warps -- with fewer warps where the
+        # 8-token tiles need the registers.
+        mt = _skinny_q8_1_mt(m)
+        r, warps = (2, 16) if wfmt == "q4_0" else (1, 8)
+        d = {"SK_R": r, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_GSPLIT": 1, "SK_MT": mt}
+        while not _skinny_q8_1_ok(d, wfmt, m, k) and d["SK_WARPS"] > 8:
+            d = {**d, "SK_WARPS": d["SK_WARPS"] // 2}
+        while not _skinny_q8_1_ok(d, wfmt, m, k) and d["SK_R"] > 1:
+            d = {**d, "SK_R": d["SK_R"] // 2}
+        return d
+    return config
+
+
+def _skinny_q8_1_candidates(wfmt: str):
+    def candidates(m: int, n: int, k: int) -> list[dict]:
+        mt = _skinny_q8_1_mt(m)
+        out = [{"SK_R": r, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_MT": mt}
+               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2) for s in (1, 2, 4)]
+        return [d for d in out if _skinny_q8_1_ok(d, wfmt, m, k)]
+    return candidates
+
+
 # ---- Hopper wgmma prefill (common/wgmma_f16.cuh) -------------------------------------------
 def _wgmma_geometry(m: int, n: int, k: int, d: dict) -> Launch:
     # 128 x 128 tiles; WG_STAGES buffers of two 32 KB fp16 tiles, +1 KB to align them to 1024 B
@@ -387,13 +433,13 @@ _SPECS = [
     KernelSpec("fp32.tiled", ops.FP32, 1, "fp32/tiled.cu", "fp32_tiled", _tile_64x64,
                "FP32 GEMM, 64x64 shared-memory tiles, 4x4 outputs per thread"),
     KernelSpec("quantize.q8_1", ops.QUANTIZE_Q8_1, 2, "quantize/q8_1.cu", "quantize_q8_1", _quantize_rows,
-               "float32 activations -> Q8_1 blocks (d, s = sum x), as ggml-cuda's quantize_q8_1"),
+               "float32 activations -> Q8_1 blocks (d, s = sum x), as ggml-cuda's quantize_q8_1", pdl=True),
     KernelSpec("convert.f16", ops.CONVERT_F16, 2, "convert/f32_to_f16.cu", "convert_f32_to_f16",
                lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
                "float32 activations -> float16 (round to nearest even), the prologue of the fp16 tensor-core path",
                pdl=True, zeroes=True),
     KernelSpec("quantize.q8_1_f16", ops.QUANTIZE_Q8_1_F16, 2, "quantize/q8_1_f16.cu", "quantize_q8_1_f16", _quantize_rows,
-               "float16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)"),
+               "float16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)", pdl=True),
     KernelSpec("w4a16.naive", ops.W4A16, 3, "w4a16/naive.cu", "w4a16_naive", _thread_per_output,
                "Q4_0 weights x float32 activations, one thread per output, unpacked on the fly"),
     KernelSpec("w4a16.tiled", ops.W4A16, 3, "w4a16/tiled.cu", "w4a16_tiled", _tile_64x64,
@@ -448,6 +494,16 @@ _SPECS = [
                "on int8 tensor cores, tokens on the MMA's N side, the weight words as the A fragments", min_arch=80,
                config=_skinny_i8_config("q8_0"), candidates=_skinny_i8_candidates("q8_0"), max_m=SKINNY_I8_MAX_M,
                unit="imma", weight_layout="skinny", pdl=True),
+    KernelSpec("w4a8.skinny_q8_1", ops.W4A8, 6, "w4a8/skinny_q8_1.cu", "w4a8_skinny_q8_1", _skinny_geometry,
+               "production small batch (M <= 32): Q8_1 activations (quantize.q8_1, once per op) x Q4_0 (repacked "
+               "once) on int8 tensor cores, up to 8 tokens per MMA on its N side, llama.cpp's per-block math",
+               min_arch=80, config=_skinny_q8_1_config("q4_0"), candidates=_skinny_q8_1_candidates("q4_0"),
+               max_m=SKINNY_Q8_1_MAX_M, unit="imma", weight_layout="skinny", pdl=True),
+    KernelSpec("w8a8.skinny_q8_1", ops.W8A8, 6, "w8a8/skinny_q8_1.cu", "w8a8_skinny_q8_1", _skinny_geometry,
+               "production small batch (M <= 32): Q8_1 activations (quantize.q8_1, once per op) x Q8_0 (repacked "
+               "once) on int8 tensor cores, up to 8 tokens per MMA on its N side, the weight words as the A fragments",
+               min_arch=80, config=_skinny_q8_1_config("q8_0"), candidates=_skinny_q8_1_candidates("q8_0"),
+               max_m=SKINNY_Q8_1_MAX_M, unit="imma", weight_layout="skinny", pdl=True),
     KernelSpec("w4a16.wgmma", ops.W4A16H, 6, "w4a16/wgmma.cu", "w4a16_wgmma", _wgmma_geometry,
                "production prefill on Hopper: f16 x Q4_0 (repacked once) through asynchronous wgmma, dequantized into "
                "swizzled shared memory while the previous stage multiplies", min_arch=90, arch_suffix="a",

@@ -467,6 +467,41 @@ def test_skinny_i8_rejects_more_than_8_tokens(rng):
         qgemm.matmul(rng.standard_normal((9, 256), dtype=np.float32), qgemm.pack_weights(w), path="w8a8.skinny")
 
 
+SKINNY_Q8_1 = ["w4a8.skinny_q8_1", "w8a8.skinny_q8_1"]
+
+
+@pytest.mark.parametrize("name", SKINNY_Q8_1)
+def test_skinny_q8_1_every_candidate_configuration(name, rng):
+    """The int8 small-batch kernels on Q8_1 activations: every tunable configuration at 1-32 tokens
+    (one, two and four 8-token tiles, rows past M clamped), N not a multiple of 16, K of 1, 5 and
+    129 blocks (a padded last group) and a long K split across CTAs; fresh inputs, poisoned outputs,
+    llama.cpp's per-block math as the exact reference (exact_w4a8 / exact_w8a8)."""
+    _every_candidate(qgemm.get(name), ((1, 33, 160), (3, 47, 32), (8, 4097, 4128), (13, 100, 14336), (32, 33, 160),
+                                       (27, 257, 1024)), rng)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_skinny_q8_1_through_matmul(fmt, rng):
+    """qgemm.matmul with path= the Q8_1 kernel: quantize.q8_1 (PDL) then the kernel, float32 and
+    float16 activations, against the plan's exact reference and float64 truth; more than 32
+    tokens is refused before anything launches."""
+    name = SKINNY_Q8_1[fmt == "q8_0"]
+    n, k = 300, 1056
+    w_f = rng.standard_normal((n, k), dtype=np.float32)
+    w = F.quantize(w_f, fmt)
+    pw = qgemm.pack_weights(w)
+    for m in (2, 9, 32):
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        for xx in (x, x.astype(np.float16)):
+            p = qgemm.plan(m, n, k, fmt, "f32" if xx.dtype == np.float32 else "f16", path=name, packed=True)
+            assert p.kernel == name and p.quantizer.startswith("quantize.q8_1"), p
+            c = qgemm.matmul(xx, pw, path=name)
+            r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(xx, w), qgemm.reference.truth(xx, w_f), xx, w_f)
+            assert r.passed, (m, xx.dtype, r)
+    with pytest.raises(ValueError, match="M <= 32"):
+        qgemm.matmul(rng.standard_normal((33, k), dtype=np.float32), pw, path=name)
+
+
 def _every_candidate(k, shapes, rng):
     """Each configuration `qgemm tune` may pick, on fresh inputs per shape, poisoned output."""
     for (m, n, kk) in shapes:

@@ -7,6 +7,7 @@
 #   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh
 #   QGEMM_CHECK="skinny decode ncu" bash tools/gpu_check.sh    # decode path: tests, tune, bench M <= 64, ncu
 #   QGEMM_CHECK="i8" bash tools/gpu_check.sh                   # int8 decode kernels: tests, every config vs fp16, whole op
+#   QGEMM_CHECK="q8" bash tools/gpu_check.sh                   # int8 small batch on Q8_1: tests, every config, whole op
 #   QGEMM_CHECK="rs" bash tools/gpu_check.sh                   # Hopper prefill: wgmma_rs vs wgmma, tests, tune
 #   QGEMM_CHECK="l2" bash tools/gpu_check.sh                   # prefill: warpgroups per CTA, L2 throughput (ncu) vs cuBLAS
 set -uo pipefail
@@ -21,6 +22,7 @@ STEPS=${QGEMM_CHECK:-"info tests validate tutorial profile bench report"}
 SHAPE=${QGEMM_SHAPE:-512x4096x4096}
 RS_SHAPES=${QGEMM_RS_SHAPES:-64x4096x4096,128x4096x4096,512x4096x4096,2048x4096x4096,512x4096x14336}
 I8_SHAPES=${QGEMM_I8_SHAPES:-1x4096x4096,1x4096x14336,2x4096x4096,4x4096x4096,8x4096x4096}
+Q8_SHAPES=${QGEMM_Q8_SHAPES:-2x4096x4096,4x4096x4096,8x4096x4096,16x4096x4096,32x4096x4096,8x4096x14336}
 TUNE_SHAPES=${QGEMM_TUNE_SHAPES:-1x4096x4096,8x4096x4096,1x4096x14336,8x4096x14336,16x4096x4096,32x4096x4096,64x4096x4096}
 LOG="$OUT/gpu_check.log"
 rc=0
@@ -47,6 +49,20 @@ for step in $STEPS; do
                   run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run; done; done
               run $PY tools/compare_paths.py --shapes "$I8_SHAPES" --repeats 3 \
                   --paths default,w4a16.skinny,w4a8.skinny,w8a16.skinny,w8a8.skinny --json "$OUT/i8_paths.json" ;;
+    q8)       # the int8 small-batch kernels on Q8_1 activations (w4a8.skinny_q8_1, w8a8.skinny_q8_1): precompile
+              # every candidate, their GPU tests (and the PDL chain), every configuration timed (nothing
+              # stored), then the whole op through qgemm.matmul, default plan vs each path
+              run $PY tools/precompile.py w4a8.skinny_q8_1 w8a8.skinny_q8_1 quantize.q8_1 quantize.q8_1_f16 \
+                  --shapes "1x33x160,3x47x32,8x4097x4128,13x100x14336,32x33x160,27x257x1024,300x1056x1056,$Q8_SHAPES"
+              run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny_q8_1 or chain or packed or overflow"
+              for s in ${Q8_SHAPES//,/ }; do for k in w4a8.skinny_q8_1 w8a8.skinny_q8_1; do
+                  run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run; done; done
+              run $PY tools/compare_paths.py --shapes "$Q8_SHAPES" --repeats 2 \
+                  --paths default,w4a8.skinny_q8_1,w8a8.skinny_q8_1 --json "$OUT/q8_paths.json" ;;
+    order)    # does a decode row depend on what the sweep ran before it? the bench's per-shape sequence
+              # (packed op, ggml-blocks op, torch peers) replayed, then the packed ops alone
+              run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2
+              run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2 --no-peers --no-blocks ;;
     rs)       # the Hopper prefill kernels: register-A wgmma (wgmma_rs) against the shared-memory one (wgmma):
               # precompile every candidate, their GPU tests, both timed per shape, then tune wgmma_rs (stored)
               run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs w4a16.wgmma w8a16.wgmma \

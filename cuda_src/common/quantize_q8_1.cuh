@@ -14,8 +14,14 @@
 //
 // `status` reports what the Python caller must turn into a ValueError (a kernel cannot raise):
 //   bit 0: a non-finite input value;  bit 1: d or s overflows half.
+//
+// Programmatic dependent launch (common/pdl.cuh): the GEMM behind this kernel may launch at once
+// and stream its first weights (it waits for this grid before reading Y), and this kernel may be
+// launched while the previous op finishes: it waits for that before reading X (possibly the
+// previous op's output) or writing Y (a staging buffer the previous op's GEMM may still read).
 #pragma once
 #include "common/blocks.cuh"
+#include "common/pdl.cuh"
 
 #define Q8_1_THREADS 256
 #define Q8_1_BLOCKS_PER_WARP 4
@@ -32,6 +38,8 @@ static __device__ __forceinline__ void quantize_q8_1_rows(const T* __restrict__ 
     const int warp = threadIdx.x / QK;
     // first value of this warp's run of blocks within the row
     const int k0 = blockIdx.x * Q8_1_VALUES_PER_CTA + warp * (QK * Q8_1_BLOCKS_PER_WARP);
+    pdl_launch_dependents();
+    pdl_wait();
     if (row >= M) return;
 
     float xi[Q8_1_BLOCKS_PER_WARP];

@@ -1,0 +1,49 @@
+"""Replay `qgemm bench`'s per-shape sequence (packed op, the same op on ggml blocks, torch peers)
+for a few shapes, several rounds, printing every timing: does a row's time depend on what the
+sweep ran before it? (session 10: Q8_0 1x4096x4096 measured 5.6 us inside the sweep, 4.95-4.99
+in compare_paths.py calls.)
+
+    python tools/sweep_order.py --shapes 1x4096x4096 --rounds 3 [--no-peers] [--no-blocks]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="1x4096x4096")
+    ap.add_argument("--fmts", default="q4_0,q8_0")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--no-blocks", action="store_true")
+    a = ap.parse_args(argv)
+
+    from qgemm import bench, formats as F, runtime
+
+    rng = np.random.default_rng(0)
+    print(f"device: {runtime.device_info().name}; hot, us (median of {a.iters} graph-batched samples)")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    fmts = a.fmts.split(",")
+    weights = {(f, n, k): F.quantize(rng.standard_normal((n, k), dtype=np.float32), f) for (_, n, k) in shapes for f in fmts}
+    for rnd in range(a.rounds):
+        for (m, n, k) in shapes:
+            for f in fmts:
+                r = bench.time_matmul(f, m, n, k, False, rng, weights, iters=a.iters)
+                line = f"round {rnd} {m}x{n}x{k} {f}: packed op {r['matmul_us']:.2f} kernel {r['kernel_us']:.2f} ({r['kernel']})"
+                if not a.no_blocks:
+                    rb = bench.time_matmul(f, m, n, k, False, rng, weights, iters=a.iters, packed=False)
+                    line += f"; blocks op {rb['matmul_us']:.2f} ({rb['kernel']})"
+                print(line, flush=True)
+            if not a.no_peers:
+                p = bench.torch_peer_times(m, n, k, False, iters=a.iters)
+                print(f"round {rnd} {m}x{n}x{k} peers: " + ", ".join(f"{key} {v:.1f}" for key, v in p.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
