@@ -23,6 +23,7 @@ SHAPE=${QGEMM_SHAPE:-512x4096x4096}
 RS_SHAPES=${QGEMM_RS_SHAPES:-64x4096x4096,128x4096x4096,512x4096x4096,2048x4096x4096,512x4096x14336}
 I8_SHAPES=${QGEMM_I8_SHAPES:-1x4096x4096,1x4096x14336,2x4096x4096,4x4096x4096,8x4096x4096}
 Q8_SHAPES=${QGEMM_Q8_SHAPES:-2x4096x4096,4x4096x4096,8x4096x4096,16x4096x4096,32x4096x4096,8x4096x14336}
+TUNE_PAIRS=${QGEMM_TUNE_PAIRS:-"w4a16.skinny@8x4096x4096 w8a16.skinny@8x4096x4096 w4a16.skinny@4x4096x4096 w4a16.wgmma_rs@64x4096x4096 w8a16.wgmma_rs@64x4096x4096"}
 TUNE_SHAPES=${QGEMM_TUNE_SHAPES:-1x4096x4096,8x4096x4096,1x4096x14336,8x4096x14336,16x4096x4096,32x4096x4096,64x4096x4096}
 LOG="$OUT/gpu_check.log"
 rc=0
@@ -63,6 +64,10 @@ for step in $STEPS; do
               # (packed op, ggml-blocks op, torch peers) replayed, then the packed ops alone
               run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2
               run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2 --no-peers --no-blocks ;;
+    tune-dry) # every configuration of kernel@shape pairs timed side by side (nothing stored): do the
+              # untuned defaults still hold after the kernels changed?
+              for pair in $TUNE_PAIRS; do run $PY tools/precompile.py "${pair%@*}" --shapes "${pair#*@}"; done
+              for pair in $TUNE_PAIRS; do run $PY -m qgemm tune "${pair%@*}" --shape "${pair#*@}" --iters 10 --dry-run; done ;;
     rs)       # the Hopper prefill kernels: register-A wgmma (wgmma_rs) against the shared-memory one (wgmma):
               # precompile every candidate, their GPU tests, both timed per shape, then tune wgmma_rs (stored)
               run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs w4a16.wgmma w8a16.wgmma \

@@ -25,12 +25,9 @@
 // kernels and w4a8.gemv (tight tolerance).
 //
 // Configuration (-D): SK_R, SK_WARPS, SK_UNROLL as in common/skinny_f16.cuh; SK_MT = 8-token tiles
-// (1, 2, 4: M <= 8 SK_MT); SK_PDL_EARLY (default 1): trigger the next kernel at entry -- behind this
-// kernel comes the next op's quantize.q8_1, which waits for this grid before it writes.
+// (1, 2, 4: M <= 8 SK_MT); SK_PDL_EARLY as in common/skinny_f16.cuh (default 0: trigger after the
+// main loop; measured against 1 and against a quantize.q8_1 without trigger, docs/perf/NOTES.md).
 #pragma once
-#ifndef SK_PDL_EARLY
-#define SK_PDL_EARLY 1
-#endif
 #include "common/skinny_i8.cuh"
 #include "common/blocks.cuh"
 
