@@ -216,6 +216,11 @@ def _skinny_config(wfmt: str):
         else:
             r, split, unroll = 1, 1, 1
         warps = 8 if mt <= 4 else 4
+        if wfmt == "q4_0" and mt == 1 and not long_k and m > 1:
+            # re-tuned in session 10 (after the LOP3 dequantization and the 32-bit split point): 16 warps
+            # with one group in flight each, 8x4096x4096 4.7 us against 5.2 for 8 warps x 2 groups,
+            # 4x4096x4096 4.4 against 4.8 (H100, kernel alone, docs/perf/NOTES.md)
+            warps, unroll = 16, 1
         if cdiv(cdiv(n, 16), r) >= 4 * sm_count:  # plenty of CTAs already
             split = 1
         # two accumulator sets (two independent MMA chains) for Q4_0 at 9-16 tokens: 9.1 -> 7.9 us at
