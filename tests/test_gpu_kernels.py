@@ -569,13 +569,14 @@ WGMMA = ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"]
 def test_wgmma_configurations(name, rng):
     """Every configuration (stages, split-K, warp specialization) on shapes that are multiples of
     nothing: M and N across partial 128-tiles, K with a partial last group (K = 4128: 129 blocks)
-    and a single block."""
+    and a single block; and N = 1000 (a multiple of 4 but not of 64: wgmma_rs's split-K end adds
+    4 columns per vector reduction there, the odd N take its scalar path)."""
     k = qgemm.get(name)
     if qgemm.runtime.device_info().cc != 90:
         with pytest.raises(qgemm.UnsupportedArchError, match="sm_90"):
             k._module()
         return
-    _every_candidate(k, ((129, 4097, 4128), (7, 33, 32), (300, 257, 1024)), rng)
+    _every_candidate(k, ((129, 4097, 4128), (7, 33, 32), (300, 257, 1024), (65, 1000, 2080)), rng)
 
 
 @pytest.mark.parametrize("m", [1, 8, 33, 300])

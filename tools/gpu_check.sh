@@ -71,7 +71,7 @@ for step in $STEPS; do
     rs)       # the Hopper prefill kernels: register-A wgmma (wgmma_rs) against the shared-memory one (wgmma):
               # precompile every candidate, their GPU tests, both timed per shape, then tune wgmma_rs (stored)
               run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs w4a16.wgmma w8a16.wgmma \
-                  --shapes "129x4097x4128,7x33x32,300x257x1024,513x4097x4096,$RS_SHAPES"
+                  --shapes "129x4097x4128,7x33x32,300x257x1024,65x1000x2080,513x4097x4096,$RS_SHAPES"
               run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "wgmma"
               for s in ${RS_SHAPES//,/ }; do
                   run $PY -m qgemm profile w4a16.wgmma w4a16.wgmma_rs w8a16.wgmma w8a16.wgmma_rs w4a16.mma --shape $s --iters 30
@@ -80,7 +80,7 @@ for step in $STEPS; do
                   run $PY -m qgemm tune $k --shape $s --iters 10; done; done ;;
     rs-quick) # the Hopper prefill kernels' GPU tests (every configuration on odd shapes), then a side-by-side
               # timing of the configurations matching QGEMM_RS_ONLY at RS_SHAPES (nothing stored)
-              run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs --shapes "129x4097x4128,7x33x32,300x257x1024,$RS_SHAPES"
+              run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs --shapes "129x4097x4128,7x33x32,300x257x1024,65x1000x2080,$RS_SHAPES"
               run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "wgmma_rs or chain"
               for s in ${RS_SHAPES//,/ }; do for k in w4a16.wgmma_rs w8a16.wgmma_rs; do
                   run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run --only "${QGEMM_RS_ONLY:-RS_SPLITK=1}"; done; done ;;

@@ -219,6 +219,54 @@ static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, uns
     }
 }
 
+// The split-K end (RS_SPLITK > 1): this CTA's partial tile is added into C with atomics. C[token][n]
+// is contiguous along n, which the fragment spreads over lanes (lane g holds row g), so a scalar
+// atomic per element was 8192 (64 x 64) reductions per warpgroup -- probed at ~1 us of the 10 us of
+// 64x4096x4096 on the H100 (docs/perf/NOTES.md). The warpgroup instead writes its tile transposed
+// to shared memory (the pipeline buffers are free once every MMA warp has passed the named barrier:
+// all wgmma retired, no copy in flight) and adds 4 consecutive n per instruction
+// (red.global.add.v4.f32, sm_90): a quarter of the reductions, each a full 16-byte sector.
+// Rows are padded to 68 floats: the scatter (lanes g = n, t = token pairs) then hits 32 distinct
+// banks, and each row stays 16-byte aligned for the float4 reads. Vector adds need N % 4 == 0 (C
+// rows 16-byte aligned; qgemm allocates C itself or checks nothing here, so the scalar path covers
+// the rest).
+#define RS_EPI_LD 68
+static_assert(RS_WGS * RS_BN * RS_EPI_LD * 4 <= 3 * 1024 * (RS_BN / 4),
+              "the split-K transpose must fit in the pipeline buffers (>= 3 stages of RS_BN x 256 B)");
+
+static __device__ __forceinline__ void rs_red_add_v4(float* p, float4 v) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+
+static __device__ __forceinline__ void rs_splitk_add(unsigned char* smem, const float (&d)[RS_BN / 2], float* __restrict__ C,
+                                                     int M, int N, int m0, int nw0, int wgi, int warp_in_wg, int g, int t) {
+    asm volatile("bar.sync 1, %0;\n" ::"n"(RS_THREADS) : "memory");  // the MMA warps only (the copier has returned)
+    float* tile = reinterpret_cast<float*>(smem) + wgi * (RS_BN * RS_EPI_LD);  // [token][n of this warpgroup]
+#pragma unroll
+    for (int c = 0; c < RS_BN / 8; ++c)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            tile[(8 * c + 2 * t + (i & 1)) * RS_EPI_LD + 16 * warp_in_wg + g + 8 * (i >> 1)] = d[4 * c + i];
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wgi) : "memory");  // this warpgroup's tile is written
+    const int tid = threadIdx.x % 128;
+    const bool vec = (N % 4) == 0 && (((size_t)C) & 15) == 0;
+#pragma unroll 4
+    for (int idx = tid; idx < RS_BN * 16; idx += 128) {
+        const int tok = idx / 16, q = idx % 16, n = nw0 + 4 * q;
+        if (m0 + tok >= M || n >= N) continue;
+        const float4 v = *reinterpret_cast<const float4*>(tile + tok * RS_EPI_LD + 4 * q);
+        float* dst = C + (size_t)(m0 + tok) * N + n;
+        if (vec && n + 4 <= N) {
+            rs_red_add_v4(dst, v);
+        } else {
+            atomicAdd(dst, v.x);
+            if (n + 1 < N) atomicAdd(dst + 1, v.y);
+            if (n + 2 < N) atomicAdd(dst + 2, v.z);
+            if (n + 3 < N) atomicAdd(dst + 3, v.w);
+        }
+    }
+}
+
 template <typename SF>
 static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
                                                          float* __restrict__ C, int M, int N, int K) {
@@ -344,17 +392,16 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
 
     // accumulator layout (m64nNk16, f32): warp w owns rows 16w .. 16w + 15 (weight rows);
     // d[4c + 0..1] = (row g, cols 8c + 2t + 0..1), d[4c + 2..3] = (row g + 8, same cols) (tokens)
+    if (RS_SPLITK > 1) {
+        rs_splitk_add(smem, d, C, M, N, m0, n0 + 64 * wgi, wgi, warp_in_wg, g, t);
+        return;
+    }
     const int row0 = n0 + 64 * wgi + 16 * warp_in_wg + g;
 #pragma unroll
     for (int c = 0; c < RS_BN / 8; ++c)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int tok = m0 + 8 * c + 2 * t + (i & 1), n = row0 + 8 * (i >> 1);
-            if (tok < M && n < N) {
-                if (RS_SPLITK > 1)
-                    atomicAdd(C + (size_t)tok * N + n, d[4 * c + i]);
-                else
-                    C[(size_t)tok * N + n] = d[4 * c + i];
-            }
+            if (tok < M && n < N) C[(size_t)tok * N + n] = d[4 * c + i];
         }
 }
