@@ -227,6 +227,8 @@ def _skinny_config(wfmt: str):
         # 16x4096x4096 on the H100; no gain at M = 1, a loss at M = 8, for Q8_0, and at long K with
         # the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8)
         acc = 2 if wfmt == "q4_0" and mt == 2 and not long_k else 1
+        if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k:
+            acc = 2  # Q8_0 8x4096x4096: 6.68 against 6.80 us (session 8), 6.3 against 6.4 (session 10)
         d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": split, "SK_XSMEM": int(m == 1),
              "SK_ACC": acc}
         if not _skinny_ok(d, wfmt, m, k):  # activations of a long K do not fit in shared memory
@@ -396,11 +398,20 @@ def _rs_ok(wfmt: str, d: dict) -> bool:
 
 def _rs_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # H100 tuning (docs/perf/NOTES.md): 2 MMA warpgroups, 4 buffers; 64-token tiles up to M = 64
-        # (fewer idle MMA columns), 128 above (256 measured no faster once the copies were cheap);
-        # above M = 64 + 1 copying warpgroup (warp-specialized: 8% faster at 512 and 2048 tokens; at
-        # 64 tokens, split-K, a tie within noise, so the plainer kernel stays)
-        d = {"RS_BN": 64 if m <= 64 else 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(m > 64)}
+        # H100 tuning (docs/perf/NOTES.md): above M = 64, 2 MMA warpgroups, 4 buffers, 128-token tiles
+        # (256 measured no faster once the copies were cheap) and 1 copying warpgroup
+        # (warp-specialized: 8% faster at 512 and 2048 tokens).
+        #
+        # Up to M = 64 (session 10, after the split-K end became vector reductions): one MMA warpgroup
+        # per CTA (64 weight rows), two CTAs per SM (87-100 KB of shared memory each), so the split-K
+        # default counts two CTA slots per SM: 64x4096x4096 Q4_0 9.5 us against 9.7 for two
+        # warpgroups, 32x4096x4096 9.0 / 9.1, Q8_0 10.5 / 10.5 and 9.9 / 10.0; at long K the copying
+        # warpgroup too (64x4096x14336 Q4_0 20.4 against 21.5, Q8_0 30.1 against 31.8).
+        if m <= 64:
+            d = {"RS_BN": 64, "RS_WGS": 1, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(k >= 8192)}
+            d["RS_SPLITK"] = _split_k(cdiv(n, 64) * cdiv(m, 64), k, 2 * sm_count)
+            return d
+        d = {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1}
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1
         d["RS_SPLITK"] = _split_k(cdiv(n, 64 * d["RS_WGS"]) * cdiv(m, d["RS_BN"]), k, sm_count)
