@@ -502,6 +502,20 @@ def test_skinny_q8_1_through_matmul(fmt, rng):
         qgemm.matmul(rng.standard_normal((33, k), dtype=np.float32), pw, path=name)
 
 
+def test_skinny_q8_1_one_quantization_two_matrices(rng):
+    """What the Q8_1 kernels are for: x quantized once on the GPU (quantize.q8_1, device in and out),
+    then multiplied by a Q4_0 and a Q8_0 matrix, each kernel called on the device arrays."""
+    k = 1056
+    x = rng.standard_normal((8, k), dtype=np.float32)
+    dq = qgemm.get("quantize.q8_1")(qgemm.DeviceArray.from_host(x))
+    assert dq.to_host().tobytes() == F.quantize_q8_1(x).tobytes()
+    for name in SKINNY_Q8_1:
+        k_obj = qgemm.get(name)
+        w = F.quantize(rng.standard_normal((300, k), dtype=np.float32), k_obj.op.w.name)
+        c = k_obj(dq, qgemm.pack_weights(w)).to_host()
+        assert qgemm.reference.relative_error(c, k_obj.op.exact(F.quantize_q8_1(x), w)) <= 1e-5, name
+
+
 def _every_candidate(k, shapes, rng):
     """Each configuration `qgemm tune` may pick, on fresh inputs per shape, poisoned output."""
     for (m, n, kk) in shapes:
