@@ -323,11 +323,12 @@ def _skinny_q8_1_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
 
 def _skinny_q8_1_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # First version: the int8 M = 1 kernel's tuned split (common/skinny_i8.cuh) -- Q4_0 two
-        # 16-row tiles per CTA and 16 warps, Q8_0 one tile and 8 warps -- with fewer warps where the
-        # 8-token tiles need the registers.
+        # `qgemm tune --dry-run` on the H100 (docs/perf/NOTES.md, session 10): Q4_0 two 16-row tiles
+        # per CTA and 16 warps (8x4096x4096 4.3 us), 8 warps where two 8-token tiles need the
+        # registers; Q8_0 one tile and 8 warps up to 4 tokens (2x 4.2, 4x 4.6), two tiles above
+        # (8x 5.0 against 5.8, 16x 7.6 against 12.2).
         mt = _skinny_q8_1_mt(m)
-        r, warps = (2, 16) if wfmt == "q4_0" else (1, 8)
+        r, warps = (2, 16) if wfmt == "q4_0" else (1 if m <= 4 else 2, 8)
         d = {"SK_R": r, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_GSPLIT": 1, "SK_MT": mt}
         while not _skinny_q8_1_ok(d, wfmt, m, k) and d["SK_WARPS"] > 8:
             d = {**d, "SK_WARPS": d["SK_WARPS"] // 2}
