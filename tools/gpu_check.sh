@@ -62,8 +62,8 @@ for step in $STEPS; do
                   --paths default,w4a8.skinny_q8_1,w8a8.skinny_q8_1 --json "$OUT/q8_paths.json" ;;
     order)    # does a decode row depend on what the sweep ran before it? the bench's per-shape sequence
               # (packed op, ggml-blocks op, torch peers) replayed, then the packed ops alone
-              run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2
-              run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2 --no-peers --no-blocks ;;
+              run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2 --clocks
+              run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2 --no-peers --no-blocks --clocks ;;
     tune-dry) # every configuration of kernel@shape pairs timed side by side (nothing stored): do the
               # untuned defaults still hold after the kernels changed?
               for pair in $TUNE_PAIRS; do run $PY tools/precompile.py "${pair%@*}" --shapes "${pair#*@}"; done

@@ -3,12 +3,21 @@ for a few shapes, several rounds, printing every timing: does a row's time depen
 sweep ran before it? (session 10: Q8_0 1x4096x4096 measured 5.6 us inside the sweep, 4.95-4.99
 in compare_paths.py calls.)
 
-    python tools/sweep_order.py --shapes 1x4096x4096 --rounds 3 [--no-peers] [--no-blocks]
+    python tools/sweep_order.py --shapes 1x4096x4096 --rounds 3 [--no-peers] [--no-blocks] [--clocks]
+
+--clocks samples the SM clock and the power draw every 20 ms with `nvidia-smi` while it runs and
+prints their median over each measurement's window (is a slower row a lower clock?).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import shutil
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 
@@ -21,7 +30,33 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-blocks", action="store_true")
+    ap.add_argument("--clocks", action="store_true", help="sample SM clock and power with nvidia-smi")
     a = ap.parse_args(argv)
+
+    smi = None
+    if a.clocks and shutil.which("nvidia-smi"):
+        log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                "-lms", "20"], stdout=log, stderr=subprocess.DEVNULL)
+
+    def clocks(t0: float, t1: float) -> str:
+        """Median SM clock (MHz) and power (W) sampled in [t0, t1] (local wall clock)."""
+        if smi is None:
+            return ""
+        mhz, watts = [], []
+        with open(log.name) as f:
+            for line in f:
+                parts = [p.strip() for p in line.split(",")]
+                try:
+                    ts = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    if t0 <= ts <= t1:
+                        mhz.append(float(parts[1]))
+                        watts.append(float(parts[2]))
+                except (ValueError, IndexError):
+                    continue
+        if not mhz:
+            return " [no clock samples]"
+        return f" [SM {statistics.median(mhz):.0f} MHz, {statistics.median(watts):.0f} W, {len(mhz)} samples]"
 
     from qgemm import bench, formats as F, runtime
 
@@ -33,15 +68,21 @@ def main(argv=None) -> int:
     for rnd in range(a.rounds):
         for (m, n, k) in shapes:
             for f in fmts:
+                t0 = time.time()
                 r = bench.time_matmul(f, m, n, k, False, rng, weights, iters=a.iters)
-                line = f"round {rnd} {m}x{n}x{k} {f}: packed op {r['matmul_us']:.2f} kernel {r['kernel_us']:.2f} ({r['kernel']})"
+                line = (f"round {rnd} {m}x{n}x{k} {f}: packed op {r['matmul_us']:.2f} kernel {r['kernel_us']:.2f} ({r['kernel']})"
+                        + clocks(t0, time.time()))
                 if not a.no_blocks:
                     rb = bench.time_matmul(f, m, n, k, False, rng, weights, iters=a.iters, packed=False)
                     line += f"; blocks op {rb['matmul_us']:.2f} ({rb['kernel']})"
                 print(line, flush=True)
             if not a.no_peers:
+                t0 = time.time()
                 p = bench.torch_peer_times(m, n, k, False, iters=a.iters)
-                print(f"round {rnd} {m}x{n}x{k} peers: " + ", ".join(f"{key} {v:.1f}" for key, v in p.items()), flush=True)
+                print(f"round {rnd} {m}x{n}x{k} peers: " + ", ".join(f"{key} {v:.1f}" for key, v in p.items())
+                      + clocks(t0, time.time()), flush=True)
+    if smi is not None:
+        smi.terminate()
     return 0
 
 
