@@ -104,11 +104,6 @@ class Profile:
 _SAMPLE_US = 1000.0  # GPU time one sample (one graph replay) should span
 _MAX_BATCH = 1000
 _TRIAL_BATCH = 16
-# Replays before the first sample: at least this much wall time. Session 10 saw a decode op measured
-# right after other work (another op's rows, torch's peers) run 10% slower for the whole first
-# measurement of ~20 ms -- same buffers, same kernel, the SM clock at 1980 MHz throughout -- and not
-# in the next measurement (docs/perf/NOTES.md); a few launches of warm-up did not cover it.
-_WARM_S = 0.05
 
 
 def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[float], dict]:
@@ -152,12 +147,8 @@ def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[flo
         batch = int(min(max(_SAMPLE_US / max(single, 1e-3), 1), 200))
         method = f"batches of {batch} back-to-back launches (graph capture failed: {e})"
         replay = recorder(batch)
-    t_end = time.perf_counter() + _WARM_S
-    while True:
-        replay()
-        runtime.synchronize(stream)
-        if time.perf_counter() >= t_end:
-            break
+    replay()
+    runtime.synchronize(stream)
     times = []
     for _ in range(iters):
         e0 = runtime.record_event(stream)
@@ -362,13 +353,6 @@ def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
     sets = [one] + ([make() for _ in range(min(32, int(np.ceil(2 * l2 / nbytes))))] if cold else [])
     for i in range(warmup):
         fn(*sets[i % len(sets)])
-    torch.cuda.synchronize()
-    t_end, i = time.perf_counter() + _WARM_S, 0  # the same wall-time warm-up as qgemm's launches
-    while time.perf_counter() < t_end:
-        fn(*sets[i % len(sets)])
-        i += 1
-        if i % 16 == 0:
-            torch.cuda.synchronize()
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
