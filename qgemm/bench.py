@@ -295,6 +295,70 @@ SWEEP_N = 4096
 SWEEP_K = (4096, 14336)
 
 
+class ClockSampler:
+    """The SM clock and board power sampled by `nvidia-smi` every `period_ms` while it is open, so a
+    timing can be set beside the clock it ran at (a slower row: a lower clock, or not?). Without
+    nvidia-smi it samples nothing and `window` returns None.
+
+        with ClockSampler() as clk:
+            t0 = time.time(); ...; w = clk.window(t0, time.time())   # {"sm_mhz", "power_w", "samples"}
+    """
+
+    def __init__(self, period_ms: int = 20):
+        import shutil
+        import subprocess
+        import tempfile
+
+        self._proc = None
+        self._log = None
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return
+        self._log = tempfile.NamedTemporaryFile("w+", suffix=".csv", prefix="qgemm-clocks-", delete=False)
+        self._proc = subprocess.Popen([exe, "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                       "-lms", str(period_ms)], stdout=self._log, stderr=subprocess.DEVNULL)
+
+    def window(self, t0: float, t1: float) -> dict | None:
+        """Medians of the samples taken in [t0, t1] (time.time() seconds), or None."""
+        import datetime
+
+        if self._log is None:
+            return None
+        mhz, watts = [], []
+        self._log.flush()
+        with open(self._log.name) as f:
+            for line in f:
+                parts = [p.strip() for p in line.split(",")]
+                try:
+                    ts = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                    if t0 <= ts <= t1:
+                        mhz.append(float(parts[1]))
+                        watts.append(float(parts[2]))
+                except (ValueError, IndexError):
+                    continue  # a header, a partial line, "[N/A]"
+        if not mhz:
+            return None
+        return {"sm_mhz": statistics.median(mhz), "power_w": statistics.median(watts), "samples": len(mhz)}
+
+    def close(self) -> None:
+        import os
+
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=5)
+            self._proc = None
+        if self._log is not None:
+            self._log.close()
+            os.unlink(self._log.name)
+            self._log = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def _sets_for(nbytes: int, cold: bool) -> int:
     if not cold:
         return 1
@@ -399,8 +463,9 @@ def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters:
 
 
 def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes=(False, True), peers: bool = True,
-          progress=None, iters: int = 30) -> dict:
-    """Everything `qgemm bench` reports, as a dict (environment, copy bandwidth, rows)."""
+          progress=None, iters: int = 30, clocks: bool = False) -> dict:
+    """Everything `qgemm bench` reports, as a dict (environment, copy bandwidth, rows). clocks: each
+    row also gets the SM clock and power during its qgemm.matmul / kernel timings (`ClockSampler`)."""
     rng = np.random.default_rng(0)
     weights = {}
     for fmt in fmts:
@@ -418,8 +483,12 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     rows = []
     jobs = [(cold, k, m, fmt) for cold in modes for k in ks for m in ms for fmt in fmts]
     peer_cache: dict = {}
+    sampler = ClockSampler() if clocks else None
     for cold, k, m, fmt in jobs:
+        t0 = time.time()
         r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters)
+        if sampler is not None:
+            r["clock"] = sampler.window(t0, time.time())
         if r["packed"]:  # the same op on raw ggml blocks (no pack_weights): what an unpacked caller gets
             rb = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, packed=False)
             r.update(blocks_kernel=rb["kernel"], blocks_matmul_us=rb["matmul_us"])
@@ -431,6 +500,8 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
         rows.append(r)
         if progress:
             progress(r)
+    if sampler is not None:
+        sampler.close()
     return {"environment": environment(), "copy_bandwidth_gbps": copy_bandwidth() / 1e9, "pack_ms": pack_ms, "rows": rows}
 
 
@@ -445,6 +516,11 @@ def sweep_markdown(data: dict, command: str) -> str:
                    "not in any time below): " + ", ".join(f"{k} {v:.1f} ms" for k, v in data["pack_ms"].items()))
     out.append("- `qgemm.matmul µs` takes packed weights; `ggml blocks µs` is the same call on raw ggml blocks "
                "(where that picks another kernel)")
+    clk = [r["clock"] for r in data["rows"] if r.get("clock")]
+    if clk:
+        mhz, watts = [c["sm_mhz"] for c in clk], [c["power_w"] for c in clk]
+        out.append(f"- SM clock during the qgemm timings (`--clocks`, nvidia-smi every 20 ms, median per row): "
+                   f"{min(mhz):.0f}-{max(mhz):.0f} MHz, board power {min(watts):.0f}-{max(watts):.0f} W")
     out.append("")
     for cold in (False, True):
         rows = [r for r in data["rows"] if r["cold"] == cold]

@@ -456,6 +456,7 @@ def bench(
     suite: str = typer.Option("gemm", "--suite", help="gemm: the matmul sweep; kvcache: Mustafar sparse KV-cache attention vs dense torch."),
     m_list: str = typer.Option("", "--m", help="Comma-separated M values instead of the sweep's (e.g. 1,8,64)."),
     k_list: str = typer.Option("", "--k", help="Comma-separated K values instead of the sweep's (e.g. 4096)."),
+    clocks: bool = typer.Option(False, "--clocks", help="Record the SM clock and power per row (nvidia-smi, every 20 ms)."),
 ):
     """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold.
     --suite kvcache: the mustafar.* kernels over S, Lq, sparsity and bits against dense torch attention."""
@@ -485,7 +486,7 @@ def bench(
     _need_gpu("bench")
     total = len(ms) * len(ks) * 2 * len(modes)
     with typer.progressbar(length=total, label="qgemm bench") as bar:
-        data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters)
+        data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters, clocks=clocks)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = _command_line()
     data["command"] = cmd

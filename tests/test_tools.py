@@ -55,3 +55,56 @@ def test_ncu_source_top_rejects_other_files(tmp_path):
     f.write_text("Duration,1\n")
     r = subprocess.run([sys.executable, str(TOOLS / "ncu_source_top.py"), str(f)], capture_output=True, text=True)
     assert r.returncode != 0 and "no source-page header" in r.stderr
+
+
+_FAKE_SMI = '''#!/usr/bin/env python3
+# stands in for `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader,nounits -lms N`
+import datetime, sys, time
+assert "--query-gpu=timestamp,clocks.sm,power.draw" in sys.argv and "-lms" in sys.argv, sys.argv
+for i in range(400):
+    now = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    print(f"{now}, {1980 - 10 * (i % 3)}, {100 + i % 2}.00", flush=True)
+    if i == 1:
+        print("[N/A], [N/A], [N/A]", flush=True)  # a line the parser must skip
+    time.sleep(0.005)
+'''
+
+
+def test_clock_sampler_reads_nvidia_smi(tmp_path, monkeypatch):
+    """qgemm.bench.ClockSampler (`qgemm bench --clocks`, tools/sweep_order.py --clocks) against a fake
+    nvidia-smi on PATH: medians of the samples inside a window, None outside any sample, and no
+    sampler at all (None, no error) where nvidia-smi is missing."""
+    import time
+
+    from qgemm import bench
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(_FAKE_SMI.replace("/usr/bin/env python3", sys.executable))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with bench.ClockSampler(period_ms=5) as clk:
+        t0 = time.time()
+        time.sleep(0.3)
+        w = clk.window(t0, time.time())
+        assert w is not None and w["samples"] >= 5, w
+        assert 1960 <= w["sm_mhz"] <= 1980 and 100 <= w["power_w"] <= 101
+        assert clk.window(0.0, 1.0) is None  # 1970: no samples there
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    with bench.ClockSampler() as clk:
+        assert clk.window(0.0, time.time()) is None
+
+
+def test_sweep_markdown_reports_clock_range():
+    from qgemm import bench
+
+    row = {"fmt": "q4_0", "M": 1, "N": 64, "K": 32, "cold": False, "matmul_us": 3.0, "kernel_us": 3.0, "kernel": "w4a8.skinny",
+           "tflops": 0.1, "weight_gbps": 1.0, "clock": {"sm_mhz": 1755.0, "power_w": 300.0, "samples": 9}}
+    data = {"environment": {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"},
+            "copy_bandwidth_gbps": 1.0, "rows": [row, {**row, "M": 2, "clock": {"sm_mhz": 1980.0, "power_w": 120.0, "samples": 9}}]}
+    md = bench.sweep_markdown(data, "qgemm bench --clocks")
+    assert "1755-1980 MHz" in md and "120-300 W" in md
+    del row["clock"]
+    data["rows"] = [row]
+    assert "MHz" not in bench.sweep_markdown(data, "qgemm bench")

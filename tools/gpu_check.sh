@@ -107,7 +107,7 @@ for step in $STEPS; do
               $PY -m qgemm tutorial 1 2 3 4 5 > "$OUT/tutorial.log" 2>&1 || { echo "!! tutorial failed" | tee -a "$LOG"; rc=1; } ;;
     profile)  run $PY -m qgemm profile --all --shape "$SHAPE" --json "$OUT/profile-hot.json"
               run $PY -m qgemm profile --all --shape "$SHAPE" --cold --no-peers --json "$OUT/profile-cold.json" ;;
-    bench)    run $PY -m qgemm bench --out "$OUT/bench" --iters 20
+    bench)    run $PY -m qgemm bench --out "$OUT/bench" --iters 20 --clocks
               for f in bench.json bench-hot.png bench-cold.png; do [ -f "$OUT/bench/$f" ] && mv "$OUT/bench/$f" "$OUT/$f"; done
               rm -rf "$OUT/bench" ;;  # bench.md is folded into performance.md (the device returns 8 files at most)
     report)   run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" --bench "$OUT/bench.json" \

@@ -11,12 +11,7 @@ prints their median over each measurement's window (is a slower row a lower cloc
 from __future__ import annotations
 
 import argparse
-import datetime
-import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -33,32 +28,16 @@ def main(argv=None) -> int:
     ap.add_argument("--clocks", action="store_true", help="sample SM clock and power with nvidia-smi")
     a = ap.parse_args(argv)
 
-    smi = None
-    if a.clocks and shutil.which("nvidia-smi"):
-        log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                                "-lms", "20"], stdout=log, stderr=subprocess.DEVNULL)
+    from qgemm import bench, formats as F, runtime
+
+    sampler = bench.ClockSampler() if a.clocks else None
 
     def clocks(t0: float, t1: float) -> str:
-        """Median SM clock (MHz) and power (W) sampled in [t0, t1] (local wall clock)."""
-        if smi is None:
+        """Median SM clock (MHz) and power (W) sampled in [t0, t1]."""
+        if sampler is None:
             return ""
-        mhz, watts = [], []
-        with open(log.name) as f:
-            for line in f:
-                parts = [p.strip() for p in line.split(",")]
-                try:
-                    ts = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                    if t0 <= ts <= t1:
-                        mhz.append(float(parts[1]))
-                        watts.append(float(parts[2]))
-                except (ValueError, IndexError):
-                    continue
-        if not mhz:
-            return " [no clock samples]"
-        return f" [SM {statistics.median(mhz):.0f} MHz, {statistics.median(watts):.0f} W, {len(mhz)} samples]"
-
-    from qgemm import bench, formats as F, runtime
+        w = sampler.window(t0, t1)
+        return f" [SM {w['sm_mhz']:.0f} MHz, {w['power_w']:.0f} W, {w['samples']} samples]" if w else " [no clock samples]"
 
     rng = np.random.default_rng(0)
     print(f"device: {runtime.device_info().name}; hot, us (median of {a.iters} graph-batched samples)")
@@ -81,8 +60,8 @@ def main(argv=None) -> int:
                 p = bench.torch_peer_times(m, n, k, False, iters=a.iters)
                 print(f"round {rnd} {m}x{n}x{k} peers: " + ", ".join(f"{key} {v:.1f}" for key, v in p.items())
                       + clocks(t0, time.time()), flush=True)
-    if smi is not None:
-        smi.terminate()
+    if sampler is not None:
+        sampler.close()
     return 0
 
 
