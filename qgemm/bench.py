@@ -315,8 +315,11 @@ class ClockSampler:
         if exe is None:
             return
         self._log = tempfile.NamedTemporaryFile("w+", suffix=".csv", prefix="qgemm-clocks-", delete=False)
-        self._proc = subprocess.Popen([exe, "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                                       "-lms", str(period_ms)], stdout=self._log, stderr=subprocess.DEVNULL)
+        try:
+            self._proc = subprocess.Popen([exe, "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                           "-lms", str(period_ms)], stdout=self._log, stderr=subprocess.DEVNULL)
+        except OSError:  # not executable after all: time without clocks rather than fail the bench
+            self.close()
 
     def window(self, t0: float, t1: float) -> dict | None:
         """Medians of the samples taken in [t0, t1] (time.time() seconds), or None."""
