@@ -12,7 +12,12 @@ written); the compute peaks are nominal (SM count x clock x per-SM rate of the u
 
 from __future__ import annotations
 
+import datetime
+import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -305,52 +310,53 @@ class ClockSampler:
     """
 
     def __init__(self, period_ms: int = 20):
-        import shutil
-        import subprocess
-        import tempfile
-
         self._proc = None
         self._log = None
+        self._samples: list[tuple[float, float, float]] = []  # (time, MHz, W), parsed as the log grows
         exe = shutil.which("nvidia-smi")
         if exe is None:
             return
         self._log = tempfile.NamedTemporaryFile("w+", suffix=".csv", prefix="qgemm-clocks-", delete=False)
+        # a second handle of our own to read with: nvidia-smi writes through the first one, whose
+        # file offset it shares, so seeking that one would move where its next line lands
+        self._reader = open(self._log.name)
+        self._partial = ""
         try:
             self._proc = subprocess.Popen([exe, "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
                                            "-lms", str(period_ms)], stdout=self._log, stderr=subprocess.DEVNULL)
         except OSError:  # not executable after all: time without clocks rather than fail the bench
             self.close()
 
+    def _read_new(self) -> None:
+        """Parse the complete lines nvidia-smi appended since the last call (each line once)."""
+        lines = (self._partial + self._reader.read()).split("\n")
+        self._partial = lines.pop()  # "" or a line nvidia-smi is still writing
+        for line in lines:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                ts = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                self._samples.append((ts, float(parts[1]), float(parts[2])))
+            except (ValueError, IndexError):
+                continue  # a header, "[N/A]"
+
     def window(self, t0: float, t1: float) -> dict | None:
         """Medians of the samples taken in [t0, t1] (time.time() seconds), or None."""
-        import datetime
-
         if self._log is None:
             return None
-        mhz, watts = [], []
-        self._log.flush()
-        with open(self._log.name) as f:
-            for line in f:
-                parts = [p.strip() for p in line.split(",")]
-                try:
-                    ts = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                    if t0 <= ts <= t1:
-                        mhz.append(float(parts[1]))
-                        watts.append(float(parts[2]))
-                except (ValueError, IndexError):
-                    continue  # a header, a partial line, "[N/A]"
-        if not mhz:
+        self._read_new()
+        inside = [(mhz, w) for ts, mhz, w in self._samples if t0 <= ts <= t1]
+        if not inside:
             return None
-        return {"sm_mhz": statistics.median(mhz), "power_w": statistics.median(watts), "samples": len(mhz)}
+        return {"sm_mhz": statistics.median(m for m, _ in inside), "power_w": statistics.median(w for _, w in inside),
+                "samples": len(inside)}
 
     def close(self) -> None:
-        import os
-
         if self._proc is not None:
             self._proc.terminate()
             self._proc.wait(timeout=5)
             self._proc = None
         if self._log is not None:
+            self._reader.close()
             self._log.close()
             os.unlink(self._log.name)
             self._log = None
@@ -487,24 +493,26 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     jobs = [(cold, k, m, fmt) for cold in modes for k in ks for m in ms for fmt in fmts]
     peer_cache: dict = {}
     sampler = ClockSampler() if clocks else None
-    for cold, k, m, fmt in jobs:
-        t0 = time.time()
-        r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters)
+    try:
+        for cold, k, m, fmt in jobs:
+            t0 = time.time()
+            r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters)
+            if sampler is not None:
+                r["clock"] = sampler.window(t0, time.time())
+            if r["packed"]:  # the same op on raw ggml blocks (no pack_weights): what an unpacked caller gets
+                rb = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, packed=False)
+                r.update(blocks_kernel=rb["kernel"], blocks_matmul_us=rb["matmul_us"])
+            if peers:
+                key = (m, k, cold)
+                if key not in peer_cache:
+                    peer_cache[key] = torch_peer_times(m, n, k, cold, iters=iters)
+                r.update(peer_cache[key])
+            rows.append(r)
+            if progress:
+                progress(r)
+    finally:  # the nvidia-smi child must not outlive a failed sweep
         if sampler is not None:
-            r["clock"] = sampler.window(t0, time.time())
-        if r["packed"]:  # the same op on raw ggml blocks (no pack_weights): what an unpacked caller gets
-            rb = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, packed=False)
-            r.update(blocks_kernel=rb["kernel"], blocks_matmul_us=rb["matmul_us"])
-        if peers:
-            key = (m, k, cold)
-            if key not in peer_cache:
-                peer_cache[key] = torch_peer_times(m, n, k, cold, iters=iters)
-            r.update(peer_cache[key])
-        rows.append(r)
-        if progress:
-            progress(r)
-    if sampler is not None:
-        sampler.close()
+            sampler.close()
     return {"environment": environment(), "copy_bandwidth_gbps": copy_bandwidth() / 1e9, "pack_ms": pack_ms, "rows": rows}
 
 
