@@ -227,9 +227,8 @@ static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, uns
 // all wgmma retired, no copy in flight) and adds 4 consecutive n per instruction
 // (red.global.add.v4.f32, sm_90): a quarter of the reductions, each a full 16-byte sector.
 // Rows are padded to 68 floats: the scatter (lanes g = n, t = token pairs) then hits 32 distinct
-// banks, and each row stays 16-byte aligned for the float4 reads. Vector adds need N % 4 == 0 (C
-// rows 16-byte aligned; qgemm allocates C itself or checks nothing here, so the scalar path covers
-// the rest).
+// banks, and each row stays 16-byte aligned for the float4 reads. Vector adds need 16-byte aligned
+// C rows (N % 4 == 0 and C itself aligned: tested at run time); anything else takes scalar atomics.
 #define RS_EPI_LD 68
 static_assert(RS_WGS * RS_BN * RS_EPI_LD * 4 <= 3 * 1024 * (RS_BN / 4),
               "the split-K transpose must fit in the pipeline buffers (>= 3 stages of RS_BN x 256 B)");
