@@ -1014,9 +1014,10 @@ def score(name: str, kind: str, shape, seed, got, x, ck: CompressedKV, cache, ex
                           "rows": int(x.shape[0] // shape[0] * x.shape[1])})
 
 
-def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray, warmup=10, iters=50, cold=False) -> dict:
+def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray, warmup=10, iters=50, cold=False,
+                plan_: LaunchPlan | None = None) -> dict:
     """Median/min/max us of one launch (graph-batched, bench._time_launches); cold: buffer sets
-    rotated through > 2x L2."""
+    rotated through > 2x L2. plan_: a launch plan other than plan_for's (experiments)."""
     import statistics
 
     from . import bench, runtime
@@ -1030,8 +1031,8 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
     if cold:
         l2 = max(runtime.device_info().l2_bytes, 1)
         sets = min(64, max(2, int(np.ceil(2 * l2 / max(moved, 1))) + 1))
-    p = plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count, step_bytes_max(ck),
-                 step_bytes_max(ck, 2) if ck.kind == "value" else None)
+    p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count, step_bytes_max(ck),
+                          step_bytes_max(ck, 2) if ck.kind == "value" else None)
     kernel._module(p.defines)
     dkvs = [DeviceKV.upload(ck) for _ in range(sets)]
     dxs = [runtime.DeviceArray.from_host(x) for _ in range(sets)]

@@ -55,6 +55,18 @@ has validate && grep -E "mustafar|FAIL" "$OUT/validate.log" | awk '{print $1, $2
 has profile && step profile ${QGEMM_KV_PROFILE_LIMIT:-120} $PY -m qgemm profile ${QGEMM_KV_PROFILE:-mustafar} --shape 32x16384x128 --cold --json "$OUT/profile-16k-cold.json"
 has profile && grep -E "mustafar|bandwidth" "$OUT/profile.log" | cut -c1-200
 
+# side by side (tools/kv_probe.py, cold, checked), when QGEMM_KV_OLD_SRC names an older cuda_src
+# tree: every 4/2-bit and fp16 kernel on that tree against this one
+AB_SHAPE=${QGEMM_KV_AB_SHAPE:-32x16384x128}
+AB_KERNELS=${QGEMM_KV_AB_KERNELS:-mustafar.key_q2,mustafar.key_q4,mustafar.key_q2c,mustafar.key_fp16,mustafar.value_q2,mustafar.value_q4,mustafar.value_q2c}
+if has ab && [ -n "${QGEMM_KV_OLD_SRC:-}" ]; then
+  for tree in old new; do
+    src=$([ $tree = old ] && echo "$QGEMM_KV_OLD_SRC" || echo "$PWD/cuda_src")
+    step ab-$tree 150 env QGEMM_CUDA_SRC="$src" $PY tools/kv_probe.py "$AB_KERNELS" "$AB_SHAPE" $tree --reps 3
+    grep mustafar "$OUT/ab-$tree.log" | cut -c1-80
+  done
+fi
+
 if has bench && [ "$BENCH" != none ]; then
   step bench ${QGEMM_KV_BENCH_LIMIT:-60} $PY -m qgemm bench --suite kvcache $([ "$BENCH" = quick ] && echo --quick) --iters 10 --out "$OUT/bench"
   grep -E "^- |MET" "$OUT/bench.log" | head -12

@@ -1,0 +1,87 @@
+"""Side-by-side timing of Mustafar kernels (mustafar.*) under launch-plan variants, cold as in
+`qgemm bench --suite kvcache`, each variant's first launch checked against the numpy reference on
+the decompressed cache (the line says `ok` or `WRONG`). Variants alternate within each repetition,
+in one process.
+
+    python tools/kv_probe.py mustafar.value_q2,mustafar.value_q2c 32x16384x128 base unsorted=MF_SORT=0
+    python tools/kv_probe.py mustafar.key_q2 32x16384x128 base w4=MF_WARPS=4 --lq 8
+
+A variant is `label` (plan_for's plan as is) or `label=KEY=INT[;KEY=INT...]`: #defines put on top
+of the plan (a define that changes the kernel's shared memory or grid needs a plan of its own:
+change qgemm.kvcache.plan_for instead). To compare source trees, run it once per tree
+(QGEMM_CUDA_SRC=DIR).
+"""
+import argparse
+import dataclasses
+import statistics
+
+from qgemm import kvcache as kv
+from qgemm import registry, runtime
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    label, _, rest = text.partition("=")
+    defines = {}
+    for item in filter(None, rest.split(";")):
+        key, _, val = item.partition("=")
+        if not key or not val:
+            raise SystemExit(f"variant {text!r}: expected label=KEY=INT[;KEY=INT...]")
+        defines[key.strip()] = int(val)
+    return label, defines
+
+
+def plan(runner, ck, rows: int, overrides: dict) -> kv.LaunchPlan:
+    p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count, kv.step_bytes_max(ck),
+                    kv.step_bytes_max(ck, 2) if ck.kind == "value" else None)
+    return dataclasses.replace(p, defines={**p.defines, **overrides}) if overrides else p
+
+
+def check(kernel, runner, ck, x, cache, p) -> str:
+    dkv = ck.to_device()
+    dx = runtime.DeviceArray.from_host(x)
+    oshape, odt = runner.out_shape(dkv, x.shape[0], x.shape[1])
+    dout = runtime.DeviceArray.empty(oshape, odt)
+    dout.fill_bytes(0xFF)
+    runner.launch(kernel, dkv, dx, dout, x.shape[0] // ck.shape[0] * x.shape[1], plan_=p)
+    runtime.check_last_error(kernel.name)
+    r = kv.score(kernel.name, runner.kind, ck.shape, 0, dout.to_host(), x, ck, cache, kernel.op.exact_tol)
+    dkv.free()
+    return "ok" if r.passed else f"WRONG ({r.note or r.rel_err})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernels", help="NAME[,NAME...]")
+    ap.add_argument("shape", help="BxSxD")
+    ap.add_argument("variants", nargs="+")
+    ap.add_argument("--lq", type=int, default=1)
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--sparsity", type=float, default=0.7)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    shape = tuple(int(v) for v in args.shape.lower().split("x"))
+    variants = [parse_variant(v) for v in args.variants]
+    opts = {"lq": args.lq, "groups": args.groups, "sparsity": args.sparsity}
+    print(f"{runtime.device_info().name}; shape {args.shape}, lq {args.lq}, groups {args.groups}, "
+          f"sparsity {args.sparsity}; cold, median of {args.iters} (us)")
+    for name in args.kernels.split(","):
+        kernel = registry.get(name)
+        runner = kernel.spec.runner
+        cache, ck, x = runner.make_case(shape, 0, opts)
+        rows = x.shape[0] // shape[0] * x.shape[1]
+        plans = {label: plan(runner, ck, rows, d) for label, d in variants}
+        status = {label: check(kernel, runner, ck, x, cache, p) for label, p in plans.items()}
+        times = {label: [] for label in plans}
+        for _ in range(args.reps):
+            for label, p in plans.items():
+                t = kv.time_kernel(kernel, runner, ck, x, iters=args.iters, cold=True, plan_=p)
+                times[label].append(t["median_us"])
+        for label, p in plans.items():
+            ts = times[label]
+            print(f"{name:22s} {label:10s} {statistics.median(ts):8.2f}  [{' '.join(f'{t:.2f}' for t in ts)}]  "
+                  f"{status[label]}  grid {p.grid} per_cta {p.per_cta} {p.defines}")
+
+
+if __name__ == "__main__":
+    main()
