@@ -1,7 +1,9 @@
 """Timing with CUDA events, bytes and FLOPs, and the device's roofline.
 
 `profile()` warms up, then times replays of a CUDA graph of back-to-back launches between two
-events (see _time_launches) and reports the median, min and max of the per-launch time. Hot: the same buffers every launch (they stay in L2 when they fit). Cold:
+events (see _time_launches) and reports the median, min and max of the per-launch time. Every
+timing starts from a cleared L2 (clear_l2), so it does not depend on what ran before it. Hot: the
+same buffers every launch (they stay in L2 when they fit). Cold:
 several sets of buffers, together more than twice the L2, used in rotation, so each launch reads
 its operands from device memory.
 
@@ -111,6 +113,23 @@ _MAX_BATCH = 1000
 _TRIAL_BATCH = 16
 
 
+_L2_JUNK = None
+
+
+def clear_l2(stream=None) -> None:
+    """Write twice the L2's size (a memset of a buffer kept for the process), so the timing after it
+    starts from an L2 that no earlier work's lines occupy. Every timing here starts with it (then
+    warms up): without it a row inherited the L2 state of whatever ran before. Measured on the H100
+    (session 11, tools/sweep_order.py): after the torch peers, qgemm's Q8_0 1x4096x4096 op ran at
+    5.7 us instead of 4.8 (its 17.8 MB of weights no longer stayed in L2; Q4_0's 9.4 MB did), for
+    as long as it was measured; demoting persisting lines (cuCtxResetPersistingL2Cache) did not
+    help, 100 MB of memset did."""
+    global _L2_JUNK
+    if _L2_JUNK is None:
+        _L2_JUNK = runtime.DeviceArray.empty((2 * max(runtime.device_info().l2_bytes, 1 << 20),), np.uint8)
+    _L2_JUNK.fill_bytes(0, stream)
+
+
 def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[float], dict]:
     """Per-launch times in us. A single launch between two events would also time Python's launch
     overhead whenever the kernel is shorter than it (the GPU idles waiting for the launch), so
@@ -120,8 +139,9 @@ def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[flo
     one plain launch (as before session 9) measured Python's launch overhead (25-110 us per call
     with qgemm.matmul's planning), gave batches of 9-39 decode ops, and left the graph's own
     launch latency (a few us per replay) in every sample. Falls back to uncaptured back-to-back
-    batches if capture fails."""
+    batches if capture fails. Starts from a cleared L2 (clear_l2)."""
     stream = runtime.create_stream()
+    clear_l2(stream)
     for i in range(max(warmup, 1)):
         launch(i % sets, stream)
     runtime.synchronize(stream)
@@ -417,10 +437,13 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
 def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
     """Median µs of `fn(*make())` (torch, CUDA events), batched so each sample spans >= 1 ms; cold:
     rotated through buffer sets from `make` larger than twice the L2. The torch peers of
-    `qgemm bench` and of its kvcache suite are timed by this one function."""
+    `qgemm bench` and of its kvcache suite are timed by this one function. Starts from a cleared L2
+    (clear_l2), as qgemm's own timings do."""
     import torch
 
     l2 = max(runtime.device_info().l2_bytes, 1)
+    clear_l2()
+    runtime.synchronize()  # torch times on its own stream
     one = make()
     nbytes = sum(t.numel() * t.element_size() for t in one)
     sets = [one] + ([make() for _ in range(min(32, int(np.ceil(2 * l2 / nbytes))))] if cold else [])
@@ -513,7 +536,8 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     finally:  # the nvidia-smi child must not outlive a failed sweep
         if sampler is not None:
             sampler.close()
-    return {"environment": environment(), "copy_bandwidth_gbps": copy_bandwidth() / 1e9, "pack_ms": pack_ms, "rows": rows}
+    return {"environment": environment(), "copy_bandwidth_gbps": copy_bandwidth() / 1e9, "pack_ms": pack_ms, "rows": rows,
+            "l2_cleared": True}
 
 
 def sweep_markdown(data: dict, command: str) -> str:
@@ -527,6 +551,9 @@ def sweep_markdown(data: dict, command: str) -> str:
                    "not in any time below): " + ", ".join(f"{k} {v:.1f} ms" for k, v in data["pack_ms"].items()))
     out.append("- `qgemm.matmul µs` takes packed weights; `ggml blocks µs` is the same call on raw ggml blocks "
                "(where that picks another kernel)")
+    if data.get("l2_cleared"):
+        out.append("- every timing (qgemm and torch) starts from a cleared L2 (twice its size of memset, `bench.clear_l2`), "
+                   "then warms up: no row inherits the L2 lines of the row before it")
     clk = [r["clock"] for r in data["rows"] if r.get("clock")]
     if clk:
         mhz, watts = [c["sm_mhz"] for c in clk], [c["power_w"] for c in clk]
@@ -538,15 +565,18 @@ def sweep_markdown(data: dict, command: str) -> str:
         if not rows:
             continue
         out.append(f"### {'Cold (buffers rotated through > 2x L2)' if cold else 'Hot (same buffers, back-to-back)'}\n")
+        with_clk = any(r.get("clock") for r in rows)  # `--clocks`: the row's SM clock and board power
         out.append("| type | M | N | K | qgemm.matmul µs | kernel µs | kernel | TFLOPS | weight GB/s | ggml blocks µs (kernel) "
-                   "| torch fp16 µs | torch bf16 µs | torch int8 µs |")
-        out.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+                   "| torch fp16 µs | torch bf16 µs | torch int8 µs |" + (" SM MHz (W) |" if with_clk else ""))
+        out.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if with_clk else ""))
         for r in rows:
             f = lambda key: f"{r[key]:.1f}" if key in r else "-"  # noqa: E731
             blocks = f"{r['blocks_matmul_us']:.1f} (`{r['blocks_kernel']}`)" if "blocks_matmul_us" in r else "-"
+            c = r.get("clock")
+            clk = (f" {c['sm_mhz']:.0f} ({c['power_w']:.0f}) |" if c else " - |") if with_clk else ""
             out.append(f"| {r['fmt']} | {r['M']} | {r['N']} | {r['K']} | {r['matmul_us']:.1f} | {r['kernel_us']:.1f} | "
                        f"`{r['kernel']}` | {r['tflops']:.1f} | {r['weight_gbps']:.0f} | {blocks} | {f('torch_fp16_us')} | "
-                       f"{f('torch_bf16_us')} | {f('torch_int_mm_us')} |")
+                       f"{f('torch_bf16_us')} | {f('torch_int_mm_us')} |" + clk)
         out.append("")
     return "\n".join(out)
 

@@ -280,6 +280,16 @@ def synchronize(stream=None) -> None:
     _wrap("Stream.sync", as_stream(stream).sync)
 
 
+def reset_persisting_l2() -> None:
+    """Demote every L2 line held with persisting (evict-last) priority to normal
+    (cuCtxResetPersistingL2Cache). Work that loads with evict-last hints leaves such lines behind,
+    and they keep part of the L2 from the kernels after it until they are evicted."""
+    from cuda.bindings import driver
+
+    ensure_current()
+    check(driver.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
+
+
 # ---------------------------------------------------------------------------------------------
 # device arrays
 
