@@ -1,9 +1,9 @@
 """Timing with CUDA events, bytes and FLOPs, and the device's roofline.
 
 `profile()` warms up, then times replays of a CUDA graph of back-to-back launches between two
-events (see _time_launches) and reports the median, min and max of the per-launch time. Every
-timing starts from a cleared L2 (clear_l2), so it does not depend on what ran before it. Hot: the
-same buffers every launch (they stay in L2 when they fit). Cold:
+events (see _time_launches) and reports the median, min and max of the per-launch time. Hot: the
+same buffers every launch (they stay in L2 when they fit, to a degree that depends on the traffic
+before the timing: see clear_l2). Cold:
 several sets of buffers, together more than twice the L2, used in rotation, so each launch reads
 its operands from device memory.
 
@@ -114,20 +114,50 @@ _TRIAL_BATCH = 16
 
 
 _L2_JUNK = None
+_L2_READ = None  # (LoadedKernel, sink) of cuda_src/bench/l2_read.cu
+L2_MODES = ("read", "memset", "off")
+
+
+def l2_mode() -> str:
+    """QGEMM_BENCH_L2: what every timing does to the L2 before its warm-up -- `off` (default:
+    nothing, a timing starts from the L2 the work before it left, as an op inside a model would),
+    `read` (a kernel reads twice the L2's size of a zeroed buffer) or `memset` (writes it)."""
+    mode = os.environ.get("QGEMM_BENCH_L2", "off").strip().lower() or "off"
+    if mode not in L2_MODES:
+        raise ValueError(f"QGEMM_BENCH_L2 must be one of {', '.join(L2_MODES)}, got {mode!r}")
+    return mode
 
 
 def clear_l2(stream=None) -> None:
-    """Write twice the L2's size (a memset of a buffer kept for the process), so the timing after it
-    starts from an L2 that no earlier work's lines occupy. Every timing here starts with it (then
-    warms up): without it a row inherited the L2 state of whatever ran before. Measured on the H100
-    (session 11, tools/sweep_order.py): after the torch peers, qgemm's Q8_0 1x4096x4096 op ran at
-    5.7 us instead of 4.8 (its 17.8 MB of weights no longer stayed in L2; Q4_0's 9.4 MB did), for
-    as long as it was measured; demoting persisting lines (cuCtxResetPersistingL2Cache) did not
-    help, 100 MB of memset did."""
-    global _L2_JUNK
+    """Stream twice the L2's size through it before a timing (QGEMM_BENCH_L2=read or memset; off by
+    default). What it showed on the H100 (session 11, docs/perf/NOTES.md): a hot op's time depends
+    on the traffic before it, and the L2 does not forget that traffic within the tens of
+    milliseconds a row is measured. After the torch peers, Q8_0 1x4096x4096 (17.8 MB of weights)
+    ran at 5.6-5.7 us against 4.8 before them; after either reset, hot rows with 17-33 MB of
+    weights were slower still (Q4_0 1x4096x14336 11.5 us against 8.5 without a reset), i.e. a
+    streamed 100 MB leaves the L2 keeping a re-read working set of that size worse than the
+    bench's own earlier rows do. So there is no order-free "hot" at those sizes; the default
+    keeps the order the bench always had (and says so)."""
+    global _L2_JUNK, _L2_READ
+    mode = l2_mode()
+    if mode == "off":
+        return
     if _L2_JUNK is None:
         _L2_JUNK = runtime.DeviceArray.empty((2 * max(runtime.device_info().l2_bytes, 1 << 20),), np.uint8)
-    _L2_JUNK.fill_bytes(0, stream)
+        _L2_JUNK.fill_bytes(0)
+    if mode == "memset":
+        _L2_JUNK.fill_bytes(0, stream)
+        return
+    if _L2_READ is None:
+        from . import jit
+
+        ck = jit.compile_kernel("bench.l2_read", "bench/l2_read.cu", ["l2_read"], runtime.device_arch())
+        _L2_READ = (runtime.LoadedKernel(ck.cubin, ["l2_read"], "bench.l2_read"),
+                    runtime.DeviceArray.empty((1,), np.uint32))
+    mod, sink = _L2_READ
+    n16 = _L2_JUNK.nbytes // 16
+    mod.launch("l2_read", (4 * runtime.device_info().sm_count, 1, 1), (256, 1, 1), 0,
+               (np.uint64(_L2_JUNK.ptr), np.uint64(n16), np.uint64(sink.ptr)), stream=stream)
 
 
 def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[float], dict]:
@@ -139,7 +169,7 @@ def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[flo
     one plain launch (as before session 9) measured Python's launch overhead (25-110 us per call
     with qgemm.matmul's planning), gave batches of 9-39 decode ops, and left the graph's own
     launch latency (a few us per replay) in every sample. Falls back to uncaptured back-to-back
-    batches if capture fails. Starts from a cleared L2 (clear_l2)."""
+    batches if capture fails. Starts with clear_l2 (a no-op unless QGEMM_BENCH_L2 asks for it)."""
     stream = runtime.create_stream()
     clear_l2(stream)
     for i in range(max(warmup, 1)):
@@ -437,13 +467,14 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
 def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
     """Median µs of `fn(*make())` (torch, CUDA events), batched so each sample spans >= 1 ms; cold:
     rotated through buffer sets from `make` larger than twice the L2. The torch peers of
-    `qgemm bench` and of its kvcache suite are timed by this one function. Starts from a cleared L2
-    (clear_l2), as qgemm's own timings do."""
+    `qgemm bench` and of its kvcache suite are timed by this one function. Starts with clear_l2,
+    as qgemm's own timings do (a no-op unless QGEMM_BENCH_L2 asks for a reset)."""
     import torch
 
     l2 = max(runtime.device_info().l2_bytes, 1)
     clear_l2()
-    runtime.synchronize()  # torch times on its own stream
+    if l2_mode() != "off":
+        runtime.synchronize()  # torch times on its own stream
     one = make()
     nbytes = sum(t.numel() * t.element_size() for t in one)
     sets = [one] + ([make() for _ in range(min(32, int(np.ceil(2 * l2 / nbytes))))] if cold else [])
@@ -537,7 +568,7 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
         if sampler is not None:
             sampler.close()
     return {"environment": environment(), "copy_bandwidth_gbps": copy_bandwidth() / 1e9, "pack_ms": pack_ms, "rows": rows,
-            "l2_cleared": True}
+            "l2_reset": l2_mode()}
 
 
 def sweep_markdown(data: dict, command: str) -> str:
@@ -551,9 +582,14 @@ def sweep_markdown(data: dict, command: str) -> str:
                    "not in any time below): " + ", ".join(f"{k} {v:.1f} ms" for k, v in data["pack_ms"].items()))
     out.append("- `qgemm.matmul µs` takes packed weights; `ggml blocks µs` is the same call on raw ggml blocks "
                "(where that picks another kernel)")
-    if data.get("l2_cleared"):
-        out.append("- every timing (qgemm and torch) starts from a cleared L2 (twice its size of memset, `bench.clear_l2`), "
-                   "then warms up: no row inherits the L2 lines of the row before it")
+    reset = data.get("l2_reset")
+    if reset == "off":
+        out.append("- hot timings start from the L2 the previous row left (`QGEMM_BENCH_L2=off`, the default): with "
+                   "17-33 MB of weights a hot time depends on that order (docs/performance-notes.md)")
+    elif reset:
+        how = {"read": "a kernel reads twice its size", "memset": "twice its size of memset"}[reset]
+        out.append(f"- every timing (qgemm and torch) starts from a reset L2 ({how}, `QGEMM_BENCH_L2={reset}`), "
+                   "then warms up")
     clk = [r["clock"] for r in data["rows"] if r.get("clock")]
     if clk:
         mhz, watts = [c["sm_mhz"] for c in clk], [c["power_w"] for c in clk]

@@ -112,11 +112,14 @@ def test_sweep_markdown_reports_clock_range():
     del row["clock"]
     data["rows"] = [row]
     assert "MHz" not in bench.sweep_markdown(data, "qgemm bench")
+    assert "QGEMM_BENCH_L2" not in bench.sweep_markdown(data, "qgemm bench")  # JSON from before the switch
+    assert "previous row left (`QGEMM_BENCH_L2=off`" in bench.sweep_markdown({**data, "l2_reset": "off"}, "qgemm bench")
+    assert "reset L2 (a kernel reads twice its size" in bench.sweep_markdown({**data, "l2_reset": "read"}, "qgemm bench")
 
 
 def test_every_timing_starts_from_a_cleared_l2(monkeypatch):
-    """_time_launches clears the L2 on its stream before any launch (session 11: the Q8_0 decode op
-    measured 5.7 us instead of 4.8 when it inherited the torch peers' L2 lines)."""
+    """_time_launches calls clear_l2 on its stream before any launch (what it does is
+    QGEMM_BENCH_L2's choice: test_clear_l2_modes)."""
     from types import SimpleNamespace
 
     from qgemm import bench
@@ -139,24 +142,60 @@ def test_every_timing_starts_from_a_cleared_l2(monkeypatch):
     assert [e for e in log[1:] if e[0] != "launch"] == []
 
 
-def test_clear_l2_writes_twice_the_l2_with_one_buffer(monkeypatch):
+def _fake_l2_runtime(made, fills, launches):
     from types import SimpleNamespace
-
-    from qgemm import bench
-
-    made, fills = [], []
 
     class FakeArray:
         def __init__(self, shape):
             made.append(shape)
+            self.nbytes, self.ptr = shape[0], 1000 + len(made)
 
         def fill_bytes(self, value, stream=None):
             fills.append((value, stream))
 
-    fake = SimpleNamespace(device_info=lambda: SimpleNamespace(l2_bytes=50 << 20),
-                           DeviceArray=SimpleNamespace(empty=lambda shape, dtype: FakeArray(shape)))
-    monkeypatch.setattr(bench, "runtime", fake)
+    class FakeKernel:
+        def __init__(self, cubin, entries, label):
+            assert cubin and entries == ["l2_read"]
+
+        def launch(self, entry, grid, block, shmem, args, stream=None):
+            launches.append((entry, grid, int(args[1]), stream))
+
+    return SimpleNamespace(device_info=lambda: SimpleNamespace(l2_bytes=50 << 20, sm_count=132), device_arch=lambda: "sm_90",
+                           DeviceArray=SimpleNamespace(empty=lambda shape, dtype: FakeArray(shape)), LoadedKernel=FakeKernel)
+
+
+@pytest.mark.parametrize("mode", ["read", "memset", "off", "bogus"])
+def test_clear_l2_modes(monkeypatch, mode):
+    """bench.clear_l2: one zeroed buffer of 2x L2 for the process; `read` (default) launches
+    cuda_src/bench/l2_read.cu over all of it on the timing's stream, `memset` rewrites it, `off`
+    does nothing (the default); anything else is an error that names the choices."""
+    from qgemm import bench
+
+    made, fills, launches = [], [], []
+    monkeypatch.setattr(bench, "runtime", _fake_l2_runtime(made, fills, launches))
     monkeypatch.setattr(bench, "_L2_JUNK", None)
+    monkeypatch.setattr(bench, "_L2_READ", None)
+    monkeypatch.delenv("QGEMM_BENCH_L2", raising=False)
+    assert bench.l2_mode() == "off"
+    monkeypatch.setenv("QGEMM_BENCH_L2", mode)
+    if mode == "bogus":
+        with pytest.raises(ValueError, match="read, memset, off"):
+            bench.clear_l2("s1")
+        return
     bench.clear_l2("s1")
     bench.clear_l2("s2")
-    assert made == [(100 << 20,)] and fills == [(0, "s1"), (0, "s2")]
+    if mode == "off":
+        assert made == [] and fills == [] and launches == []
+    elif mode == "memset":
+        assert made == [(100 << 20,)] and fills == [(0, None), (0, "s1"), (0, "s2")] and launches == []
+    else:
+        assert made == [(100 << 20,), (1,)] and fills == [(0, None)]  # the buffer zeroed once, then only read
+        assert launches == [("l2_read", (4 * 132, 1, 1), (100 << 20) // 16, "s1"), ("l2_read", (4 * 132, 1, 1), (100 << 20) // 16, "s2")]
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
+def test_l2_read_kernel_compiles(arch):
+    from qgemm import jit
+
+    ck = jit.compile_kernel("bench.l2_read", "bench/l2_read.cu", ["l2_read"], arch, use_cache=False)
+    assert ck.cubin and ck.resources["l2_read"].spill_stores == 0
