@@ -4,10 +4,12 @@
 anything the source understands, including compile-time switches that are not tunables (an
 experiment's toggles, or timing probes that skip part of the work and so give wrong results: each
 variant's first launch is checked against the exact reference and the line says `ok` or `WRONG`).
-Variants alternate within each repetition, in one process, hot (graph-batched, as `qgemm bench`).
+Variants alternate within each repetition, in one process, hot (graph-batched, as `qgemm bench`)
+or with --cold weight sets rotated through more than twice the L2.
 
     python tools/probe_defines.py w4a16.wgmma_rs 512x4096x4096,2048x4096x4096 base probe1=RS_PROBE=1
     python tools/probe_defines.py w4a16.skinny 1x4096x4096 base u2=SK_UNROLL=2 --reps 3
+    python tools/probe_defines.py w4a8.skinny 1x4096x4096 base early=SK_PDL_EARLY=1 --cold
 
 A variant is `label` (the configuration as is) or `label=KEY=INT[;KEY=INT...]`.
 """
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cold", action="store_true", help="rotate weight / activation / output sets through > 2x L2")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     k = registry.get(args.kernel)
@@ -47,8 +50,13 @@ def main() -> None:
         exact = k.op.exact(inp.a, inp.w)
         da, dw = runtime.DeviceArray.from_host(inp.a), k.upload_weights(inp.w)
         dc = runtime.DeviceArray.empty((m, n), np.float32)
+        sets = bench._sets_for(inp.a.nbytes + inp.w.nbytes + m * n * 4, args.cold)
+        das = [da] + [runtime.DeviceArray.from_host(inp.a) for _ in range(sets - 1)]
+        dws = [dw] + [k.upload_weights(inp.w) for _ in range(sets - 1)]
+        dcs = [dc] + [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets - 1)]
         base = k.config_for(m, n, kk)
-        print(f"{args.kernel} {shape}: configuration {' '.join(f'{a}={b}' for a, b in base.items())}", flush=True)
+        print(f"{args.kernel} {shape} {'cold, ' + str(sets) + ' sets' if args.cold else 'hot'}: configuration "
+              f"{' '.join(f'{a}={b}' for a, b in base.items())}", flush=True)
         for rep in range(args.reps):
             for label, extra in variants:
                 d = {**base, **extra}
@@ -57,7 +65,8 @@ def main() -> None:
                 out = dc.to_host()
                 ok = not np.isnan(out).any() and check.reference.relative_error(out, exact) <= k.op.exact_tol
                 times, _ = bench._time_launches(
-                    lambda i, stream=None: k.launch(da, dw, dc, m, n, kk, stream=stream, defines=d), 1, 3, args.iters)
+                    lambda i, stream=None: k.launch(das[i], dws[i], dcs[i], m, n, kk, stream=stream, defines=d), sets, 3,
+                    args.iters)
                 print(f"  rep {rep} {label:12s} {statistics.median(times):8.2f} us  {'ok' if ok else 'WRONG'}  "
                       f"{' '.join(f'{a}={b}' for a, b in extra.items())}", flush=True)
 

@@ -34,8 +34,9 @@
 // which is why this kernel is for M <= 8 and is chosen per shape by measurement (qgemm.dispatch).
 //
 // Configuration (-D): SK_R, SK_WARPS, SK_UNROLL as in skinny_f16.cuh; SK_MQ = tokens compiled for
-// (1, 2, 4, 8; M <= SK_MQ), SK_PDL_EARLY as in skinny_f16.cuh (default: trigger after the main
-// loop, as the fp16 kernel does at M = 1).
+// (1, 2, 4, 8; M <= SK_MQ), SK_PDL_EARLY as in skinny_f16.cuh (default here: trigger after the
+// main loop; the launcher sets 1 at M = 1, where the trigger at entry measured faster cold and
+// no slower hot: qgemm.registry._skinny_i8_pdl_early).
 #pragma once
 #include "common/mma_gemm.cuh"
 #include "common/pdl.cuh"
