@@ -199,3 +199,23 @@ def test_l2_read_kernel_compiles(arch):
 
     ck = jit.compile_kernel("bench.l2_read", "bench/l2_read.cu", ["l2_read"], arch, use_cache=False)
     assert ck.cubin and ck.resources["l2_read"].spill_stores == 0
+
+
+def test_kv_probe_overlays_defines_on_the_plan(monkeypatch):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from qgemm import kvcache as kv
+
+    monkeypatch.syspath_prepend(str(TOOLS))  # as when run as `python tools/kv_probe.py`
+    kp = _load("kv_probe")
+    assert kp.parse_variant("u=MF_SORT=0") == ("u", {"MF_SORT": 0})
+    monkeypatch.setattr(kp.runtime, "device_info", lambda: SimpleNamespace(sm_count=132))
+    rng = np.random.default_rng(1)
+    ck = kv.compress_keys(kv.prune(rng.standard_normal((2, 300, 128)).astype(np.float16), 0.7), 2)
+    runner = kp.registry.get("mustafar.key_q2").spec.runner
+    base = kp.plan(runner, ck, 4, {})
+    over = kp.plan(runner, ck, 4, {"MF_SORT": 0})
+    assert base == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck))
+    assert over.defines == {**base.defines, "MF_SORT": 0} and (over.grid, over.shmem) == (base.grid, base.shmem)

@@ -15,19 +15,10 @@ import argparse
 import dataclasses
 import statistics
 
+from probe_defines import parse_variant  # the same `label=KEY=INT[;KEY=INT...]` variants (tools/ is on sys.path)
+
 from qgemm import kvcache as kv
 from qgemm import registry, runtime
-
-
-def parse_variant(text: str) -> tuple[str, dict]:
-    label, _, rest = text.partition("=")
-    defines = {}
-    for item in filter(None, rest.split(";")):
-        key, _, val = item.partition("=")
-        if not key or not val:
-            raise SystemExit(f"variant {text!r}: expected label=KEY=INT[;KEY=INT...]")
-        defines[key.strip()] = int(val)
-    return label, defines
 
 
 def plan(runner, ck, rows: int, overrides: dict) -> kv.LaunchPlan:
