@@ -281,9 +281,10 @@ def synchronize(stream=None) -> None:
 
 
 def reset_persisting_l2() -> None:
-    """Demote every L2 line held with persisting (evict-last) priority to normal
-    (cuCtxResetPersistingL2Cache). Work that loads with evict-last hints leaves such lines behind,
-    and they keep part of the L2 from the kernels after it until they are evicted."""
+    """Demote every L2 line held with persisting priority to normal (cuCtxResetPersistingL2Cache):
+    lines a stream access-policy window marked persisting otherwise keep part of the L2 from the
+    kernels after it. (tools/sweep_order.py --after-peers reset-l2 tried it after the torch peers
+    of `qgemm bench`, session 11: it did not change the decode rows that follow them.)"""
     from cuda.bindings import driver
 
     ensure_current()
