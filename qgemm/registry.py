@@ -278,12 +278,15 @@ def _skinny_i8_config(wfmt: str):
         # two 16-row tiles per CTA sharing each quantized activation block, 16 warps splitting K
         # (1x4096x4096 4.2 us, 1x4096x14336 12.1); Q8_0 (twice the weight registers): one tile, 8
         # warps (5.1 us; at K = 14336, DRAM-bound, two groups in flight per lane: 21.4), two tiles
-        # with more tokens. M > 1 is measured slower than the fp16 kernel, so qgemm.matmul uses
-        # this kernel only at M = 1 (path= for the rest).
+        # with more tokens. Since the trigger at entry (_skinny_i8_pdl_early), two groups in flight
+        # also win at Q8_0 1x4096x4096 (session 11, probe_defines, 3 repetitions: hot 4.87-4.96 ->
+        # 4.66-4.75 us, cold 6.88-6.90 -> 6.54-6.57; at M = 2 they lose, 5.8 -> 6.1). M > 1 is
+        # measured slower than the fp16 kernel, so qgemm.matmul uses this kernel only at M = 1
+        # (path= for the rest).
         if wfmt == "q4_0":
             r, warps, unroll = 2, 16, 1
         else:
-            r, warps, unroll = 1 if m == 1 else 2, 8, 2 if (m == 1 and k >= 8192) else 1
+            r, warps, unroll = 1 if m == 1 else 2, 8, 2 if m == 1 else 1
         d = {"SK_R": r, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": 1, "SK_MQ": _skinny_i8_mq(m),
              "SK_PDL_EARLY": _skinny_i8_pdl_early(m)}
         while not _skinny_i8_ok(d, wfmt, m, k) and d["SK_WARPS"] > 4:
