@@ -128,9 +128,9 @@ def l2_mode() -> str:
     return mode
 
 
-def clear_l2(stream=None) -> None:
+def clear_l2(stream=None) -> bool:
     """Stream twice the L2's size through it before a timing (QGEMM_BENCH_L2=read or memset; off by
-    default). What it showed on the H100 (session 11, docs/perf/NOTES.md): a hot op's time depends
+    default); True if it queued anything on `stream`. What it showed on the H100 (session 11, docs/perf/NOTES.md): a hot op's time depends
     on the traffic before it, and the L2 does not forget that traffic within the tens of
     milliseconds a row is measured. After the torch peers, Q8_0 1x4096x4096 (17.8 MB of weights)
     ran at 5.6-5.7 us against 4.8 before them; after either reset, hot rows with 17-33 MB of
@@ -141,13 +141,13 @@ def clear_l2(stream=None) -> None:
     global _L2_JUNK, _L2_READ
     mode = l2_mode()
     if mode == "off":
-        return
+        return False
     if _L2_JUNK is None:
         _L2_JUNK = runtime.DeviceArray.empty((2 * max(runtime.device_info().l2_bytes, 1 << 20),), np.uint8)
         _L2_JUNK.fill_bytes(0)
     if mode == "memset":
         _L2_JUNK.fill_bytes(0, stream)
-        return
+        return True
     if _L2_READ is None:
         from . import jit
 
@@ -158,6 +158,7 @@ def clear_l2(stream=None) -> None:
     n16 = _L2_JUNK.nbytes // 16
     mod.launch("l2_read", (4 * runtime.device_info().sm_count, 1, 1), (256, 1, 1), 0,
                (np.uint64(_L2_JUNK.ptr), np.uint64(n16), np.uint64(sink.ptr)), stream=stream)
+    return True
 
 
 def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[float], dict]:
@@ -472,8 +473,7 @@ def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
     import torch
 
     l2 = max(runtime.device_info().l2_bytes, 1)
-    clear_l2()
-    if l2_mode() != "off":
+    if clear_l2():
         runtime.synchronize()  # torch times on its own stream
     one = make()
     nbytes = sum(t.numel() * t.element_size() for t in one)
