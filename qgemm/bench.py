@@ -237,7 +237,7 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
         def launch(i, stream=None):
             kernel.launch_quantize(xs[i], ys[i], m, k, status, stream=stream)
     else:
-        da = [runtime.DeviceArray.from_host(inp.a) for _ in range(sets)]
+        da = [kernel.upload_activations(inp.a) for _ in range(sets)]
         dw = [kernel.upload_weights(inp.w) for _ in range(sets)]
         dc = [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets)]
 

@@ -103,7 +103,7 @@ def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=Non
         status = runtime.DeviceArray.from_host(np.zeros(1, np.int32))
         kernel.launch_quantize(dx, dy, m, k, status, stream=stream)
         return dy.to_host()
-    da = runtime.DeviceArray.from_host(inp.a)
+    da = kernel.upload_activations(inp.a)
     dw = kernel.upload_weights(inp.w)
     dc = runtime.DeviceArray.empty((m, n), np.float32)
     dc.fill_bytes(0xFF, stream)
@@ -132,6 +132,8 @@ def validate(kernel: Kernel, shape: tuple[int, int, int], seed: int | None = Non
         exp_b = expect.view(np.uint8).reshape(-1, item)
         bad_blocks = int(np.any(got_b != exp_b, axis=1).sum())
         deq = (lambda v: F.dequantize(v, op.out)) if op.out.quantized else (lambda v: v.astype(np.float32))
+        if op.out_natural is not None:  # a layout (kperm16): the error figures compare values in [M, K] order
+            deq = (lambda d: lambda v: d(op.out_natural(v)))(deq)
         deq_gpu = deq(out).astype(np.float64)
         deq_cpu = deq(expect).astype(np.float64)
         poisoned = int(np.all(got_b == 0xFF, axis=1).sum())

@@ -409,7 +409,7 @@ def tune(
     rng = np.random.default_rng(0)
     inp = check.make_inputs(k.op, m, n, kk, rng)
     exact = k.op.exact(inp.a, inp.w)
-    da, dw = runtime.DeviceArray.from_host(inp.a), k.upload_weights(inp.w)
+    da, dw = k.upload_activations(inp.a), k.upload_weights(inp.w)
     dc = runtime.DeviceArray.empty((m, n), np.float32)
     rows, best = [], None
     with typer.progressbar(cands, label=f"tuning {name} at {m}x{n}x{kk}") as bar:
@@ -434,7 +434,7 @@ def tune(
     # re-validate the winner on fresh inputs before it is stored
     inp2 = check.make_inputs(k.op, m, n, kk, np.random.default_rng())
     dc.fill_bytes(0xFF)
-    k.launch(runtime.DeviceArray.from_host(inp2.a), k.upload_weights(inp2.w), dc, m, n, kk, defines=best[0])
+    k.launch(k.upload_activations(inp2.a), k.upload_weights(inp2.w), dc, m, n, kk, defines=best[0])
     res = check.compare(name, k.op, mnk, -1, dc.to_host(), k.op.exact(inp2.a, inp2.w), check.reference.truth(inp2.a_float, inp2.w_float),
                         inp2.a_float, inp2.w_float)
     if not res.passed:

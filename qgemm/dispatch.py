@@ -76,7 +76,10 @@ class Plan:
     def __str__(self) -> str:
         cfg = " ".join(f"{k}={v}" for k, v in self.defines.items())
         pro = registry.get(self.quantizer).op if self.quantizer else None
-        step1 = f"  1. {self.quantizer}: x -> {pro.out.name} on the GPU\n" if pro else "  1. (x is already in the kernel's format)\n"
+        layout = registry.get(self.kernel).act_layout
+        layout = f" in the {layout} layout (the k order of the kernel's weight fragments)" if layout else ""
+        step1 = (f"  1. {self.quantizer}: x -> {pro.out.name}{layout} on the GPU\n" if pro
+                 else "  1. (x is already in the kernel's format)\n")
         if self.quantizer is None and self.packed:
             step1 = "  1. (none: the kernel reads the float32 activations itself)\n"
         return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights{' (packed)' if self.packed else ''}, "
@@ -95,10 +98,14 @@ class Plan:
     def reference(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """The exact-math result of this plan on host arrays (float64): the prologue's output as
         the CPU computes it, byte for byte, then the kernel's reference."""
-        op = registry.get(self.kernel).op
+        kernel = registry.get(self.kernel)
         x = np.asarray(x)
         staged = registry.get(self.quantizer).op.cpu(x) if self.quantizer else x
-        return op.exact(staged, w)
+        if kernel.act_layout is not None:  # the kernel's k order is the op's, permuted alike on both sides
+            from . import packing
+
+            staged = packing.unkperm16(staged)
+        return kernel.op.exact(staged, w)
 
     @property
     def op(self):
@@ -187,6 +194,8 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         quantizer = None
     elif a_fmt == "q8_1":
         quantizer = "quantize.q8_1" if x_dtype == "f32" else "quantize.q8_1_f16"
+    elif k_obj.act_layout == "kperm16":  # f16 activations, k deinterleaved inside every 16 (qgemm.packing)
+        quantizer = "convert.f16k" if x_dtype == "f32" else "convert.f16k_f16"
     else:  # f16 activations
         quantizer = "convert.f16" if x_dtype == "f32" else None
     defines = {}
@@ -326,7 +335,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         wb = runtime.DeviceArray.from_host(wb)
     if p.packed:
         wb = packed.packed
-        if dx.ptr % 16:
+        if dx.ptr % 16 and p.quantizer is None:  # read by the kernel itself (float4 / 16-byte loads)
             raise ValueError(f"matmul: {p.kernel} needs the activations on a 16-byte boundary, got address {dx.ptr:#x}")
     staged = p.staged_format
     dq = _scratch("prologue", *staged, stream) if staged else None

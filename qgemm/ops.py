@@ -18,6 +18,18 @@ from . import jit, reference, runtime
 from .errors import UnsupportedArchError
 
 
+def _kperm16(x: np.ndarray) -> np.ndarray:
+    from . import packing
+
+    return packing.kperm16(x)
+
+
+def _unkperm16(y: np.ndarray) -> np.ndarray:
+    from . import packing
+
+    return packing.unkperm16(y)
+
+
 @dataclass(frozen=True)
 class Op:
     """What a kernel computes. `unit` names the arithmetic that bounds it (for the roofline)."""
@@ -33,6 +45,8 @@ class Op:
     nmse_tol: float  # max NMSE vs float64 ground truth (quantization level)
     exact: Callable | None = None
     cpu: Callable | None = None  # quantize-kind ops: the CPU function the kernel must match byte for byte
+    k_align: int = 1  # K must also be a multiple of this (a layout's chunk, e.g. kperm16)
+    out_natural: Callable | None = None  # quantize ops that write a layout: their output back in [M, K] order
 
     def __str__(self) -> str:
         if self.kind == "quantize":
@@ -43,7 +57,7 @@ class Op:
 
     @property
     def k_multiple(self) -> int:
-        return max(self.a.block, self.w.block if self.w else 1)
+        return max(self.a.block, self.w.block if self.w else 1, self.out.block if self.kind == "quantize" else 1, self.k_align)
 
 
 FP32 = Op("fp32", "FP32 GEMM", "gemm", F.F32, F.F32, F.F32, "fp32", 2e-5, 1e-8, reference.exact_fp32)
@@ -66,9 +80,15 @@ QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", 
                        cpu=lambda x: F.quantize_q8_1(np.asarray(x, dtype=np.float32)))
 CONVERT_F16 = Op("convert_f16", "Convert to f16", "quantize", F.F32, None, F.F16, "memory", 0.0, 1e-6,
                  cpu=lambda x: np.asarray(x, dtype=np.float32).astype(np.float16))
+# the prologues of the Hopper prefill kernels: fp16 in the kperm16 layout (qgemm.packing.kperm16)
+CONVERT_F16K = Op("convert_f16k", "Convert to f16 (kperm16 layout)", "quantize", F.F32, None, F.F16, "memory", 0.0, 1e-6,
+                  cpu=lambda x: _kperm16(np.asarray(x, dtype=np.float32).astype(np.float16)), k_align=16,
+                  out_natural=lambda y: _unkperm16(y))
+PERMUTE_F16K = Op("permute_f16k", "Permute f16 to the kperm16 layout", "quantize", F.F16, None, F.F16, "memory", 0.0, 0.0,
+                  cpu=lambda x: _kperm16(np.asarray(x, dtype=np.float16)), k_align=16, out_natural=lambda y: _unkperm16(y))
 
 OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, W4A16S, W8A16S, W4A8S, W8A8S, QUANTIZE_Q8_1,
-                              QUANTIZE_Q8_1_F16, CONVERT_F16)}
+                              QUANTIZE_Q8_1_F16, CONVERT_F16, CONVERT_F16K, PERMUTE_F16K)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +267,33 @@ class Kernel:
             return runtime.DeviceArray.from_host(packing.pack(w, self.op.w.name))
         return runtime.DeviceArray.from_host(w)
 
+    # -- activations in a kernel-specific layout (KernelSpec.act_layout: "kperm16") ----------------
+    @property
+    def act_layout(self) -> str | None:
+        return getattr(self.spec, "act_layout", None)
+
+    def upload_activations(self, a: np.ndarray) -> runtime.DeviceArray:
+        """Host activations in the op's A format -> the device buffer this kernel reads (in its
+        activation layout, when it has one; qgemm.matmul's prologue writes that layout itself)."""
+        if self.act_layout is not None:
+            from . import packing
+
+            return runtime.DeviceArray.from_host(packing.kperm16(a))
+        return runtime.DeviceArray.from_host(a)
+
+    def _device_activations(self, da: runtime.DeviceArray, m: int, k: int, stream=None) -> runtime.DeviceArray:
+        """Device activations (checked) as this kernel reads them: permuted on the GPU by the
+        layout's prologue kernel into a new buffer when the kernel has an activation layout."""
+        if self.act_layout is None:
+            return da
+        from . import registry
+
+        perm = registry.get("convert.f16k_f16")
+        dq = runtime.DeviceArray.empty((m, k), np.float16)
+        status = runtime.DeviceArray.from_host(np.zeros(1, dtype=np.int32))
+        perm.launch_quantize(da, dq, m, k, status, stream=stream)
+        return dq
+
     def _device_weights(self, w) -> runtime.DeviceArray:
         """Device weights as this kernel reads them: a PackedWeights' skinny buffer, or ggml
         blocks (repacked through the host when the kernel needs its layout). `shape_of` has
@@ -305,10 +352,11 @@ class Kernel:
         if device:
             da = _check_device(a, self.op.a, "A", self.op)
             dw = self._device_weights(w)
-            if self.packed and da.ptr % 16:
+            if self.packed and da.ptr % 16 and self.act_layout is None:
                 raise ValueError(f"{self.name}: A must start on a 16-byte boundary (float4 loads), got address {da.ptr:#x}")
+            da = self._device_activations(da, m, k, stream)
         else:
-            da = runtime.DeviceArray.from_host(_check_host(a, self.op.a, "A", self.op))
+            da = self.upload_activations(_check_host(a, self.op.a, "A", self.op))
             dw = self.upload_weights(_check_host(w, self.op.w, "W", self.op))
         dc = self._out(out, (m, n), np.float32)
         self.launch(da, dw, dc, m, n, k, stream=stream)
@@ -348,8 +396,8 @@ class Kernel:
         m, k = dx.shape if device else x.shape
         if not device and x.ndim != 2:
             raise ValueError(f"{self.name}: X must be 2-D [M, K], got shape {x.shape}")
-        if k <= 0 or k % self.op.out.block:
-            raise ValueError(f"{self.name}: K must be a positive multiple of {self.op.out.block}, got K={k}")
+        if k <= 0 or k % self.op.k_multiple:
+            raise ValueError(f"{self.name}: K must be a positive multiple of {self.op.k_multiple}, got K={k}")
         if m <= 0:
             raise ValueError(f"{self.name}: M must be positive, got M={m}")
         if not device:

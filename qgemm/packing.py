@@ -17,6 +17,13 @@ blocks (plus padding): Q4_0 4096x4096 is 9.44 MB either way.
 
 `pack(blocks, fmt)` / `unpack(buf, fmt, n, k)` are exact inverses (tested); `pack_weights`
 uploads once and returns a `PackedWeights` that `qgemm.matmul` takes in place of the blocks.
+
+The activations of the Hopper prefill kernels (`w4a16.wgmma_rs`, `w8a16.wgmma_rs`) have a layout
+of their own, *kperm16*: fp16 [M, K] with k deinterleaved inside every 16 -- the 8 even k first,
+then the 8 odd ones. A product is unchanged when both operands' k are permuted alike, and this
+permutation makes lane (g, t)'s own skinny qs word its natural wgmma A fragment (docs/formats.md):
+the prologue (`convert.f16k`) writes it at no extra cost, and the kernel needs no byte shuffle.
+`kperm16` / `unkperm16` are the host versions (exact inverses).
 """
 
 from __future__ import annotations
@@ -32,6 +39,30 @@ LAYOUT = "skinny"
 _PIECES = {"q4_0": 2, "q8_0": 4}
 _QS_BYTES = {"q4_0": 16, "q8_0": 32}
 _ZERO_QS = {"q4_0": 0x88, "q8_0": 0x00}  # nibble 8 -> 8 - 8 = 0; int8 0
+
+
+ACT_LAYOUT = "kperm16"
+
+
+def kperm16(a: np.ndarray) -> np.ndarray:
+    """[..., K] (K a multiple of 16) -> the same values with k deinterleaved inside every 16:
+    position j < 8 of a 16-chunk holds k = 2j, position 8 + j holds k = 2j + 1."""
+    a = np.asarray(a)
+    k = a.shape[-1] if a.ndim else 0
+    if a.ndim == 0 or k % 16:
+        raise ValueError(f"kperm16: expected an array [..., K] with K a multiple of 16, got shape {a.shape}")
+    c = a.reshape(a.shape[:-1] + (k // 16, 8, 2))
+    return np.ascontiguousarray(np.swapaxes(c, -1, -2)).reshape(a.shape)
+
+
+def unkperm16(a: np.ndarray) -> np.ndarray:
+    """The inverse of `kperm16`."""
+    a = np.asarray(a)
+    k = a.shape[-1] if a.ndim else 0
+    if a.ndim == 0 or k % 16:
+        raise ValueError(f"unkperm16: expected an array [..., K] with K a multiple of 16, got shape {a.shape}")
+    c = a.reshape(a.shape[:-1] + (k // 16, 2, 8))
+    return np.ascontiguousarray(np.swapaxes(c, -1, -2)).reshape(a.shape)
 
 
 def cdiv(a: int, b: int) -> int:

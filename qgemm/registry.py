@@ -50,6 +50,9 @@ class KernelSpec:
     # A prologue kernel that also zeroes the split-K GEMM's output (two more arguments: float*
     # and its length), so no memset separates it from the previous op (qgemm.matmul).
     zeroes: bool = False
+    # The kernel reads its activations in a layout of its own (qgemm.packing.kperm16): the
+    # Kernel object permutes what it is given; qgemm.matmul's prologue (convert.f16k) writes it.
+    act_layout: str | None = None
 
     @property
     def family(self) -> str:
@@ -469,6 +472,14 @@ _SPECS = [
                lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
                "float32 activations -> float16 (round to nearest even), the prologue of the fp16 tensor-core path",
                pdl=True, zeroes=True),
+    KernelSpec("convert.f16k", ops.CONVERT_F16K, 2, "convert/f32_to_f16.cu", "convert_f32_to_f16",
+               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
+               "float32 activations -> float16 in the kperm16 layout (k deinterleaved inside every 16), the prologue "
+               "of the Hopper prefill kernels", defines={"CV_KPERM": 1}, pdl=True, zeroes=True),
+    KernelSpec("convert.f16k_f16", ops.PERMUTE_F16K, 2, "convert/f16_kperm.cu", "convert_f16_kperm",
+               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
+               "float16 activations -> the kperm16 layout of the Hopper prefill kernels (the values unchanged)",
+               pdl=True, zeroes=True),
     KernelSpec("quantize.q8_1_f16", ops.QUANTIZE_Q8_1_F16, 2, "quantize/q8_1_f16.cu", "quantize_q8_1_f16", _quantize_rows,
                "float16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)", pdl=True),
     KernelSpec("w4a16.naive", ops.W4A16, 3, "w4a16/naive.cu", "w4a16_naive", _thread_per_output,
@@ -547,12 +558,12 @@ _SPECS = [
                "production prefill on Hopper: f16 x Q4_0 (repacked once) through wgmma with the weights dequantized "
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q4_0"), candidates=_rs_candidates("q4_0"), unit="hmma",
-               weight_layout="skinny", pdl=True),
+               weight_layout="skinny", act_layout="kperm16", pdl=True),
     KernelSpec("w8a16.wgmma_rs", ops.W8A16H, 6, "w8a16/wgmma_rs.cu", "w8a16_wgmma_rs", _rs_geometry("q8_0"),
                "production prefill on Hopper: f16 x Q8_0 (repacked once) through wgmma with the weights dequantized "
                "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0"), unit="hmma",
-               weight_layout="skinny", pdl=True),
+               weight_layout="skinny", act_layout="kperm16", pdl=True),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8),

@@ -251,9 +251,9 @@ def test_matmul_plan_with_packed_weights(fmt):
         qgemm.plan(1, 4096, 4096, fmt, path=f"w{w}a8.skinny")
     p = qgemm.plan(4, 4096, 4096, fmt, path=f"w{w}a8.skinny", packed=True)
     assert p.quantizer is None and p.defines["SK_MQ"] == 4 and "int8" not in p.reason
-    for path in (f"w{w}a16.wgmma", f"w{w}a16.wgmma_rs"):
+    for path, pro in ((f"w{w}a16.wgmma", "convert.f16"), (f"w{w}a16.wgmma_rs", "convert.f16k")):
         p = qgemm.plan(512, 4096, 4096, fmt, path=path, packed=True)
-        assert p.kernel == path and p.quantizer == "convert.f16" and p.packed
+        assert p.kernel == path and p.quantizer == pro and p.packed
 
 
 @pytest.mark.parametrize("name", ["w4a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"])
@@ -395,7 +395,7 @@ def test_dlpack_from_the_wrong_device_is_refused_before_launch(dev, match):
 def test_plan_for_a_requested_arch(fmt):
     """`plan(..., arch=)` / `qgemm explain --arch` show another architecture's plan without its
     GPU: on sm_90 packed weights take the skinny kernel up to M = 16 and wgmma_rs from M = 17
-    (after convert.f16); on sm_80 wgmma never runs; below sm_80 the DP4A fallback; sm_90 defaults."""
+    (after convert.f16k, which writes the kperm16 layout); on sm_80 wgmma never runs; below sm_80 the DP4A fallback; sm_90 defaults."""
     from typer.testing import CliRunner
 
     from qgemm.cli import app
@@ -406,9 +406,12 @@ def test_plan_for_a_requested_arch(fmt):
     assert p.kernel == f"w{w}a16.skinny" and p.quantizer is None
     for m in (lo, 64, 512, 2048):
         p = qgemm.plan(m, 4096, 4096, fmt, packed=True, arch="sm_90")
-        assert p.kernel == f"w{w}a16.wgmma_rs" and p.quantizer == "convert.f16" and p.source == "default"
+        assert p.kernel == f"w{w}a16.wgmma_rs" and p.quantizer == "convert.f16k" and p.source == "default"
         assert p.defines == qgemm.spec(p.kernel).config(m, 4096, 4096, 132)
-    assert qgemm.plan(512, 4096, 4096, fmt, x_dtype="f16", packed=True, arch="sm_90").quantizer is None
+        assert "kperm16 layout" in str(p)
+    # float16 activations too go through a prologue on this path: the kernel reads the kperm16 layout
+    assert qgemm.plan(512, 4096, 4096, fmt, x_dtype="f16", packed=True, arch="sm_90").quantizer == "convert.f16k_f16"
+    assert qgemm.plan(512, 4096, 4096, fmt, x_dtype="f16", packed=True, arch="sm_80").quantizer is None
     assert qgemm.plan(512, 4096, 4096, fmt, packed=True, arch="sm_80").kernel == f"w{w}a16.mma"
     assert qgemm.plan(512, 4096, 4096, fmt, packed=False, arch="sm_90").kernel == f"w{w}a16.mma"  # blocks
     assert "dp4a" in qgemm.plan(512, 4096, 4096, fmt, arch="sm_75").kernel
@@ -431,7 +434,7 @@ def test_pdl_kernels_wait_before_their_inputs():
     from qgemm import jit, registry as R
 
     pdl = [s for s in R.list_kernels() if s.pdl]
-    assert {s.name for s in pdl} >= {"convert.f16", "w4a16.skinny", "w8a16.skinny", "w4a16.wgmma_rs", "w8a16.wgmma_rs"}
+    assert {s.name for s in pdl} >= {"convert.f16", "convert.f16k", "convert.f16k_f16", "w4a16.skinny", "w8a16.skinny", "w4a16.wgmma_rs", "w8a16.wgmma_rs"}
     for s in pdl:
         text = jit.read_source(s.source) + "".join(jit.project_headers(s.source).values())
         assert "pdl_wait();" in text, s.name
@@ -444,8 +447,9 @@ def test_pdl_kernels_wait_before_their_inputs():
     # warp-specialized: the copying warpgroup's first activation copies (copy(s, true, ...)) follow its wait
     assert ws.index("pdl_wait();") < min(m.start() for m in re.finditer(r"copy\(s, true", ws))
     assert plain.index("pdl_wait();") < min(m.start() for m in re.finditer(r"cp\.act\(", plain))
-    conv = jit.read_source("convert/f32_to_f16.cu")
-    assert conv.index("pdl_wait();") < conv.index("X + i")
+    for src in ("convert/f32_to_f16.cu", "convert/f16_kperm.cu"):
+        conv = jit.read_source(src)
+        assert conv.index("pdl_wait();") < conv.index("X + i"), src
 
 
 def test_matmul_scratch_is_per_stream(monkeypatch):

@@ -521,7 +521,7 @@ def _every_candidate(k, shapes, rng):
     for (m, n, kk) in shapes:
         inp = check.make_inputs(k.op, m, n, kk, rng)
         exact = k.op.exact(inp.a, inp.w)
-        da, dw = qgemm.DeviceArray.from_host(inp.a), k.upload_weights(inp.w)
+        da, dw = k.upload_activations(inp.a), k.upload_weights(inp.w)
         dc = qgemm.DeviceArray.empty((m, n), np.float32)
         for d in k.spec.candidates(m, n, kk):
             dc.fill_bytes(0xFF)
@@ -574,6 +574,43 @@ def test_skinny_needs_packed_weights_and_f32(rng):
     c16 = qgemm.matmul(x.astype(np.float16), pw)
     assert qgemm.plan(4, 64, 256, "q4_0", "f16", packed=True).kernel == "w4a8.gemv"
     assert c16.shape == (4, 64) and np.isfinite(c16).all()
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_kperm16_activation_paths(fmt, rng):
+    """The wgmma_rs kernels read their activations in the kperm16 layout. Every way in must put
+    them there: qgemm.matmul with float32 x (convert.f16k) and with float16 x (convert.f16k_f16),
+    host and device; the kernel object with host fp16 (permuted on the host) and with device fp16
+    -- including a buffer that starts 2 bytes off a 16-byte boundary (permuted on the GPU)."""
+    w_ = "4" if fmt == "q4_0" else "8"
+    m, n, k = 40, 300, 4128
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w_f = rng.standard_normal((n, k), dtype=np.float32)
+    w = F.quantize(w_f, fmt)
+    pw = qgemm.pack_weights(w)
+    name = f"w{w_}a16.wgmma_rs"
+    kern = qgemm.get(name)
+    if qgemm.runtime.device_info().cc != 90:
+        with pytest.raises(qgemm.UnsupportedArchError, match="sm_90"):
+            kern(x.astype(np.float16), w)
+        return
+    exact = kern.op.exact(x.astype(np.float16), w)
+    for xx in (x, x.astype(np.float16)):
+        p = qgemm.plan(m, n, k, fmt, "f32" if xx.dtype == np.float32 else "f16", packed=True)
+        assert p.kernel == name and p.quantizer == ("convert.f16k" if xx.dtype == np.float32 else "convert.f16k_f16"), p
+        for c in (qgemm.matmul(xx, pw), qgemm.matmul(qgemm.DeviceArray.from_host(xx), pw).to_host()):
+            assert qgemm.reference.relative_error(c, p.reference(xx, w)) <= 1e-5
+            assert qgemm.reference.relative_error(c, exact) <= 1e-5
+    x16 = x.astype(np.float16)
+    assert qgemm.reference.relative_error(kern(x16, w), exact) <= 1e-5
+    raw = qgemm.DeviceArray.empty((m * k + 8,), np.float16)
+    off = qgemm.DeviceArray(raw.ptr + 2, (m, k), np.float16, owner=raw)  # 2 bytes past the allocation's alignment
+    assert off.ptr % 16 == 2
+    off.copy_from_host(x16)
+    assert qgemm.reference.relative_error(kern(off, pw).to_host(), exact) <= 1e-5
+    # the prologue kernels alone: K must be a multiple of 16
+    with pytest.raises(ValueError, match="multiple of 16"):
+        qgemm.get("convert.f16k")(rng.standard_normal((2, 40), dtype=np.float32))
 
 
 WGMMA = ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"]

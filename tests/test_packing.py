@@ -166,9 +166,10 @@ def test_skinny_kernels_registered():
 
 def emulate_wgmma_rs(fmt, x, blocks):
     """common/wgmma_rs_f16.cuh without a GPU: lane (g, t) of the warp owning 16-row tile T reads
-    the pieces of lanes (g, t/2) and (g, t/2 + 2), keeps byte pair t % 2 of each word, interleaved (one PRMT),
-    dequantizes with SkQ*::frags and hands wgmma the fragment as its register A operand, whose k
-    order must be *natural* (the activations come unpermuted from shared memory)."""
+    its own pieces, dequantizes with SkQ*::frags and hands wgmma the fragment as its register A
+    operand; the tensor core pairs A's k position p with the activations' shared-memory position p,
+    and the activations arrive in the kperm16 layout (qgemm.packing.kperm16, from convert.f16k).
+    Returns the product and the weights as the tensor core sees them (storage k order)."""
     m, k = x.shape
     n = blocks.shape[0]
     buf = packing.pack(blocks, fmt)
@@ -178,27 +179,24 @@ def emulate_wgmma_rs(fmt, x, blocks):
     qbytes = n16 * nb4 * (16 if fmt == "q4_0" else 32)
     words = buf[:qbytes].view("<u4").reshape(ntiles, ngroups, pieces, 32, 4)
     dwords = buf[qbytes:].view("<u4").reshape(ntiles, ngroups, 8, 4)
-    xh = np.zeros((m, nb4 * 32))
-    xh[:, :k] = x.astype(np.float16).astype(np.float64)
-    w_nat = np.zeros((n16, nb4 * 32))  # the weights as the tensor core sees them, natural k
+    xs = np.zeros((m, nb4 * 32))  # the activation tile in shared memory (zero past K)
+    xs[:, :k] = packing.kperm16(x.astype(np.float16)).astype(np.float64)
+    w_st = np.zeros((n16, nb4 * 32))
     for T in range(ntiles):
         for G in range(ngroups):
             for lane in range(32):
                 g, t = lane // 4, lane % 4
-                sel = 0x7362 if t & 1 else 0x5140  # [p0 q0 p1 q1]
-                src0 = 4 * g + t // 2
-                nat = [[_byte_perm(int(words[T, G, p, src0, i]), int(words[T, G, p, src0 + 2, i]), sel) for i in range(4)]
-                       for p in range(pieces)]
+                own = [[int(v) for v in words[T, G, p, lane]] for p in range(pieces)]
                 dq = [int(v) for v in dwords[T, G, g]]
                 for j in range(4):
-                    a = _frags(fmt, nat, dq, j)
-                    for s in range(2):  # wgmma's register A layout = mma.m16n8k16's, natural k
+                    a = _frags(fmt, own, dq, j)
+                    for s in range(2):  # wgmma's register A layout = mma.m16n8k16's
                         k0 = 128 * G + 32 * j + 16 * s
-                        w_nat[16 * T + g, k0 + 2 * t:k0 + 2 * t + 2] = a[s][0]
-                        w_nat[16 * T + g + 8, k0 + 2 * t:k0 + 2 * t + 2] = a[s][1]
-                        w_nat[16 * T + g, k0 + 2 * t + 8:k0 + 2 * t + 10] = a[s][2]
-                        w_nat[16 * T + g + 8, k0 + 2 * t + 8:k0 + 2 * t + 10] = a[s][3]
-    return (xh @ w_nat.T)[:, :n], w_nat[:n, :k]
+                        w_st[16 * T + g, k0 + 2 * t:k0 + 2 * t + 2] = a[s][0]
+                        w_st[16 * T + g + 8, k0 + 2 * t:k0 + 2 * t + 2] = a[s][1]
+                        w_st[16 * T + g, k0 + 2 * t + 8:k0 + 2 * t + 10] = a[s][2]
+                        w_st[16 * T + g + 8, k0 + 2 * t + 8:k0 + 2 * t + 10] = a[s][3]
+    return (xs @ w_st.T)[:, :n], w_st[:n, :k]
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
@@ -207,8 +205,46 @@ def test_emulated_wgmma_rs_matches_reference(fmt, m, n, k):
     rng = np.random.default_rng(m * 1000 + n + k)
     x = rng.standard_normal((m, k), dtype=np.float32)
     w = _blocks(fmt, n, k, seed=k + 1)
-    got, w_nat = emulate_wgmma_rs(fmt, x, w)
-    # every weight lands at its natural k, dequantized exactly as d (q - 8) rounded once to fp16
-    np.testing.assert_array_equal(w_nat, R.dequantize_to_f16(w, fmt).astype(np.float64))
+    got, w_st = emulate_wgmma_rs(fmt, x, w)
+    # each lane's own word lands exactly where kperm16 puts the activations of the same k,
+    # dequantized exactly as d (q - 8) rounded once to fp16
+    np.testing.assert_array_equal(packing.unkperm16(w_st), R.dequantize_to_f16(w, fmt).astype(np.float64))
     exact = (R.exact_w4a16h if fmt == "q4_0" else R.exact_w8a16h)(x.astype(np.float16), w)
     np.testing.assert_allclose(got, exact, rtol=1e-9, atol=1e-9)
+
+
+def test_kperm16_layout():
+    """kperm16: inside every 16 the even k, then the odd ones; unkperm16 inverts it, and a product
+    is unchanged when both operands are permuted alike."""
+    a = np.arange(2 * 48).reshape(2, 48)
+    p = packing.kperm16(a)
+    np.testing.assert_array_equal(p[0, :16], [0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15])
+    np.testing.assert_array_equal(p[1, 32:], 80 + np.r_[0:16:2, 1:16:2])
+    np.testing.assert_array_equal(packing.unkperm16(p), a)
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((3, 64)), rng.standard_normal((5, 64))
+    np.testing.assert_allclose(packing.kperm16(x) @ packing.kperm16(w).T, x @ w.T, rtol=1e-12)
+    for bad in (np.zeros(24), np.zeros((2, 8)), np.float32(1.0)):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            packing.kperm16(bad)
+        with pytest.raises(ValueError, match="multiple of 16"):
+            packing.unkperm16(bad)
+
+
+def test_kperm16_prologues_registered():
+    """convert.f16k / convert.f16k_f16 write the layout (their CPU references), need K % 16 == 0,
+    and the wgmma_rs kernels declare it, so check.validate and Kernel.__call__ permute for them."""
+    x = np.random.default_rng(0).standard_normal((3, 32)).astype(np.float32)
+    for name, xin in (("convert.f16k", x), ("convert.f16k_f16", x.astype(np.float16))):
+        op = qgemm.registry.spec(name).op
+        got = op.cpu(xin)
+        assert got.dtype == np.float16 and got.shape == x.shape
+        np.testing.assert_array_equal(got, packing.kperm16(x.astype(np.float16)))
+        np.testing.assert_array_equal(op.out_natural(got), x.astype(np.float16))
+        assert op.k_multiple == 16
+        g = qgemm.registry.spec(name).geometry(7, 0, 4128)  # 8 values per thread: every value covered
+        assert g.grid[0] * g.block[0] * 8 >= 7 * 4128 > (g.grid[0] - 1) * g.block[0] * 8
+    for name in ("w4a16.wgmma_rs", "w8a16.wgmma_rs"):
+        assert qgemm.registry.spec(name).act_layout == "kperm16"
+        assert qgemm.get(name).act_layout == "kperm16"
+    assert qgemm.get("w4a16.wgmma").act_layout is None

@@ -48,10 +48,10 @@ def main() -> None:
         m, n, kk = (int(v) for v in shape.split("x"))
         inp = check.make_inputs(k.op, m, n, kk, rng)
         exact = k.op.exact(inp.a, inp.w)
-        da, dw = runtime.DeviceArray.from_host(inp.a), k.upload_weights(inp.w)
+        da, dw = k.upload_activations(inp.a), k.upload_weights(inp.w)
         dc = runtime.DeviceArray.empty((m, n), np.float32)
         sets = bench._sets_for(inp.a.nbytes + inp.w.nbytes + m * n * 4, args.cold)
-        das = [da] + [runtime.DeviceArray.from_host(inp.a) for _ in range(sets - 1)]
+        das = [da] + [k.upload_activations(inp.a) for _ in range(sets - 1)]
         dws = [dw] + [k.upload_weights(inp.w) for _ in range(sets - 1)]
         dcs = [dc] + [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets - 1)]
         base = k.config_for(m, n, kk)

@@ -14,17 +14,20 @@
 // features n), its N (RS_BN = 64, 128 or 256) are tokens. D[n][token] lands in C[token][n].
 //
 // The k order. The skinny layout gives lane (g, t) qs word t of each block (bytes 4t .. 4t + 3),
-// whose values sit at *physical* k 4t .. 4t + 3 (and 16 + the same for Q4_0's high nibbles). The
-// skinny kernels permute the activations to match; here the activations are read by the tensor
-// core from shared memory in natural order, so the A fragment must be natural too: lane (g, t)
-// needs k (2t, 2t+1) and (2t+8, 2t+9) of each k16 step: bytes 2t, 2t+1 (byte pair t % 2 of word
-// t / 2) and bytes 2t+8, 2t+9 (the same pair of word t / 2 + 2). Each lane therefore reads the
-// 16-byte pieces of lanes (g, t/2) and (g, t/2 + 2) (from shared memory, where the warp's raw
-// quants were copied whole) and keeps the low (t even) or high (t odd) byte pair of each word of
-// both, interleaved [p0 q0 p1 q1] (SkQ*::frags pairs bytes 0, 2 and 1, 3): one PRMT per word.
-// After that, SkQ*::frags' output is the natural A fragment
-//     a0a1 = (row g, k 2t..2t+1), a2a3 = (row g+8, ..), a4a5 = (row g, k 2t+8..), a6a7 = (row g+8, ..)
-// which is also wgmma's register A layout for warp w of the warpgroup, rows 16w .. 16w + 15.
+// whose values sit at k 4t .. 4t + 3 (and 16 + the same for Q4_0's high nibbles); SkQ*::frags
+// pairs bytes (0, 2) and (1, 3) of a word, so its fragment a0a1 holds k (4t, 4t + 2) and a4a5
+// holds (4t + 1, 4t + 3). The tensor core reads the activations from shared memory in storage
+// order, where lane (g, t)'s A fragment stands for positions (2t, 2t + 1) and (2t + 8, 2t + 9) of
+// each k16 step. So the activations arrive in the *kperm16* layout (qgemm.packing.kperm16, written
+// by the prologue convert.f16k): inside every 16, position j < 8 holds k = 2j and 8 + j holds
+// 2j + 1 -- then position 2t holds k 4t, 2t + 1 holds 4t + 2, 2t + 8 holds 4t + 1 and 2t + 9 holds
+// 4t + 3, exactly what the lane's own word gives. A product is unchanged when both operands' k are
+// permuted alike, and the per-block scales are unaffected (the permutation stays inside a block).
+// SkQ*::frags' output is then wgmma's register A layout for warp w of the warpgroup, rows
+// 16w .. 16w + 15, with no byte shuffle between lanes. (The first version took natural-order
+// activations and built each natural word from the pieces of lanes (g, t/2) and (g, t/2 + 2) with
+// a PRMT: twice the shared-memory loads; kperm16 measured 3% faster for Q4_0 and 5% for Q8_0 at
+// 2048x4096x4096 on the H100, docs/perf/NOTES.md.)
 //
 // CTA: RS_WGS warpgroups (64 weight rows each: warp w of warpgroup v owns the CTA's 16-row tile
 // 4v + w), RS_BN tokens, K in stages of 128 (one group of 4 blocks of the skinny layout). A stage
@@ -104,13 +107,6 @@ static __device__ __forceinline__ void rs_cp_async16(unsigned dst, const void* s
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
-// the natural-order word: byte pair (t odd ? 2,3 : 0,1) of p's word interleaved with the same pair
-// of q's, [p0 q0 p1 q1], so SkQ*::frags' byte pairs (0, 2) and (1, 3) are (p0, p1) and (q0, q1)
-static __device__ __forceinline__ uint4 rs_natural(const uint4& p, const uint4& q, unsigned sel) {
-    return make_uint4(__byte_perm(p.x, q.x, sel), __byte_perm(p.y, q.y, sel), __byte_perm(p.z, q.z, sel),
-                      __byte_perm(p.w, q.w, sel));
-}
-
 // What one copying thread (tid in [0, RS_THREADS)) copies of every stage. The addressing is
 // computed once: the per-stage part is a pointer bump, because every thread copies the same chunks
 // of every stage (SASS of the first version spent ~150 of its ~350 instructions per warp per stage
@@ -180,14 +176,14 @@ struct RsCopier {
 // previous one. After the second wait the whole previous stage has retired in this warpgroup:
 // RELEASE (warp-specialized kernel) then frees its buffer for the producer.
 template <typename SF, bool RELEASE>
-static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, unsigned act, int lt, int g, int src0, unsigned sel,
+static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, unsigned act, int lt, int g, int lane,
                                                     unsigned (&fr)[2][4][4], float (&d)[RS_BN / 2], unsigned release_bar) {
     constexpr int GROUP_PIECES = SF::PIECES * 32;
     const uint4* wq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES) + lt * GROUP_PIECES;
     const uint4 dq = reinterpret_cast<const uint4*>(st + RS_ACT_BYTES + RS_TILES * GROUP_PIECES * 16)[lt * 8 + g];
-    uint4 nat[SF::PIECES];
+    uint4 nat[SF::PIECES];  // this lane's own pieces: natural fragments, the activations being kperm16
 #pragma unroll
-    for (int p = 0; p < SF::PIECES; ++p) nat[p] = rs_natural(wq[p * 32 + src0], wq[p * 32 + src0 + 2], sel);
+    for (int p = 0; p < SF::PIECES; ++p) nat[p] = wq[p * 32 + lane];
     const unsigned act_desc = wg_desc_lo(act);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
@@ -295,8 +291,6 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     for (int i = 0; i < RS_BN / 2; ++i) d[i] = 0.0f;
     unsigned fr[2][4][4];  // A fragments of the two half-stages (k-steps 0-3, 4-7)
     const int lt = 4 * wgi + warp_in_wg;  // this warp's 16-row tile in the CTA
-    const unsigned sel = (t & 1) ? 0x7362u : 0x5140u;
-    const int src0 = 4 * g + t / 2;  // the lanes whose qs words hold this lane's natural k
 
 #if RS_WS
     // Warp-specialized: the last warpgroup only copies, the others only dequantize and multiply;
@@ -351,7 +345,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         mbar_wait(bars + 8 * b, (s / RS_STAGES) & 1);
         // the copies were cp.async (generic proxy), wgmma reads through the async proxy
         fence_proxy_async();
-        rs_mma_stage<SF, true>(smem + b * STAGE_BYTES, base + b * STAGE_BYTES, lt, g, src0, sel, fr, d,
+        rs_mma_stage<SF, true>(smem + b * STAGE_BYTES, base + b * STAGE_BYTES, lt, g, lane, fr, d,
                                s > 0 ? bars + 8 * (RS_STAGES + (s - 1) % RS_STAGES) : 0u);
     }
 #else
@@ -375,7 +369,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         cp_async_wait<RS_STAGES - 3>();
         fence_proxy_async();
         __syncthreads();
-        rs_mma_stage<SF, false>(smem + buf * STAGE_BYTES, base + buf * STAGE_BYTES, lt, g, src0, sel, fr, d, 0u);
+        rs_mma_stage<SF, false>(smem + buf * STAGE_BYTES, base + buf * STAGE_BYTES, lt, g, lane, fr, d, 0u);
         // the refill of the buffer of stage s - 2 (retired before the barrier) goes after this
         // stage's wgmma are issued, so the tensor core is fed before this warp's copy work (between
         // the two halves, ptxas serializes every wgmma: C7513, tested in tests/test_cli_registry.py)

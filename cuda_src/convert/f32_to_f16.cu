@@ -1,14 +1,19 @@
 // float32 activations -> float16 (round to nearest even, __float2half_rn), 8 values per thread
-// with 16-byte loads and stores where the row allows. The prologue of the W4A16 tensor-core path.
+// with 16-byte loads and stores where the row allows. The prologue of the fp16 tensor-core paths:
+// `convert.f16` writes [M, K] as it is; `convert.f16k` (CV_KPERM=1) writes the kperm16 layout the
+// Hopper prefill kernels read (k deinterleaved inside every 16: common/convert.cuh).
 // `status` bit 0: a non-finite input; bit 1: a finite value beyond half's range (it would become inf).
 // Programmatic dependent launch (common/pdl.cuh): the GEMM queued behind this kernel may start
 // its weight copies at once (it waits for this grid before reading Y), and this kernel itself may
 // be launched while the previous op finishes: it waits for that before it reads X (the previous
 // op's output) or writes Y (a staging buffer the previous op's GEMM may still be reading).
-// Z (nz floats, may be null): the split-K GEMM behind this kernel adds into it with atomics, so it
-// is zeroed here rather than by a memset, which would stand between the two ops' kernels.
-#include <cuda_fp16.h>
+#include "common/convert.cuh"
 #include "common/pdl.cuh"
+
+#ifndef CV_KPERM
+#define CV_KPERM 0
+#endif
+#define CV_VALUES 8  // per thread: the registry's grid is M * K / 2048 CTAs of 256
 
 extern "C" __global__ void __launch_bounds__(256)
 convert_f32_to_f16(const float* __restrict__ X, __half* __restrict__ Y, int M, int K, int* __restrict__ status,
@@ -19,37 +24,50 @@ convert_f32_to_f16(const float* __restrict__ X, __half* __restrict__ Y, int M, i
     // as a dependent when this grid ends, which is where its gain is).
     if (nz == 0) pdl_launch_dependents();
     pdl_wait();
-    if (nz > 0) {
-        const long long nthreads = (long long)gridDim.x * blockDim.x, tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-        if ((((size_t)Z) & 15) == 0) {
-            for (long long j = tid; j < nz / 4; j += nthreads) reinterpret_cast<float4*>(Z)[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-            for (long long j = nz / 4 * 4 + tid; j < nz; j += nthreads) Z[j] = 0.0f;
-        } else {
-            for (long long j = tid; j < nz; j += nthreads) Z[j] = 0.0f;
-        }
-    }
+    if (nz > 0) convert_zero_output(Z, nz);
     const size_t total = (size_t)M * K;
-    const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * CV_VALUES;
     if (i >= total) return;
     int bad = 0;
-    if (i + 8 <= total && (((size_t)(X + i)) & 15) == 0) {
-        const float4 a = *(const float4*)(X + i), b = *(const float4*)(X + i + 4);
-        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        __align__(16) __half h[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            h[j] = __float2half_rn(v[j]);
-            if (!isfinite(v[j])) bad |= 1;
-            else if (isinf(__half2float(h[j]))) bad |= 2;
-        }
-        *(int4*)(Y + i) = *(const int4*)h;
-    } else {
-        for (size_t j = i; j < i + 8 && j < total; ++j) {
+    // the tail of an [M, K] with K not a multiple of 8 (convert.f16 alone: the kperm16 launcher
+    // needs K % 16 == 0, so both lanes of every chunk reach the shuffles of store_kperm16)
+    if (i + CV_VALUES > total) {
+        for (size_t j = i; j < total; ++j) {
             const __half h = __float2half_rn(X[j]);
             if (!isfinite(X[j])) bad |= 1;
             else if (isinf(__half2float(h))) bad |= 2;
             Y[j] = h;
         }
+        if (bad) atomicOr(status, bad);
+        return;
     }
+    float v[CV_VALUES];
+    if ((((size_t)(X + i)) & 15) == 0) {
+#pragma unroll
+        for (int j = 0; j < CV_VALUES; j += 4) {
+            const float4 a = *(const float4*)(X + i + j);
+            v[j] = a.x, v[j + 1] = a.y, v[j + 2] = a.z, v[j + 3] = a.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < CV_VALUES; ++j) v[j] = X[i + j];
+    }
+    __align__(16) __half h[CV_VALUES];
+#pragma unroll
+    for (int j = 0; j < CV_VALUES; ++j) {
+        h[j] = __float2half_rn(v[j]);
+        if (!isfinite(v[j])) bad |= 1;
+        else if (isinf(__half2float(h[j]))) bad |= 2;
+    }
+#if CV_KPERM
+    store_kperm16(Y, i, h);
+#else
+    if ((((size_t)(Y + i)) & 15) == 0) {
+        *(int4*)(Y + i) = *(const int4*)h;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) Y[i + j] = h[j];
+    }
+#endif
     if (bad) atomicOr(status, bad);
 }

@@ -1,0 +1,46 @@
+// Shared by the activation prologues of the fp16 tensor-core paths (cuda_src/convert/).
+#pragma once
+#include <cuda_fp16.h>
+
+// Z (nz floats, may be null): the split-K GEMM behind the prologue adds into it with atomics, so
+// the prologue zeroes it rather than a memset, which would stand between the two ops' kernels.
+static __device__ __forceinline__ void convert_zero_output(float* __restrict__ Z, long long nz) {
+    const long long nthreads = (long long)gridDim.x * blockDim.x, tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((((size_t)Z) & 15) == 0) {
+        for (long long j = tid; j < nz / 4; j += nthreads) reinterpret_cast<float4*>(Z)[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (long long j = nz / 4 * 4 + tid; j < nz; j += nthreads) Z[j] = 0.0f;
+    } else {
+        for (long long j = tid; j < nz; j += nthreads) Z[j] = 0.0f;
+    }
+}
+
+// Eight fp16 values of k = i .. i + 7 (i a multiple of 8, K of 16) stored in the kperm16 layout
+// (qgemm.packing.kperm16): inside each 16-chunk the even k first, then the odd ones. Why the Hopper
+// prefill kernels want it: with k permuted like this (in both operands: the product is unchanged)
+// a lane's own qs word of the skinny layout is its natural wgmma A fragment, so the kernel needs
+// no byte shuffle between lanes (common/wgmma_rs_f16.cuh).
+//
+// The two lanes of a chunk (i % 16 == 0 and 8: lanes 2c, 2c + 1, both active or both not) trade
+// halves with one pair of shuffles so that each writes one whole 16-byte half of the chunk: the
+// even lane the 8 even k, the odd lane the 8 odd k. Measured on the H100: storing each lane's 4
+// evens and 4 odds directly (two 8-byte stores, each sector written half by two instructions)
+// converted as fast alone but slowed the GEMM chained behind it by 1-2% at 512 tokens and up to
+// 6% at 2048; 16 values per thread (two 16-byte stores without shuffles) made the conversion
+// itself 30% slower (half the loads in flight). docs/perf/NOTES.md.
+static __device__ __forceinline__ void store_kperm16(__half* __restrict__ Y, size_t i, const __half (&h)[8]) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(h);  // (h0 h1) (h2 h3) (h4 h5) (h6 h7)
+    const unsigned e0 = __byte_perm(w[0], w[1], 0x5410), e1 = __byte_perm(w[2], w[3], 0x5410);  // h0 h2, h4 h6
+    const unsigned o0 = __byte_perm(w[0], w[1], 0x7632), o1 = __byte_perm(w[2], w[3], 0x7632);  // h1 h3, h5 h7
+    const bool odd = (i & 8) != 0;  // the second lane of the chunk: it writes the odd k
+    const unsigned mask = __activemask();
+    const unsigned r0 = __shfl_xor_sync(mask, odd ? e0 : o0, 1), r1 = __shfl_xor_sync(mask, odd ? e1 : o1, 1);
+    const uint4 v = odd ? make_uint4(r0, r1, o0, o1) : make_uint4(e0, e1, r0, r1);
+    __half* dst = Y + (i & ~(size_t)15) + (odd ? 8 : 0);
+    if (((size_t)Y) & 15) {  // an out= buffer that is only 2-byte aligned
+        const __half* hv = reinterpret_cast<const __half*>(&v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dst[j] = hv[j];
+        return;
+    }
+    *reinterpret_cast<uint4*>(dst) = v;
+}
