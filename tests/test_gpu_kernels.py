@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qgemm
-from qgemm import check, formats as F, registry
+from qgemm import packing, check, formats as F, registry
 
 pytestmark = pytest.mark.gpu
 
@@ -589,6 +589,17 @@ def test_kperm16_activation_paths(fmt, rng):
     w = F.quantize(w_f, fmt)
     pw = qgemm.pack_weights(w)
     name = f"w{w_}a16.wgmma_rs"
+    # the prologue kernels alone: K a multiple of 16 (not 32), a warp only partly running (18
+    # threads), byte for byte against the CPU layout; any other K is refused
+    x48 = rng.standard_normal((3, 48), dtype=np.float32)
+    np.testing.assert_array_equal(qgemm.get("convert.f16k")(x48), packing.kperm16(x48.astype(np.float16)))
+    np.testing.assert_array_equal(qgemm.get("convert.f16k_f16")(x48.astype(np.float16)), packing.kperm16(x48.astype(np.float16)))
+    raw48 = qgemm.DeviceArray.empty((3 * 48 + 8,), np.float16)
+    out48 = qgemm.DeviceArray(raw48.ptr + 2, (3, 48), np.float16, owner=raw48)  # an out= only 2-byte aligned
+    qgemm.get("convert.f16k")(qgemm.DeviceArray.from_host(x48), out=out48)
+    np.testing.assert_array_equal(out48.to_host(), packing.kperm16(x48.astype(np.float16)))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        qgemm.get("convert.f16k")(rng.standard_normal((2, 40), dtype=np.float32))
     kern = qgemm.get(name)
     if qgemm.runtime.device_info().cc != 90:
         with pytest.raises(qgemm.UnsupportedArchError, match="sm_90"):
@@ -608,9 +619,6 @@ def test_kperm16_activation_paths(fmt, rng):
     assert off.ptr % 16 == 2
     off.copy_from_host(x16)
     assert qgemm.reference.relative_error(kern(off, pw).to_host(), exact) <= 1e-5
-    # the prologue kernels alone: K must be a multiple of 16
-    with pytest.raises(ValueError, match="multiple of 16"):
-        qgemm.get("convert.f16k")(rng.standard_normal((2, 40), dtype=np.float32))
 
 
 WGMMA = ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"]

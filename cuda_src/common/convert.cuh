@@ -20,19 +20,23 @@ static __device__ __forceinline__ void convert_zero_output(float* __restrict__ Z
 // a lane's own qs word of the skinny layout is its natural wgmma A fragment, so the kernel needs
 // no byte shuffle between lanes (common/wgmma_rs_f16.cuh).
 //
-// The two lanes of a chunk (i % 16 == 0 and 8: lanes 2c, 2c + 1, both active or both not) trade
+// The two lanes of a chunk (i % 16 == 0 and 8: lanes 2c, 2c + 1, both running or both not: the
+// launcher needs K % 16 == 0, one thread per 8 values, blockDim a multiple of 32) trade
 // halves with one pair of shuffles so that each writes one whole 16-byte half of the chunk: the
 // even lane the 8 even k, the odd lane the 8 odd k. Measured on the H100: storing each lane's 4
 // evens and 4 odds directly (two 8-byte stores, each sector written half by two instructions)
 // converted as fast alone but slowed the GEMM chained behind it by 1-2% at 512 tokens and up to
 // 6% at 2048; 16 values per thread (two 16-byte stores without shuffles) made the conversion
 // itself 30% slower (half the loads in flight). docs/perf/NOTES.md.
-static __device__ __forceinline__ void store_kperm16(__half* __restrict__ Y, size_t i, const __half (&h)[8]) {
+static __device__ __forceinline__ void store_kperm16(__half* __restrict__ Y, size_t i, size_t total, const __half (&h)[8]) {
     const unsigned* w = reinterpret_cast<const unsigned*>(h);  // (h0 h1) (h2 h3) (h4 h5) (h6 h7)
     const unsigned e0 = __byte_perm(w[0], w[1], 0x5410), e1 = __byte_perm(w[2], w[3], 0x5410);  // h0 h2, h4 h6
     const unsigned o0 = __byte_perm(w[0], w[1], 0x7632), o1 = __byte_perm(w[2], w[3], 0x7632);  // h1 h3, h5 h7
     const bool odd = (i & 8) != 0;  // the second lane of the chunk: it writes the odd k
-    const unsigned mask = __activemask();
+    // the lanes still running: those with a chunk below `total` (the others returned). Named
+    // exactly, not __activemask(), which need not include a partner that has not reconverged yet.
+    const size_t i0 = i - (size_t)(threadIdx.x & 31) * 8, left = (total - i0) / 8;
+    const unsigned mask = left >= 32 ? 0xFFFFFFFFu : (1u << left) - 1u;
     const unsigned r0 = __shfl_xor_sync(mask, odd ? e0 : o0, 1), r1 = __shfl_xor_sync(mask, odd ? e1 : o1, 1);
     const uint4 v = odd ? make_uint4(r0, r1, o0, o1) : make_uint4(e0, e1, r0, r1);
     __half* dst = Y + (i & ~(size_t)15) + (odd ? 8 : 0);

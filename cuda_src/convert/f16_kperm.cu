@@ -22,5 +22,5 @@ convert_f16_kperm(const __half* __restrict__ X, __half* __restrict__ Y, int M, i
 #pragma unroll
         for (int j = 0; j < 8; ++j) h[j] = X[i + j];
     }
-    store_kperm16(Y, i, h);
+    store_kperm16(Y, i, total, h);
 }

@@ -60,7 +60,7 @@ convert_f32_to_f16(const float* __restrict__ X, __half* __restrict__ Y, int M, i
         else if (isinf(__half2float(h[j]))) bad |= 2;
     }
 #if CV_KPERM
-    store_kperm16(Y, i, h);
+    store_kperm16(Y, i, total, h);
 #else
     if ((((size_t)(Y + i)) & 15) == 0) {
         *(int4*)(Y + i) = *(const int4*)h;
