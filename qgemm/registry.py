@@ -430,6 +430,14 @@ def _rs_config(wfmt: str):
             d["RS_SPLITK"] = _split_k(cdiv(n, 64) * cdiv(m, 64), k, 2 * sm_count)
             return d
         d = {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1}
+        if wfmt == "q8_0" and m >= 256:
+            # Q8_0 from 256 tokens (session 12, after the kperm16 activations): one MMA warpgroup
+            # with 256-token wgmma, so each dequantized fragment serves twice the tokens -- half
+            # the shared loads and dequantization per FLOP, which is what limits Q8_0 (twice
+            # Q4_0's quant bytes). Kernel alone, H100: 512x4096x4096 28.0 -> 27.1-27.7 us,
+            # 2048x4096x4096 113.8 -> 109.5, 512x4096x14336 92.6 -> 89.2, 256x4096x4096 19.9 ->
+            # 19.1. Q4_0 ties at 512 (25.6 / 25.5) and loses at 2048 (103.8 / 101.5): unchanged.
+            d = {"RS_BN": 256, "RS_WGS": 1, "RS_STAGES": 3, "RS_MINB": 1, "RS_WS": 1}
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1
         d["RS_SPLITK"] = _split_k(cdiv(n, 64 * d["RS_WGS"]) * cdiv(m, d["RS_BN"]), k, sm_count)

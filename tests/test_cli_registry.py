@@ -304,8 +304,14 @@ def test_wgmma_rs_configurations_fit(fmt):
     assert g.shmem == 4 * (32768 + (9216 if fmt == "q4_0" else 17408)) + 1024
     # warp-specialized (the default): + the copying warpgroup, + 128 bytes for the mbarriers
     d = s.config(512, 4096, 4096, 132)
-    assert d["RS_WS"] == 1 and s.geometry(512, 4096, 4096, d).block == (384, 1, 1)
-    assert s.geometry(512, 4096, 4096, d).shmem == g.shmem + 128
+    if fmt == "q4_0":
+        assert d["RS_WS"] == 1 and s.geometry(512, 4096, 4096, d).block == (384, 1, 1)
+        assert s.geometry(512, 4096, 4096, d).shmem == g.shmem + 128
+    else:  # Q8_0 from 256 tokens: one MMA warpgroup x 256 tokens, 3 buffers of 256 x 256 B + 4 tiles of quants
+        assert d == {"RS_BN": 256, "RS_WGS": 1, "RS_STAGES": 3, "RS_MINB": 1, "RS_WS": 1, "RS_SPLITK": 1}
+        g8 = s.geometry(512, 4096, 4096, d)
+        assert g8.grid == (64, 2, 1) and g8.block == (256, 1, 1) and g8.shmem == 3 * (65536 + 9216) + 1024 + 128
+        assert s.config(256, 4096, 4096, 132)["RS_BN"] == 256 and s.config(255, 4096, 4096, 132)["RS_BN"] == 128
 
 
 def test_tune_only_filters_the_configurations_before_any_gpu_work():
