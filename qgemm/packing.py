@@ -44,24 +44,25 @@ _ZERO_QS = {"q4_0": 0x88, "q8_0": 0x00}  # nibble 8 -> 8 - 8 = 0; int8 0
 ACT_LAYOUT = "kperm16"
 
 
+def _chunks16(a, what: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.ndim == 0 or a.shape[-1] % 16:
+        raise ValueError(f"{what}: expected an array [..., K] with K a multiple of 16, got shape {a.shape}")
+    return a
+
+
 def kperm16(a: np.ndarray) -> np.ndarray:
     """[..., K] (K a multiple of 16) -> the same values with k deinterleaved inside every 16:
     position j < 8 of a 16-chunk holds k = 2j, position 8 + j holds k = 2j + 1."""
-    a = np.asarray(a)
-    k = a.shape[-1] if a.ndim else 0
-    if a.ndim == 0 or k % 16:
-        raise ValueError(f"kperm16: expected an array [..., K] with K a multiple of 16, got shape {a.shape}")
-    c = a.reshape(a.shape[:-1] + (k // 16, 8, 2))
+    a = _chunks16(a, "kperm16")
+    c = a.reshape(a.shape[:-1] + (a.shape[-1] // 16, 8, 2))
     return np.ascontiguousarray(np.swapaxes(c, -1, -2)).reshape(a.shape)
 
 
 def unkperm16(a: np.ndarray) -> np.ndarray:
     """The inverse of `kperm16`."""
-    a = np.asarray(a)
-    k = a.shape[-1] if a.ndim else 0
-    if a.ndim == 0 or k % 16:
-        raise ValueError(f"unkperm16: expected an array [..., K] with K a multiple of 16, got shape {a.shape}")
-    c = a.reshape(a.shape[:-1] + (k // 16, 2, 8))
+    a = _chunks16(a, "unkperm16")
+    c = a.reshape(a.shape[:-1] + (a.shape[-1] // 16, 2, 8))
     return np.ascontiguousarray(np.swapaxes(c, -1, -2)).reshape(a.shape)
 
 

@@ -453,9 +453,12 @@ def test_pdl_kernels_wait_before_their_inputs():
     # warp-specialized: the copying warpgroup's first activation copies (copy(s, true, ...)) follow its wait
     assert ws.index("pdl_wait();") < min(m.start() for m in re.finditer(r"copy\(s, true", ws))
     assert plain.index("pdl_wait();") < min(m.start() for m in re.finditer(r"cp\.act\(", plain))
-    for src in ("convert/f32_to_f16.cu", "convert/f16_kperm.cu"):
+    for src in ("convert/f32_to_f16.cu", "convert/f16_kperm.cu"):  # convert_begin waits (common/convert.cuh)
         conv = jit.read_source(src)
-        assert conv.index("pdl_wait();") < conv.index("X + i"), src
+        assert conv.index("convert_begin(Z, nz);") < conv.index("X + i"), src
+    begin = jit.read_source("common/convert.cuh")
+    begin = begin[begin.index("void convert_begin("):]
+    assert begin.index("pdl_wait();") < begin.index("}")
 
 
 def test_matmul_scratch_is_per_stream(monkeypatch):

@@ -1,17 +1,14 @@
 // float16 activations -> the kperm16 layout of the Hopper prefill kernels (k deinterleaved inside
 // every 16: common/convert.cuh), 8 values per thread. The prologue of `qgemm.matmul` with float16
 // activations on the wgmma path; the values are copied, not changed, so `status` is never set
-// (it is there for the prologue calling convention). PDL and the split-K zeroing of Z as in
-// convert/f32_to_f16.cu.
+// (it is there for the prologue calling convention). PDL and the split-K zeroing of Z: the
+// shared convert_begin (common/convert.cuh).
 #include "common/convert.cuh"
-#include "common/pdl.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
 convert_f16_kperm(const __half* __restrict__ X, __half* __restrict__ Y, int M, int K, int* __restrict__ status,
                   float* __restrict__ Z, long long nz) {
-    if (nz == 0) pdl_launch_dependents();
-    pdl_wait();
-    if (nz > 0) convert_zero_output(Z, nz);
+    convert_begin(Z, nz);  // PDL trigger and wait, the split-K output zeroed (common/convert.cuh)
     const size_t total = (size_t)M * K;
     const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 8;  // K % 16 == 0: both lanes of a chunk run
     if (i >= total) return;

@@ -8,7 +8,6 @@
 // be launched while the previous op finishes: it waits for that before it reads X (the previous
 // op's output) or writes Y (a staging buffer the previous op's GEMM may still be reading).
 #include "common/convert.cuh"
-#include "common/pdl.cuh"
 
 #ifndef CV_KPERM
 #define CV_KPERM 0
@@ -18,13 +17,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 convert_f32_to_f16(const float* __restrict__ X, __half* __restrict__ Y, int M, int K, int* __restrict__ status,
                    float* __restrict__ Z, long long nz) {
-    // The GEMM behind may launch now and copy its first weights -- unless it splits K (nz > 0):
-    // launched that early, the split-K wgmma_rs ran 2 us (64x4096x4096) to 12 us (64x4096x14336)
-    // slower per op on the H100 (docs/perf/NOTES.md; without the early trigger it still launches
-    // as a dependent when this grid ends, which is where its gain is).
-    if (nz == 0) pdl_launch_dependents();
-    pdl_wait();
-    if (nz > 0) convert_zero_output(Z, nz);
+    convert_begin(Z, nz);  // PDL trigger and wait, the split-K output zeroed (common/convert.cuh)
     const size_t total = (size_t)M * K;
     const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * CV_VALUES;
     if (i >= total) return;
