@@ -41,9 +41,6 @@ _QS_BYTES = {"q4_0": 16, "q8_0": 32}
 _ZERO_QS = {"q4_0": 0x88, "q8_0": 0x00}  # nibble 8 -> 8 - 8 = 0; int8 0
 
 
-ACT_LAYOUT = "kperm16"
-
-
 def _chunks16(a, what: str) -> np.ndarray:
     a = np.asarray(a)
     if a.ndim == 0 or a.shape[-1] % 16:

@@ -564,12 +564,14 @@ _SPECS = [
                config=_wgmma_config, candidates=_wgmma_candidates, unit="hmma", weight_layout="skinny"),
     KernelSpec("w4a16.wgmma_rs", ops.W4A16H, 6, "w4a16/wgmma_rs.cu", "w4a16_wgmma_rs", _rs_geometry("q4_0"),
                "production prefill on Hopper: f16 x Q4_0 (repacked once) through wgmma with the weights dequantized "
-               "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
+               "into registers as the A operand (no shared-memory round trip), activations (kperm16 layout) as the swizzled B "
+               "operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q4_0"), candidates=_rs_candidates("q4_0"), unit="hmma",
                weight_layout="skinny", act_layout="kperm16", pdl=True),
     KernelSpec("w8a16.wgmma_rs", ops.W8A16H, 6, "w8a16/wgmma_rs.cu", "w8a16_wgmma_rs", _rs_geometry("q8_0"),
                "production prefill on Hopper: f16 x Q8_0 (repacked once) through wgmma with the weights dequantized "
-               "into registers as the A operand (no shared-memory round trip), activations as the swizzled B operand",
+               "into registers as the A operand (no shared-memory round trip), activations (kperm16 layout) as the swizzled B "
+               "operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0"), unit="hmma",
                weight_layout="skinny", act_layout="kperm16", pdl=True),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,

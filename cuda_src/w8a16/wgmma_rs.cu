@@ -1,6 +1,6 @@
-// Production prefill on Hopper (sm_90a): fp16 activations x Q8_0 weights (skinny layout, repacked
-// once by qgemm.packing) through wgmma with the dequantized weights as the register A operand
-// (common/wgmma_rs_f16.cuh).
+// Production prefill on Hopper (sm_90a): fp16 activations in the kperm16 layout (written by
+// convert.f16k) x Q8_0 weights (skinny layout, repacked once by qgemm.packing) through wgmma with
+// the dequantized weights as the register A operand (common/wgmma_rs_f16.cuh).
 #include "common/wgmma_rs_f16.cuh"
 
 extern "C" __global__ void __launch_bounds__(RS_BLOCK, RS_MINB)
