@@ -14,20 +14,8 @@ from typing import Callable
 import numpy as np
 
 from . import formats as F
-from . import jit, reference, runtime
+from . import jit, packing, reference, runtime
 from .errors import UnsupportedArchError
-
-
-def _kperm16(x: np.ndarray) -> np.ndarray:
-    from . import packing
-
-    return packing.kperm16(x)
-
-
-def _unkperm16(y: np.ndarray) -> np.ndarray:
-    from . import packing
-
-    return packing.unkperm16(y)
 
 
 @dataclass(frozen=True)
@@ -82,10 +70,10 @@ CONVERT_F16 = Op("convert_f16", "Convert to f16", "quantize", F.F32, None, F.F16
                  cpu=lambda x: np.asarray(x, dtype=np.float32).astype(np.float16))
 # the prologues of the Hopper prefill kernels: fp16 in the kperm16 layout (qgemm.packing.kperm16)
 CONVERT_F16K = Op("convert_f16k", "Convert to f16 (kperm16 layout)", "quantize", F.F32, None, F.F16, "memory", 0.0, 1e-6,
-                  cpu=lambda x: _kperm16(np.asarray(x, dtype=np.float32).astype(np.float16)), k_align=16,
-                  out_natural=lambda y: _unkperm16(y))
+                  cpu=lambda x: packing.kperm16(np.asarray(x, dtype=np.float32).astype(np.float16)), k_align=16,
+                  out_natural=packing.unkperm16)
 PERMUTE_F16K = Op("permute_f16k", "Permute f16 to the kperm16 layout", "quantize", F.F16, None, F.F16, "memory", 0.0, 0.0,
-                  cpu=lambda x: _kperm16(np.asarray(x, dtype=np.float16)), k_align=16, out_natural=lambda y: _unkperm16(y))
+                  cpu=lambda x: packing.kperm16(np.asarray(x, dtype=np.float16)), k_align=16, out_natural=packing.unkperm16)
 
 OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, W4A16S, W8A16S, W4A8S, W8A8S, QUANTIZE_Q8_1,
                               QUANTIZE_Q8_1_F16, CONVERT_F16, CONVERT_F16K, PERMUTE_F16K)}
@@ -262,8 +250,6 @@ class Kernel:
         """Host weights in the op's W format -> the device buffer this kernel reads (repacked for
         kernels with a weight layout: a one-time cost, not part of a launch)."""
         if self.packed:
-            from . import packing
-
             return runtime.DeviceArray.from_host(packing.pack(w, self.op.w.name))
         return runtime.DeviceArray.from_host(w)
 
@@ -276,8 +262,6 @@ class Kernel:
         """Host activations in the op's A format -> the device buffer this kernel reads (in its
         activation layout, when it has one; qgemm.matmul's prologue writes that layout itself)."""
         if self.act_layout is not None:
-            from . import packing
-
             return runtime.DeviceArray.from_host(packing.kperm16(a))
         return runtime.DeviceArray.from_host(a)
 
@@ -298,8 +282,6 @@ class Kernel:
         """Device weights as this kernel reads them: a PackedWeights' skinny buffer, or ggml
         blocks (repacked through the host when the kernel needs its layout). `shape_of` has
         checked the format."""
-        from . import packing
-
         if isinstance(w, packing.PackedWeights):
             return w.packed if self.packed else w.blocks
         d = _check_device(w, self.op.w, "W", self.op)
@@ -309,8 +291,6 @@ class Kernel:
 
     def shape_of(self, a, w) -> tuple[int, int, int]:
         """(M, N, K) of operands in this kernel's formats, validating them."""
-        from . import packing
-
         if isinstance(w, packing.PackedWeights):
             if w.fmt != self.op.w.name:
                 raise ValueError(f"{self.name}: W must be {self.op.w.name} weights, got PackedWeights of {w.fmt}")

@@ -417,8 +417,8 @@ def _rs_ok(wfmt: str, d: dict) -> bool:
 def _rs_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
         # H100 tuning (docs/perf/NOTES.md): above M = 64, 2 MMA warpgroups, 4 buffers, 128-token tiles
-        # (256 measured no faster once the copies were cheap) and 1 copying warpgroup
-        # (warp-specialized: 8% faster at 512 and 2048 tokens).
+        # (for Q4_0 256 measured no faster once the copies were cheap; Q8_0 from 256 tokens: below)
+        # and 1 copying warpgroup (warp-specialized: 8% faster at 512 and 2048 tokens).
         #
         # Up to M = 64 (session 10, after the split-K end became vector reductions): one MMA warpgroup
         # per CTA (64 weight rows), two CTAs per SM (87-100 KB of shared memory each), so the split-K
