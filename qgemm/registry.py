@@ -277,21 +277,31 @@ def _skinny_i8_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
 
 def _skinny_i8_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # The untuned default follows `qgemm tune` on the H100 (docs/perf/NOTES.md, session 9). Q4_0:
-        # two 16-row tiles per CTA sharing each quantized activation block, 16 warps splitting K
-        # (1x4096x4096 4.2 us, 1x4096x14336 12.1); Q8_0 (twice the weight registers): one tile, 8
-        # warps (5.1 us; at K = 14336, DRAM-bound, two groups in flight per lane: 21.4), two tiles
-        # with more tokens. Since the trigger at entry (_skinny_i8_pdl_early), two groups in flight
-        # also win at Q8_0 1x4096x4096 (session 11, probe_defines, 3 repetitions: hot 4.87-4.96 ->
-        # 4.66-4.75 us, cold 6.88-6.90 -> 6.54-6.57; at M = 2 they lose, 5.8 -> 6.1). M > 1 is
-        # measured slower than the fp16 kernel, so qgemm.matmul uses this kernel only at M = 1
-        # (path= for the rest).
-        if wfmt == "q4_0":
+        # The untuned default follows measurement on the H100 (docs/perf/NOTES.md). qgemm.matmul runs
+        # this kernel at M = 1 only (M > 1 measured slower than the fp16 kernel; path= for the rest).
+        # M = 1 (session 13): one 16-row tile per CTA, 8 warps splitting K, compiled for two resident
+        # CTAs per SM (SK_MINB = 2, common/skinny_common.cuh), which changes ptxas's schedule more
+        # than the occupancy (a group's four MMAs stay independent); Q4_0 with two groups in flight
+        # per lane, Q8_0 with one below K = 8192 and two above (DRAM-bound there). probe_defines,
+        # kernel alone, 3 repetitions, against the session-9/11 defaults (Q4_0 two tiles x 16 warps
+        # x one group, Q8_0 one tile x 8 warps x two groups, SK_MINB = 1):
+        #   Q4_0 1x4096x4096   hot 3.61-3.70 -> 3.39-3.51 us, cold 4.76-4.86 -> 4.04-4.14
+        #   Q4_0 1x4096x14336  hot 9.79-9.94 -> 9.23-9.31, cold 11.6 -> 11.2
+        #   Q8_0 1x4096x4096   hot 4.68-4.73 -> 3.89-3.94, cold 6.53-6.56 -> 6.42
+        #   Q8_0 1x4096x14336  one group 20.5-20.6 against two 19.8-20.0 (kept)
+        # M > 1 (session 9): Q4_0 two tiles sharing each quantized activation block x 16 warps, Q8_0
+        # (twice the weight registers) two tiles x 8 warps, one group each.
+        minb = 1
+        if wfmt == "q4_0" and m == 1:
+            r, warps, unroll, minb = 1, 8, 2, 2
+        elif wfmt == "q4_0":
             r, warps, unroll = 2, 16, 1
+        elif m == 1 and k < 8192:
+            r, warps, unroll, minb = 1, 8, 1, 2
         else:
             r, warps, unroll = 1 if m == 1 else 2, 8, 2 if m == 1 else 1
         d = {"SK_R": r, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": 1, "SK_MQ": _skinny_i8_mq(m),
-             "SK_PDL_EARLY": _skinny_i8_pdl_early(m)}
+             "SK_PDL_EARLY": _skinny_i8_pdl_early(m), "SK_MINB": minb}
         while not _skinny_i8_ok(d, wfmt, m, k) and d["SK_WARPS"] > 4:
             d = {**d, "SK_WARPS": d["SK_WARPS"] // 2}
         return d
@@ -311,8 +321,10 @@ def _skinny_i8_pdl_early(m: int) -> int:
 def _skinny_i8_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         mq = _skinny_i8_mq(m)
-        out = [{"SK_R": r, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_MQ": mq, "SK_PDL_EARLY": _skinny_i8_pdl_early(m)}
-               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in (1, 2, 4)]
+        # SK_MINB = 2 only up to 8 warps: at 16 it caps the registers at 64 and spills
+        out = [{"SK_R": r, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_MQ": mq, "SK_PDL_EARLY": _skinny_i8_pdl_early(m),
+                "SK_MINB": b}
+               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in (1, 2, 4) for b in ((1, 2) if w <= 8 else (1,))]
         return [d for d in out if _skinny_i8_ok(d, wfmt, m, k)]
     return candidates
 

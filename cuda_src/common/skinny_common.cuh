@@ -7,6 +7,19 @@
 #include "common/mma_gemm.cuh"
 #include "common/pdl.cuh"
 
+// SK_MINB: resident CTAs per SM the kernel is compiled for (__launch_bounds__' second argument).
+// Not an occupancy knob here so much as a code-generation one: at (R, WARPS, UNROLL) = (1, 8, 2),
+// 2 lets ptxas keep a group's four MMAs independent (118 registers instead of 97, still two CTAs
+// per SM), which measured faster at M = 1 (qgemm.registry._skinny_i8_config).
+#ifndef SK_MINB
+#define SK_MINB 1
+#endif
+#if SK_MINB > 1
+#define SK_LAUNCH_BOUNDS __launch_bounds__(SK_WARPS * 32, SK_MINB)
+#else
+#define SK_LAUNCH_BOUNDS __launch_bounds__(SK_WARPS * 32)
+#endif
+
 template <int PIECES>  // 16-byte pieces per lane per (tile, group): 2 (Q4_0), 4 (Q8_0)
 struct SkSlice {
     static constexpr int GROUP_PIECES = PIECES * 32;  // uint4 per (tile, group)

@@ -3,7 +3,7 @@
 // the tokens on the MMA's N side; the -8 of Q4_0 compensated in integers (common/skinny_i8.cuh).
 #include "common/skinny_i8.cuh"
 
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32)
+extern "C" __global__ void SK_LAUNCH_BOUNDS
 w4a8_skinny(const float* __restrict__ X, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
     skinny_i8<SkI8Q4_0>(X, W, C, M, N, K);
 }

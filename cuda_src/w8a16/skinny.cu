@@ -3,7 +3,7 @@
 // (common/skinny_f16.cuh).
 #include "common/skinny_f16.cuh"
 
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32)
+extern "C" __global__ void SK_LAUNCH_BOUNDS
 w8a16_skinny(const float* __restrict__ X, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
     skinny_f16<SkQ8_0>(X, W, C, M, N, K);
 }

@@ -3,7 +3,7 @@
 // the tokens on the MMA's N side: the weight words are the A fragments (common/skinny_i8.cuh).
 #include "common/skinny_i8.cuh"
 
-extern "C" __global__ void __launch_bounds__(SK_WARPS * 32)
+extern "C" __global__ void SK_LAUNCH_BOUNDS
 w8a8_skinny(const float* __restrict__ X, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
     skinny_i8<SkI8Q8_0>(X, W, C, M, N, K);
 }
