@@ -242,8 +242,9 @@ class CompressedKV:
         return self
 
     def to_device(self):
-        """Validate, then upload once (memoized): the kernels' operand."""
-        if self._device is None:
+        """Validate, then upload once (memoized): the kernels' operand. After the device copy's
+        free(), the next call uploads a new one."""
+        if self._device is None or self._device.freed:
             self._device = DeviceKV.upload(self)
         return self._device
 
@@ -636,11 +637,19 @@ class DeviceKV:
             arr["data"] = up(_pad16(ck.packed))
         return cls(ck, arr)
 
+    @property
+    def freed(self) -> bool:
+        return any(a.freed for a in self.arrays.values())
+
     def ptr(self, name: str) -> int:
         a = self.arrays.get(name)
+        if a is not None and a.freed:
+            raise ValueError(f"this {self.kind} cache's device copy was freed (DeviceKV.free()); upload it again "
+                             "with CompressedKV.to_device()")
         return 0 if a is None else a.ptr
 
     def free(self) -> None:
+        """Release the device buffers now; launching on this object afterwards raises ValueError."""
         for a in self.arrays.values():
             a.free()
 

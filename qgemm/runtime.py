@@ -312,11 +312,26 @@ class DeviceArray:
     """
 
     def __init__(self, ptr: int, shape: tuple[int, ...], dtype, owner=None, owns: bool = False):
-        self.ptr = int(ptr)
+        self._ptr = int(ptr)
+        self._freed = False
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self._owner = owner  # keeps a foreign array alive while we point into it
         self._owns = owns
+
+    @property
+    def freed(self) -> bool:
+        """True once free() ran on this array or on the array it is a view of."""
+        return self._freed or (isinstance(self._owner, DeviceArray) and self._owner.freed)
+
+    @property
+    def ptr(self) -> int:
+        """The device address. A freed array (or a view of one) raises instead of handing out a
+        dangling or null address: a kernel given one would fault and poison the CUDA context."""
+        if self.freed:
+            raise ValueError(f"DeviceArray(shape={self.shape}, dtype={self.dtype}) was freed (free() ran on it or on the "
+                             "array it views); allocate a new one")
+        return self._ptr
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -432,7 +447,8 @@ class DeviceArray:
         return d
 
     def __repr__(self) -> str:
-        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, ptr=0x{self.ptr:x})"
+        where = "freed" if self.freed else f"ptr=0x{self._ptr:x}"
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, {where})"
 
     def reshape(self, *shape) -> "DeviceArray":
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
@@ -495,15 +511,17 @@ class DeviceArray:
 
     # -- lifetime ------------------------------------------------------------------------------
     def free(self) -> None:
-        if self._owns and self.ptr:
+        """Release the allocation now (an owned array; on a view or a wrapped foreign array it only
+        marks this object unusable). Afterwards .ptr raises, and so does every launch given it."""
+        if self._owns and self._ptr:
             from cuda.bindings import driver
 
             try:
-                driver.cuMemFree(self.ptr)
+                driver.cuMemFree(self._ptr)
             except Exception:
                 pass
             self._owns = False
-            self.ptr = 0
+        self._freed = True
 
     def __del__(self):
         try:
@@ -527,6 +545,7 @@ def is_device_array(obj) -> bool:
 
 def as_device_array(obj, stream=None) -> DeviceArray:
     if isinstance(obj, DeviceArray):
+        obj.ptr  # a freed array raises here, before any launch
         return obj
     if hasattr(obj, "__cuda_array_interface__"):
         return DeviceArray.from_cai(obj)

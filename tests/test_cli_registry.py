@@ -397,6 +397,23 @@ def test_dlpack_from_the_wrong_device_is_refused_before_launch(dev, match):
         qgemm.get("w4a16.naive")(np.ones((2, 64), np.float32), qgemm.DeviceArray(0x1000, (8, 2), qgemm.block_q4_0))
 
 
+def test_freed_device_array_refuses_its_address():
+    """After free() a DeviceArray (and every view of it) raises instead of handing a null or
+    dangling address to a kernel; a launch given one fails in Python, before anything runs."""
+    a = qgemm.DeviceArray(0x1000, (8, 2), qgemm.block_q4_0)  # not owned: free() only marks it
+    v = a.bytes_view().reshape(8 * 36)
+    assert a.ptr == v.ptr == 0x1000 and not a.freed
+    a.free()
+    assert a.freed and v.freed and "freed" in repr(a)
+    for arr in (a, v):
+        with pytest.raises(ValueError, match=r"was freed"):
+            arr.ptr
+        with pytest.raises(ValueError, match=r"was freed"):
+            arr.__cuda_array_interface__
+    with pytest.raises(ValueError, match=r"was freed"):
+        runtime.as_device_array(v)  # what every entry point does with a device operand
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_plan_for_a_requested_arch(fmt):
     """`plan(..., arch=)` / `qgemm explain --arch` show another architecture's plan without its

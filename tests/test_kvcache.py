@@ -314,6 +314,28 @@ def test_kernel_operand_checks_before_launch(rng):
         kv.scores(q, cv)
 
 
+def test_freed_device_copy_is_refused_then_uploaded_again(rng, monkeypatch):
+    """A DeviceKV whose buffers were freed must never reach a kernel (its null / dangling
+    addresses fault and poison the context: what tools/kv_probe.py once did by freeing the
+    memoized copy between variants); CompressedKV.to_device() uploads a new one after a free."""
+    ck = kv.compress_keys(kv.prune(cache(rng, 2, 40, 128), 0.5), 2)
+    fake = {name: runtime.DeviceArray(0x1000 * (i + 1), (4,), np.uint32) for i, name in enumerate(("bmp", "offs", "scl", "zer", "data"))}
+    dkv = kv.DeviceKV(ck, fake)
+    assert not dkv.freed and dkv.ptr("data") == 0x5000
+    ck._device = dkv
+    assert ck.to_device() is dkv
+    dkv.free()
+    assert dkv.freed
+    for name in ("bmp", "data"):
+        with pytest.raises(ValueError, match="freed"):
+            dkv.ptr(name)
+    uploads = []
+    monkeypatch.setattr(kv.DeviceKV, "upload", classmethod(lambda cls, c: uploads.append(c) or kv.DeviceKV(c, {})))
+    again = ck.to_device()
+    assert uploads == [ck] and again is not dkv and not again.freed
+    assert ck.to_device() is again  # memoized again
+
+
 @pytest.mark.skipif(runtime.gpu_available(), reason="checks the no-GPU path")
 def test_valid_call_without_gpu_says_so(rng):
     x = kv.prune(cache(rng, 2, 40, 128), 0.5)
