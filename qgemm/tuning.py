@@ -75,7 +75,9 @@ def lookup(name: str, m: int, n: int, k: int) -> dict | None:
         return None
     defines = entry.get("defines") if isinstance(entry, dict) else None
     if not _valid(name, defines):
-        warnings.warn(f"qgemm: ignoring a malformed tuning entry for {name} {bucket(m, n, k)}", RuntimeWarning, stacklevel=3)
+        # malformed, or stale: stored before the kernel's configuration gained or lost a define
+        warnings.warn(f"qgemm: ignoring a tuning entry for {name} {bucket(m, n, k)} that is not a configuration of the "
+                      f"kernel as it is now (malformed or stale); run `qgemm tune {name}` again", RuntimeWarning, stacklevel=3)
         return None
     return dict(defines)
 

@@ -362,6 +362,26 @@ def test_tuning_file_corrupt_is_ignored_with_warning(tmp_path, monkeypatch):
     assert sk["SK_XSMEM"] == 0 and tuning._valid("w4a16.skinny", sk)
     assert not tuning._valid("w4a16.skinny", {**sk, "SK_R": -1})
     assert not tuning._valid("w4a16.skinny", {**sk, "SK_XSMEM": True})
+    # stale: stored before the kernel gained a define (w4a8.skinny's SK_MINB, session 13)
+    i8 = qgemm.spec("w4a8.skinny").config(1, 4096, 4096, 132)
+    stale = {k: v for k, v in i8.items() if k != "SK_MINB"}
+    assert tuning._valid("w4a8.skinny", i8) and not tuning._valid("w4a8.skinny", stale)
+    tuning.forget_cache()
+
+
+def test_stale_tuning_entry_is_ignored_with_warning(tmp_path, monkeypatch):
+    """lookup() on a stored entry that is not a configuration of the kernel as it is now: a
+    warning that says so and how to mend it, and the untuned default is used."""
+    from qgemm import tuning
+
+    p = tmp_path / "t.json"
+    stale = {k: v for k, v in qgemm.spec("w4a8.skinny").config(1, 4096, 4096, 132).items() if k != "SK_MINB"}
+    p.write_text(json.dumps({"version": 1, "entries": {"w4a8.skinny|1x4096x4096": {"defines": stale}}}))
+    monkeypatch.setattr(tuning, "path", lambda: p)
+    monkeypatch.setattr(runtime, "gpu_available", lambda: True)
+    tuning.forget_cache()
+    with pytest.warns(RuntimeWarning, match=r"w4a8.skinny 1x4096x4096 .*stale.*qgemm tune w4a8.skinny"):
+        assert tuning.lookup("w4a8.skinny", 1, 4096, 4096) is None
     tuning.forget_cache()
 
 

@@ -28,7 +28,7 @@ def plan(runner, ck, rows: int, overrides: dict) -> kv.LaunchPlan:
 
 
 def check(kernel, runner, ck, x, cache, p) -> str:
-    dkv = kv.DeviceKV.upload(ck)  # its own copy: ck.to_device()'s memoized one stays for kv.time_kernel
+    dkv = kv.DeviceKV.upload(ck)  # a copy of its own, freed below (not ck.to_device()'s memoized one)
     dx = runtime.DeviceArray.from_host(x)
     oshape, odt = runner.out_shape(dkv, x.shape[0], x.shape[1])
     dout = runtime.DeviceArray.empty(oshape, odt)
@@ -36,7 +36,8 @@ def check(kernel, runner, ck, x, cache, p) -> str:
     runner.launch(kernel, dkv, dx, dout, x.shape[0] // ck.shape[0] * x.shape[1], plan_=p)
     runtime.check_last_error(kernel.name)
     r = kv.score(kernel.name, runner.kind, ck.shape, 0, dout.to_host(), x, ck, cache, kernel.op.exact_tol)
-    dkv.free()
+    for a in (dkv, dx, dout):
+        a.free()
     return "ok" if r.passed else f"WRONG ({r.note or r.rel_err})"
 
 
