@@ -210,7 +210,9 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         else:
             defines = k_obj.config_for(m, n, k)
     if defines.get("RS_WS"):
-        reason += "; warp-specialized: a copying warpgroup feeds the two MMA warpgroups through mbarriers"
+        wgs = defines.get("RS_WGS", 2)
+        reason += (f"; warp-specialized: a copying warpgroup feeds the {'MMA warpgroup' if wgs == 1 else f'{wgs} MMA warpgroups'}"
+                   " through mbarriers")
     return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed)
 
 

@@ -461,6 +461,9 @@ def test_plan_for_a_requested_arch(fmt):
     r = CliRunner().invoke(app, ["explain", "--shape", "512x4096x4096", "--type", fmt, "--packed", "--arch", "sm_90"])
     assert r.exit_code == 0 and f"w{w}a16.wgmma_rs" in r.output and "sm_90" in r.output, r.output
     assert "RS_WS=1" in r.output and "warp-specialized" in r.output, r.output
+    # the reason names as many MMA warpgroups as the configuration has (Q8_0 at 512: one, of 256 tokens)
+    wgs = qgemm.plan(512, 4096, 4096, fmt, packed=True, arch="sm_90").defines["RS_WGS"]
+    assert ("feeds the MMA warpgroup through" if wgs == 1 else f"feeds the {wgs} MMA warpgroups") in " ".join(r.output.split())
     r = CliRunner().invoke(app, ["explain", "--shape", "64x4096x4096", "--type", fmt, "--packed", "--arch", "sm_90"])
     assert r.exit_code == 0 and "RS_WS=0" in r.output and "warp-specialized" not in r.output, r.output
     r = CliRunner().invoke(app, ["explain", "--arch", "sm_42"])
