@@ -422,6 +422,31 @@ def _rs_shmem(wfmt: str, d: dict) -> int:
     return d["RS_STAGES"] * _rs_stage_bytes(wfmt, d) + 1024 + (128 if d.get("RS_WS", 0) else 0)
 
 
+_MiB = 1 << 20
+
+
+def _rs_wef(wfmt: str, m: int, n: int, k: int) -> int:
+    """RS_WEF (common/wgmma_rs_f16.cuh): copy the weights with an L2 evict-first policy when the
+    op's activations and output (float32 x, its fp16 copy that every N tile re-reads, float32 C)
+    fit the 50 MB L2 of the H100 / H200 with room to spare (<= 32 MiB) but the weights on top of
+    them would not (>= 30 MiB in all), so the once-per-wave weight stream stops evicting them.
+    Measured whole op on the H100 (tools/compare_paths.py, old vs new tree alternating, docs/perf/
+    NOTES.md session 14), us, without -> with the policy:
+      faster: 512x4096x4096 Q8_0 31.2-31.4 -> 29.6, 384 Q8_0 31.4-31.5 -> 31.0-31.1, 640 Q8_0
+              60.1-60.3 -> 57.6-58.5, 768 Q8_0 57.6-57.7 -> 55.2-55.3 / Q4_0 55.2-55.4 -> 53.9-54.7,
+              256x4096x14336 Q4_0 54.5 -> 51.3-52.1 / Q8_0 58.5 -> 54.5-54.9
+      slower (all outside the rule): 64 and 128 tokens (weights that fit stay resident without it),
+              256x4096x4096, 1024x4096x4096, 2048x4096x4096 (+4%: token tiles in later waves
+              re-read the weights), 384 and 512 x4096x14336 (activations alone over 32 MiB)
+      at the edge (rule: off): 512x4096x4096 Q4_0 (29.4 MiB in all) 28.7-29.2 -> 28.4-28.6.
+    Only above 64 tokens (the split-K configurations below were not measured with it)."""
+    if m <= 64:
+        return 0
+    act = m * k * (4 + 2) + m * n * 4
+    weights = n * (k // 32) * (18 if wfmt == "q4_0" else 34)
+    return int(act <= 32 * _MiB and act + weights >= 30 * _MiB)
+
+
 def _rs_ok(wfmt: str, d: dict) -> bool:
     return _rs_shmem(wfmt, d) <= 227 * 1024
 
@@ -440,6 +465,7 @@ def _rs_config(wfmt: str):
         if m <= 64:
             d = {"RS_BN": 64, "RS_WGS": 1, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(k >= 8192)}
             d["RS_SPLITK"] = _split_k(cdiv(n, 64) * cdiv(m, 64), k, 2 * sm_count)
+            d["RS_WEF"] = _rs_wef(wfmt, m, n, k)
             return d
         d = {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1}
         if wfmt == "q8_0" and m >= 256:
@@ -453,6 +479,7 @@ def _rs_config(wfmt: str):
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1
         d["RS_SPLITK"] = _split_k(cdiv(n, 64 * d["RS_WGS"]) * cdiv(m, d["RS_BN"]), k, sm_count)
+        d["RS_WEF"] = _rs_wef(wfmt, m, n, k)
         return d
     return config
 
@@ -460,12 +487,17 @@ def _rs_config(wfmt: str):
 def _rs_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         out = []
+        # RS_WEF is not a tuning dimension: `qgemm tune` times the kernel alone, and what the policy
+        # changes is what the op leaves in L2 for its prologue and the next op; every candidate
+        # carries the per-shape value
+        wef = _rs_wef(wfmt, m, n, k)
         for bn in (64, 128, 256):
             for wgs in (1, 2):  # 4 (256 weight rows per activation tile) measured 1.8x slower at 512 tokens: not tried
                 for st in (3, 4, 5):
                     for sp in (1, 2, 4, 8):
                         for ws in (0, 1):
-                            d = {"RS_BN": bn, "RS_WGS": wgs, "RS_STAGES": st, "RS_SPLITK": sp, "RS_MINB": 1, "RS_WS": ws}
+                            d = {"RS_BN": bn, "RS_WGS": wgs, "RS_STAGES": st, "RS_SPLITK": sp, "RS_MINB": 1, "RS_WS": ws,
+                                 "RS_WEF": wef}
                             ctas = cdiv(n, 64 * wgs) * cdiv(m, bn)
                             if _rs_ok(wfmt, d) and _split_k_ok(ctas, k, sp):
                                 out.append(d)

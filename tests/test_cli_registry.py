@@ -283,6 +283,24 @@ def test_wgmma_is_not_serialized(name):
         assert "C7513" not in ck.log and "serialized" not in ck.log, (d, ck.log)
 
 
+def test_wgmma_rs_weights_evict_first_where_activations_fit():
+    """RS_WEF (evict-first weights) where the activations and output fit the L2 with room to spare
+    but not together with the weights -- the shapes measured faster with it on the H100 -- and off
+    where it measured slower: few tokens, many tokens, long K with many tokens."""
+    from qgemm import registry as R
+
+    on = [("q8_0", 512, 4096), ("q8_0", 384, 4096), ("q8_0", 768, 4096), ("q4_0", 768, 4096),
+          ("q4_0", 256, 14336), ("q8_0", 256, 14336)]
+    off = [("q4_0", 512, 4096), ("q8_0", 256, 4096), ("q4_0", 1024, 4096), ("q8_0", 2048, 4096), ("q8_0", 128, 4096),
+           ("q8_0", 64, 14336), ("q4_0", 512, 14336), ("q8_0", 384, 14336)]
+    for fmt, m, k in on + off:
+        want = int((fmt, m, k) in on)
+        assert R._rs_wef(fmt, m, 4096, k) == want, (fmt, m, k)
+        name = f"w{'4' if fmt == 'q4_0' else '8'}a16.wgmma_rs"
+        assert R.spec(name).config(m, 4096, k, 132)["RS_WEF"] == want
+        assert qgemm.plan(m, 4096, k, fmt, packed=True, arch="sm_90").defines["RS_WEF"] == want
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_wgmma_rs_configurations_fit(fmt):
     """Every configuration the register-A wgmma kernel may be tuned to fits the 227 KB of shared
@@ -295,6 +313,8 @@ def test_wgmma_rs_configurations_fit(fmt):
         assert s.config(m, n, k, 132) in cands
         for d in cands:
             assert s.geometry(m, n, k, d).shmem * d["RS_MINB"] <= 228 * 1024, d
+        # the weights' L2 policy is the shape's, in every candidate (not a tuning dimension)
+        assert {d["RS_WEF"] for d in cands} == {R._rs_wef(fmt, m, n, k)}
     d = s.config(64, 4096, 4096, 132)
     assert d["RS_BN"] == 64 and d["RS_SPLITK"] == 4  # 32 CTAs of 128 rows: split 4 ways to fill 132 SMs
     assert s.config(512, 4096, 4096, 132)["RS_SPLITK"] == 1
@@ -308,7 +328,7 @@ def test_wgmma_rs_configurations_fit(fmt):
         assert d["RS_WS"] == 1 and s.geometry(512, 4096, 4096, d).block == (384, 1, 1)
         assert s.geometry(512, 4096, 4096, d).shmem == g.shmem + 128
     else:  # Q8_0 from 256 tokens: one MMA warpgroup x 256 tokens, 3 buffers of 256 x 256 B + 4 tiles of quants
-        assert d == {"RS_BN": 256, "RS_WGS": 1, "RS_STAGES": 3, "RS_MINB": 1, "RS_WS": 1, "RS_SPLITK": 1}
+        assert d == {"RS_BN": 256, "RS_WGS": 1, "RS_STAGES": 3, "RS_MINB": 1, "RS_WS": 1, "RS_SPLITK": 1, "RS_WEF": 1}
         g8 = s.geometry(512, 4096, 4096, d)
         assert g8.grid == (64, 2, 1) and g8.block == (256, 1, 1) and g8.shmem == 3 * (65536 + 9216) + 1024 + 128
         assert s.config(256, 4096, 4096, 132)["RS_BN"] == 256 and s.config(255, 4096, 4096, 132)["RS_BN"] == 128

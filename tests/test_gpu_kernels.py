@@ -638,6 +638,38 @@ def test_wgmma_configurations(name, rng):
     _every_candidate(k, ((129, 4097, 4128), (7, 33, 32), (300, 257, 1024), (65, 1000, 2080)), rng)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_wgmma_rs_evict_first_weights(fmt, rng):
+    """RS_WEF changes only the L2 policy of the weight copies: with and without it the kernel's
+    output is the same to the bit, on a shape that is a multiple of nothing; and qgemm.matmul
+    turns it on where qgemm.registry._rs_wef says (Q8_0 at 385x4097x4128: 16 MB of activations and
+    output, 34 MB with the weights) and gets the exact reference's answer there."""
+    name = f"w{'4' if fmt == 'q4_0' else '8'}a16.wgmma_rs"
+    k = qgemm.get(name)
+    if qgemm.runtime.device_info().cc != 90:
+        with pytest.raises(qgemm.UnsupportedArchError, match="sm_90"):
+            k._module()
+        return
+    m, n, kk = 385, 4097, 4128
+    inp = check.make_inputs(k.op, m, n, kk, rng)
+    exact = k.op.exact(inp.a, inp.w)
+    da, dw = k.upload_activations(inp.a), k.upload_weights(inp.w)
+    dc = qgemm.DeviceArray.empty((m, n), np.float32)
+    outs = []
+    for wef in (0, 1):
+        dc.fill_bytes(0xFF)
+        k.launch(da, dw, dc, m, n, kk, defines={**k.spec.config(m, n, kk, 132), "RS_WEF": wef})
+        outs.append(dc.to_host())
+        assert qgemm.reference.relative_error(outs[-1], exact) <= 1e-5, wef
+    np.testing.assert_array_equal(outs[0], outs[1])
+    x = rng.standard_normal((m, kk), dtype=np.float32)
+    w = F.quantize(rng.standard_normal((n, kk), dtype=np.float32), fmt)
+    p = qgemm.plan(m, n, kk, fmt, packed=True)
+    assert p.kernel == name and p.defines["RS_WEF"] == (1 if fmt == "q8_0" else 0), p
+    c = qgemm.matmul(x, qgemm.pack_weights(w))
+    assert qgemm.reference.relative_error(c, p.reference(x, w)) <= 1e-5
+
+
 @pytest.mark.parametrize("m", [1, 8, 33, 300])
 def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
     """A chain of ops queued without a sync, each reading the previous one's output and writing

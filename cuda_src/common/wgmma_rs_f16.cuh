@@ -106,6 +106,22 @@ static __device__ __forceinline__ unsigned rs_sw(int row, int k) {
 static __device__ __forceinline__ void rs_cp_async16(unsigned dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
+// RS_WEF: the weights are copied with an L2 evict-first policy. Where an op's activations (the
+// float32 input, the prologue's fp16 copy that every N tile re-reads) and output fit the L2 but the
+// weights on top of them do not, the weight stream -- read once per wave -- then no longer pushes
+// them out. Where the weights are re-read across waves (many token tiles) or fit with everything
+// else, the policy costs: the launcher sets it per shape (qgemm.registry._rs_wef, measured).
+#ifndef RS_WEF
+#define RS_WEF 0
+#endif
+static __device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+    unsigned long long p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+    return p;
+}
+static __device__ __forceinline__ void rs_cp_async16_hint(unsigned dst, const void* src, unsigned long long policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(policy));
+}
 
 // What one copying thread (tid in [0, RS_THREADS)) copies of every stage. The addressing is
 // computed once: the per-stage part is a pointer bump, because every thread copies the same chunks
@@ -128,6 +144,9 @@ struct RsCopier {
     const uint4* d_src;
     unsigned a_dst;
     int tid, ar0, ac;
+#if RS_WEF
+    unsigned long long w_policy;
+#endif
 
     __device__ __forceinline__ RsCopier(int tid_, const __half* A, const uint4* qs, const uint4* ds, int M, int K, int n0,
                                         int m0, int ntiles, int ngroups, int g_begin)
@@ -141,6 +160,9 @@ struct RsCopier {
             w_src[i] = qs + ((size_t)tile * ngroups + g_begin) * GROUP_PIECES + q % GROUP_PIECES;
         }
         d_src = ds + ((size_t)min(n0 / 16 + tid / 8, ntiles - 1) * ngroups + g_begin) * 8 + tid % 8;
+#if RS_WEF
+        w_policy = l2_evict_first_policy();
+#endif
     }
     // the activation tile of stage st (K from k0) into the buffer at shared address act
     __device__ __forceinline__ void act(unsigned act, int k0, bool full_rows, const __half* A, int M, int K, int m0) const {
@@ -162,10 +184,17 @@ struct RsCopier {
     // weight part at shared address wq
     __device__ __forceinline__ void w(unsigned wq, int st) const {
         const unsigned wd = wq + RS_TILES * GROUP_PIECES * 16;
+#if RS_WEF
+#pragma unroll
+        for (int i = 0; i < SF::PIECES; ++i)
+            rs_cp_async16_hint(wq + (tid + i * RS_THREADS) * 16, w_src[i] + (size_t)st * GROUP_PIECES, w_policy);
+        if (tid < RS_TILES * 8) rs_cp_async16_hint(wd + tid * 16, d_src + (size_t)st * 8, w_policy);
+#else
 #pragma unroll
         for (int i = 0; i < SF::PIECES; ++i)
             rs_cp_async16(wq + (tid + i * RS_THREADS) * 16, w_src[i] + (size_t)st * GROUP_PIECES);
         if (tid < RS_TILES * 8) rs_cp_async16(wd + tid * 16, d_src + (size_t)st * 8);
+#endif
     }
 };
 
