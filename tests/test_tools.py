@@ -219,3 +219,21 @@ def test_kv_probe_overlays_defines_on_the_plan(monkeypatch):
     over = kp.plan(runner, ck, 4, {"MF_SORT": 0})
     assert base == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck))
     assert over.defines == {**base.defines, "MF_SORT": 0} and (over.grid, over.shmem) == (base.grid, base.shmem)
+
+
+def test_perf_report_says_by_how_much_a_target_is_missed():
+    """The bench section of performance.md: a met target says yes, a missed one its excess in
+    percent (0.3% and 24% must not both read "1.0x over")."""
+    import json
+
+    pr = _load("perf_report")
+    data = json.loads((pathlib.Path(__file__).parent.parent / "docs/perf/bench-h100.json").read_text())
+    rows = [r for r in data["rows"] if not r["cold"] and (r["fmt"], r["M"], r["N"], r["K"]) in pr.TARGETS]
+    assert rows
+    for r, us in zip(rows[:2], (pr.TARGETS[(rows[0]["fmt"], rows[0]["M"], rows[0]["N"], rows[0]["K"])] * 1.003,
+                                pr.TARGETS[(rows[1]["fmt"], rows[1]["M"], rows[1]["N"], rows[1]["K"])] * 0.9)):
+        r["matmul_us"] = us
+    text = pr.bench_section({**data, "rows": rows})
+    line = {ln.split(" | ")[0][2:] + " " + ln.split(" | ")[1]: ln for ln in text.splitlines() if ln.startswith("| q")}
+    over, under = (line[f"{r['fmt']} {r['M']}x{r['N']}x{r['K']}"] for r in rows[:2])
+    assert over.endswith("| no (0.3% over) |") and under.endswith("| yes |"), (over, under)
