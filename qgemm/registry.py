@@ -438,7 +438,7 @@ def _rs_wef(wfmt: str, m: int, n: int, k: int) -> int:
       slower (all outside the rule): 64 and 128 tokens (weights that fit stay resident without it),
               256x4096x4096, 1024x4096x4096, 2048x4096x4096 (+4%: token tiles in later waves
               re-read the weights), 384 and 512 x4096x14336 (activations alone over 32 MiB)
-      at the edge (rule: off): 512x4096x4096 Q4_0 (29.4 MiB in all) 28.7-29.2 -> 28.4-28.6.
+      at the edge (rule: off): 512x4096x4096 Q4_0 (29.0 MiB in all) 28.7-29.2 -> 28.4-28.6.
     Only above 64 tokens (the split-K configurations below were not measured with it)."""
     if m <= 64:
         return 0
