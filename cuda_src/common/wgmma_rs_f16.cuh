@@ -184,16 +184,16 @@ struct RsCopier {
     // weight part at shared address wq
     __device__ __forceinline__ void w(unsigned wq, int st) const {
         const unsigned wd = wq + RS_TILES * GROUP_PIECES * 16;
+#pragma unroll
+        for (int i = 0; i < SF::PIECES; ++i) w_copy(wq + (tid + i * RS_THREADS) * 16, w_src[i] + (size_t)st * GROUP_PIECES);
+        if (tid < RS_TILES * 8) w_copy(wd + tid * 16, d_src + (size_t)st * 8);
+    }
+    // one 16-byte weight copy, with the L2 policy of RS_WEF
+    __device__ __forceinline__ void w_copy(unsigned dst, const void* src) const {
 #if RS_WEF
-#pragma unroll
-        for (int i = 0; i < SF::PIECES; ++i)
-            rs_cp_async16_hint(wq + (tid + i * RS_THREADS) * 16, w_src[i] + (size_t)st * GROUP_PIECES, w_policy);
-        if (tid < RS_TILES * 8) rs_cp_async16_hint(wd + tid * 16, d_src + (size_t)st * 8, w_policy);
+        rs_cp_async16_hint(dst, src, w_policy);
 #else
-#pragma unroll
-        for (int i = 0; i < SF::PIECES; ++i)
-            rs_cp_async16(wq + (tid + i * RS_THREADS) * 16, w_src[i] + (size_t)st * GROUP_PIECES);
-        if (tid < RS_TILES * 8) rs_cp_async16(wd + tid * 16, d_src + (size_t)st * 8);
+        rs_cp_async16(dst, src);
 #endif
     }
 };

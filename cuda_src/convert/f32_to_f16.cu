@@ -59,7 +59,7 @@ convert_f32_to_f16(const float* __restrict__ X, __half* __restrict__ Y, int M, i
         *(int4*)(Y + i) = *(const int4*)h;
     } else {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) Y[i + j] = h[j];
+        for (int j = 0; j < CV_VALUES; ++j) Y[i + j] = h[j];
     }
 #endif
     if (bad) atomicOr(status, bad);
