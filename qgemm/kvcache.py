@@ -723,14 +723,50 @@ def min_ctas(mr: int, d: int, u: int = 1) -> int:
     return 4 if (mr == 4 and d <= 128) else (2 if (mr == 8 and d == 256) else 3)
 
 
+def _plan_mma(kind: str, bits: int, shape, rows: int, sm_count: int) -> LaunchPlan:
+    """Version 4 (tensor cores on densely decoded tiles, value kernels, 4/2-bit): a warp = 8
+    channels x a range of 64-token chunks, CTAs of up to 16 warps sharing the range's staged
+    probabilities; the range sized for about one wave (a multiple of 16 chunks: the compact
+    layout's group offsets)."""
+    b, s, d = shape
+    warps = min(16, d // 8)
+    ncb = d // (8 * warps)
+    nt = min(4, -(-rows // 8))
+    rb = -(-rows // (8 * nt))
+    mc = 2 if nt == 1 else 1
+    nst = -(-s // TILE)
+    per = -(-nst * ncb * rb * b // (mc * sm_count))
+    per = max(16, -(-per // 16) * 16)
+    cap = ((SMEM_SM // mc - 1024 - 128) // (nt * 1024)) // 16 * 16
+    per = min(per, cap, -(-nst // 16) * 16)
+    grid = (-(-nst // per) * ncb * rb, b, 1)
+    defines = {"MF_MMA": 1, "MF_NT": nt, "MF_D": d, "MF_WARPS": warps, "MF_MIN_CTAS": mc}
+    return LaunchPlan(defines, grid, (32 * warps, 1, 1), 128 + per * nt * 1024, per, rows)
+
+
+def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
+    """Whether plan_for picks version 4 (tensor cores on densely decoded tiles): 4/2-bit value
+    kernels with more than 8 query rows per kv head, on sm_80+. Measured on the H100 at
+    32x16384x128, 70% sparsity: 20-25% faster than version 3 at Lq = 8 x 4 groups (32 rows), 30-45%
+    slower at 4 rows (the dense decode costs more instructions than the walk until the MMA's n
+    side carries several row tiles; docs/perf/NOTES.md, session 15)."""
+    return kind == "value" and bits != 16 and cc >= 80 and rows > 8
+
+
 def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None,
-             max_step2: int | None = None) -> LaunchPlan:
+             max_step2: int | None = None, mma: bool | None = None, cc: int = 90) -> LaunchPlan:
     """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or 1-2 whole tiles
     (values); rows in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks
     read its compressed bytes from L2); windows sized from the cache's largest step (max_step,
     `step_bytes_max`, and for 2-tile value steps max_step2; None: the worst case); the grid about
     one wave of the CTAs an SM holds (registers and shared memory)."""
     b, s, d = shape
+    if mma is None:
+        mma = use_mma(kind, bits, rows, cc)
+    elif mma and not (kind == "value" and bits != 16 and cc >= 80):
+        raise ValueError(f"version 4 (mma=True) is for 4/2-bit value kernels on sm_80+, got {kind} bits={bits} sm_{cc}")
+    if mma:
+        return _plan_mma(kind, bits, shape, rows, sm_count)
     # version 3 of the walk, except fp16 values (version 2: docs/mustafar.md, version 3 measured 17%
     # slower there); fp16 keys measured 29.8 us on version 3 against 32.2 on version 2 (H100)
     v3 = bits != 16 or kind == "key"
@@ -889,8 +925,9 @@ class MustafarRunner:
 
         b, s, d = dkv.shape
         if plan_ is None:
-            sms = runtime.device_info().sm_count if runtime.gpu_available() else 132
-            plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, sms, dkv.max_step, dkv.max_step2)
+            info = runtime.device_info() if runtime.gpu_available() else None
+            plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, info.sm_count if info else 132, dkv.max_step,
+                             dkv.max_step2, cc=info.cc if info else 90)
         mod = kernel._module(plan_.defines)
         if self.kind == "value":
             dout.fill_bytes(0, stream)
@@ -1040,8 +1077,9 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
     if cold:
         l2 = max(runtime.device_info().l2_bytes, 1)
         sets = min(64, max(2, int(np.ceil(2 * l2 / max(moved, 1))) + 1))
-    p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count, step_bytes_max(ck),
-                          step_bytes_max(ck, 2) if ck.kind == "value" else None)
+    info = runtime.device_info()
+    p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, step_bytes_max(ck),
+                          step_bytes_max(ck, 2) if ck.kind == "value" else None, cc=info.cc)
     kernel._module(p.defines)
     dkvs = [DeviceKV.upload(ck) for _ in range(sets)]
     dxs = [runtime.DeviceArray.from_host(x) for _ in range(sets)]

@@ -399,6 +399,9 @@ def test_launch_plans(kind, rows):
         for bits in (16, 4, 2):
             for max_step in (None, 0, 300, 5000):
                 p = kv.plan_for(kind, bits, shape, rows, 132, max_step)
+                if kv.use_mma(kind, bits, rows):
+                    _check_mma_plan(p, shape, rows)
+                    continue
                 mr, w = p.defines["MF_R"], p.defines["MF_WARPS"]
                 assert mr in (4, 8) and p.block == (32 * w, 1, 1)
                 rb = -(-rows // mr)
@@ -421,6 +424,33 @@ def test_launch_plans(kind, rows):
                     v3 = p.defines.get("MF_V3", 1)
                     assert v3 == (bits != 16)
                     assert p.shmem == 33 * 64 * u * mr * 2 + w * ((2 * (kv.PAD + win) + 2 * 2 * u * 32 * 8) if v3 else 2 * win)
+
+
+def _check_mma_plan(p, shape, rows):
+    b, s, d = shape
+    w, nt = p.defines["MF_WARPS"], p.defines["MF_NT"]
+    assert p.defines["MF_MMA"] == 1 and p.defines["MF_D"] == d and p.block == (32 * w, 1, 1)
+    assert 8 * w <= d and d % (8 * w) == 0 and 1 <= nt <= 4
+    rb = -(-rows // (8 * nt))
+    nst = -(-s // 64)
+    assert p.per_cta % 16 == 0 and p.grid[0] % rb == 0  # compact ranges start at a group offset
+    assert (p.grid[0] // rb) // (d // (8 * w)) * p.per_cta >= nst and p.grid[1] == b
+    assert p.shmem == 128 + p.per_cta * nt * 1024 and p.shmem <= kv.SMEM_SM // p.defines["MF_MIN_CTAS"] - 1024
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 9, 32, 33, 64])
+def test_mma_value_plans(rows):
+    """Version 4 (tensor cores) of the 4/2-bit value kernels: the default above 8 rows on sm_80+,
+    forced by mma=True at any row count; refused where it has no kernel."""
+    for shape in [(1, 1, 64), (32, 16384, 128), (3, 1000, 256), (2, 77, 128), (1, 500000, 64)]:
+        for bits in (4, 2):
+            p = kv.plan_for("value", bits, shape, rows, 132, 300, mma=True)
+            _check_mma_plan(p, shape, rows)
+            assert ("MF_MMA" in kv.plan_for("value", bits, shape, rows, 132, 300).defines) == (rows > 8)
+            assert "MF_MMA" not in kv.plan_for("value", bits, shape, rows, 132, 300, cc=75).defines
+    for kind, bits, cc in (("key", 2, 90), ("value", 16, 90), ("value", 2, 75)):
+        with pytest.raises(ValueError, match="version 4"):
+            kv.plan_for(kind, bits, (2, 77, 128), 32, 132, 300, mma=True, cc=cc)
 
 
 def test_step_bytes_max(rng):
@@ -450,6 +480,18 @@ def test_other_configurations_compile_without_spills(defines):
         ck = qgemm.get(name).compile("sm_90", d)
         res = ck.resources[registry.spec(name).entry]
         assert res.spill_stores == 0 and res.spill_loads == 0, (name, d, res)
+
+
+@pytest.mark.parametrize("rows, d", [(4, 128), (32, 128), (33, 64), (16, 256)])
+def test_mma_value_plans_compile_without_spills(rows, d):
+    for name in ("mustafar.value_q2", "mustafar.value_q4c"):
+        p = kv.plan_for("value", registry.spec(name).runner.bits, (32, 16384, d), rows, 132, mma=True)
+        for arch in ("sm_80", "sm_90"):
+            res = qgemm.get(name).compile(arch, p.defines).resources[registry.spec(name).entry]
+            assert res.spill_stores == 0 and res.spill_loads == 0, (name, p.defines, arch, res)
+    # the tensor-core version has no sm_75 code: a clear compile error, never a silent fallback
+    with pytest.raises(Exception, match="sm_80"):
+        qgemm.get("mustafar.value_q2").compile("sm_75", p.defines, use_cache=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,6 +643,33 @@ def test_kernel_edge_lengths_and_big_groups(name, s):
     for lq, groups, sp in ((1, 4, 0.5), (3, 11, 0.0)):  # 33 rows: two row blocks; sparsity 0: dense tiles
         r = k.spec.runner.validate(k, (2, s, 128), None, {"lq": lq, "groups": groups, "sparsity": sp})
         assert r.passed, (s, lq, groups, sp, r.note, r.seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mma", [False, True])
+@pytest.mark.parametrize("name", ["mustafar.value_q4", "mustafar.value_q2", "mustafar.value_q4c", "mustafar.value_q2c"])
+def test_value_kernel_versions(name, mma):
+    """Both versions of the 4/2-bit value kernels (3: the sparse walk, 4: tensor cores on densely
+    decoded tiles) at row counts where plan_for would pick the other one, on lengths that are not
+    multiples of 64 (a chunk range that ends inside a 4-tile block) and on dense tiles."""
+    k = qgemm.get(name)
+    runner = k.spec.runner
+    for shape, lq, groups, sp in (((3, 1000, 128), 1, 4, 0.7), ((2, 4097, 64), 3, 11, 0.0), ((2, 2113, 256), 8, 4, 0.5),
+                                  ((1, 65, 128), 1, 1, 0.7)):
+        cache, ck, x = runner.make_case(shape, 7, {"lq": lq, "groups": groups, "sparsity": sp})
+        rows = lq * groups
+        p = kv.plan_for("value", runner.bits, shape, rows, 132, kv.step_bytes_max(ck), kv.step_bytes_max(ck, 2), mma=mma)
+        assert ("MF_MMA" in p.defines) == mma
+        dkv = kv.DeviceKV.upload(ck)
+        dx = runtime.DeviceArray.from_host(x)
+        oshape, odt = runner.out_shape(dkv, x.shape[0], x.shape[1])
+        dout = runtime.DeviceArray.empty(oshape, odt)
+        dout.fill_bytes(0xFF)  # the kernel zeroes and accumulates: NaNs left would show
+        runner.launch(k, dkv, dx, dout, rows, plan_=p)
+        r = kv.score(name, "value", shape, 7, dout.to_host(), x, ck, cache, k.op.exact_tol)
+        for a in (dkv, dx, dout):
+            a.free()
+        assert r.passed, (shape, lq, groups, sp, mma, r.note)
 
 
 @pytest.mark.gpu

@@ -8,7 +8,8 @@ in one process.
 
 A variant is `label` (plan_for's plan as is) or `label=KEY=INT[;KEY=INT...]`: #defines put on top
 of the plan (a define that changes the kernel's shared memory or grid needs a plan of its own:
-change qgemm.kvcache.plan_for instead). To compare source trees, run it once per tree
+change qgemm.kvcache.plan_for instead), except MF_MMA=0 / 1, which asks plan_for for version 3 / 4
+of the value kernels, each with its own grid. To compare source trees, run it once per tree
 (QGEMM_CUDA_SRC=DIR).
 """
 import argparse
@@ -22,8 +23,12 @@ from qgemm import registry, runtime
 
 
 def plan(runner, ck, rows: int, overrides: dict) -> kv.LaunchPlan:
-    p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, runtime.device_info().sm_count, kv.step_bytes_max(ck),
-                    kv.step_bytes_max(ck, 2) if ck.kind == "value" else None)
+    overrides = dict(overrides)
+    mma = overrides.pop("MF_MMA", None)  # a version of its own (plan_for's mma=): its own grid
+    info = runtime.device_info()
+    p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, kv.step_bytes_max(ck),
+                    kv.step_bytes_max(ck, 2) if ck.kind == "value" else None, mma=None if mma is None else bool(mma),
+                    cc=info.cc)
     return dataclasses.replace(p, defines={**p.defines, **overrides}) if overrides else p
 
 

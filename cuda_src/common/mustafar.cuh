@@ -1283,10 +1283,341 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
     }
 }
 
+// =============================================================================================
+// version 4 (MF_MMA = 1; 4/2-bit value kernels, sm_80+): the tiles decoded densely in registers
+// and multiplied on the tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulate).
+//
+// out[r, d] = sum over tiles (d, u) of  mult * sum_s p[r, s] h[s] + add * sum_{s set} p[r, s]
+// (value = h * mult + add on the tile's set positions, h = 1 + q / L), so one MMA gives both sums
+// when its A rows are, per channel, the dense h (row g) and the dense occupancy (row g + 8):
+//   A  [16 x 16 tokens]  row g: h (0 where the bit is clear), row g + 8: 1 where set (x 1024 for 4-bit)
+//   B  [16 tokens x 8]   the probabilities of query rows 8 nt .. 8 nt + 7
+//   C  [16 x 8]          row g: sum p h, row g + 8: sum p, for channel g of the warp's eight
+// A warp owns 8 channels (lane quad g = lane / 4) and walks their 64-token tiles u = u0 .. u1 - 1;
+// lane c = lane % 4 of the quad decodes positions 16c .. 16c + 15 of the tile, four per k step j
+// (positions 16c + 4j .. + 3 land in the MMA's k slots 2c, 2c + 1, 2c + 8, 2c + 9: any order of
+// the k slots works as long as B is staged in the same one).
+// Decoding four positions (one nibble m of the bitmap): the next four codes spread to one byte
+// each, then one PRMT per half2 puts code k of the nibble's set bits where the half needs it and
+// zero bytes (the sign-replicate selector 0x8 of a byte < 0x80) where the bit is clear; the
+// selectors and the code count are a 16-entry table in shared memory (conflict-free: 16 words).
+//   2-bit: byte = 0x3C | q, the half's high byte: h = 0x3C00 | q << 8 = 1 + q / 4 exactly
+//   4-bit: byte = q, the half's low byte under 0x64: h = 1024 + q; minus the occupancy (1024) = q
+
+#ifndef MF_MMA
+#define MF_MMA 0
+#endif
+#ifndef MF_NT
+#define MF_NT 1  // version 4: n tiles (8 query rows each) per CTA
+#endif
+#define MF4_LUT_BYTES 128
+// staged probabilities: [chunk][MF_NT][half h][lane][16 bytes]: lane (g, c) reads tokens
+// 16c + 8h .. + 7 of row g with one conflict-free 16-byte load
+#define MF4_CHUNK_BYTES (MF_NT * 1024)
+
+__device__ __forceinline__ uint32_t mf4_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// table entry of nibble mask m: x = selectors of positions 0, 1 | (bits consumed) << 16,
+// y = selectors of positions 2, 3
+template <int BITS>
+__device__ __forceinline__ uint2 mf4_lut_entry(int m) {
+    uint32_t sel[2] = {0u, 0u};
+    int k = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint32_t lo = 8u, hi = 8u;  // 0x8: sign of byte 0 (< 0x80): a zero byte
+        if ((m >> i) & 1) {
+            if (BITS == 2) {
+                hi = (uint32_t)k;
+            } else {
+                lo = (uint32_t)k;
+                hi = 4u;  // byte 0 of the second operand: 0x64
+            }
+            ++k;
+        }
+        sel[i >> 1] |= (lo | hi << 4) << (8 * (i & 1));
+    }
+    return make_uint2(sel[0] | (uint32_t)(k * BITS) << 16, sel[1]);
+}
+
+// the next four codes of X (low bits first), one per byte
+template <int BITS>
+__device__ __forceinline__ uint32_t mf4_spread(uint32_t x) {
+    if (BITS == 2) {
+        // even codes (q0, q2) times 1 + 2^12, odd (q1, q3) times 2^6 + 2^18: q_i lands at bit 8i;
+        // the copies that overlap (bits 12-14) are masked off
+        const uint32_t v = (x & 0x33u) * 0x1001u + (x & 0xCCu) * 0x40040u;
+        return (v & 0x03030303u) | 0x3C3C3C3Cu;
+    } else {
+        const uint32_t y = mf4_prmt(x, 0u, 0x1100u);  // bytes b0 b0 b1 b1
+        const uint32_t hi = (y >> 4) & 0x0F0F0F0Fu;
+        return (y & 0x000F000Fu) | (hi & 0x0F000F00u);
+    }
+}
+
+__device__ __forceinline__ void mf4_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// one tile's metadata as the lane needs it
+struct Mf4Tile {
+    uint32_t w0, w1;  // bitmap
+    uint32_t dq;      // plain: scale bits; compact: (mult, add) half2 bits
+    float zero;       // plain: zero point
+    int off;          // byte offset of the tile's codes
+};
+
+// The probabilities of chunks u0 .. u1 - 1, query rows row0 .. row0 + 8 MF_NT - 1 (zeros past R
+// and S), staged for the B fragments; the table; one barrier.
+template <int BITS>
+__device__ __forceinline__ void mf4_stage(const __half *__restrict__ x, uint8_t *smem, int b, int R, int row0, int S,
+                                          int u0, int u1) {
+    if (threadIdx.x < 16) reinterpret_cast<uint2 *>(smem)[threadIdx.x] = mf4_lut_entry<BITS>(threadIdx.x);
+    uint8_t *ps = smem + MF4_LUT_BYTES;
+    const int units = (u1 - u0) * MF_NT * 64;
+    const bool vec = (S & 7) == 0;
+    for (int i = threadIdx.x; i < units; i += MF_THREADS) {
+        const int l = i & 31, h = (i >> 5) & 1, nt = (i >> 6) % MF_NT, ci = i / (64 * MF_NT);
+        const int row = row0 + nt * 8 + (l >> 2);
+        const int tok = (u0 + ci) * 64 + 16 * (l & 3) + 8 * h;
+        uint8_t *dst = ps + (size_t)i * 16;  // i enumerates [chunk][nt][h][lane]
+        const __half *src = x + ((size_t)b * R + min(row, R - 1)) * S + tok;
+        if (row < R && vec && tok + 8 <= S) {
+            mf_cp16(dst, src);
+        } else {
+            __half v[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = (row < R && tok + j < S) ? src[j] : __float2half_rn(0.0f);
+            *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(v);
+        }
+    }
+    mf_commit();
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+    __syncthreads();
+}
+
+// grid.x = (chunk range, channel block, row block), row block fastest; per_cta = chunks per CTA
+// (a multiple of 16 for the compact layouts: a range starts at a group offset)
+template <int BITS, bool COMPACT>
+__device__ __forceinline__ void mf4_value(MF_PARAMS) {
+    static_assert(BITS == 2 || BITS == 4, "version 4: 4/2-bit layouts");
+    extern __shared__ __align__(16) uint8_t mf_smem[];
+    constexpr int ROWS = 8 * MF_NT;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int b = blockIdx.y;
+    const int rb = (R + ROWS - 1) / ROWS;
+    constexpr int NCB = MF_D / (8 * MF_WARPS);  // channel blocks
+    static_assert(NCB >= 1 && MF_D % (8 * MF_WARPS) == 0, "version 4: 8 channels per warp");
+    const int row0 = (blockIdx.x % rb) * ROWS;
+    const int cb = (blockIdx.x / rb) % NCB;
+    const int chunk = blockIdx.x / (rb * NCB);
+    const int nst = (S + 63) >> 6;  // tiles per channel
+    const int u0 = chunk * per_cta, u1 = min(u0 + per_cta, nst);
+    const int d = (cb * MF_WARPS + warp) * 8 + g;
+    const size_t T = (size_t)MF_D * nst;
+    const size_t trow = (size_t)b * T + (size_t)d * nst;  // tile (d, 0) in the flat [B * T] arrays
+    const uint32_t *__restrict__ data32 = reinterpret_cast<const uint32_t *>(data);
+
+    mf4_stage<BITS>(x, mf_smem, b, R, row0, S, u0, u1);
+    const uint32_t slut = (uint32_t)__cvta_generic_to_shared(mf_smem);
+    const uint32_t sps = slut + MF4_LUT_BYTES + lane * 16;
+
+    int run = 0;  // compact: the running byte offset along the channel's row
+    if (COMPACT) {
+        const int gpr = (nst + 15) >> 4;
+        run = __ldg(offs + (size_t)b * (MF_D * gpr + 1) + (size_t)d * gpr + (u0 >> 4));
+    }
+    // Metadata in blocks of 4 tiles: lane (g, c) loads tile ub + c of channel g (a quad reads 4
+    // consecutive tiles: one sector per channel and array instead of one per tile), and every
+    // tile's fields reach the quad by shuffles from lane 4g + k.
+    auto load_blk = [&](Mf4Tile &t, int ub) {
+        const int u = ub + c;
+        t.w0 = t.w1 = t.dq = 0u;
+        t.zero = 0.0f;
+        t.off = 0;
+        if (u < u1) {
+            const uint2 w = __ldg(reinterpret_cast<const uint2 *>(bmp) + trow + u);
+            t.w0 = w.x;
+            t.w1 = w.y;
+            t.dq = __ldg(reinterpret_cast<const uint32_t *>(scl) + trow + u);
+            if (!COMPACT) {
+                t.zero = __ldg(zer + trow + u);
+                t.off = __ldg(offs + trow + u);
+            }
+        }
+    };
+    // compact: the quad's exclusive prefix of the tiles' code bytes after the running offset (run
+    // only when the block is first needed: its loads have had a block of MMAs to arrive)
+    auto prep_blk = [&](Mf4Tile &t) {
+        if (COMPACT) {
+            const int bytes = ((__popc(t.w0) + __popc(t.w1)) * BITS + 7) >> 3;
+            int incl = bytes;
+#pragma unroll
+            for (int o = 1; o < 4; o <<= 1) {
+                const int y = __shfl_up_sync(MF_FULL, incl, o, 4);
+                if (c >= o) incl += y;
+            }
+            t.off = run + incl - bytes;
+            run += __shfl_sync(MF_FULL, incl, 3, 4);
+        }
+    };
+    auto tile_of = [&](const Mf4Tile &blk, int k) {
+        const int src = (lane & ~3) | k;
+        Mf4Tile t;
+        t.w0 = __shfl_sync(MF_FULL, blk.w0, src);
+        t.w1 = __shfl_sync(MF_FULL, blk.w1, src);
+        t.dq = __shfl_sync(MF_FULL, blk.dq, src);
+        t.zero = COMPACT ? 0.0f : __shfl_sync(MF_FULL, blk.zero, src);
+        t.off = __shfl_sync(MF_FULL, blk.off, src);
+        return t;
+    };
+    // the lane's 16 positions: their mask, and the code bits from their first code on
+    // (the raw words: funnel-shifted only when the tile is decoded, so that their loads stay in
+    // flight under the previous tile's MMAs)
+    auto codes = [&](const Mf4Tile &t, uint32_t &m16, uint4 &xr) {
+        const uint32_t w = c < 2 ? t.w0 : t.w1;
+        m16 = (c & 1) ? (w >> 16) : (w & 0xFFFFu);
+        const int pre = ((c & 1) ? __popc(w & 0xFFFFu) : 0) + (c >= 2 ? __popc(t.w0) : 0);
+        const int nb = __popc(m16) * BITS;
+        const size_t bit = (size_t)t.off * 8 + pre * BITS;
+        const size_t wi = bit >> 5;
+        const int sh = (int)(bit & 31);
+        const uint32_t x0 = nb > 0 ? __ldg(data32 + wi) : 0u;
+        const uint32_t x1 = sh + nb > 32 ? __ldg(data32 + wi + 1) : 0u;
+        const uint32_t x2 = (BITS == 4 && sh + nb > 64) ? __ldg(data32 + wi + 2) : 0u;
+        xr = make_uint4(x0, x1, x2, (uint32_t)sh);
+    };
+
+    float acc[MF_NT][2];
+#pragma unroll
+    for (int nt = 0; nt < MF_NT; ++nt) acc[nt][0] = acc[nt][1] = 0.0f;
+    bool brow[MF_NT];  // B rows past R stay zero without a shared load
+#pragma unroll
+    for (int nt = 0; nt < MF_NT; ++nt) brow[nt] = row0 + nt * 8 + g < R;
+
+    // blocks: this one and the next in registers; codes one tile ahead of the MMAs
+    Mf4Tile bc, bn, tn;
+    uint32_t m16 = 0;
+    uint4 xr = make_uint4(0u, 0u, 0u, 0u);
+    if (u0 < u1) {
+        load_blk(bc, u0);
+        load_blk(bn, u0 + 4);
+        prep_blk(bc);
+        tn = tile_of(bc, 0);
+        codes(tn, m16, xr);
+    }
+#pragma unroll 1
+    for (int ub = u0; ub < u1; ub += 4) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int u = ub + k;
+        if (u >= u1) break;
+        const Mf4Tile cur = tn;
+        uint32_t m = m16;
+        const uint4 xc = xr;
+        if (u + 1 < u1) {
+            if (k == 3) prep_blk(bn);
+            tn = k < 3 ? tile_of(bc, k + 1) : tile_of(bn, 0);
+            codes(tn, m16, xr);
+        }
+        uint32_t xl = __funnelshift_r(xc.x, xc.y, xc.w);
+        uint32_t xh = BITS == 4 ? __funnelshift_r(xc.y, xc.z, xc.w) : 0u;
+        float cc[MF_NT][4];
+#pragma unroll
+        for (int nt = 0; nt < MF_NT; ++nt) cc[nt][0] = cc[nt][1] = cc[nt][2] = cc[nt][3] = 0.0f;
+        const uint32_t pb = sps + (u - u0) * MF4_CHUNK_BYTES;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            uint4 bf[MF_NT];
+#pragma unroll
+            for (int nt = 0; nt < MF_NT; ++nt) bf[nt] = brow[nt] ? mf_lds128(pb + (nt * 2 + hh) * 512) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+                const uint2 e = mf_lds64(slut + (m & 15u) * 8);
+                m >>= 4;
+                const uint32_t cbytes = mf4_spread<BITS>(xl);
+                const uint32_t second = BITS == 2 ? cbytes : 0x64646464u;
+                uint32_t h01 = mf4_prmt(cbytes, second, e.x), h23 = mf4_prmt(cbytes, second, e.y);
+                const uint32_t smask = BITS == 2 ? 0x3C003C00u : 0x64006400u;
+                const uint32_t s01 = h01 & smask, s23 = h23 & smask;
+                if (BITS == 4) {
+                    const __half2 a = __hsub2(mf_as_h2(h01), mf_as_h2(s01)), bq = __hsub2(mf_as_h2(h23), mf_as_h2(s23));
+                    h01 = *reinterpret_cast<const uint32_t *>(&a);
+                    h23 = *reinterpret_cast<const uint32_t *>(&bq);
+                }
+                const uint32_t nsh = e.x >> 16;
+                if (BITS == 2) {
+                    xl >>= nsh;
+                } else {
+                    xl = __funnelshift_r(xl, xh, nsh);
+                    xh >>= nsh;
+                }
+#pragma unroll
+                for (int nt = 0; nt < MF_NT; ++nt)
+                    mf4_mma(cc[nt], h01, s01, h23, s23, jj ? bf[nt].z : bf[nt].x, jj ? bf[nt].w : bf[nt].y);
+            }
+        }
+        // the tile's dequantization constants (plain: as qgemm.kvcache.dequant_constants)
+        float mult, add;
+        if (COMPACT) {
+            const float2 f = __half22float2(mf_as_h2(cur.dq));
+            mult = f.x;
+            add = f.y;
+        } else {
+            const float s = __uint_as_float(cur.dq);
+            const float m32 = s * (float)(1 << BITS);
+            mult = __half2float(__float2half_rn(m32));
+            add = __half2float(__float2half_rn(__fsub_rn(__fmul_rn(-cur.zero, s), m32)));
+        }
+        // 2-bit: C = (sum p h, sum p); 4-bit: (sum p q, 1024 sum p), h = 1 + q / 16
+        const float ch = BITS == 2 ? mult : mult * (1.0f / 16.0f);
+        const float cs = BITS == 2 ? add : (mult + add) * (1.0f / 1024.0f);
+#pragma unroll
+        for (int nt = 0; nt < MF_NT; ++nt) {
+            acc[nt][0] += ch * cc[nt][0] + cs * cc[nt][2];
+            acc[nt][1] += ch * cc[nt][1] + cs * cc[nt][3];
+        }
+    }
+        bc = bn;
+        if (ub + 8 < u1) load_blk(bn, ub + 8);
+    }
+    float *o = reinterpret_cast<float *>(out) + (size_t)b * R * MF_D + d;
+    if (u0 < u1) {
+#pragma unroll
+        for (int nt = 0; nt < MF_NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int r = row0 + nt * 8 + 2 * c + i;
+                if (r < R) atomicAdd(o + (size_t)r * MF_D, acc[nt][i]);
+            }
+    }
+}
+
+#if MF_MMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "MF_MMA=1 (version 4) needs sm_80 or newer (mma.sync m16n8k16)"
+#endif
+
 #if MF_V3
 #define MF_KEY mf3_key
 #define MF_VALUE mf3_value
 #else
 #define MF_KEY mf2_key
 #define MF_VALUE mf2_value
+#endif
+#if MF_MMA
+#undef MF_VALUE
+#define MF_VALUE mf4_value
 #endif
