@@ -756,7 +756,7 @@ def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
 def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None,
              max_step2: int | None = None, mma: bool | None = None, cc: int = 90) -> LaunchPlan:
     """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or 1-2 whole tiles
-    (values); rows in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks
+    (values), except where `use_mma` (or mma=True) picks version 4 (cc: compute capability); rows in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks
     read its compressed bytes from L2); windows sized from the cache's largest step (max_step,
     `step_bytes_max`, and for 2-tile value steps max_step2; None: the worst case); the grid about
     one wave of the CTAs an SM holds (registers and shared memory)."""

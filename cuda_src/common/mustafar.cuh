@@ -28,6 +28,8 @@
 //   MF_WIN2   bytes of one window stage (sized from the cache's largest step)
 //   MF_V3     1: version 3 (below; the 4/2-bit layouts), 0: version 2 (fp16)
 //   MF_U      value kernels, version 3: tiles per lane (1; 2 is supported, measured slower)
+//   MF_MMA    1: version 4 of the 4/2-bit value kernels (tensor cores on densely decoded tiles,
+//             sm_80+; plan_for takes it above 8 query rows), with MF_NT row tiles of 8 per CTA
 #pragma once
 #include <cuda_fp16.h>
 // NVRTC has no <stdint.h>: the fixed-width types used here
