@@ -211,7 +211,7 @@ def test_kv_probe_overlays_defines_on_the_plan(monkeypatch):
     monkeypatch.syspath_prepend(str(TOOLS))  # as when run as `python tools/kv_probe.py`
     kp = _load("kv_probe")
     assert kp.parse_variant("u=MF_SORT=0") == ("u", {"MF_SORT": 0})
-    monkeypatch.setattr(kp.runtime, "device_info", lambda: SimpleNamespace(sm_count=132))
+    monkeypatch.setattr(kp.runtime, "device_info", lambda: SimpleNamespace(sm_count=132, cc=90))
     rng = np.random.default_rng(1)
     ck = kv.compress_keys(kv.prune(rng.standard_normal((2, 300, 128)).astype(np.float16), 0.7), 2)
     runner = kp.registry.get("mustafar.key_q2").spec.runner
@@ -219,6 +219,12 @@ def test_kv_probe_overlays_defines_on_the_plan(monkeypatch):
     over = kp.plan(runner, ck, 4, {"MF_SORT": 0})
     assert base == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck))
     assert over.defines == {**base.defines, "MF_SORT": 0} and (over.grid, over.shmem) == (base.grid, base.shmem)
+    # MF_MMA is not a define on top of the plan but the choice of version (its own grid)
+    cv = kv.compress_values(kv.prune(rng.standard_normal((2, 300, 128)).astype(np.float16), 0.7), 2)
+    vr = kp.registry.get("mustafar.value_q2").spec.runner
+    v4 = kp.plan(vr, cv, 4, {"MF_MMA": 1})
+    assert v4 == kv.plan_for("value", 2, cv.shape, 4, 132, mma=True) and v4.defines["MF_MMA"] == 1
+    assert "MF_MMA" not in kp.plan(vr, cv, 32, {"MF_MMA": 0}).defines and "MF_MMA" in kp.plan(vr, cv, 32, {}).defines
 
 
 def test_perf_report_says_by_how_much_a_target_is_missed():
