@@ -1524,75 +1524,75 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
 #pragma unroll 1
     for (int ub = u0; ub < u1; ub += 4) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const int u = ub + k;
-        if (u >= u1) break;
-        const Mf4Tile cur = tn;
-        uint32_t m = m16;
-        const uint4 xc = xr;
-        if (u + 1 < u1) {
-            if (k == 3) prep_blk(bn);
-            tn = k < 3 ? tile_of(bc, k + 1) : tile_of(bn, 0);
-            codes(tn, m16, xr);
-        }
-        uint32_t xl = __funnelshift_r(xc.x, xc.y, xc.w);
-        uint32_t xh = BITS == 4 ? __funnelshift_r(xc.y, xc.z, xc.w) : 0u;
-        float cc[MF_NT][4];
+        for (int k = 0; k < 4; ++k) {
+            const int u = ub + k;
+            if (u >= u1) break;
+            const Mf4Tile cur = tn;
+            uint32_t m = m16;
+            const uint4 xc = xr;
+            if (u + 1 < u1) {
+                if (k == 3) prep_blk(bn);
+                tn = k < 3 ? tile_of(bc, k + 1) : tile_of(bn, 0);
+                codes(tn, m16, xr);
+            }
+            uint32_t xl = __funnelshift_r(xc.x, xc.y, xc.w);
+            uint32_t xh = BITS == 4 ? __funnelshift_r(xc.y, xc.z, xc.w) : 0u;
+            float cc[MF_NT][4];
 #pragma unroll
-        for (int nt = 0; nt < MF_NT; ++nt) cc[nt][0] = cc[nt][1] = cc[nt][2] = cc[nt][3] = 0.0f;
-        const uint32_t pb = sps + (u - u0) * MF4_CHUNK_BYTES;
+            for (int nt = 0; nt < MF_NT; ++nt) cc[nt][0] = cc[nt][1] = cc[nt][2] = cc[nt][3] = 0.0f;
+            const uint32_t pb = sps + (u - u0) * MF4_CHUNK_BYTES;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            uint4 bf[MF_NT];
+            for (int hh = 0; hh < 2; ++hh) {
+                uint4 bf[MF_NT];
 #pragma unroll
-            for (int nt = 0; nt < MF_NT; ++nt) bf[nt] = brow[nt] ? mf_lds128(pb + (nt * 2 + hh) * 512) : make_uint4(0u, 0u, 0u, 0u);
+                for (int nt = 0; nt < MF_NT; ++nt) bf[nt] = brow[nt] ? mf_lds128(pb + (nt * 2 + hh) * 512) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-                const uint2 e = mf_lds64(slut + (m & 15u) * 8);
-                m >>= 4;
-                const uint32_t cbytes = mf4_spread<BITS>(xl);
-                const uint32_t second = BITS == 2 ? cbytes : 0x64646464u;
-                uint32_t h01 = mf4_prmt(cbytes, second, e.x), h23 = mf4_prmt(cbytes, second, e.y);
-                const uint32_t smask = BITS == 2 ? 0x3C003C00u : 0x64006400u;
-                const uint32_t s01 = h01 & smask, s23 = h23 & smask;
-                if (BITS == 4) {
-                    const __half2 a = __hsub2(mf_as_h2(h01), mf_as_h2(s01)), bq = __hsub2(mf_as_h2(h23), mf_as_h2(s23));
-                    h01 = *reinterpret_cast<const uint32_t *>(&a);
-                    h23 = *reinterpret_cast<const uint32_t *>(&bq);
+                for (int jj = 0; jj < 2; ++jj) {
+                    const uint2 e = mf_lds64(slut + (m & 15u) * 8);
+                    m >>= 4;
+                    const uint32_t cbytes = mf4_spread<BITS>(xl);
+                    const uint32_t second = BITS == 2 ? cbytes : 0x64646464u;
+                    uint32_t h01 = mf4_prmt(cbytes, second, e.x), h23 = mf4_prmt(cbytes, second, e.y);
+                    const uint32_t smask = BITS == 2 ? 0x3C003C00u : 0x64006400u;
+                    const uint32_t s01 = h01 & smask, s23 = h23 & smask;
+                    if (BITS == 4) {
+                        const __half2 a = __hsub2(mf_as_h2(h01), mf_as_h2(s01)), bq = __hsub2(mf_as_h2(h23), mf_as_h2(s23));
+                        h01 = *reinterpret_cast<const uint32_t *>(&a);
+                        h23 = *reinterpret_cast<const uint32_t *>(&bq);
+                    }
+                    const uint32_t nsh = e.x >> 16;
+                    if (BITS == 2) {
+                        xl >>= nsh;
+                    } else {
+                        xl = __funnelshift_r(xl, xh, nsh);
+                        xh >>= nsh;
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < MF_NT; ++nt)
+                        mf4_mma(cc[nt], h01, s01, h23, s23, jj ? bf[nt].z : bf[nt].x, jj ? bf[nt].w : bf[nt].y);
                 }
-                const uint32_t nsh = e.x >> 16;
-                if (BITS == 2) {
-                    xl >>= nsh;
-                } else {
-                    xl = __funnelshift_r(xl, xh, nsh);
-                    xh >>= nsh;
-                }
+            }
+            // the tile's dequantization constants (plain: as qgemm.kvcache.dequant_constants)
+            float mult, add;
+            if (COMPACT) {
+                const float2 f = __half22float2(mf_as_h2(cur.dq));
+                mult = f.x;
+                add = f.y;
+            } else {
+                const float s = __uint_as_float(cur.dq);
+                const float m32 = s * (float)(1 << BITS);
+                mult = __half2float(__float2half_rn(m32));
+                add = __half2float(__float2half_rn(__fsub_rn(__fmul_rn(-cur.zero, s), m32)));
+            }
+            // 2-bit: C = (sum p h, sum p); 4-bit: (sum p q, 1024 sum p), h = 1 + q / 16
+            const float ch = BITS == 2 ? mult : mult * (1.0f / 16.0f);
+            const float cs = BITS == 2 ? add : (mult + add) * (1.0f / 1024.0f);
 #pragma unroll
-                for (int nt = 0; nt < MF_NT; ++nt)
-                    mf4_mma(cc[nt], h01, s01, h23, s23, jj ? bf[nt].z : bf[nt].x, jj ? bf[nt].w : bf[nt].y);
+            for (int nt = 0; nt < MF_NT; ++nt) {
+                acc[nt][0] += ch * cc[nt][0] + cs * cc[nt][2];
+                acc[nt][1] += ch * cc[nt][1] + cs * cc[nt][3];
             }
         }
-        // the tile's dequantization constants (plain: as qgemm.kvcache.dequant_constants)
-        float mult, add;
-        if (COMPACT) {
-            const float2 f = __half22float2(mf_as_h2(cur.dq));
-            mult = f.x;
-            add = f.y;
-        } else {
-            const float s = __uint_as_float(cur.dq);
-            const float m32 = s * (float)(1 << BITS);
-            mult = __half2float(__float2half_rn(m32));
-            add = __half2float(__float2half_rn(__fsub_rn(__fmul_rn(-cur.zero, s), m32)));
-        }
-        // 2-bit: C = (sum p h, sum p); 4-bit: (sum p q, 1024 sum p), h = 1 + q / 16
-        const float ch = BITS == 2 ? mult : mult * (1.0f / 16.0f);
-        const float cs = BITS == 2 ? add : (mult + add) * (1.0f / 1024.0f);
-#pragma unroll
-        for (int nt = 0; nt < MF_NT; ++nt) {
-            acc[nt][0] += ch * cc[nt][0] + cs * cc[nt][2];
-            acc[nt][1] += ch * cc[nt][1] + cs * cc[nt][3];
-        }
-    }
         bc = bn;
         if (ub + 8 < u1) load_blk(bn, ub + 8);
     }
