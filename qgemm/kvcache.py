@@ -950,7 +950,9 @@ class MustafarRunner:
             x = random_probs(rng, (b * groups, lq, s))
         return cache, ck, x
 
-    def validate(self, kernel, shape, seed=None, opts=None):
+    def validate(self, kernel, shape, seed=None, opts=None, plan_: LaunchPlan | None = None):
+        """One fresh random case against the reference (score()); plan_: a launch plan other than
+        plan_for's (both versions of a kernel in tests and experiments)."""
         from . import runtime
 
         why = self.shape_problem(shape)
@@ -965,7 +967,7 @@ class MustafarRunner:
         oshape, odt = self.out_shape(dkv, x.shape[0], x.shape[1])
         dout = runtime.DeviceArray.empty(oshape, odt)
         dout.fill_bytes(0xFF)  # NaN in fp16 and fp32: an output the kernel never writes shows up
-        self.launch(kernel, dkv, dx, dout, x.shape[0] // shape[0] * x.shape[1])
+        self.launch(kernel, dkv, dx, dout, x.shape[0] // shape[0] * x.shape[1], plan_=plan_)
         runtime.check_last_error(kernel.name)
         got = dout.to_host()
         r = score(kernel.name, self.kind, shape, seed, got, x, ck, cache, kernel.op.exact_tol)

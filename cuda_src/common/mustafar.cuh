@@ -114,6 +114,12 @@ __device__ __forceinline__ void mf_wait1() {
 #endif
 }
 
+__device__ __forceinline__ void mf_wait_all() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ int mf_warp_max(int v) {
 #if __CUDA_ARCH__ >= 800
     return __reduce_max_sync(MF_FULL, v);
@@ -129,6 +135,16 @@ __device__ __forceinline__ int mf_warp_max(int v) {
 __device__ __forceinline__ uint32_t mf_opaque(uint32_t v) { return __shfl_sync(MF_FULL, v, threadIdx.x & 31); }
 
 __device__ __forceinline__ __half2 mf_as_h2(uint32_t u) { return *reinterpret_cast<__half2 *>(&u); }
+
+// a plain tile's float32 scale and zero point -> the (mult, add) fp16 pair the kernels dequantize
+// with, exactly as qgemm.kvcache.dequant_constants (float32 operations, no FMA, one rounding each)
+template <int BITS>
+__device__ __forceinline__ uint32_t mf_dq_pack(float scale, float zero) {
+    const float mult = scale * (float)(1 << BITS);
+    const float add = __fsub_rn(__fmul_rn(-zero, scale), mult);
+    const __half2 h = __halves2half2(__float2half_rn(mult), __float2half_rn(add));
+    return *reinterpret_cast<const uint32_t *>(&h);
+}
 
 // shared-memory loads at a 32-bit shared address (one IMAD per gather address, no generic pointers);
 // "memory": never moved above the barrier that publishes the rows
@@ -424,13 +440,7 @@ __device__ __forceinline__ void mf2_walk(Mf2Meta<U> m, int first, const uint8_t 
 #pragma unroll 1
     for (int j = 0; j < U; ++j) {
         uint32_t dq = m.dq[0];
-        if (BITS != 16 && !COMPACT) {  // the fp16 constants, exactly as qgemm.kvcache.dequant_constants
-            const float s = __uint_as_float(dq);
-            const float mult = s * (float)(1 << BITS);
-            const float add = __fsub_rn(__fmul_rn(-m.zero[0], s), mult);
-            const __half2 h = __halves2half2(__float2half_rn(mult), __float2half_rn(add));
-            dq = *reinterpret_cast<const uint32_t *>(&h);
-        }
+        if (BITS != 16 && !COMPACT) dq = mf_dq_pack<BITS>(__uint_as_float(dq), m.zero[0]);
         const int nlo = __popc(m.w[0]), nhi = __popc(m.w[1]);
         const int lo = BITS == 16 ? pos : pos * 8;
         const int hi = lo + nlo * (BITS == 16 ? 1 : BITS);
@@ -1027,14 +1037,7 @@ __device__ __forceinline__ void mf3_prep(const Mf3Meta<U> &m, int nt, const uint
     for (int c = lane; c < nchunk; c += 32) mf_cp16(buf + 16 * c, data + a + 16 * c);
 #pragma unroll
     for (int j = 0; j < U; ++j) {
-        dq[j] = m.dq[j];
-        if (BITS != 16 && !COMPACT) {  // the fp16 constants, exactly as qgemm.kvcache.dequant_constants
-            const float sc = __uint_as_float(m.dq[j]);
-            const float mult = sc * (float)(1 << BITS);
-            const float add = __fsub_rn(__fmul_rn(-m.zero[j], sc), mult);
-            const __half2 h = __halves2half2(__float2half_rn(mult), __float2half_rn(add));
-            dq[j] = *reinterpret_cast<const uint32_t *>(&h);
-        }
+        dq[j] = (BITS != 16 && !COMPACT) ? mf_dq_pack<BITS>(__uint_as_float(m.dq[j]), m.zero[j]) : m.dq[j];
     }
     int key[NW];
 #pragma unroll
@@ -1405,9 +1408,7 @@ __device__ __forceinline__ void mf4_stage(const __half *__restrict__ x, uint8_t 
         }
     }
     mf_commit();
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-#endif
+    mf_wait_all();
     __syncthreads();
 }
 
@@ -1572,18 +1573,9 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
                         mf4_mma(cc[nt], h01, s01, h23, s23, jj ? bf[nt].z : bf[nt].x, jj ? bf[nt].w : bf[nt].y);
                 }
             }
-            // the tile's dequantization constants (plain: as qgemm.kvcache.dequant_constants)
-            float mult, add;
-            if (COMPACT) {
-                const float2 f = __half22float2(mf_as_h2(cur.dq));
-                mult = f.x;
-                add = f.y;
-            } else {
-                const float s = __uint_as_float(cur.dq);
-                const float m32 = s * (float)(1 << BITS);
-                mult = __half2float(__float2half_rn(m32));
-                add = __half2float(__float2half_rn(__fsub_rn(__fmul_rn(-cur.zero, s), m32)));
-            }
+            // the tile's dequantization constants (compact: stored; plain: made from scale and zero)
+            const float2 f = __half22float2(mf_as_h2(COMPACT ? cur.dq : mf_dq_pack<BITS>(__uint_as_float(cur.dq), cur.zero)));
+            const float mult = f.x, add = f.y;
             // 2-bit: C = (sum p h, sum p); 4-bit: (sum p q, 1024 sum p), h = 1 + q / 16
             const float ch = BITS == 2 ? mult : mult * (1.0f / 16.0f);
             const float cs = BITS == 2 ? add : (mult + add) * (1.0f / 1024.0f);
