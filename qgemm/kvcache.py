@@ -712,6 +712,7 @@ def value_tiles_per_lane(bits: int, rows_per_cta: int) -> int:
 
 
 SMEM_SM = 228 * 1024   # shared memory of an SM (each resident CTA also reserves 1 KiB)
+MF4_LUT_BYTES = 128    # version 4's decoding table (cuda_src/common/mustafar.cuh MF4_LUT_BYTES)
 
 
 def min_ctas(mr: int, d: int, u: int = 1) -> int:
@@ -723,50 +724,67 @@ def min_ctas(mr: int, d: int, u: int = 1) -> int:
     return 4 if (mr == 4 and d <= 128) else (2 if (mr == 8 and d == 256) else 3)
 
 
-def _plan_mma(kind: str, bits: int, shape, rows: int, sm_count: int) -> LaunchPlan:
-    """Version 4 (tensor cores on densely decoded tiles, value kernels, 4/2-bit): a warp = 8
-    channels x a range of 64-token chunks, CTAs of up to 16 warps sharing the range's staged
-    probabilities; the range sized for about one wave (a multiple of 16 chunks: the compact
-    layout's group offsets)."""
+def _plan_mma(kind: str, bits: int, shape, rows: int, sm_count: int, ctas_per_sm: int | None = None) -> LaunchPlan:
+    """Version 4 (tensor cores on densely decoded tiles, 4/2-bit layouts): up to 4 row tiles of 8
+    query rows per CTA (more rows: row blocks, adjacent in grid.x), the grid about one wave.
+    Values: a warp = 8 channels x a range of 64-token chunks, CTAs of up to 16 warps sharing the
+    range's staged probabilities (a multiple of 16 chunks: the compact layout's group offsets).
+    Keys: a warp = a range of tokens in blocks of 8, CTAs of 8 warps sharing the staged queries
+    (a warp's range a multiple of 16 tokens: a compact group is 16 tiles)."""
     b, s, d = shape
-    warps = min(16, d // 8)
-    ncb = d // (8 * warps)
     nt = min(4, -(-rows // 8))
     rb = -(-rows // (8 * nt))
-    mc = 2 if nt == 1 else 1
+    if kind == "key":
+        warps = NUM_WARPS
+        mc = ctas_per_sm or (4 if nt == 1 else 3 if nt == 2 else 2) - (1 if d > 128 and nt <= 2 else 0)  # CTAs per SM the registers allow
+        unit = 16 * warps                                  # tokens: 16 per warp
+        per = -(-s * b * rb // (mc * sm_count))            # ~one wave
+        per = max(unit, -(-per // unit) * unit)
+        per = min(per, -(-s // unit) * unit)
+        grid = (-(-s // per) * rb, b, 1)
+        defines = {"MF_MMA": 1, "MF_NT": nt, "MF_D": d, "MF_WARPS": warps, "MF_MIN_CTAS": mc}
+        return LaunchPlan(defines, grid, (32 * warps, 1, 1), MF4_LUT_BYTES + (d // TILE) * nt * 1024, per, rows)
+    warps = min(16, d // 8)
+    ncb = d // (8 * warps)
+    mc = ctas_per_sm or (2 if nt == 1 else 1)
     nst = -(-s // TILE)
     per = -(-nst * ncb * rb * b // (mc * sm_count))
     per = max(16, -(-per // 16) * 16)
-    cap = ((SMEM_SM // mc - 1024 - 128) // (nt * 1024)) // 16 * 16
+    cap = ((SMEM_SM // mc - 1024 - MF4_LUT_BYTES) // (nt * 1024)) // 16 * 16
     per = min(per, cap, -(-nst // 16) * 16)
     grid = (-(-nst // per) * ncb * rb, b, 1)
     defines = {"MF_MMA": 1, "MF_NT": nt, "MF_D": d, "MF_WARPS": warps, "MF_MIN_CTAS": mc}
-    return LaunchPlan(defines, grid, (32 * warps, 1, 1), 128 + per * nt * 1024, per, rows)
+    return LaunchPlan(defines, grid, (32 * warps, 1, 1), MF4_LUT_BYTES + per * nt * 1024, per, rows)
 
 
 def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
     """Whether plan_for picks version 4 (tensor cores on densely decoded tiles): 4/2-bit value
     kernels with more than 8 query rows per kv head, on sm_80+. Measured on the H100 at
-    32x16384x128, 70% sparsity: 20-25% faster than version 3 at Lq = 8 x 4 groups (32 rows), 30-45%
-    slower at 4 rows (the dense decode costs more instructions than the walk until the MMA's n
-    side carries several row tiles; docs/perf/NOTES.md, session 15)."""
+    32x16384x128, 70% sparsity: the values 20-25% faster than version 3 at Lq = 8 x 4 groups (32
+    rows), 30-45% slower at 4 rows (the dense decode costs more instructions than the walk until
+    the MMA's n side carries several row tiles; docs/perf/NOTES.md, session 15); the keys slower
+    at every row count measured (4-32 rows: session 16)."""
     return kind == "value" and bits != 16 and cc >= 80 and rows > 8
 
 
 def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None,
-             max_step2: int | None = None, mma: bool | None = None, cc: int = 90) -> LaunchPlan:
+             max_step2: int | None = None, mma: bool | None = None, cc: int = 90,
+             ctas_per_sm: int | None = None) -> LaunchPlan:
     """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or 1-2 whole tiles
-    (values), except where `use_mma` (or mma=True) picks version 4 (cc: compute capability); rows in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks
-    read its compressed bytes from L2); windows sized from the cache's largest step (max_step,
+    (values), except where `use_mma` (or mma=True) picks version 4 (cc: compute capability); rows
+    in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks read its
+    compressed bytes from L2); windows sized from the cache's largest step (max_step,
     `step_bytes_max`, and for 2-tile value steps max_step2; None: the worst case); the grid about
-    one wave of the CTAs an SM holds (registers and shared memory)."""
+    one wave of the CTAs an SM holds (registers and shared memory). ctas_per_sm: the resident CTAs
+    per SM the kernel's registers are bounded for (MF_MIN_CTAS) and the grid is sized by, instead
+    of the measured default (tools/kv_probe.py's MF_MIN_CTAS variants)."""
     b, s, d = shape
     if mma is None:
         mma = use_mma(kind, bits, rows, cc)
-    elif mma and not (kind == "value" and bits != 16 and cc >= 80):
-        raise ValueError(f"version 4 (mma=True) is for 4/2-bit value kernels on sm_80+, got {kind} bits={bits} sm_{cc}")
+    elif mma and not (bits != 16 and cc >= 80):
+        raise ValueError(f"version 4 (mma=True) is for the 4/2-bit kernels on sm_80+, got {kind} bits={bits} sm_{cc}")
     if mma:
-        return _plan_mma(kind, bits, shape, rows, sm_count)
+        return _plan_mma(kind, bits, shape, rows, sm_count, ctas_per_sm)
     # version 3 of the walk, except fp16 values (version 2: docs/mustafar.md, version 3 measured 17%
     # slower there); fp16 keys measured 29.8 us on version 3 against 32.2 on version 2 (H100)
     v3 = bits != 16 or kind == "key"
@@ -791,9 +809,9 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     if xs + warps * per_warp(win) > SMEM_MAX:
         raise ValueError(f"compressed {kind} cache: a warp step of {max_step} bytes does not fit in shared memory")
     shmem = xs + warps * per_warp(win)
-    mc = min_ctas(mr, d, u)
+    mc = ctas_per_sm or min_ctas(mr, d, u)
     resident = max(1, min(mc * NUM_WARPS // warps if u == 1 else mc, SMEM_SM // (shmem + 1024)))
-    if not v3:  # version 2's own grid (as measured): ~4 CTAs per SM (keys), >= ~2 per SM (values)
+    if not v3 and not ctas_per_sm:  # version 2's own grid (as measured): ~4 CTAs per SM (keys), >= ~2 per SM (values)
         resident = 4 if kind == "key" else 20 / 9
     if kind == "key":
         steps_b = -(-s // STEP_LANES)
@@ -812,7 +830,8 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         defines = {"MF_R": mr, "MF_D": d, "MF_WARPS": warps, "MF_WIN2": win}
         if u != 1:
             defines["MF_U"] = u
-            defines["MF_MIN_CTAS"] = mc
+    if u != 1 or ctas_per_sm:
+        defines["MF_MIN_CTAS"] = mc
     if not v3:
         defines["MF_V3"] = 0
     return LaunchPlan(defines, grid, (32 * warps, 1, 1), shmem, per, rows)

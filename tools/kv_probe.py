@@ -9,8 +9,8 @@ in one process.
 A variant is `label` (plan_for's plan as is) or `label=KEY=INT[;KEY=INT...]`: #defines put on top
 of the plan (a define that changes the kernel's shared memory or grid needs a plan of its own:
 change qgemm.kvcache.plan_for instead), except MF_MMA=0 / 1, which asks plan_for for version 3 / 4
-of the value kernels, each with its own grid. To compare source trees, run it once per tree
-(QGEMM_CUDA_SRC=DIR).
+of the 4/2-bit kernels, and MF_MIN_CTAS=N (resident CTAs per SM), each with a grid of its own. To
+compare source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
 """
 import argparse
 import dataclasses
@@ -25,10 +25,11 @@ from qgemm import registry, runtime
 def plan(runner, ck, rows: int, overrides: dict) -> kv.LaunchPlan:
     overrides = dict(overrides)
     mma = overrides.pop("MF_MMA", None)  # a version of its own (plan_for's mma=): its own grid
+    mc = overrides.pop("MF_MIN_CTAS", None)  # resident CTAs per SM: the grid is sized by it too
     info = runtime.device_info()
     p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, kv.step_bytes_max(ck),
                     kv.step_bytes_max(ck, 2) if ck.kind == "value" else None, mma=None if mma is None else bool(mma),
-                    cc=info.cc)
+                    cc=info.cc, ctas_per_sm=mc)
     return dataclasses.replace(p, defines={**p.defines, **overrides}) if overrides else p
 
 
