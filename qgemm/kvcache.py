@@ -725,27 +725,15 @@ def min_ctas(mr: int, d: int, u: int = 1) -> int:
 
 
 def _plan_mma(kind: str, bits: int, shape, rows: int, sm_count: int, ctas_per_sm: int | None = None) -> LaunchPlan:
-    """Version 4 (tensor cores on densely decoded tiles, 4/2-bit layouts): up to 4 row tiles of 8
-    query rows per CTA (more rows: row blocks, adjacent in grid.x), the grid about one wave.
-    Values: a warp = 8 channels x a range of 64-token chunks, CTAs of up to 16 warps sharing the
-    range's staged probabilities (a multiple of 16 chunks: the compact layout's group offsets).
-    Keys: a warp = a range of tokens in blocks of 8, CTAs of 8 warps sharing the staged queries
-    (a warp's range a multiple of 16 tokens: a compact group is 16 tiles)."""
+    """Version 4 (tensor cores on densely decoded tiles, value kernels, 4/2-bit): a warp = 8
+    channels x a range of 64-token chunks, CTAs of up to 16 warps sharing the range's staged
+    probabilities; the range sized for about one wave (a multiple of 16 chunks: the compact
+    layout's group offsets)."""
     b, s, d = shape
-    nt = min(4, -(-rows // 8))
-    rb = -(-rows // (8 * nt))
-    if kind == "key":
-        warps = NUM_WARPS
-        mc = ctas_per_sm or (4 if nt == 1 else 3 if nt == 2 else 2) - (1 if d > 128 and nt <= 2 else 0)  # CTAs per SM the registers allow
-        unit = 16 * warps                                  # tokens: 16 per warp
-        per = -(-s * b * rb // (mc * sm_count))            # ~one wave
-        per = max(unit, -(-per // unit) * unit)
-        per = min(per, -(-s // unit) * unit)
-        grid = (-(-s // per) * rb, b, 1)
-        defines = {"MF_MMA": 1, "MF_NT": nt, "MF_D": d, "MF_WARPS": warps, "MF_MIN_CTAS": mc}
-        return LaunchPlan(defines, grid, (32 * warps, 1, 1), MF4_LUT_BYTES + (d // TILE) * nt * 1024, per, rows)
     warps = min(16, d // 8)
     ncb = d // (8 * warps)
+    nt = min(4, -(-rows // 8))
+    rb = -(-rows // (8 * nt))
     mc = ctas_per_sm or (2 if nt == 1 else 1)
     nst = -(-s // TILE)
     per = -(-nst * ncb * rb * b // (mc * sm_count))
@@ -762,8 +750,8 @@ def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
     kernels with more than 8 query rows per kv head, on sm_80+. Measured on the H100 at
     32x16384x128, 70% sparsity: the values 20-25% faster than version 3 at Lq = 8 x 4 groups (32
     rows), 30-45% slower at 4 rows (the dense decode costs more instructions than the walk until
-    the MMA's n side carries several row tiles; docs/perf/NOTES.md, session 15); the keys slower
-    at every row count measured (4-32 rows: session 16)."""
+    the MMA's n side carries several row tiles; docs/perf/NOTES.md, session 15). A key version
+    (tokens on the MMA's M side) measured slower than the keys' walk at 4-32 rows (session 16)."""
     return kind == "value" and bits != 16 and cc >= 80 and rows > 8
 
 
@@ -781,8 +769,8 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     b, s, d = shape
     if mma is None:
         mma = use_mma(kind, bits, rows, cc)
-    elif mma and not (bits != 16 and cc >= 80):
-        raise ValueError(f"version 4 (mma=True) is for the 4/2-bit kernels on sm_80+, got {kind} bits={bits} sm_{cc}")
+    elif mma and not (kind == "value" and bits != 16 and cc >= 80):
+        raise ValueError(f"version 4 (mma=True) is for 4/2-bit value kernels on sm_80+, got {kind} bits={bits} sm_{cc}")
     if mma:
         return _plan_mma(kind, bits, shape, rows, sm_count, ctas_per_sm)
     # version 3 of the walk, except fp16 values (version 2: docs/mustafar.md, version 3 measured 17%

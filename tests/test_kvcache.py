@@ -400,7 +400,7 @@ def test_launch_plans(kind, rows):
             for max_step in (None, 0, 300, 5000):
                 p = kv.plan_for(kind, bits, shape, rows, 132, max_step)
                 if kv.use_mma(kind, bits, rows):
-                    _check_mma_plan(p, shape, rows, kind)
+                    _check_mma_plan(p, shape, rows)
                     continue
                 mr, w = p.defines["MF_R"], p.defines["MF_WARPS"]
                 assert mr in (4, 8) and p.block == (32 * w, 1, 1)
@@ -426,17 +426,12 @@ def test_launch_plans(kind, rows):
                     assert p.shmem == 33 * 64 * u * mr * 2 + w * ((2 * (kv.PAD + win) + 2 * 2 * u * 32 * 8) if v3 else 2 * win)
 
 
-def _check_mma_plan(p, shape, rows, kind="value"):
+def _check_mma_plan(p, shape, rows):
     b, s, d = shape
     w, nt = p.defines["MF_WARPS"], p.defines["MF_NT"]
     assert p.defines["MF_MMA"] == 1 and p.defines["MF_D"] == d and p.block == (32 * w, 1, 1) and 1 <= nt <= 4
     rb = -(-rows // (8 * nt))
     assert p.grid[0] % rb == 0 and p.grid[1] == b and p.grid[2] == 1
-    if kind == "key":  # a warp's token range a multiple of 16: it starts at a compact group offset
-        assert w == kv.NUM_WARPS and p.per_cta % (16 * w) == 0 and (p.grid[0] // rb) * p.per_cta >= s
-        assert (p.grid[0] // rb - 1) * p.per_cta < s  # no CTA without tokens
-        assert p.shmem == 128 + (d // 64) * nt * 1024
-        return
     assert 8 * w <= d and d % (8 * w) == 0
     nst = -(-s // 64)
     assert p.per_cta % 16 == 0  # compact ranges start at a group offset
@@ -445,19 +440,36 @@ def _check_mma_plan(p, shape, rows, kind="value"):
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 9, 32, 33, 64])
-@pytest.mark.parametrize("kind", ["key", "value"])
-def test_mma_plans(kind, rows):
-    """Version 4 (tensor cores) of the 4/2-bit kernels: the default above 8 rows on sm_80+,
+def test_mma_value_plans(rows):
+    """Version 4 (tensor cores) of the 4/2-bit value kernels: the default above 8 rows on sm_80+,
     forced by mma=True at any row count; refused where it has no kernel."""
     for shape in [(1, 1, 64), (32, 16384, 128), (3, 1000, 256), (2, 77, 128), (1, 500000, 64)]:
         for bits in (4, 2):
-            p = kv.plan_for(kind, bits, shape, rows, 132, 300, mma=True)
-            _check_mma_plan(p, shape, rows, kind)
-            assert ("MF_MMA" in kv.plan_for(kind, bits, shape, rows, 132, 300).defines) == (kind == "value" and rows > 8)
-            assert "MF_MMA" not in kv.plan_for(kind, bits, shape, rows, 132, 300, cc=75).defines
-    for bits, cc in ((16, 90), (2, 75), (4, 75)):
+            for mc in (None, 1, 2):
+                p = kv.plan_for("value", bits, shape, rows, 132, 300, mma=True, ctas_per_sm=mc)
+                _check_mma_plan(p, shape, rows)
+                assert mc is None or p.defines["MF_MIN_CTAS"] == mc
+            assert ("MF_MMA" in kv.plan_for("value", bits, shape, rows, 132, 300).defines) == (rows > 8)
+            assert "MF_MMA" not in kv.plan_for("value", bits, shape, rows, 132, 300, cc=75).defines
+            assert "MF_MMA" not in kv.plan_for("key", bits, shape, rows, 132, 300).defines
+    for kind, bits, cc in (("key", 2, 90), ("key", 4, 90), ("value", 16, 90), ("value", 2, 75)):
         with pytest.raises(ValueError, match="version 4"):
             kv.plan_for(kind, bits, (2, 77, 128), 32, 132, 300, mma=True, cc=cc)
+
+
+@pytest.mark.parametrize("kind, bits", [("key", 2), ("key", 16), ("value", 4), ("value", 16)])
+def test_plans_for_other_resident_counts(kind, bits):
+    """ctas_per_sm (tools/kv_probe.py's MF_MIN_CTAS variants): the register bound and the grid both
+    follow it -- more resident CTAs, a grid of more (smaller) CTAs for about one wave."""
+    shape = (32, 16384, 128)
+    base = kv.plan_for(kind, bits, shape, 4, 132, 300)
+    grids = {}
+    for mc in (1, 2, 3, 4):
+        p = kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=mc)
+        assert p.defines["MF_MIN_CTAS"] == mc and p.block == base.block and p.shmem == base.shmem
+        assert {k: v for k, v in p.defines.items() if k != "MF_MIN_CTAS"} == {k: v for k, v in base.defines.items() if k != "MF_MIN_CTAS"}
+        grids[mc] = p.grid[0] * p.grid[1]
+    assert grids[1] <= grids[2] <= grids[3] <= grids[4] and grids[1] < grids[4], grids
 
 
 def test_step_bytes_max(rng):
@@ -490,17 +502,16 @@ def test_other_configurations_compile_without_spills(defines):
 
 
 @pytest.mark.parametrize("rows, d", [(4, 128), (32, 128), (33, 64), (16, 256), (4, 256), (24, 256)])
-def test_mma_plans_compile_without_spills(rows, d):
-    for name in ("mustafar.value_q2", "mustafar.value_q4c", "mustafar.key_q2c", "mustafar.key_q4c", "mustafar.key_q4"):
+def test_mma_value_plans_compile_without_spills(rows, d):
+    for name in ("mustafar.value_q2", "mustafar.value_q4c"):
         spec = registry.spec(name)
         p = kv.plan_for(spec.runner.kind, spec.runner.bits, (32, 16384, d), rows, 132, mma=True)
         for arch in ("sm_80", "sm_90"):
             res = qgemm.get(name).compile(arch, p.defines).resources[spec.entry]
             assert res.spill_stores == 0 and res.spill_loads == 0, (name, p.defines, arch, res)
     # the tensor-core version has no sm_75 code: a clear compile error, never a silent fallback
-    for name in ("mustafar.value_q2", "mustafar.key_q2"):
-        with pytest.raises(Exception, match="sm_80"):
-            qgemm.get(name).compile("sm_75", p.defines, use_cache=False)
+    with pytest.raises(Exception, match="sm_80"):
+        qgemm.get("mustafar.value_q2").compile("sm_75", p.defines, use_cache=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -656,12 +667,12 @@ def test_kernel_edge_lengths_and_big_groups(name, s):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mma", [False, True])
-@pytest.mark.parametrize("name", [f"mustafar.{kind}_{layout}" for kind in ("key", "value") for layout in ("q4", "q2", "q4c", "q2c")])
-def test_kernel_versions(name, mma):
-    """Both versions of the 4/2-bit kernels (3: the sparse walk, 4: tensor cores on densely
+@pytest.mark.parametrize("name", ["mustafar.value_q4", "mustafar.value_q2", "mustafar.value_q4c", "mustafar.value_q2c"])
+def test_value_kernel_versions(name, mma):
+    """Both versions of the 4/2-bit value kernels (3: the sparse walk, 4: tensor cores on densely
     decoded tiles) at row counts where plan_for would pick the other one, on lengths that are not
-    multiples of 64 or of a warp's token range (a range that ends inside a block), on dense
-    tiles, and at every head dim (keys: 1, 2 or 4 tiles per token)."""
+    multiples of 64 (a chunk range that ends inside a 4-tile block), on dense tiles, and at every
+    head dim."""
     k = qgemm.get(name)
     runner = k.spec.runner
     for shape, lq, groups, sp in (((3, 1000, 128), 1, 4, 0.7), ((2, 4097, 64), 3, 11, 0.0), ((2, 2113, 256), 8, 4, 0.5),

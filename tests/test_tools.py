@@ -225,6 +225,10 @@ def test_kv_probe_overlays_defines_on_the_plan(monkeypatch):
     v4 = kp.plan(vr, cv, 4, {"MF_MMA": 1})
     assert v4 == kv.plan_for("value", 2, cv.shape, 4, 132, mma=True) and v4.defines["MF_MMA"] == 1
     assert "MF_MMA" not in kp.plan(vr, cv, 32, {"MF_MMA": 0}).defines and "MF_MMA" in kp.plan(vr, cv, 32, {}).defines
+    # so is MF_MIN_CTAS: the resident CTAs per SM, which size the grid too (plan_for's ctas_per_sm)
+    c2 = kp.plan(runner, ck, 4, {"MF_MIN_CTAS": 2})
+    assert c2 == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck), ctas_per_sm=2) and c2.defines["MF_MIN_CTAS"] == 2
+    assert kp.plan(vr, cv, 32, {"MF_MIN_CTAS": 1}) == kv.plan_for("value", 2, cv.shape, 32, 132, mma=True, ctas_per_sm=1)
 
 
 def test_perf_report_says_by_how_much_a_target_is_missed():

@@ -1383,91 +1383,12 @@ struct Mf4Tile {
     int off;          // byte offset of the tile's codes
 };
 
-// the tile that lane src of the warp loaded (metadata is loaded a block of tiles at a time,
-// one tile per lane, and handed to the lanes that decode it)
-template <bool COMPACT>
-__device__ __forceinline__ Mf4Tile mf4_tile_from(const Mf4Tile &blk, int src) {
-    Mf4Tile t;
-    t.w0 = __shfl_sync(MF_FULL, blk.w0, src);
-    t.w1 = __shfl_sync(MF_FULL, blk.w1, src);
-    t.dq = __shfl_sync(MF_FULL, blk.dq, src);
-    t.zero = COMPACT ? 0.0f : __shfl_sync(MF_FULL, blk.zero, src);
-    t.off = __shfl_sync(MF_FULL, blk.off, src);
-    return t;
-}
-
-// Positions 16c .. 16c + 15 of tile t (lane quarter c): their mask, and the code bits from their
-// first code on, as raw words + shift (funnel-shifted only when the tile is decoded, so that the
-// loads stay in flight under the previous tile's MMAs).
-template <int BITS>
-__device__ __forceinline__ void mf4_codes(const Mf4Tile &t, int c, const uint32_t *__restrict__ data32, uint32_t &m16,
-                                          uint4 &xr) {
-    const uint32_t w = c < 2 ? t.w0 : t.w1;
-    m16 = (c & 1) ? (w >> 16) : (w & 0xFFFFu);
-    const int pre = ((c & 1) ? __popc(w & 0xFFFFu) : 0) + (c >= 2 ? __popc(t.w0) : 0);
-    const int nb = __popc(m16) * BITS;
-    const size_t bit = (size_t)t.off * 8 + pre * BITS;
-    const size_t wi = bit >> 5;
-    const int sh = (int)(bit & 31);
-    const uint32_t x0 = nb > 0 ? __ldg(data32 + wi) : 0u;
-    const uint32_t x1 = sh + nb > 32 ? __ldg(data32 + wi + 1) : 0u;
-    const uint32_t x2 = (BITS == 4 && sh + nb > 64) ? __ldg(data32 + wi + 2) : 0u;
-    xr = make_uint4(x0, x1, x2, (uint32_t)sh);
-}
-
-// The next four positions (nibble m & 15 of the mask, their codes at the bottom of xl:xh) as the
-// A registers {h of positions 0 1, occupancy 0 1, h 2 3, occupancy 2 3}; m and the codes advance
-// past them. The table at slut (16 entries): mf4_lut_entry.
-template <int BITS>
-__device__ __forceinline__ void mf4_nibble(uint32_t &m, uint32_t &xl, uint32_t &xh, uint32_t slut, uint32_t (&a)[4]) {
-    const uint2 e = mf_lds64(slut + (m & 15u) * 8);
-    m >>= 4;
-    const uint32_t cbytes = mf4_spread<BITS>(xl);
-    const uint32_t second = BITS == 2 ? cbytes : 0x64646464u;
-    uint32_t h01 = mf4_prmt(cbytes, second, e.x), h23 = mf4_prmt(cbytes, second, e.y);
-    const uint32_t smask = BITS == 2 ? 0x3C003C00u : 0x64006400u;
-    const uint32_t s01 = h01 & smask, s23 = h23 & smask;
-    if (BITS == 4) {
-        const __half2 a0 = __hsub2(mf_as_h2(h01), mf_as_h2(s01)), a2 = __hsub2(mf_as_h2(h23), mf_as_h2(s23));
-        h01 = *reinterpret_cast<const uint32_t *>(&a0);
-        h23 = *reinterpret_cast<const uint32_t *>(&a2);
-    }
-    const uint32_t nsh = e.x >> 16;
-    if (BITS == 2) {
-        xl >>= nsh;
-    } else {
-        xl = __funnelshift_r(xl, xh, nsh);
-        xh >>= nsh;
-    }
-    a[0] = h01;
-    a[1] = s01;
-    a[2] = h23;
-    a[3] = s23;
-}
-
-// A tile's C = (sum x h, sum x occupancy) -> its contribution ch * C_h + cs * C_occ
-// (compact: the stored (mult, add); plain: made from scale and zero).
-// 2-bit: h = 1 + q / 4, occupancy 1: value = mult h + add. 4-bit: h = q, occupancy 1024:
-// value = mult (1 + q / 16) + add = (mult / 16) q + (mult + add) / 1024 * 1024.
-template <int BITS, bool COMPACT>
-__device__ __forceinline__ float2 mf4_consts(const Mf4Tile &t) {
-    const float2 f = __half22float2(mf_as_h2(COMPACT ? t.dq : mf_dq_pack<BITS>(__uint_as_float(t.dq), t.zero)));
-    const float mult = f.x, add = f.y;
-    return make_float2(BITS == 2 ? mult : mult * (1.0f / 16.0f), BITS == 2 ? add : (mult + add) * (1.0f / 1024.0f));
-}
-
-// the decoding table (mf4_lut_entry) at the start of shared memory; published by the caller's barrier
-template <int BITS>
-__device__ __forceinline__ void mf4_stage_lut(uint8_t *smem) {
-    if (threadIdx.x < 16) reinterpret_cast<uint2 *>(smem)[threadIdx.x] = mf4_lut_entry<BITS>(threadIdx.x);
-}
-
 // The probabilities of chunks u0 .. u1 - 1, query rows row0 .. row0 + 8 MF_NT - 1 (zeros past R
 // and S), staged for the B fragments; the table; one barrier.
 template <int BITS>
 __device__ __forceinline__ void mf4_stage(const __half *__restrict__ x, uint8_t *smem, int b, int R, int row0, int S,
                                           int u0, int u1) {
-    mf4_stage_lut<BITS>(smem);
+    if (threadIdx.x < 16) reinterpret_cast<uint2 *>(smem)[threadIdx.x] = mf4_lut_entry<BITS>(threadIdx.x);
     uint8_t *ps = smem + MF4_LUT_BYTES;
     const int units = (u1 - u0) * MF_NT * 64;
     const bool vec = (S & 7) == 0;
@@ -1556,7 +1477,32 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
             run += __shfl_sync(MF_FULL, incl, 3, 4);
         }
     };
-    auto tile_of = [&](const Mf4Tile &blk, int k) { return mf4_tile_from<COMPACT>(blk, (lane & ~3) | k); };
+    auto tile_of = [&](const Mf4Tile &blk, int k) {
+        const int src = (lane & ~3) | k;
+        Mf4Tile t;
+        t.w0 = __shfl_sync(MF_FULL, blk.w0, src);
+        t.w1 = __shfl_sync(MF_FULL, blk.w1, src);
+        t.dq = __shfl_sync(MF_FULL, blk.dq, src);
+        t.zero = COMPACT ? 0.0f : __shfl_sync(MF_FULL, blk.zero, src);
+        t.off = __shfl_sync(MF_FULL, blk.off, src);
+        return t;
+    };
+    // the lane's 16 positions: their mask, and the code bits from their first code on
+    // (the raw words: funnel-shifted only when the tile is decoded, so that their loads stay in
+    // flight under the previous tile's MMAs)
+    auto codes = [&](const Mf4Tile &t, uint32_t &m16, uint4 &xr) {
+        const uint32_t w = c < 2 ? t.w0 : t.w1;
+        m16 = (c & 1) ? (w >> 16) : (w & 0xFFFFu);
+        const int pre = ((c & 1) ? __popc(w & 0xFFFFu) : 0) + (c >= 2 ? __popc(t.w0) : 0);
+        const int nb = __popc(m16) * BITS;
+        const size_t bit = (size_t)t.off * 8 + pre * BITS;
+        const size_t wi = bit >> 5;
+        const int sh = (int)(bit & 31);
+        const uint32_t x0 = nb > 0 ? __ldg(data32 + wi) : 0u;
+        const uint32_t x1 = sh + nb > 32 ? __ldg(data32 + wi + 1) : 0u;
+        const uint32_t x2 = (BITS == 4 && sh + nb > 64) ? __ldg(data32 + wi + 2) : 0u;
+        xr = make_uint4(x0, x1, x2, (uint32_t)sh);
+    };
 
     float acc[MF_NT][2];
 #pragma unroll
@@ -1574,7 +1520,7 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
         load_blk(bn, u0 + 4);
         prep_blk(bc);
         tn = tile_of(bc, 0);
-        mf4_codes<BITS>(tn, c, data32, m16, xr);
+        codes(tn, m16, xr);
     }
 #pragma unroll 1
     for (int ub = u0; ub < u1; ub += 4) {
@@ -1588,7 +1534,7 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
             if (u + 1 < u1) {
                 if (k == 3) prep_blk(bn);
                 tn = k < 3 ? tile_of(bc, k + 1) : tile_of(bn, 0);
-                mf4_codes<BITS>(tn, c, data32, m16, xr);
+                codes(tn, m16, xr);
             }
             uint32_t xl = __funnelshift_r(xc.x, xc.y, xc.w);
             uint32_t xh = BITS == 4 ? __funnelshift_r(xc.y, xc.z, xc.w) : 0u;
@@ -1603,18 +1549,40 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
                 for (int nt = 0; nt < MF_NT; ++nt) bf[nt] = brow[nt] ? mf_lds128(pb + (nt * 2 + hh) * 512) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
                 for (int jj = 0; jj < 2; ++jj) {
-                    uint32_t a[4];
-                    mf4_nibble<BITS>(m, xl, xh, slut, a);
+                    const uint2 e = mf_lds64(slut + (m & 15u) * 8);
+                    m >>= 4;
+                    const uint32_t cbytes = mf4_spread<BITS>(xl);
+                    const uint32_t second = BITS == 2 ? cbytes : 0x64646464u;
+                    uint32_t h01 = mf4_prmt(cbytes, second, e.x), h23 = mf4_prmt(cbytes, second, e.y);
+                    const uint32_t smask = BITS == 2 ? 0x3C003C00u : 0x64006400u;
+                    const uint32_t s01 = h01 & smask, s23 = h23 & smask;
+                    if (BITS == 4) {
+                        const __half2 a = __hsub2(mf_as_h2(h01), mf_as_h2(s01)), bq = __hsub2(mf_as_h2(h23), mf_as_h2(s23));
+                        h01 = *reinterpret_cast<const uint32_t *>(&a);
+                        h23 = *reinterpret_cast<const uint32_t *>(&bq);
+                    }
+                    const uint32_t nsh = e.x >> 16;
+                    if (BITS == 2) {
+                        xl >>= nsh;
+                    } else {
+                        xl = __funnelshift_r(xl, xh, nsh);
+                        xh >>= nsh;
+                    }
 #pragma unroll
                     for (int nt = 0; nt < MF_NT; ++nt)
-                        mf4_mma(cc[nt], a[0], a[1], a[2], a[3], jj ? bf[nt].z : bf[nt].x, jj ? bf[nt].w : bf[nt].y);
+                        mf4_mma(cc[nt], h01, s01, h23, s23, jj ? bf[nt].z : bf[nt].x, jj ? bf[nt].w : bf[nt].y);
                 }
             }
-            const float2 k2 = mf4_consts<BITS, COMPACT>(cur);
+            // the tile's dequantization constants (compact: stored; plain: made from scale and zero)
+            const float2 f = __half22float2(mf_as_h2(COMPACT ? cur.dq : mf_dq_pack<BITS>(__uint_as_float(cur.dq), cur.zero)));
+            const float mult = f.x, add = f.y;
+            // 2-bit: C = (sum p h, sum p); 4-bit: (sum p q, 1024 sum p), h = 1 + q / 16
+            const float ch = BITS == 2 ? mult : mult * (1.0f / 16.0f);
+            const float cs = BITS == 2 ? add : (mult + add) * (1.0f / 1024.0f);
 #pragma unroll
             for (int nt = 0; nt < MF_NT; ++nt) {
-                acc[nt][0] += k2.x * cc[nt][0] + k2.y * cc[nt][2];
-                acc[nt][1] += k2.x * cc[nt][1] + k2.y * cc[nt][3];
+                acc[nt][0] += ch * cc[nt][0] + cs * cc[nt][2];
+                acc[nt][1] += ch * cc[nt][1] + cs * cc[nt][3];
             }
         }
         bc = bn;
@@ -1632,167 +1600,6 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// version 4 of the 4/2-bit key kernels: the same decode with tokens on the MMA's M side.
-//
-// scores[r, s] = sum over the token's tiles j of  mult_j * sum_d q[r, d] h[d] + add_j * sum_{d set} q[r, d]
-//   A  [16 x 16 dims]  row g: h of token 8 blk + g (dims of tile j), row g + 8: its occupancy
-//   B  [16 dims x 8]   the queries of rows 8 nt .. 8 nt + 7 (staged once per CTA)
-//   C  [16 x 8]        row g: sum q h, row g + 8: sum q over the set dims, for token g of the block
-// A warp walks blocks of 8 consecutive tokens, whose 8 D/64 tiles are consecutive in the flat
-// [B, S * D/64] arrays (one tile's metadata per lane, handed round by shuffles); lane (g, c)
-// decodes dims 16c .. 16c + 15 of token g's tile, four per k step as the value kernel does, so
-// the queries are staged in the same k order: lane (g, c)'s 16 bytes for (tile j, k-step pair p)
-// are row g's dims 64 j + 16 c + 8 p .. + 7.
-#define MF4_KEY_BYTES (MF4_LUT_BYTES + (MF_D / 64) * MF_NT * 1024)
-
-// grid.x = (token range, row block), row block fastest; per_cta = tokens per CTA, a multiple of
-// 16 MF_WARPS: a warp's range is a multiple of 16 tokens, so it starts at a compact group offset
-// whatever D is (a group = 16 tiles = 16 / (D / 64) tokens)
-template <int BITS, bool COMPACT>
-__device__ __forceinline__ void mf4_key(MF_PARAMS) {
-    static_assert(BITS == 2 || BITS == 4, "version 4: 4/2-bit layouts");
-    extern __shared__ __align__(16) uint8_t mf_smem[];
-    constexpr int U = MF_D / 64;  // tiles per token
-    constexpr int BT = 8 * U;     // tiles of a block of 8 tokens
-    constexpr int ROWS = 8 * MF_NT;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const int b = blockIdx.y;
-    const int rb = (R + ROWS - 1) / ROWS;
-    const int row0 = (blockIdx.x % rb) * ROWS;
-    const int pw = per_cta / MF_WARPS;
-    const int s0 = (blockIdx.x / rb) * per_cta + warp * pw;
-    const int s1 = min(s0 + pw, S);
-    const int nblk = s1 > s0 ? (s1 - s0 + 7) >> 3 : 0;
-    const int T = S * U;
-    const size_t tb = (size_t)b * T;
-    const uint32_t *__restrict__ data32 = reinterpret_cast<const uint32_t *>(data);
-
-    // the table and the row block's queries in B-fragment order ([tile][pair][nt][lane] x 16 bytes)
-    mf4_stage_lut<BITS>(mf_smem);
-    for (int i = threadIdx.x; i < U * 2 * MF_NT * 32; i += MF_THREADS) {
-        const int l = i & 31, nt = (i >> 5) % MF_NT, p = (i / (32 * MF_NT)) & 1, j = i / (64 * MF_NT);
-        const int row = row0 + nt * 8 + (l >> 2);
-        uint8_t *dst = mf_smem + MF4_LUT_BYTES + (size_t)i * 16;
-        if (row < R) mf_cp16(dst, x + ((size_t)b * R + row) * MF_D + 64 * j + 16 * (l & 3) + 8 * p);
-        else *reinterpret_cast<uint4 *>(dst) = make_uint4(0u, 0u, 0u, 0u);
-    }
-    mf_commit();
-    mf_wait_all();
-    __syncthreads();
-    const uint32_t slut = (uint32_t)__cvta_generic_to_shared(mf_smem);
-    const uint32_t sqs = slut + MF4_LUT_BYTES + lane * 16;
-
-    int run = 0;  // compact: the running byte offset
-    if (COMPACT && nblk > 0) run = __ldg(offs + (size_t)b * ((T + 15) / 16 + 1) + (size_t)s0 * U / 16);
-    // lane l < BT loads tile l of block k (tokens s0 + 8k ..)
-    auto load_blk = [&](Mf4Tile &t, int k) {
-        const int tl = (s0 + 8 * k) * U + lane;
-        t.w0 = t.w1 = t.dq = 0u;
-        t.zero = 0.0f;
-        t.off = 0;
-        if (lane < BT && tl < s1 * U) {
-            const uint2 w = __ldg(reinterpret_cast<const uint2 *>(bmp) + tb + tl);
-            t.w0 = w.x;
-            t.w1 = w.y;
-            t.dq = __ldg(reinterpret_cast<const uint32_t *>(scl) + tb + tl);
-            if (!COMPACT) {
-                t.zero = __ldg(zer + tb + tl);
-                t.off = __ldg(offs + tb + tl);
-            }
-        }
-    };
-    // compact: the block's exclusive prefix of code bytes after the running offset
-    auto prep_blk = [&](Mf4Tile &t) {
-        if (COMPACT) {
-            const int bytes = ((__popc(t.w0) + __popc(t.w1)) * BITS + 7) >> 3;
-            int incl = bytes;
-#pragma unroll
-            for (int o = 1; o < BT; o <<= 1) {
-                const int y = __shfl_up_sync(MF_FULL, incl, o);
-                if (lane >= o) incl += y;
-            }
-            t.off = run + incl - bytes;
-            run += __shfl_sync(MF_FULL, incl, BT - 1);
-        }
-    };
-
-    bool brow[MF_NT];  // B columns past R stay zero without a shared load
-#pragma unroll
-    for (int nt = 0; nt < MF_NT; ++nt) brow[nt] = row0 + nt * 8 + g < R;
-
-    Mf4Tile bc, bn, tn;
-    uint32_t m16 = 0;
-    uint4 xr = make_uint4(0u, 0u, 0u, 0u);
-    if (nblk > 0) {
-        load_blk(bc, 0);
-        load_blk(bn, 1);
-        prep_blk(bc);
-        tn = mf4_tile_from<COMPACT>(bc, g * U);
-        mf4_codes<BITS>(tn, c, data32, m16, xr);
-    }
-    __half *scores = reinterpret_cast<__half *>(out) + (size_t)b * R * S;
-#pragma unroll 1
-    for (int k = 0; k < nblk; ++k) {
-        float sc[MF_NT][2];
-#pragma unroll
-        for (int nt = 0; nt < MF_NT; ++nt) sc[nt][0] = sc[nt][1] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < U; ++j) {
-            const Mf4Tile cur = tn;
-            uint32_t m = m16;
-            const uint4 xc = xr;
-            if (j + 1 < U) {
-                tn = mf4_tile_from<COMPACT>(bc, g * U + j + 1);
-                mf4_codes<BITS>(tn, c, data32, m16, xr);
-            } else if (k + 1 < nblk) {
-                prep_blk(bn);
-                tn = mf4_tile_from<COMPACT>(bn, g * U);
-                mf4_codes<BITS>(tn, c, data32, m16, xr);
-            }
-            uint32_t xl = __funnelshift_r(xc.x, xc.y, xc.w);
-            uint32_t xh = BITS == 4 ? __funnelshift_r(xc.y, xc.z, xc.w) : 0u;
-            float cc[MF_NT][4];
-#pragma unroll
-            for (int nt = 0; nt < MF_NT; ++nt) cc[nt][0] = cc[nt][1] = cc[nt][2] = cc[nt][3] = 0.0f;
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-                uint4 bf[MF_NT];
-#pragma unroll
-                for (int nt = 0; nt < MF_NT; ++nt)
-                    bf[nt] = brow[nt] ? mf_lds128(sqs + ((j * 2 + p) * MF_NT + nt) * 512) : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-                for (int jj = 0; jj < 2; ++jj) {
-                    uint32_t a[4];
-                    mf4_nibble<BITS>(m, xl, xh, slut, a);
-#pragma unroll
-                    for (int nt = 0; nt < MF_NT; ++nt)
-                        mf4_mma(cc[nt], a[0], a[1], a[2], a[3], jj ? bf[nt].z : bf[nt].x, jj ? bf[nt].w : bf[nt].y);
-                }
-            }
-            const float2 k2 = mf4_consts<BITS, COMPACT>(cur);
-#pragma unroll
-            for (int nt = 0; nt < MF_NT; ++nt) {
-                sc[nt][0] += k2.x * cc[nt][0] + k2.y * cc[nt][2];
-                sc[nt][1] += k2.x * cc[nt][1] + k2.y * cc[nt][3];
-            }
-        }
-        // C: lane (g, c) holds token 8k + g's scores of rows 8 nt + 2c, 2c + 1
-        const int s = s0 + 8 * k + g;
-        if (s < s1) {
-#pragma unroll
-            for (int nt = 0; nt < MF_NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int r = row0 + nt * 8 + 2 * c + i;
-                    if (r < R) scores[(size_t)r * S + s] = __float2half_rn(sc[nt][i]);
-                }
-        }
-        bc = bn;
-        if (k + 2 < nblk) load_blk(bn, k + 2);
-    }
-}
-
 #if MF_MMA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #error "MF_MMA=1 (version 4) needs sm_80 or newer (mma.sync m16n8k16)"
 #endif
@@ -1805,8 +1612,6 @@ __device__ __forceinline__ void mf4_key(MF_PARAMS) {
 #define MF_VALUE mf2_value
 #endif
 #if MF_MMA
-#undef MF_KEY
 #undef MF_VALUE
-#define MF_KEY mf4_key
 #define MF_VALUE mf4_value
 #endif
