@@ -502,13 +502,17 @@ def test_other_configurations_compile_without_spills(defines):
 
 
 @pytest.mark.parametrize("rows, d", [(4, 128), (32, 128), (33, 64), (16, 256), (4, 256), (24, 256)])
-def test_mma_value_plans_compile_without_spills(rows, d):
-    for name in ("mustafar.value_q2", "mustafar.value_q4c"):
+def test_mma_value_plans_compile_with_bounded_spills(rows, d):
+    for name in ("mustafar.value_q2", "mustafar.value_q4", "mustafar.value_q4c"):
         spec = registry.spec(name)
         p = kv.plan_for(spec.runner.kind, spec.runner.bits, (32, 16384, d), rows, 132, mma=True)
+        # 3-4 row tiles (17-32 rows) in the 64 registers of 2 CTAs x 16 warps spill a little at
+        # D >= 128: measured 25-31% faster at 32 rows than one CTA per SM without spills
+        # (kvcache._plan_mma); bounded here. 1-2 row tiles: none.
+        spill = 96 if p.defines["MF_NT"] >= 3 and p.defines["MF_WARPS"] == 16 else 0
         for arch in ("sm_80", "sm_90"):
             res = qgemm.get(name).compile(arch, p.defines).resources[spec.entry]
-            assert res.spill_stores == 0 and res.spill_loads == 0, (name, p.defines, arch, res)
+            assert res.spill_stores <= spill and res.spill_loads <= spill, (name, p.defines, arch, res)
     # the tensor-core version has no sm_75 code: a clear compile error, never a silent fallback
     with pytest.raises(Exception, match="sm_80"):
         qgemm.get("mustafar.value_q2").compile("sm_75", p.defines, use_cache=False)
