@@ -770,6 +770,8 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     per SM the kernel's registers are bounded for (MF_MIN_CTAS) and the grid is sized by, instead
     of the measured default (tools/kv_probe.py's MF_MIN_CTAS variants)."""
     b, s, d = shape
+    if ctas_per_sm is not None and (not isinstance(ctas_per_sm, int) or ctas_per_sm < 1):
+        raise ValueError(f"ctas_per_sm must be a positive int (resident CTAs per SM), got {ctas_per_sm!r}")
     if mma is None:
         mma = use_mma(kind, bits, rows, cc)
     elif mma and not (kind == "value" and bits != 16 and cc >= 80):

@@ -470,6 +470,9 @@ def test_plans_for_other_resident_counts(kind, bits):
         assert {k: v for k, v in p.defines.items() if k != "MF_MIN_CTAS"} == {k: v for k, v in base.defines.items() if k != "MF_MIN_CTAS"}
         grids[mc] = p.grid[0] * p.grid[1]
     assert grids[1] <= grids[2] <= grids[3] <= grids[4] and grids[1] < grids[4], grids
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="ctas_per_sm"):
+            kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=bad)
 
 
 def test_step_bytes_max(rng):

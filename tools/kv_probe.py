@@ -9,8 +9,8 @@ in one process.
 A variant is `label` (plan_for's plan as is) or `label=KEY=INT[;KEY=INT...]`: #defines put on top
 of the plan (a define that changes the kernel's shared memory or grid needs a plan of its own:
 change qgemm.kvcache.plan_for instead), except MF_MMA=0 / 1, which asks plan_for for version 3 / 4
-of the 4/2-bit kernels, and MF_MIN_CTAS=N (resident CTAs per SM), each with a grid of its own. To
-compare source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
+of the 4/2-bit value kernels, and MF_MIN_CTAS=N (resident CTAs per SM), each with a grid of its
+own. To compare source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
 """
 import argparse
 import dataclasses
