@@ -199,9 +199,9 @@ struct RsCopier {
 };
 
 // One stage of the MMA: this warp's raw quants of the stage from shared memory into registers
-// (each lane its own pieces: with kperm16 activations they are its fragments), then per half-stage (2 blocks = 4 k-steps): wait_group 1 (the same half of the
-// previous stage retired: its fragment registers are free), dequantize into them, wgmma.fence,
-// 4 wgmma, commit. So the dequantization of one half runs while the tensor core works on the
+// (each lane its own pieces: with kperm16 activations they are its fragments), then per
+// half-stage (2 blocks = 4 k-steps): wait_group 1 (the same half of the previous stage retired:
+// its fragment registers are free), dequantize into them, wgmma.fence, 4 wgmma, commit. So the dequantization of one half runs while the tensor core works on the
 // previous one. After the second wait the whole previous stage has retired in this warpgroup:
 // RELEASE (warp-specialized kernel) then frees its buffer for the producer.
 template <typename SF, bool RELEASE>
