@@ -760,7 +760,7 @@ def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
 
 def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None,
              max_step2: int | None = None, mma: bool | None = None, cc: int = 90,
-             ctas_per_sm: int | None = None) -> LaunchPlan:
+             ctas_per_sm: int | None = None, steps_per_cta: int | None = None) -> LaunchPlan:
     """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or 1-2 whole tiles
     (values), except where `use_mma` (or mma=True) picks version 4 (cc: compute capability); rows
     in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks read its
@@ -768,10 +768,15 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     `step_bytes_max`, and for 2-tile value steps max_step2; None: the worst case); the grid about
     one wave of the CTAs an SM holds (registers and shared memory). ctas_per_sm: the resident CTAs
     per SM the kernel's registers are bounded for (MF_MIN_CTAS) and the grid is sized by, instead
-    of the measured default (tools/kv_probe.py's MF_MIN_CTAS variants)."""
+    of the measured default (tools/kv_probe.py's MF_MIN_CTAS variants). steps_per_cta (key
+    kernels): warp steps of 32 tokens per CTA instead of the even one-wave split
+    (tools/kv_probe.py's MF_STEPS_PER_CTA variants)."""
     b, s, d = shape
     if ctas_per_sm is not None and (not isinstance(ctas_per_sm, int) or ctas_per_sm < 1):
         raise ValueError(f"ctas_per_sm must be a positive int (resident CTAs per SM), got {ctas_per_sm!r}")
+    if steps_per_cta is not None and (kind != "key" or not isinstance(steps_per_cta, int) or steps_per_cta < 1):
+        raise ValueError(f"steps_per_cta is for key kernels and must be a positive int (warp steps of 32 tokens per "
+                         f"CTA), got {steps_per_cta!r} for a {kind} kernel")
     if mma is None:
         mma = use_mma(kind, bits, rows, cc)
     elif mma and not (kind == "value" and bits != 16 and cc >= 80):
@@ -808,8 +813,19 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         resident = 4 if kind == "key" else 20 / 9
     if kind == "key":
         steps_b = -(-s // STEP_LANES)
-        per = -(-steps_b * b * rb // (resident * sm_count))    # ~one wave
-        per = max(warps, -(-per // warps) * warps)
+        if steps_per_cta is None:
+            # one wave: c CTAs per kv head and row block, the head's steps split evenly among them.
+            # From two steps per warp on, per is not rounded up to a multiple of the warps (a CTA's
+            # warps take ceil / floor of per / warps steps): rounding 43 up to 48 at 32x16384 gave
+            # the SMs holding 3 CTAs 16% more steps than an even split (H100, fp16 at 70%: 29.6 ->
+            # 28.0 us). Below that the warps' own step counts weigh more (32x4096: 11 steps per CTA
+            # 10.7 us, 16 steps 10.3), so per stays a multiple of the warps there.
+            c = max(1, int(resident * sm_count) // (b * rb))
+            per = max(warps, -(-steps_b // c))
+            if per < 2 * warps:
+                per = -(-per // warps) * warps
+        else:
+            per = steps_per_cta
         per = min(per, -(-steps_b // warps) * warps)
         grid = (-(-steps_b // per) * rb, b, 1)
         defines = {"MF_R": mr, "MF_D": d, "MF_REP": rep, "MF_WARPS": warps, "MF_WIN2": win}

@@ -410,7 +410,9 @@ def test_launch_plans(kind, rows):
                 assert win % 16 == 0 and win >= (max_step if max_step is not None else 0) + 48
                 if kind == "key":
                     steps = -(-s // 32)
-                    assert p.per_cta % w == 0 and p.grid[0] % rb == 0 and (p.grid[0] // rb) * p.per_cta >= steps
+                    assert p.per_cta >= w and p.grid[0] % rb == 0 and (p.grid[0] // rb) * p.per_cta >= steps
+                    assert p.per_cta >= 2 * w or p.per_cta % w == 0  # fewer than 2 steps per warp: whole rounds
+                    assert (p.grid[0] // rb - 1) * p.per_cta < steps  # no CTA without a step
                     v3 = p.defines.get("MF_V3", 1)
                     assert v3 == 1  # every key layout walks with version 3 (fp16 included: measured faster)
                     per_warp = 2 * (kv.PAD + win) + 2 * 2 * (d // 64) * 32 * 8 if v3 else 2 * win  # windows, word records
@@ -473,6 +475,29 @@ def test_plans_for_other_resident_counts(kind, bits):
     for bad in (0, -1, 2.5):
         with pytest.raises(ValueError, match="ctas_per_sm"):
             kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=bad)
+
+
+@pytest.mark.parametrize("max_step, resident, grid_x, per", [(2460, 3, 12, 43), (800, 4, 16, 32), (4000, 2, 8, 64)])
+def test_key_plans_split_each_head_evenly(max_step, resident, grid_x, per):
+    """Keys at 32x16384x128, 4 rows: one wave of the CTAs an SM holds, each kv head's 512 warp
+    steps split evenly among its CTAs. With 3 CTAs per SM (fp16 at 70%: 2.5 KB windows) 12 CTAs of
+    43 steps, so no SM gets more than 129 steps (124.1 is the even share); rounding per up to a
+    multiple of the 8 warps (48) gave the SMs holding 3 CTAs 144."""
+    p = kv.plan_for("key", 16, (32, 16384, 128), 4, 132, max_step)
+    assert kv.SMEM_SM // (p.shmem + 1024) == resident
+    assert p.grid == (grid_x, 32, 1) and p.per_cta == per
+    ctas = p.grid[0] * p.grid[1]
+    assert ctas <= resident * 132 and -(-ctas // 132) * p.per_cta <= 1.04 * 512 * 32 / 132 + 1
+    # the override (tools/kv_probe.py's MF_STEPS_PER_CTA): the old rounding, its own grid
+    old = kv.plan_for("key", 16, (32, 16384, 128), 4, 132, max_step, steps_per_cta=48)
+    assert old.per_cta == 48 and old.grid == (11, 32, 1) and old.defines == p.defines and old.shmem == p.shmem
+    # at 32x4096 (128 steps per head) an even split would be 11 steps per CTA; below two steps
+    # per warp per stays a multiple of the warps (measured faster: docs/perf/NOTES.md, session 17)
+    small = kv.plan_for("key", 16, (32, 4096, 128), 4, 132, max_step)
+    assert small.per_cta % 8 == 0 and small.per_cta <= 2 * 8
+    for bad, kind in ((0, "key"), (2.5, "key"), (16, "value")):
+        with pytest.raises(ValueError, match="steps_per_cta"):
+            kv.plan_for(kind, 16, (32, 16384, 128), 4, 132, max_step, steps_per_cta=bad)
 
 
 def test_step_bytes_max(rng):

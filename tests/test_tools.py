@@ -229,6 +229,10 @@ def test_kv_probe_overlays_defines_on_the_plan(monkeypatch):
     c2 = kp.plan(runner, ck, 4, {"MF_MIN_CTAS": 2})
     assert c2 == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck), ctas_per_sm=2) and c2.defines["MF_MIN_CTAS"] == 2
     assert kp.plan(vr, cv, 32, {"MF_MIN_CTAS": 1}) == kv.plan_for("value", 2, cv.shape, 32, 132, mma=True, ctas_per_sm=1)
+    # and MF_STEPS_PER_CTA (keys): warp steps per CTA, a grid of their own (plan_for's steps_per_cta)
+    s1 = kp.plan(runner, ck, 4, {"MF_STEPS_PER_CTA": 1})
+    assert s1 == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck), steps_per_cta=1)
+    assert s1.defines == base.defines and s1.per_cta == 1 and s1.grid[0] == 10  # 300 tokens: 10 steps
 
 
 def test_perf_report_says_by_how_much_a_target_is_missed():

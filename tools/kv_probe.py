@@ -1,5 +1,5 @@
 """Side-by-side timing of Mustafar kernels (mustafar.*) under launch-plan variants, cold as in
-`qgemm bench --suite kvcache`, each variant's first launch checked against the numpy reference on
+`qgemm bench --suite kvcache` (or hot: `--hot`), each variant's first launch checked against the numpy reference on
 the decompressed cache (the line says `ok` or `WRONG`). Variants alternate within each repetition,
 in one process.
 
@@ -9,8 +9,8 @@ in one process.
 A variant is `label` (plan_for's plan as is) or `label=KEY=INT[;KEY=INT...]`: #defines put on top
 of the plan (a define that changes the kernel's shared memory or grid needs a plan of its own:
 change qgemm.kvcache.plan_for instead), except MF_MMA=0 / 1, which asks plan_for for version 3 / 4
-of the 4/2-bit value kernels, and MF_MIN_CTAS=N (resident CTAs per SM), each with a grid of its
-own. To compare source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
+of the 4/2-bit value kernels, MF_MIN_CTAS=N (resident CTAs per SM) and, for key kernels,
+MF_STEPS_PER_CTA=N (warp steps of 32 tokens per CTA), each with a grid of its own. To compare source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
 """
 import argparse
 import dataclasses
@@ -26,10 +26,11 @@ def plan(runner, ck, rows: int, overrides: dict) -> kv.LaunchPlan:
     overrides = dict(overrides)
     mma = overrides.pop("MF_MMA", None)  # a version of its own (plan_for's mma=): its own grid
     mc = overrides.pop("MF_MIN_CTAS", None)  # resident CTAs per SM: the grid is sized by it too
+    spc = overrides.pop("MF_STEPS_PER_CTA", None)  # keys: warp steps per CTA (plan_for's steps_per_cta), a grid of its own
     info = runtime.device_info()
     p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, kv.step_bytes_max(ck),
                     kv.step_bytes_max(ck, 2) if ck.kind == "value" else None, mma=None if mma is None else bool(mma),
-                    cc=info.cc, ctas_per_sm=mc)
+                    cc=info.cc, ctas_per_sm=mc, steps_per_cta=spc)
     return dataclasses.replace(p, defines={**p.defines, **overrides}) if overrides else p
 
 
@@ -57,12 +58,14 @@ def main() -> None:
     ap.add_argument("--sparsity", type=float, default=0.7)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--hot", action="store_true",
+                    help="time on one buffer set (the cache stays in L2 where it fits) instead of rotating sets through > 2x L2")
     args = ap.parse_args()
     shape = tuple(int(v) for v in args.shape.lower().split("x"))
     variants = [parse_variant(v) for v in args.variants]
     opts = {"lq": args.lq, "groups": args.groups, "sparsity": args.sparsity}
     print(f"{runtime.device_info().name}; shape {args.shape}, lq {args.lq}, groups {args.groups}, "
-          f"sparsity {args.sparsity}; cold, median of {args.iters} (us)")
+          f"sparsity {args.sparsity}; {'hot' if args.hot else 'cold'}, median of {args.iters} (us)")
     for name in args.kernels.split(","):
         kernel = registry.get(name)
         runner = kernel.spec.runner
@@ -73,7 +76,7 @@ def main() -> None:
         times = {label: [] for label in plans}
         for _ in range(args.reps):
             for label, p in plans.items():
-                t = kv.time_kernel(kernel, runner, ck, x, iters=args.iters, cold=True, plan_=p)
+                t = kv.time_kernel(kernel, runner, ck, x, iters=args.iters, cold=not args.hot, plan_=p)
                 times[label].append(t["median_us"])
         for label, p in plans.items():
             ts = times[label]
