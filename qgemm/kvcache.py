@@ -772,9 +772,12 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     kernels): warp steps of 32 tokens per CTA instead of the even one-wave split
     (tools/kv_probe.py's MF_STEPS_PER_CTA variants)."""
     b, s, d = shape
-    if ctas_per_sm is not None and (not isinstance(ctas_per_sm, int) or ctas_per_sm < 1):
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+    if ctas_per_sm is not None and not count(ctas_per_sm):
         raise ValueError(f"ctas_per_sm must be a positive int (resident CTAs per SM), got {ctas_per_sm!r}")
-    if steps_per_cta is not None and (kind != "key" or not isinstance(steps_per_cta, int) or steps_per_cta < 1):
+    if steps_per_cta is not None and (kind != "key" or not count(steps_per_cta)):
         raise ValueError(f"steps_per_cta is for key kernels and must be a positive int (warp steps of 32 tokens per "
                          f"CTA), got {steps_per_cta!r} for a {kind} kernel")
     if mma is None:

@@ -472,7 +472,7 @@ def test_plans_for_other_resident_counts(kind, bits):
         assert {k: v for k, v in p.defines.items() if k != "MF_MIN_CTAS"} == {k: v for k, v in base.defines.items() if k != "MF_MIN_CTAS"}
         grids[mc] = p.grid[0] * p.grid[1]
     assert grids[1] <= grids[2] <= grids[3] <= grids[4] and grids[1] < grids[4], grids
-    for bad in (0, -1, 2.5):
+    for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="ctas_per_sm"):
             kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=bad)
 
@@ -495,7 +495,7 @@ def test_key_plans_split_each_head_evenly(max_step, resident, grid_x, per):
     # per warp per stays a multiple of the warps (measured faster: docs/perf/NOTES.md, session 17)
     small = kv.plan_for("key", 16, (32, 4096, 128), 4, 132, max_step)
     assert small.per_cta % 8 == 0 and small.per_cta <= 2 * 8
-    for bad, kind in ((0, "key"), (2.5, "key"), (16, "value")):
+    for bad, kind in ((0, "key"), (2.5, "key"), (True, "key"), (16, "value")):
         with pytest.raises(ValueError, match="steps_per_cta"):
             kv.plan_for(kind, 16, (32, 16384, 128), 4, 132, max_step, steps_per_cta=bad)
 

@@ -1,7 +1,7 @@
 """Side-by-side timing of Mustafar kernels (mustafar.*) under launch-plan variants, cold as in
-`qgemm bench --suite kvcache` (or hot: `--hot`), each variant's first launch checked against the numpy reference on
-the decompressed cache (the line says `ok` or `WRONG`). Variants alternate within each repetition,
-in one process.
+`qgemm bench --suite kvcache` (or hot: `--hot`), each variant's first launch checked against the
+numpy reference on the decompressed cache (the line says `ok` or `WRONG`). Variants alternate
+within each repetition, in one process.
 
     python tools/kv_probe.py mustafar.value_q2,mustafar.value_q2c 32x16384x128 base unsorted=MF_SORT=0
     python tools/kv_probe.py mustafar.key_q2 32x16384x128 base w4=MF_WARPS=4 --lq 8
@@ -10,7 +10,8 @@ A variant is `label` (plan_for's plan as is) or `label=KEY=INT[;KEY=INT...]`: #d
 of the plan (a define that changes the kernel's shared memory or grid needs a plan of its own:
 change qgemm.kvcache.plan_for instead), except MF_MMA=0 / 1, which asks plan_for for version 3 / 4
 of the 4/2-bit value kernels, MF_MIN_CTAS=N (resident CTAs per SM) and, for key kernels,
-MF_STEPS_PER_CTA=N (warp steps of 32 tokens per CTA), each with a grid of its own. To compare source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
+MF_STEPS_PER_CTA=N (warp steps of 32 tokens per CTA), each with a grid of its own. To compare
+source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
 """
 import argparse
 import dataclasses
@@ -26,7 +27,7 @@ def plan(runner, ck, rows: int, overrides: dict) -> kv.LaunchPlan:
     overrides = dict(overrides)
     mma = overrides.pop("MF_MMA", None)  # a version of its own (plan_for's mma=): its own grid
     mc = overrides.pop("MF_MIN_CTAS", None)  # resident CTAs per SM: the grid is sized by it too
-    spc = overrides.pop("MF_STEPS_PER_CTA", None)  # keys: warp steps per CTA (plan_for's steps_per_cta), a grid of its own
+    spc = overrides.pop("MF_STEPS_PER_CTA", None)  # keys: warp steps per CTA (plan_for's steps_per_cta): its own grid
     info = runtime.device_info()
     p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, kv.step_bytes_max(ck),
                     kv.step_bytes_max(ck, 2) if ck.kind == "value" else None, mma=None if mma is None else bool(mma),
@@ -59,7 +60,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--hot", action="store_true",
-                    help="time on one buffer set (the cache stays in L2 where it fits) instead of rotating sets through > 2x L2")
+                    help="time on one buffer set (the cache stays in L2 where it fits) instead of rotating "
+                         "buffer sets through > 2x L2")
     args = ap.parse_args()
     shape = tuple(int(v) for v in args.shape.lower().split("x"))
     variants = [parse_variant(v) for v in args.variants]
