@@ -724,6 +724,10 @@ def min_ctas(mr: int, d: int, u: int = 1) -> int:
     return 4 if (mr == 4 and d <= 128) else (2 if (mr == 8 and d == 256) else 3)
 
 
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def _plan_mma(kind: str, bits: int, shape, rows: int, sm_count: int, ctas_per_sm: int | None = None) -> LaunchPlan:
     """Version 4 (tensor cores on densely decoded tiles, value kernels, 4/2-bit): a warp = 8
     channels x a range of 64-token chunks, CTAs of up to 16 warps sharing the range's staged
@@ -772,12 +776,9 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     kernels): warp steps of 32 tokens per CTA instead of the even one-wave split
     (tools/kv_probe.py's MF_STEPS_PER_CTA variants)."""
     b, s, d = shape
-    def count(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-    if ctas_per_sm is not None and not count(ctas_per_sm):
+    if ctas_per_sm is not None and not _positive_int(ctas_per_sm):
         raise ValueError(f"ctas_per_sm must be a positive int (resident CTAs per SM), got {ctas_per_sm!r}")
-    if steps_per_cta is not None and (kind != "key" or not count(steps_per_cta)):
+    if steps_per_cta is not None and (kind != "key" or not _positive_int(steps_per_cta)):
         raise ValueError(f"steps_per_cta is for key kernels and must be a positive int (warp steps of 32 tokens per "
                          f"CTA), got {steps_per_cta!r} for a {kind} kernel")
     if mma is None:

@@ -1320,6 +1320,8 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
 // 16c + 8h .. + 7 of row g with one conflict-free 16-byte load
 #define MF4_CHUNK_BYTES (MF_NT * 1024)
 
+// PRMT with its full selector: __byte_perm uses only the low 3 bits of each selector nibble, and
+// the decode needs bit 3 (0x8: replicate the sign of byte 0 -- a zero byte where a bit is clear)
 __device__ __forceinline__ uint32_t mf4_prmt(uint32_t a, uint32_t b, uint32_t sel) {
     uint32_t d;
     asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -1546,7 +1548,8 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
             for (int hh = 0; hh < 2; ++hh) {
                 uint4 bf[MF_NT];
 #pragma unroll
-                for (int nt = 0; nt < MF_NT; ++nt) bf[nt] = brow[nt] ? mf_lds128(pb + (nt * 2 + hh) * 512) : make_uint4(0u, 0u, 0u, 0u);
+                for (int nt = 0; nt < MF_NT; ++nt)
+                    bf[nt] = brow[nt] ? mf_lds128(pb + (nt * 2 + hh) * 512) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
                 for (int jj = 0; jj < 2; ++jj) {
                     const uint2 e = mf_lds64(slut + (m & 15u) * 8);

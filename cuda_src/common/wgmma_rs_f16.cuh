@@ -201,9 +201,10 @@ struct RsCopier {
 // One stage of the MMA: this warp's raw quants of the stage from shared memory into registers
 // (each lane its own pieces: with kperm16 activations they are its fragments), then per
 // half-stage (2 blocks = 4 k-steps): wait_group 1 (the same half of the previous stage retired:
-// its fragment registers are free), dequantize into them, wgmma.fence, 4 wgmma, commit. So the dequantization of one half runs while the tensor core works on the
-// previous one. After the second wait the whole previous stage has retired in this warpgroup:
-// RELEASE (warp-specialized kernel) then frees its buffer for the producer.
+// its fragment registers are free), dequantize into them, wgmma.fence, 4 wgmma, commit. So the
+// dequantization of one half runs while the tensor core works on the previous one. After the
+// second wait the whole previous stage has retired in this warpgroup: RELEASE (warp-specialized
+// kernel) then frees its buffer for the producer.
 template <typename SF, bool RELEASE>
 static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, unsigned act, int lt, int g, int lane,
                                                     unsigned (&fr)[2][4][4], float (&d)[RS_BN / 2], unsigned release_bar) {
