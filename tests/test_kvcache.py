@@ -589,12 +589,23 @@ def _replay_pair(win, bits_ab, kmax, dq_ab, end_ab, nbits):
         return pos
 
     rows, out = [gather(0), gather(1)], ([], [])
-    for s in range(32 - kmax, 32):
+    s0 = 32 - kmax
+    if nbits == 16:  # value s at vt - 2s, read as aligned 32-bit words at even slots (funnel-shifted)
+        vt = [2 * (end + 31 - kmax) for end in end_ab]
+        vl = [(v - 2) & ~3 for v in vt]
+        sh = [0 if v & 2 else 16 for v in vt]
+        prev = [rd(v - 2 * s0 + (2 if s0 & 1 else 4), 4) for v in vl]
+        fun = [_u32(((p << 32) | p) >> x) for p, x in zip(prev, sh)]
+    for s in range(s0, 32):
         cur = rows
         if s < 31:
             rows = [gather(0), gather(1)]
         if nbits == 16:
-            vals = [_h2f(rd(2 * (end + 31 - kmax) - 2 * s, 2)) for end in end_ab]
+            if s % 2 == 0:
+                word = [rd(v - 2 * s, 4) for v in vl]
+                fun = [_u32(((p << 32) | w) >> x) for w, p, x in zip(word, prev, sh)]
+                prev = word
+            vals = [_h2f(f >> 16 if s % 2 == 0 else f) for f in fun]
         else:
             j = s % per
             x = 16 - nbits * (j % (per // 2) + 1)
