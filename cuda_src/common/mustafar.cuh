@@ -201,6 +201,20 @@ struct MfRow<8> {
 // The set bits are walked from the top (FLO, -1 when none is left), so the codes are consumed
 // from the last one down; they are read from the window left-aligned (code n-1 at the top of
 // c[NCW-1]) and dequantized two at a time into a half2.
+// A dim's R query values (row pairs as half2) into its MF_REP interleaved copies. Consecutive
+// threads take consecutive dims, whose copies are MF_REP * MF_R * 2 = 128 bytes apart: written
+// copy by copy in the same order by every lane, a half-warp's 8-byte (quarter-warp's 16-byte)
+// stores all fell on the same banks (Nsight Compute, key q2 at 70%: 0.46 of its 3.0 M shared
+// wavefronts, in the prologue of every CTA). Each lane starts at a copy of its own instead.
+__device__ __forceinline__ void mf_store_query_copies(uint8_t *dst, const uint32_t (&hw)[MF_R / 2], int lane) {
+#pragma unroll
+    for (int j = 0; j < MF_REP; ++j) {
+        const int rep = (j + lane) & (MF_REP - 1);
+        if (MF_R == 4) *reinterpret_cast<uint2 *>(dst + rep * 8) = make_uint2(hw[0], hw[1]);
+        else *reinterpret_cast<uint4 *>(dst + rep * 16) = make_uint4(hw[0], hw[1], hw[2 % (MF_R / 2)], hw[3 % (MF_R / 2)]);
+    }
+}
+
 template <int BITS>
 __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lpos, const uint8_t *buf, uint32_t xrow0,
                                              int xstride, __half2 (&acc)[MF_R / 2]) {
@@ -210,7 +224,14 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
     const int kmax = mf_warp_max(n);
     uint32_t c[NCW];
     __half2 dqm, dqa;
-    const __half *vlast = reinterpret_cast<const __half *>(buf) + (BITS == 16 ? lpos + n - 1 : 0);
+    // fp16: values k, k + 1 (k even) of the descending walk come from one aligned 32-bit load,
+    // funnel-shifted by the lane's phase (as Mf3Pair's, below: a lane's loads are scattered over
+    // the window, so a load costs ~3 bank wavefronts whatever its width). vl: the word of pair 0;
+    // pv: the word above it (phase 0 takes value k from it), which stays inside the 16-byte
+    // chunk of the last value.
+    const uint32_t vlast = (uint32_t)__cvta_generic_to_shared(buf) + (BITS == 16 ? 2 * (lpos + n - 1) : 0);
+    const uint32_t vl = (vlast - 2) & ~3u, vsh = (vlast & 2) ? 0 : 16;
+    uint32_t pv = BITS == 16 ? mf_lds32((vlast & 2) ? vl : vl + 4) : 0u;
     if (BITS != 16) {
         // the NCW words ending at this half-tile's last code bit (may start before the buffer:
         // those bits, below code 0, are only used by padding iterations that multiply zeros)
@@ -264,8 +285,14 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
             }
             __half2 va, vb;
             if (BITS == 16) {
-                va = __half2half2(k0 < n ? vlast[-k0] : __float2half_rn(0.0f));
-                vb = __half2half2(k0 + 1 < n ? vlast[-k0 - 1] : __float2half_rn(0.0f));
+                // below the lane's first value the loads read the tiles before it, or below the
+                // window (the staged probabilities or the previous warp's window): zeroed,
+                // as they need not be finite
+                const uint32_t cur = mf_lds32(vl - 2 * k0);
+                const __half2 f = mf_as_h2(__funnelshift_r(cur, pv, vsh));
+                pv = cur;
+                va = k0 < n ? __high2half2(f) : __float2half2_rn(0.0f);
+                vb = k0 + 1 < n ? __low2half2(f) : __float2half2_rn(0.0f);
             } else {
                 const __half2 v = pair(c[NCW - 1 - k0 / PER], k0 % PER);
                 va = __high2half2(v);
@@ -523,12 +550,7 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
             const __half2 h = __halves2half2(h0, h1);
             hw[j] = *reinterpret_cast<const uint32_t *>(&h);
         }
-        uint8_t *dst = xs + (size_t)(((d >> 5) * 33 + 1 + (d & 31)) * MF_REP) * MF_R * 2;
-#pragma unroll
-        for (int rep = 0; rep < MF_REP; ++rep) {
-            if (MF_R == 4) *reinterpret_cast<uint2 *>(dst + rep * 8) = make_uint2(hw[0], hw[1]);
-            else *reinterpret_cast<uint4 *>(dst + rep * 16) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
-        }
+        mf_store_query_copies(xs + (size_t)(((d >> 5) * 33 + 1 + (d & 31)) * MF_REP) * MF_R * 2, hw, lane);
     }
     for (int i = threadIdx.x; i < (MF_D / 32) * MF_REP * MF_R / 4; i += MF_THREADS) {  // the zero rows, 8 bytes at a time
         const int blk = i / (MF_REP * MF_R / 4), k = i % (MF_REP * MF_R / 4);
@@ -593,12 +615,25 @@ __device__ __forceinline__ void mf_stage_probs(const __half *__restrict__ x, uin
     const bool vec = (S & 7) == 0;
     __half *dst = reinterpret_cast<__half *>(ps);
     constexpr int NB = 4;  // loads in flight per thread before their stores
+    // work item i -> (row r, 8-token group g). A warp's 32 items are 16 consecutive tiles x 2
+    // rows (r even, r + 1) at one (half, position): the 16-bit stores of the two rows are the two
+    // halves of one 32-bit word, the tiles 16 different banks, so a store is one wavefront. (With
+    // consecutive items on consecutive 8-token groups, a warp covered 4 tiles and each store
+    // took 7.8 wavefronts: 0.9 of value fp16's 6.4 M at 70%, Nsight Compute, H100.) The loads
+    // then read 16 bytes of 32 different 128-byte lines, each line finished by later items from L1.
+    auto item = [](int i, int &r, int &g) {
+        const int l = i & 31, q = (i >> 5) & 7, rest = i >> 8;  // rest: (tile block of 16, row pair)
+        constexpr int NTB = G8 / 128;                             // tile blocks of the chunk (2 * U)
+        r = 2 * (rest / NTB) + (l >> 4);
+        g = ((rest % NTB) * 16 + (l & 15)) * 8 + q;
+    };
     for (int i0 = threadIdx.x; i0 < MF_R * G8; i0 += NB * MF_THREADS) {
         uint4 u[NB];
 #pragma unroll
         for (int k = 0; k < NB; ++k) {
             const int i = i0 + k * MF_THREADS;
-            const int r = i / G8, g = i % G8;
+            int r, g;
+            item(i, r, g);
             const int s = s0 + 8 * g;
             const __half *src = x + ((size_t)b * R + row0 + min(r, nr - 1)) * S;
             if (i < MF_R * G8 && r < nr && vec && s + 8 <= S) {
@@ -614,7 +649,8 @@ __device__ __forceinline__ void mf_stage_probs(const __half *__restrict__ x, uin
         for (int k = 0; k < NB; ++k) {
             const int i = i0 + k * MF_THREADS;
             if (i >= MF_R * G8) break;
-            const int r = i / G8, g = i % G8;
+            int r, g;
+            item(i, r, g);
             const __half *hv = reinterpret_cast<const __half *>(&u[k]);
             const int o = 8 * g;                 // token offset in the chunk
             const int tl = o >> 6;               // tile of the chunk: lane tl / U, its tile j = tl % U
@@ -1209,12 +1245,7 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
     for (int k = 0; k < ND; ++k) {
         const int d = threadIdx.x + k * MF_THREADS;
         if (d < MF_D) {
-            uint8_t *dst = xs + (size_t)(((d >> 5) * 33 + 1 + (d & 31)) * MF_REP) * MF_R * 2;
-#pragma unroll
-            for (int rep = 0; rep < MF_REP; ++rep) {
-                if (MF_R == 4) *reinterpret_cast<uint2 *>(dst + rep * 8) = make_uint2(hq[k][0], hq[k][1]);
-                else *reinterpret_cast<uint4 *>(dst + rep * 16) = make_uint4(hq[k][0], hq[k][1], hq[k][2 % (MF_R / 2)], hq[k][3 % (MF_R / 2)]);
-            }
+            mf_store_query_copies(xs + (size_t)(((d >> 5) * 33 + 1 + (d & 31)) * MF_REP) * MF_R * 2, hq[k], lane);
         }
     }
     for (int i = threadIdx.x; i < (MF_D / 32) * MF_REP * MF_R / 4; i += MF_THREADS) {
