@@ -764,7 +764,7 @@ def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
 
 def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None,
              max_step2: int | None = None, mma: bool | None = None, cc: int = 90,
-             ctas_per_sm: int | None = None, steps_per_cta: int | None = None) -> LaunchPlan:
+             ctas_per_sm: int | None = None, steps_per_cta: int | None = None, v3: bool | None = None) -> LaunchPlan:
     """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or 1-2 whole tiles
     (values), except where `use_mma` (or mma=True) picks version 4 (cc: compute capability); rows
     in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks read its
@@ -774,7 +774,8 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     per SM the kernel's registers are bounded for (MF_MIN_CTAS) and the grid is sized by, instead
     of the measured default (tools/kv_probe.py's MF_MIN_CTAS variants). steps_per_cta (key
     kernels): warp steps of 32 tokens per CTA instead of the even one-wave split
-    (tools/kv_probe.py's MF_STEPS_PER_CTA variants)."""
+    (tools/kv_probe.py's MF_STEPS_PER_CTA variants). v3: version 3 (True) or 2 (False) of the
+    walk instead of the measured default (tools/kv_probe.py's MF_V3 variants)."""
     b, s, d = shape
     if ctas_per_sm is not None and not _positive_int(ctas_per_sm):
         raise ValueError(f"ctas_per_sm must be a positive int (resident CTAs per SM), got {ctas_per_sm!r}")
@@ -789,7 +790,10 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         return _plan_mma(kind, bits, shape, rows, sm_count, ctas_per_sm)
     # version 3 of the walk, except fp16 values (version 2: docs/mustafar.md, version 3 measured 17%
     # slower there); fp16 keys measured 29.8 us on version 3 against 32.2 on version 2 (H100)
-    v3 = bits != 16 or kind == "key"
+    if v3 is None:
+        v3 = bits != 16 or kind == "key"
+    elif not isinstance(v3, bool):
+        raise ValueError(f"v3 must be True (version 3 of the walk), False (version 2) or None, got {v3!r}")
     mr = 4 if rows <= 4 else 8
     rb = -(-rows // mr)
     u = 1

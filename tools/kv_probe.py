@@ -9,7 +9,8 @@ within each repetition, in one process.
 A variant is `label` (plan_for's plan as is) or `label=KEY=INT[;KEY=INT...]`: #defines put on top
 of the plan (a define that changes the kernel's shared memory or grid needs a plan of its own:
 change qgemm.kvcache.plan_for instead), except MF_MMA=0 / 1, which asks plan_for for version 3 / 4
-of the 4/2-bit value kernels, MF_MIN_CTAS=N (resident CTAs per SM) and, for key kernels,
+of the 4/2-bit value kernels, MF_V3=0 / 1 (version 2 / 3 of the walk), MF_MIN_CTAS=N (resident
+CTAs per SM) and, for key kernels,
 MF_STEPS_PER_CTA=N (warp steps of 32 tokens per CTA), each with a grid of its own. To compare
 source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
 """
@@ -28,10 +29,11 @@ def plan(runner, ck, rows: int, overrides: dict) -> kv.LaunchPlan:
     mma = overrides.pop("MF_MMA", None)  # a version of its own (plan_for's mma=): its own grid
     mc = overrides.pop("MF_MIN_CTAS", None)  # resident CTAs per SM: the grid is sized by it too
     spc = overrides.pop("MF_STEPS_PER_CTA", None)  # keys: warp steps per CTA (plan_for's steps_per_cta): its own grid
+    v3 = overrides.pop("MF_V3", None)  # version 3 / 2 of the walk (plan_for's v3): its own shared memory and grid
     info = runtime.device_info()
     p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, kv.step_bytes_max(ck),
                     kv.step_bytes_max(ck, 2) if ck.kind == "value" else None, mma=None if mma is None else bool(mma),
-                    cc=info.cc, ctas_per_sm=mc, steps_per_cta=spc)
+                    cc=info.cc, ctas_per_sm=mc, steps_per_cta=spc, v3=None if v3 is None else bool(v3))
     return dataclasses.replace(p, defines={**p.defines, **overrides}) if overrides else p
 
 
