@@ -477,6 +477,27 @@ def test_plans_for_other_resident_counts(kind, bits):
             kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=bad)
 
 
+@pytest.mark.parametrize("kind, bits", [("key", 16), ("key", 2), ("value", 16), ("value", 4)])
+def test_plans_for_either_walk_version(kind, bits):
+    """plan_for(v3=) (tools/kv_probe.py's MF_V3 variants): version 3 (pads and word records in
+    shared memory, no MF_V3 define) or version 2 (MF_V3=0) whatever the default, and both compile
+    without spills; anything but a bool or None is refused."""
+    shape = (32, 16384, 128)
+    base = kv.plan_for(kind, bits, shape, 4, 132, 1229)
+    assert ("MF_V3" in base.defines) == (kind == "value" and bits == 16)  # fp16 values default to version 2
+    v2 = kv.plan_for(kind, bits, shape, 4, 132, 1229, v3=False)
+    v3 = kv.plan_for(kind, bits, shape, 4, 132, 1229, v3=True)
+    assert v2.defines["MF_V3"] == 0 and "MF_V3" not in v3.defines and v3.shmem > v2.shmem
+    assert base.defines == (v2 if "MF_V3" in base.defines else v3).defines
+    name = f"mustafar.{kind}_{'fp16' if bits == 16 else f'q{bits}'}"
+    for p in (v2, v3):
+        res = qgemm.get(name).compile("sm_90", p.defines).resources[f"mustafar_{kind}_{'fp16' if bits == 16 else f'q{bits}'}"]
+        assert res.spill_stores == 0 and res.spill_loads == 0, (p.defines, res)
+    for bad in (1, 0, "yes"):
+        with pytest.raises(ValueError, match="v3"):
+            kv.plan_for(kind, bits, shape, 4, 132, 1229, v3=bad)
+
+
 @pytest.mark.parametrize("max_step, resident, grid_x, per", [(2460, 3, 12, 43), (800, 4, 16, 32), (4000, 2, 8, 64)])
 def test_key_plans_split_each_head_evenly(max_step, resident, grid_x, per):
     """Keys at 32x16384x128, 4 rows: one wave of the CTAs an SM holds, each kv head's 512 warp

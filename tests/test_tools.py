@@ -233,6 +233,10 @@ def test_kv_probe_overlays_defines_on_the_plan(monkeypatch):
     s1 = kp.plan(runner, ck, 4, {"MF_STEPS_PER_CTA": 1})
     assert s1 == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck), steps_per_cta=1)
     assert s1.defines == base.defines and s1.per_cta == 1 and s1.grid[0] == 10  # 300 tokens: 10 steps
+    # and MF_V3: the version of the walk, with its own shared memory (plan_for's v3)
+    v2 = kp.plan(runner, ck, 4, {"MF_V3": 0})
+    assert v2 == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck), v3=False) and v2.defines["MF_V3"] == 0
+    assert v2.shmem < base.shmem and kp.plan(runner, ck, 4, {"MF_V3": 1}) == base
 
 
 def test_perf_report_says_by_how_much_a_target_is_missed():

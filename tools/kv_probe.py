@@ -10,9 +10,9 @@ A variant is `label` (plan_for's plan as is) or `label=KEY=INT[;KEY=INT...]`: #d
 of the plan (a define that changes the kernel's shared memory or grid needs a plan of its own:
 change qgemm.kvcache.plan_for instead), except MF_MMA=0 / 1, which asks plan_for for version 3 / 4
 of the 4/2-bit value kernels, MF_V3=0 / 1 (version 2 / 3 of the walk), MF_MIN_CTAS=N (resident
-CTAs per SM) and, for key kernels,
-MF_STEPS_PER_CTA=N (warp steps of 32 tokens per CTA), each with a grid of its own. To compare
-source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
+CTAs per SM) and, for key kernels, MF_STEPS_PER_CTA=N (warp steps of 32 tokens per CTA), each
+with a shared memory and grid of its own. To compare source trees, run it once per tree
+(QGEMM_CUDA_SRC=DIR).
 """
 import argparse
 import dataclasses

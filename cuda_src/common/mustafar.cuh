@@ -211,7 +211,8 @@ __device__ __forceinline__ void mf_store_query_copies(uint8_t *dst, const uint32
     for (int j = 0; j < MF_REP; ++j) {
         const int rep = (j + lane) & (MF_REP - 1);
         if (MF_R == 4) *reinterpret_cast<uint2 *>(dst + rep * 8) = make_uint2(hw[0], hw[1]);
-        else *reinterpret_cast<uint4 *>(dst + rep * 16) = make_uint4(hw[0], hw[1], hw[2 % (MF_R / 2)], hw[3 % (MF_R / 2)]);
+        else
+            *reinterpret_cast<uint4 *>(dst + rep * 16) = make_uint4(hw[0], hw[1], hw[2 % (MF_R / 2)], hw[3 % (MF_R / 2)]);
     }
 }
 
