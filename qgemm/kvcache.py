@@ -788,8 +788,9 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         raise ValueError(f"version 4 (mma=True) is for 4/2-bit value kernels on sm_80+, got {kind} bits={bits} sm_{cc}")
     if mma:
         return _plan_mma(kind, bits, shape, rows, sm_count, ctas_per_sm)
-    # version 3 of the walk, except fp16 values (version 2: docs/mustafar.md, version 3 measured 17%
-    # slower there); fp16 keys measured 29.8 us on version 3 against 32.2 on version 2 (H100)
+    # version 3 of the walk, except fp16 values (version 2: docs/mustafar.md; version 3 measured 17%
+    # slower there, and with both reading value pairs (session 18) 2-6% faster at 70% but 10% slower
+    # at 50%); fp16 keys measured 29.8 us on version 3 against 32.2 on version 2 (H100)
     if v3 is None:
         v3 = bits != 16 or kind == "key"
     elif not isinstance(v3, bool):

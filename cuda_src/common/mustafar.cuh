@@ -164,11 +164,6 @@ __device__ __forceinline__ uint32_t mf_lds32(uint32_t a) {
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(a) : "memory");
     return v;
 }
-__device__ __forceinline__ __half mf_lds16(uint32_t a) {
-    unsigned short v;
-    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(a) : "memory");
-    return __ushort_as_half(v);
-}
 
 // R <= 8 rows of X at a shared address: one 8- or 16-byte load, R/2 half2 FMAs
 template <int R>
@@ -195,12 +190,7 @@ struct MfRow<8> {
         acc[3] = __hfma2(mf_as_h2(x.w), v, acc[3]);
     }
 };
-// The half-tile's sparse dot product: acc[r] += sum over set bits j of word of
-//   value(j) * X[j][r]   (X row of position j at xrow0 + j * xstride, R halfs; the row at
-//   xrow0 - xstride, "position -1", is zeros: lanes that ran out of non-zeros read it)
-// The set bits are walked from the top (FLO, -1 when none is left), so the codes are consumed
-// from the last one down; they are read from the window left-aligned (code n-1 at the top of
-// c[NCW-1]) and dequantized two at a time into a half2.
+
 // A dim's R query values (row pairs as half2) into its MF_REP interleaved copies. Consecutive
 // threads take consecutive dims, whose copies are MF_REP * MF_R * 2 = 128 bytes apart: written
 // copy by copy in the same order by every lane, a half-warp's 8-byte (quarter-warp's 16-byte)
@@ -216,6 +206,12 @@ __device__ __forceinline__ void mf_store_query_copies(uint8_t *dst, const uint32
     }
 }
 
+// The half-tile's sparse dot product: acc[r] += sum over set bits j of word of
+//   value(j) * X[j][r]   (X row of position j at xrow0 + j * xstride, R halfs; the row at
+//   xrow0 - xstride, "position -1", is zeros: lanes that ran out of non-zeros read it)
+// The set bits are walked from the top (FLO, -1 when none is left), so the codes are consumed
+// from the last one down; they are read from the window left-aligned (code n-1 at the top of
+// c[NCW-1]) and dequantized two at a time into a half2.
 template <int BITS>
 __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lpos, const uint8_t *buf, uint32_t xrow0,
                                              int xstride, __half2 (&acc)[MF_R / 2]) {
@@ -286,9 +282,9 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
             }
             __half2 va, vb;
             if (BITS == 16) {
-                // below the lane's first value the loads read the tiles before it, or below the
-                // window (the staged probabilities or the previous warp's window): zeroed,
-                // as they need not be finite
+                // past the lane's first value the loads read what lies below it (other lanes'
+                // values, or below the window the previous warp's window or the staged rows):
+                // zeroed, as it need not be finite
                 const uint32_t cur = mf_lds32(vl - 2 * k0);
                 const __half2 f = mf_as_h2(__funnelshift_r(cur, pv, vsh));
                 pv = cur;
