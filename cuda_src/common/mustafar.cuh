@@ -191,6 +191,30 @@ struct MfRow<8> {
     }
 };
 
+// fp16 values walked from the top down, two per aligned 32-bit load where a 16-bit load read one:
+// a lane reads at an address of its own, so its loads are scattered over the window and each
+// costs ~3.3 bank wavefronts whatever its width (Nsight Compute, key fp16 at 70%: 2.8 of the
+// kernel's 5.6 M shared wavefronts were the 16-bit value loads, the L1 87% busy). Value k sits at
+// vt - 2k (vt: the shared address of value 0). Phase vt % 4 == 2: the word at vt - 2k - 2 holds
+// (value k + 1, value k) in its (low, high) halves. Phase 0: value k is the low half of the
+// previous pair's word (at vt - 2k), value k + 1 the high half of this one (at vt - 2k - 4). One
+// funnel shift of (this word, previous word) by 0 or 16 bits puts value k in the high half and
+// value k + 1 in the low half in both phases. The caller loads `prev` before the first pair.
+struct MfHalfPairs {
+    uint32_t base, sh, prev;  // base: the word of pair 0, at (vt - 2) & ~3
+    __device__ __forceinline__ void init(uint32_t vt) {
+        base = (vt - 2) & ~3u;
+        sh = (vt & 2) ? 0 : 16;
+    }
+    // values (k, k + 1), k even, as the (high, low) halves
+    __device__ __forceinline__ uint32_t pair(int k) {
+        const uint32_t cur = mf_lds32(base - 2 * k);
+        const uint32_t f = __funnelshift_r(cur, prev, sh);
+        prev = cur;
+        return f;
+    }
+};
+
 // A dim's R query values (row pairs as half2) into its MF_REP interleaved copies. Consecutive
 // threads take consecutive dims, whose copies are MF_REP * MF_R * 2 = 128 bytes apart: written
 // copy by copy in the same order by every lane, a half-warp's 8-byte (quarter-warp's 16-byte)
@@ -221,14 +245,13 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
     const int kmax = mf_warp_max(n);
     uint32_t c[NCW];
     __half2 dqm, dqa;
-    // fp16: values k, k + 1 (k even) of the descending walk come from one aligned 32-bit load,
-    // funnel-shifted by the lane's phase (as Mf3Pair's, below: a lane's loads are scattered over
-    // the window, so a load costs ~3 bank wavefronts whatever its width). vl: the word of pair 0;
-    // pv: the word above it (phase 0 takes value k from it), which stays inside the 16-byte
-    // chunk of the last value.
+    // fp16: values k, k + 1 (k even) of the descending walk from one aligned 32-bit load
+    // (MfHalfPairs); before pair 0 the word above it (phase 0 takes value 0 from it), which
+    // stays inside the 16-byte chunk of the last value
     const uint32_t vlast = (uint32_t)__cvta_generic_to_shared(buf) + (BITS == 16 ? 2 * (lpos + n - 1) : 0);
-    const uint32_t vl = (vlast - 2) & ~3u, vsh = (vlast & 2) ? 0 : 16;
-    uint32_t pv = BITS == 16 ? mf_lds32((vlast & 2) ? vl : vl + 4) : 0u;
+    MfHalfPairs hp;
+    hp.init(vlast);
+    hp.prev = BITS == 16 ? mf_lds32((vlast & 2) ? hp.base : hp.base + 4) : 0u;
     if (BITS != 16) {
         // the NCW words ending at this half-tile's last code bit (may start before the buffer:
         // those bits, below code 0, are only used by padding iterations that multiply zeros)
@@ -285,9 +308,7 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
                 // past the lane's first value the loads read what lies below it (other lanes'
                 // values, or below the window the previous warp's window or the staged rows):
                 // zeroed, as it need not be finite
-                const uint32_t cur = mf_lds32(vl - 2 * k0);
-                const __half2 f = mf_as_h2(__funnelshift_r(cur, pv, vsh));
-                pv = cur;
+                const __half2 f = mf_as_h2(hp.pair(k0));
                 va = k0 < n ? __high2half2(f) : __float2half2_rn(0.0f);
                 vb = k0 + 1 < n ? __low2half2(f) : __float2half2_rn(0.0f);
             } else {
@@ -852,16 +873,10 @@ struct Mf3Pair {
     __half2 dqm, dqa;      // (A, B) dequantization constants
     uint32_t fm, vta, vtb;
     XT rw[2][2];           // [slot & 1][word]
-    // fp16: the values are read as aligned 32-bit words, one per word and even slot s (two
-    // values), where 16-bit loads read one per slot: the lanes' addresses are scattered over the
-    // window, so each load costs ~3.3 bank wavefronts whatever its width (Nsight Compute, key
-    // fp16 at 70%: 2.8 of the kernel's 5.6 M shared wavefronts were the 16-bit value loads, the
-    // L1 87% busy). Value s sits at vt - 2s. Phase vt % 4 == 2: the word at vt - 2s - 2 holds
-    // (value s + 1, value s) in its (low, high) halves. Phase 0: value s is the low half of the
-    // previous even slot's word (at vt - 2s), value s + 1 the high half of this one (at
-    // vt - 2s - 4). One funnel shift of (this word, previous word) by 0 or 16 bits puts value s
-    // in the high half and value s + 1 in the low half in both phases.
-    uint32_t vla, vlb, sha, shb, pa, pb, fa, fb;
+    // fp16: each word's values two per even slot s (MfHalfPairs, virtual value s at vt - 2s), the
+    // pair's funnel kept for slot s + 1
+    MfHalfPairs hpa, hpb;
+    uint32_t fa, fb;
 
     __device__ __forceinline__ XT gather(uint32_t &bits, uint32_t xrow) {
         const int pos = 31 - __clz(bits);
@@ -878,11 +893,8 @@ struct Mf3Pair {
         __half2 va, vb;
         if constexpr (BITS == 16) {
             if constexpr ((s & 1) == 0) {
-                const uint32_t ca = mf_lds32(vla - 2 * s), cb = mf_lds32(vlb - 2 * s);
-                fa = __funnelshift_r(ca, pa, sha);
-                fb = __funnelshift_r(cb, pb, shb);
-                pa = ca;
-                pb = cb;
+                fa = hpa.pair(s);
+                fb = hpb.pair(s);
             }
             va = (s & 1) ? __low2half2(mf_as_h2(fa)) : __high2half2(mf_as_h2(fa));
             vb = (s & 1) ? __low2half2(mf_as_h2(fb)) : __high2half2(mf_as_h2(fb));
@@ -926,14 +938,12 @@ __device__ __forceinline__ void mf3_pair(uint32_t bits_a, uint32_t bits_b, int k
         // stage is followed by a pad or the records), and slot 30's word is at most 64 bytes
         // below the stage (MF_PAD).
         const int s0 = 32 - kmax;
-        w.vla = (w.vta - 2) & ~3u;
-        w.vlb = (w.vtb - 2) & ~3u;
-        w.sha = (w.vta & 2) ? 0 : 16;
-        w.shb = (w.vtb & 2) ? 0 : 16;
-        w.pa = mf_lds32(w.vla - 2 * s0 + ((s0 & 1) ? 2 : 4));
-        w.pb = mf_lds32(w.vlb - 2 * s0 + ((s0 & 1) ? 2 : 4));
-        w.fa = __funnelshift_r(w.pa, w.pa, w.sha);
-        w.fb = __funnelshift_r(w.pb, w.pb, w.shb);
+        w.hpa.init(w.vta);
+        w.hpb.init(w.vtb);
+        w.hpa.prev = mf_lds32(w.hpa.base - 2 * s0 + ((s0 & 1) ? 2 : 4));
+        w.hpb.prev = mf_lds32(w.hpb.base - 2 * s0 + ((s0 & 1) ? 2 : 4));
+        w.fa = __funnelshift_r(w.hpa.prev, w.hpa.prev, w.hpa.sh);
+        w.fb = __funnelshift_r(w.hpb.prev, w.hpb.prev, w.hpb.sh);
     }
     if (BITS != 16) {
         const int ea = end_a - kmax * BITS, eb = end_b - kmax * BITS;  // bit of virtual code 31's start
