@@ -151,6 +151,12 @@ def popcount(bitmaps: np.ndarray) -> np.ndarray:
     return np.bitwise_count(np.asarray(bitmaps).view(np.uint64)).astype(np.int64)
 
 
+def density(ck) -> float:
+    """The fraction of the cache's elements that are stored (1 - its sparsity)."""
+    b, s, d = ck.shape
+    return float(popcount(ck.bitmaps).sum()) / max(1, b * s * d)
+
+
 def unpack_bits(bitmaps: np.ndarray) -> np.ndarray:
     """int64 [...] -> bool [..., 64] (element i of the tile)."""
     u = np.asarray(bitmaps).view(np.uint64)
@@ -611,6 +617,7 @@ class DeviceKV:
         self.nbytes = ck.nbytes  # the compressed form's bytes (what a launch reads, plus padding)
         self.max_step = step_bytes_max(ck)  # sizes the kernels' windows
         self.max_step2 = step_bytes_max(ck, 2) if ck.kind == "value" else None
+        self.density = density(ck)  # picks version 2's fp16 value walk (plan_for)
         self.arrays = arrays
 
     @classmethod
@@ -703,6 +710,12 @@ def window_bytes(kind: str, bits: int, d: int, max_step: int | None, tiles_per_l
 
 
 PAD = 64  # zero bytes below each window stage (cuda_src/common/mustafar.cuh MF_PAD)
+# Version 2's fp16 value walk reads past a lane's last value into finite data (other lanes' values
+# or a zeroed pad) and multiplies it by the zero row; zeroing those values instead (MF_VMASK=1)
+# costs 4 of a pair's ~24 instructions. H100, 32x16384x128, µs without / with: 70% sparsity 30.7 /
+# 34.3, 65% 33.9 / 37.8, 60% 36.5 / 40.9, 55% 41.4 / 43.6, but 50% 46.2 / 44.8 (docs/perf/NOTES.md,
+# session 19): the zeroing only from about half the elements stored.
+VMASK_DENSITY = 0.475
 
 
 def value_tiles_per_lane(bits: int, rows_per_cta: int) -> int:
@@ -764,7 +777,8 @@ def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
 
 def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None,
              max_step2: int | None = None, mma: bool | None = None, cc: int = 90,
-             ctas_per_sm: int | None = None, steps_per_cta: int | None = None, v3: bool | None = None) -> LaunchPlan:
+             ctas_per_sm: int | None = None, steps_per_cta: int | None = None, v3: bool | None = None,
+             density: float | None = None) -> LaunchPlan:
     """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or 1-2 whole tiles
     (values), except where `use_mma` (or mma=True) picks version 4 (cc: compute capability); rows
     in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks read its
@@ -775,7 +789,10 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     of the measured default (tools/kv_probe.py's MF_MIN_CTAS variants). steps_per_cta (key
     kernels): warp steps of 32 tokens per CTA instead of the even one-wave split
     (tools/kv_probe.py's MF_STEPS_PER_CTA variants). v3: version 3 (True) or 2 (False) of the
-    walk instead of the measured default (tools/kv_probe.py's MF_V3 variants)."""
+    walk instead of the measured default (tools/kv_probe.py's MF_V3 variants). density (the
+    stored fraction of the cache, `density()`; None: unknown): version 2's fp16 value walk zeroes
+    the values it reads past a lane's count (MF_VMASK=1) only from VMASK_DENSITY up, where that
+    measured faster."""
     b, s, d = shape
     if ctas_per_sm is not None and not _positive_int(ctas_per_sm):
         raise ValueError(f"ctas_per_sm must be a positive int (resident CTAs per SM), got {ctas_per_sm!r}")
@@ -809,7 +826,11 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         xs = (d // 32) * 33 * rep * mr * 2
     else:
         xs = 33 * 64 * u * mr * 2
-    per_warp = (lambda w: 2 * (PAD + w) + 2 * nw * STEP_LANES * 8) if v3 else (lambda w: 2 * w)  # windows, word records
+    # windows (each above a zeroed pad, except version 2's keys) and version 3's word records
+    if v3:
+        per_warp = lambda w: 2 * (PAD + w) + 2 * nw * STEP_LANES * 8  # noqa: E731
+    else:
+        per_warp = (lambda w: 2 * w) if kind == "key" else (lambda w: 2 * (PAD + w))  # noqa: E731
     warps = 2 * NUM_WARPS if u == 2 else NUM_WARPS  # 2-tile value steps: 16 warps share the staged probabilities
     while warps > 1 and xs + warps * per_warp(win) > SMEM_MAX:
         warps //= 2
@@ -852,6 +873,8 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         defines["MF_MIN_CTAS"] = mc
     if not v3:
         defines["MF_V3"] = 0
+        if kind == "value" and bits == 16 and density is not None and density >= VMASK_DENSITY:
+            defines["MF_VMASK"] = 1
     return LaunchPlan(defines, grid, (32 * warps, 1, 1), shmem, per, rows)
 
 
@@ -964,7 +987,7 @@ class MustafarRunner:
         if plan_ is None:
             info = runtime.device_info() if runtime.gpu_available() else None
             plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, info.sm_count if info else 132, dkv.max_step,
-                             dkv.max_step2, cc=info.cc if info else 90)
+                             dkv.max_step2, cc=info.cc if info else 90, density=dkv.density)
         mod = kernel._module(plan_.defines)
         if self.kind == "value":
             dout.fill_bytes(0, stream)
@@ -1118,7 +1141,7 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
         sets = min(64, max(2, int(np.ceil(2 * l2 / max(moved, 1))) + 1))
     info = runtime.device_info()
     p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, step_bytes_max(ck),
-                          step_bytes_max(ck, 2) if ck.kind == "value" else None, cc=info.cc)
+                          step_bytes_max(ck, 2) if ck.kind == "value" else None, cc=info.cc, density=density(ck))
     kernel._module(p.defines)
     dkvs = [DeviceKV.upload(ck) for _ in range(sets)]
     dxs = [runtime.DeviceArray.from_host(x) for _ in range(sets)]

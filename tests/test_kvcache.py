@@ -425,7 +425,7 @@ def test_launch_plans(kind, rows):
                     assert p.grid[0] == chunks * (d // p.per_cta) * rb
                     v3 = p.defines.get("MF_V3", 1)
                     assert v3 == (bits != 16)
-                    assert p.shmem == 33 * 64 * u * mr * 2 + w * ((2 * (kv.PAD + win) + 2 * 2 * u * 32 * 8) if v3 else 2 * win)
+                    assert p.shmem == 33 * 64 * u * mr * 2 + w * (2 * (kv.PAD + win) + (2 * 2 * u * 32 * 8 if v3 else 0))
 
 
 def _check_mma_plan(p, shape, rows):
@@ -475,6 +475,28 @@ def test_plans_for_other_resident_counts(kind, bits):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="ctas_per_sm"):
             kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=bad)
+
+
+def test_fp16_value_zeroing_follows_density():
+    """Version 2's fp16 value walk zeroes what it reads past a lane's count (MF_VMASK=1) only for
+    caches with about half their elements stored or more (kv.VMASK_DENSITY, measured); nothing
+    else ever gets the define, and both forms compile without spills."""
+    shape = (32, 16384, 128)
+    for dens, want in ((None, False), (0.3, False), (kv.VMASK_DENSITY - 0.01, False), (kv.VMASK_DENSITY, True), (1.0, True)):
+        for rows in (4, 8):
+            p = kv.plan_for("value", 16, shape, rows, 132, 1229, density=dens)
+            assert ("MF_VMASK" in p.defines) == want and p.defines.get("MF_VMASK", 1) == 1
+            assert {k: v for k, v in p.defines.items() if k != "MF_VMASK"} == kv.plan_for("value", 16, shape, rows, 132, 1229).defines
+    for kind, bits, v3 in (("key", 16, None), ("value", 2, None), ("value", 16, True), ("key", 16, False)):
+        assert "MF_VMASK" not in kv.plan_for(kind, bits, shape, 4, 132, 1229, v3=v3, density=0.9).defines
+    for dens in (0.3, 0.9):
+        p = kv.plan_for("value", 16, shape, 4, 132, 1229, density=dens)
+        res = qgemm.get("mustafar.value_fp16").compile("sm_90", p.defines).resources["mustafar_value_fp16"]
+        assert res.spill_stores == 0 and res.spill_loads == 0, (p.defines, res)
+    x = cache(np.random.default_rng(3), 2, 300, 64)
+    for sp in (0.0, 0.5, 0.7):
+        ck = kv.compress_values(kv.prune(x, sp), 16)
+        assert abs(kv.density(ck) - (1 - sp)) < 0.02, (sp, kv.density(ck))
 
 
 @pytest.mark.parametrize("kind, bits", [("key", 16), ("key", 2), ("value", 16), ("value", 4)])
@@ -638,6 +660,76 @@ def _replay_pair(win, bits_ab, kmax, dq_ab, end_ab, nbits):
     return out
 
 
+def _replay_half_tile16(win, word, lpos, kmax):
+    """mf_half_tile<16, PADDED=true> (version 2's fp16 value walk) on a stage (bytes, index 0 = the
+    stage, kv.PAD zero bytes below it, nothing readable below those): the (position, value)
+    products, position -1 = the zero row. No value is zeroed past the lane's count: what is read
+    there must be finite (other lanes' values or the pad)."""
+    def rd(o):
+        assert o >= -kv.PAD, f"read {-o} bytes below the stage, past its {kv.PAD}-byte pad"
+        return int.from_bytes(bytes(win[kv.PAD + o:kv.PAD + o + 4]), "little")
+
+    n = bin(word).count("1")
+    vlast = 2 * (lpos + n - 1)
+    base, sh = (vlast - 2) & ~3, 0 if vlast & 2 else 16
+    prev = rd(base if vlast & 2 else base + 4)
+    bits, out = word, []
+
+    def gather():
+        nonlocal bits
+        pos = bits.bit_length() - 1
+        if pos >= 0:
+            bits &= ~(1 << pos)
+        return pos
+
+    for k0 in range(0, kmax, 2):
+        cur = rd(base - 2 * k0)
+        f = _u32(((prev << 32) | cur) >> sh)
+        prev = cur
+        out += [(gather(), _h2f(f >> 16)), (gather(), _h2f(f))]
+    return out
+
+
+@pytest.mark.parametrize("d,s,sparsity", [(128, 200, 0.7), (64, 130, 0.0), (256, 70, 0.5), (128, 4100, 0.9), (64, 300, None)])
+def test_version2_fp16_value_walk_replayed(rng, d, s, sparsity):
+    """The fp16 value kernel's walk (version 2) reads below a lane's first value without zeroing
+    what it reads there: replayed on every step of a compressed cache, each word's products are its
+    own values at its own positions, every other product pairs a finite value with the zero row,
+    and no read goes below the stage's zeroed pad (stale bytes above the window are NaN).
+    sparsity None: the deepest read -- channel 0's first tile empty at the start of the buffer
+    while its second tile is full (kmax 32 for a lane with no value: 64 bytes below)."""
+    x = cache(rng, 1, s, d)
+    if sparsity is None:
+        x[0, :64, 0], x[0, 64:128, 0] = 0, 8
+    ck = compress("value", kv.prune(x, sparsity or 0.0), 16)
+    tv = kv.tile_values(ck)[0]
+    bm = ck.bitmaps.view(np.uint64)[0]
+    nst = -(-s // 64)
+    win2 = kv.window_bytes("value", 16, d, kv.step_bytes_max(ck, 1), 1)
+    data = kv._pad16(ck.values)
+    n_t = kv.popcount(ck.bitmaps)[0]
+    off = int(ck.counts[0, 0]) + np.concatenate([[0], np.cumsum(n_t)])
+    nan = np.array([0x7E00], np.uint16).view(np.uint8)
+    for ch in range(d):
+        for u0 in range(0, nst, 32):
+            tiles = [ch * nst + ul for ul in range(u0, min(u0 + 32, nst))]
+            a = (int(off[tiles[0]]) * 2) & ~15
+            nchunk = (int(off[tiles[-1] + 1]) * 2 - a + 15) >> 4
+            assert nchunk <= win2 // 16
+            win = np.concatenate([np.zeros(kv.PAD, np.uint8), np.tile(nan, (win2 + 64) // 2)])  # stale: NaN
+            win[kv.PAD:kv.PAD + 16 * nchunk] = data[a:a + 16 * nchunk]
+            for half in (0, 1):
+                words = [int(bm[t]) >> (32 * half) & 0xFFFFFFFF for t in tiles]
+                kmax = max(bin(w).count("1") for w in words)
+                for t, w in zip(tiles, words):
+                    lpos = int(off[t]) - a // 2 + (bin(int(bm[t]) & 0xFFFFFFFF).count("1") if half else 0)
+                    prods = _replay_half_tile16(win, w, lpos, kmax)
+                    assert all(np.isfinite(v) for _, v in prods), (ch, t, half)
+                    vis = {p: v for p, v in prods if p >= 0}
+                    assert len(vis) == sum(p >= 0 for p, _ in prods), "a position visited twice"
+                    assert vis == {p: float(tv[t, 32 * half + p]) for p in range(32) if w >> p & 1}, (ch, t, half)
+
+
 @pytest.mark.parametrize("kind", ["key", "value"])
 @pytest.mark.parametrize("bits,compact", LAYOUTS)
 @pytest.mark.parametrize("d,s,sparsity", [(128, 200, 0.7), (64, 130, 0.0), (256, 70, 0.5)])
@@ -745,6 +837,29 @@ def test_value_kernel_versions(name, mma):
         assert ("MF_MMA" in p.defines) == mma
         r = runner.validate(k, shape, 7, {"lq": lq, "groups": groups, "sparsity": sp}, plan_=p)
         assert r.unwritten == 0 and r.passed, (shape, lq, groups, sp, mma, r.note)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v3", [False, True])
+@pytest.mark.parametrize("name", GPU_NAMES)
+def test_many_steps_per_warp(name, v3):
+    """Both versions of every walk with many warp steps per warp (the plan sized for 2 SMs): the
+    window stages alternate and the pipeline carries metadata across steps. The other GPU tests'
+    shapes give the default plans one step per warp (their grids fill the GPU first), so they
+    never reach the second stage."""
+    k = qgemm.get(name)
+    runner = k.spec.runner
+    shape = (2, 3000, 128)
+    p = kv.plan_for(runner.kind, runner.bits, shape, 4, 2, v3=v3)  # worst-case windows
+    w = p.defines["MF_WARPS"]
+    assert (p.per_cta >= 2 * w) if runner.kind == "key" else (p.per_cta // w >= 2), p
+    plans = [p]
+    if name == "mustafar.value_fp16" and not v3:  # version 2's fp16 values, both ways past a lane's count
+        plans.append(dataclasses.replace(p, defines={**p.defines, "MF_VMASK": 1}))
+    for p in plans:
+        for sp in (0.7, 0.0):
+            r = runner.validate(k, shape, 11, {"lq": 1, "groups": 4, "sparsity": sp}, plan_=p)
+            assert r.unwritten == 0 and r.passed, (name, v3, sp, p.defines, r.note)
 
 
 @pytest.mark.gpu

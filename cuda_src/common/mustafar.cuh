@@ -27,6 +27,8 @@
 //   MF_WARPS  warps per CTA
 //   MF_WIN2   bytes of one window stage (sized from the cache's largest step)
 //   MF_V3     1: version 3 (below; the 4/2-bit layouts), 0: version 2 (fp16)
+//   MF_VMASK  version 2's fp16 values: 1 zeroes the values a lane reads past its own (mf_half_tile),
+//             0 relies on the window's zeroed pad and finite data below (plan_for: by density)
 //   MF_U      value kernels, version 3: tiles per lane (1; 2 is supported, measured slower)
 //   MF_MMA    1: version 4 of the 4/2-bit value kernels (tensor cores on densely decoded tiles,
 //             sm_80+; plan_for takes it above 8 query rows), with MF_NT row tiles of 8 per CTA
@@ -63,6 +65,8 @@ typedef unsigned char uint8_t;
 static_assert(MF_R == 4 || MF_R == 8, "MF_R must be 4 or 8 (more rows: row blocks)");
 static_assert(MF_D == 64 || MF_D == 128 || MF_D == 256, "MF_D must be 64, 128 or 256");
 static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_REP must be a power of 2 <= 16");
+
+#define MF_PAD 64  // zero bytes below each window stage (reads below a lane's first code / value stay finite)
 
 // Shared memory of the key kernel's query copies: [D/32 blocks][33 positions][REP][R] halfs
 // (row 0 of every block is zeros, "position -1": lanes that ran out of non-zeros read it).
@@ -236,7 +240,7 @@ __device__ __forceinline__ void mf_store_query_copies(uint8_t *dst, const uint32
 // The set bits are walked from the top (FLO, -1 when none is left), so the codes are consumed
 // from the last one down; they are read from the window left-aligned (code n-1 at the top of
 // c[NCW-1]) and dequantized two at a time into a half2.
-template <int BITS>
+template <int BITS, bool PADDED = false>
 __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lpos, const uint8_t *buf, uint32_t xrow0,
                                              int xstride, __half2 (&acc)[MF_R / 2]) {
     constexpr int NCW = BITS == 16 ? 1 : BITS;  // 32-bit code words of a half-tile: 2 (2-bit), 4 (4-bit)
@@ -305,12 +309,20 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
             }
             __half2 va, vb;
             if (BITS == 16) {
-                // past the lane's first value the loads read what lies below it (other lanes'
-                // values, or below the window the previous warp's window or the staged rows):
-                // zeroed, as it need not be finite
+                // past the lane's first value the loads read what lies below it: other lanes'
+                // values, or below the stage whatever is there -- finite and multiplied by the
+                // zero row where the stage has MF_PAD zero bytes below it (PADDED: the lowest
+                // read is 64 bytes below the stage, lane 0 with no value and kmax 32), else zeroed
+                // here (4 of a pair's ~24 instructions: the value kernel 10-16% faster without,
+                // H100, session 19)
                 const __half2 f = mf_as_h2(hp.pair(k0));
-                va = k0 < n ? __high2half2(f) : __float2half2_rn(0.0f);
-                vb = k0 + 1 < n ? __low2half2(f) : __float2half2_rn(0.0f);
+                if (PADDED) {
+                    va = __high2half2(f);
+                    vb = __low2half2(f);
+                } else {
+                    va = k0 < n ? __high2half2(f) : __float2half2_rn(0.0f);
+                    vb = k0 + 1 < n ? __low2half2(f) : __float2half2_rn(0.0f);
+                }
             } else {
                 const __half2 v = pair(c[NCW - 1 - k0 / PER], k0 % PER);
                 va = __high2half2(v);
@@ -342,10 +354,21 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
 #ifndef MF_U
 #define MF_U 1  // value kernels: tiles per lane
 #endif
+#ifndef MF_VMASK
+#define MF_VMASK 0  // version 2's fp16 values: 1 zeroes the values read past a lane's count (mf_half_tile)
+#endif
 #ifndef MF_WIN2
 #define MF_WIN2 1024  // bytes of one window stage (multiple of 16)
 #endif
 static_assert(MF_WIN2 % 16 == 0 && MF_WIN2 >= 64, "MF_WIN2 must be a multiple of 16");
+
+// zero the pads below a warp's two window stages (wb: the warp's region, [pad][stage][pad][stage])
+__device__ __forceinline__ void mf_zero_pads(uint8_t *wb, int lane) {
+    if (lane < 2 * MF_PAD / 16) {
+        const int st = lane / (MF_PAD / 16), c = lane % (MF_PAD / 16);
+        *reinterpret_cast<uint4 *>(wb + st * (MF_PAD + MF_WIN2) + 16 * c) = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
 
 // The bitmaps of U consecutive tiles from tile t (t even), two 64-bit bitmaps per 16-byte load
 // (both versions' metadata loaders).
@@ -462,7 +485,7 @@ __device__ __forceinline__ int mf2_issue(const Mf2Meta<U> &m, const uint8_t *__r
 
 // The lane's U tiles: acc[r] += sum over their non-zeros of value * X[pos][r]. Word j's X rows
 // start at xw0 + j * xwstep (its row -1 is zeros), position rows xstride bytes apart.
-template <int BITS, bool COMPACT, int U>
+template <int BITS, bool COMPACT, int U, bool PADDED = false>
 __device__ __forceinline__ void mf2_walk(Mf2Meta<U> m, int first, const uint8_t *buf, uint32_t xw0, int xwstep,
                                          int xstride, float (&acc)[MF_R]) {
     // half2 sums within a word (<= 32 products), fp32 across words (a token's up to 256 products
@@ -471,7 +494,7 @@ __device__ __forceinline__ void mf2_walk(Mf2Meta<U> m, int first, const uint8_t 
         __half2 h[MF_R / 2];
 #pragma unroll
         for (int j = 0; j < MF_R / 2; ++j) h[j] = __float2half2_rn(0.0f);
-        mf_half_tile<BITS>(w, dq, lpos, buf, xa, xstride, h);
+        mf_half_tile<BITS, PADDED>(w, dq, lpos, buf, xa, xstride, h);
 #pragma unroll
         for (int j = 0; j < MF_R / 2; ++j) {
             const float2 f = __half22float2(h[j]);
@@ -738,7 +761,9 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     extern __shared__ __align__(16) uint8_t mf_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint8_t *ps = mf_smem;                    // [33 positions][NCOL][MF_R] halfs; row 0 zeros
-    uint8_t *win = mf_smem + 33 * NCOL * MF_R * 2 + warp * 2 * MF_WIN2;
+    uint8_t *wb = mf_smem + 33 * NCOL * MF_R * 2 + warp * 2 * (MF_PAD + MF_WIN2);  // [pad][stage][pad][stage]
+    uint8_t *win = wb + MF_PAD;
+    mf_zero_pads(wb, lane);
 
     const MfValueCta<BITS, COMPACT, U> c(S, R, per_cta);
     const int b = c.b, row0 = c.row0, cg = c.cg, nr = c.nr, nst = c.nst, u0 = c.u0, gpr = c.gpr, n = c.n;
@@ -768,7 +793,7 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     for (int i = 0; i < n; ++i) {  // as in mf2_key
         Mf2Meta<U> cur;
         int pnext = 0;
-        uint8_t *nb = win + ((i + 1) & 1) * MF_WIN2;
+        uint8_t *nb = win + ((i + 1) & 1) * (MF_PAD + MF_WIN2);
         if ((i & 1) == 0) {
             cur = m0;
             if (i + 2 < n) meta(m0, i + 2);
@@ -784,7 +809,8 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
         float v[MF_R];
 #pragma unroll
         for (int j = 0; j < MF_R; ++j) v[j] = 0.0f;
-        mf2_walk<BITS, COMPACT, U>(cur, pcur, win + (i & 1) * MF_WIN2, xw0, 32 * MF_R * 2, NCOL * MF_R * 2, v);
+        mf2_walk<BITS, COMPACT, U, !MF_VMASK>(cur, pcur, win + (i & 1) * (MF_PAD + MF_WIN2), xw0, 32 * MF_R * 2, NCOL * MF_R * 2,
+                                             v);
         __syncwarp();
         mf_value_sum_store(v, lane, nr, o, chan(i));
         pcur = pnext;
@@ -818,8 +844,6 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
 #ifndef MF_SORT
 #define MF_SORT 1
 #endif
-#define MF_PAD 64  // zero bytes below each window stage (reads below a lane's first code / value stay finite)
-
 #define MF3_CASES32 \
     case 0: w.template slot<0>(acc, acc2); [[fallthrough]]; \
     case 1: w.template slot<1>(acc, acc2); [[fallthrough]]; \
@@ -1176,14 +1200,6 @@ __device__ __forceinline__ void mf3_walk(MfKeys<2 * U> keys, const uint32_t (&dq
     }
 }
 
-// zero the pads below a warp's two window stages (wb: the warp's region)
-__device__ __forceinline__ void mf3_zero_pads(uint8_t *wb, int lane) {
-    if (lane < 2 * MF_PAD / 16) {
-        const int st = lane / (MF_PAD / 16), c = lane % (MF_PAD / 16);
-        *reinterpret_cast<uint4 *>(wb + st * (MF_PAD + MF_WIN2) + 16 * c) = make_uint4(0u, 0u, 0u, 0u);
-    }
-}
-
 // The per-warp pipeline of both kernels. Step i: its metadata was loaded into registers during
 // step i-2 and consumed by mf3_prep at the start of step i-1 (window copy issued, records written
 // to buffer i & 1, keys / dq kept); so at the start of step i the metadata of step i+1 (loaded during
@@ -1224,7 +1240,7 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 
     // prologue: step 0's metadata and the queries loaded together; step 0's window requested
     // before step 1's metadata (the first walk waits for it alone), the queries staged meanwhile
-    mf3_zero_pads(wb, lane);
+    mf_zero_pads(wb, lane);
     Mf3Meta<U> m;
     if (n > 0) meta(m, 0);
     constexpr int ND = (MF_D + MF_THREADS - 1) / MF_THREADS;
@@ -1325,7 +1341,7 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
 
     // prologue: step 0 prepped (its window requested first), step 1's metadata loaded, then the
     // staging of the probabilities
-    mf3_zero_pads(wb, lane);
+    mf_zero_pads(wb, lane);
     Mf3Meta<U> m;
     uint32_t dq[U], dqn[U];
     MfKeys<NW> keys, keysn;
