@@ -794,6 +794,9 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     the values it reads past a lane's count (MF_VMASK=1) only from VMASK_DENSITY up, where that
     measured faster."""
     b, s, d = shape
+    if density is not None and (isinstance(density, bool) or not isinstance(density, (int, float, np.floating))
+                                or not 0.0 <= density <= 1.0):
+        raise ValueError(f"density must be the stored fraction of the cache, a number in [0, 1], got {density!r}")
     if ctas_per_sm is not None and not _positive_int(ctas_per_sm):
         raise ValueError(f"ctas_per_sm must be a positive int (resident CTAs per SM), got {ctas_per_sm!r}")
     if steps_per_cta is not None and (kind != "key" or not _positive_int(steps_per_cta)):

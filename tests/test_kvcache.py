@@ -493,6 +493,9 @@ def test_fp16_value_zeroing_follows_density():
         p = kv.plan_for("value", 16, shape, 4, 132, 1229, density=dens)
         res = qgemm.get("mustafar.value_fp16").compile("sm_90", p.defines).resources["mustafar_value_fp16"]
         assert res.spill_stores == 0 and res.spill_loads == 0, (p.defines, res)
+    for bad in (-0.1, 1.5, "half", True, float("nan")):
+        with pytest.raises(ValueError, match="density"):
+            kv.plan_for("value", 16, shape, 4, 132, 1229, density=bad)
     x = cache(np.random.default_rng(3), 2, 300, 64)
     for sp in (0.0, 0.5, 0.7):
         ck = kv.compress_values(kv.prune(x, sp), 16)

@@ -313,8 +313,8 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
                 // values, or below the stage whatever is there -- finite and multiplied by the
                 // zero row where the stage has MF_PAD zero bytes below it (PADDED: the lowest
                 // read is 64 bytes below the stage, lane 0 with no value and kmax 32), else zeroed
-                // here (4 of a pair's ~24 instructions: the value kernel 10-16% faster without,
-                // H100, session 19)
+                // here (4 of a pair's ~24 instructions: the value kernel 10-16% faster without at
+                // 55-70% sparsity, 3% slower at 50%: plan_for's MF_VMASK; H100, session 19)
                 const __half2 f = mf_as_h2(hp.pair(k0));
                 if (PADDED) {
                     va = __high2half2(f);
