@@ -646,61 +646,84 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
 
 // The value kernels' probabilities of the chunk, staged once per CTA (rows past nr and tokens past S
 // are zeros): token 64 * (u0 + U * l + j) + 32 h + pos -> ps[1 + pos][(2 j + h) * 32 + l][r], row 0 zeros
-// ("position -1"), so a lane's gathers fall in its own bank. Ends with the barrier that publishes them.
+// ("position -1"), so a lane's gathers fall in its own bank.
+//
+// Work item i = (tile lane l = i % 32, tile j and 8-token group q: i / 32 = 8 j + q) loads the 8
+// tokens of group q of tile U l + j, four rows at a time (one 16-byte load per row), and
+// transposes them in registers (PRMT) into 8 vectors of 4 halfs, one per token: 8 8-byte stores
+// per four rows, and a warp's lanes are 32 consecutive columns of one position, so with 4 rows
+// each store is the minimum two wavefronts (with 8 rows, 16-byte apart: four). The earlier form
+// stored each half on its own (8 MF_R 16-bit stores and their index math per 8 tokens) after step
+// 0's window request: H100, 32x16384x128 at 70%, value fp16 30.3-30.6 -> 29.7-30.1 us, q4c 30.2 ->
+// 29.1, 32x1024x128 8.3-8.5 -> 7.7 (docs/perf/NOTES.md, session 20; skipping the staging
+// altogether, wrong results, measured 4 us less: most of it is the wait for the probabilities and
+// the barrier, not the stores). The loads read 16 bytes of 32 lines, the other groups' items
+// (other warps) the rest of each line, from L1.
+//
+// In two parts, so that a kernel can issue the first item's loads before anything that waits on
+// memory (its first window needs the metadata first): mf_probs_load (registers), then
+// mf_probs_stage (that item's stores, the other items, the zero row and the barrier that
+// publishes them). Eight rows are two quads, loaded and stored one after the other (32 registers
+// of loads held at once spilled at the 3-CTA register bound).
+struct MfProbs {
+    uint4 v[4];  // row 4 quad + r: tokens 8 q .. 8 q + 7 of the item's tile
+};
+
 template <int U>
-__device__ __forceinline__ void mf_stage_probs(const __half *__restrict__ x, uint8_t *ps, int b, int R, int row0, int nr,
-                                               int S, int u0) {
-    constexpr int NCOL = 64 * U;  // half-tiles of a step
-    const int s0 = u0 * 64;
-    constexpr int G8 = 2048 * U / 8;         // 8-token groups of the chunk
-    const bool vec = (S & 7) == 0;
-    __half *dst = reinterpret_cast<__half *>(ps);
-    constexpr int NB = 4;  // loads in flight per thread before their stores
-    // work item i -> (row r, 8-token group g). A warp's 32 items are 16 consecutive tiles x 2
-    // rows (r even, r + 1) at one (half, position): the 16-bit stores of the two rows are the two
-    // halves of one 32-bit word, the tiles 16 different banks, so a store is one wavefront. (With
-    // consecutive items on consecutive 8-token groups, a warp covered 4 tiles and each store
-    // took 7.8 wavefronts: 0.9 of value fp16's 6.4 M at 70%, Nsight Compute, H100.) The loads
-    // then read 16 bytes of 32 different 128-byte lines, each line finished by later items from L1.
-    auto item = [](int i, int &r, int &g) {
-        const int l = i & 31, q = (i >> 5) & 7, rest = i >> 8;  // rest: (tile block of 16, row pair)
-        constexpr int NTB = G8 / 128;                             // tile blocks of the chunk (2 * U)
-        r = 2 * (rest / NTB) + (l >> 4);
-        g = ((rest % NTB) * 16 + (l & 15)) * 8 + q;
-    };
-    for (int i0 = threadIdx.x; i0 < MF_R * G8; i0 += NB * MF_THREADS) {
-        uint4 u[NB];
+__device__ __forceinline__ void mf_probs_load(MfProbs &pr, int i, int quad, const __half *__restrict__ x, int b, int R,
+                                              int row0, int nr, int S, int u0) {
+    const int l = i & 31, jq = i >> 5;
+    const int s = u0 * 64 + 64 * (U * l + jq / 8) + 8 * (jq % 8);  // first token of the group
+    const bool vec = (S & 7) == 0 && s + 8 <= S;
 #pragma unroll
-        for (int k = 0; k < NB; ++k) {
-            const int i = i0 + k * MF_THREADS;
-            int r, g;
-            item(i, r, g);
-            const int s = s0 + 8 * g;
-            const __half *src = x + ((size_t)b * R + row0 + min(r, nr - 1)) * S;
-            if (i < MF_R * G8 && r < nr && vec && s + 8 <= S) {
-                u[k] = __ldg(reinterpret_cast<const uint4 *>(src + s));
-            } else {
-                __half h[8];
+    for (int k = 0; k < 4; ++k) {
+        const int r = 4 * quad + k;
+        const __half *src = x + ((size_t)b * R + row0 + min(r, nr - 1)) * S + s;
+        if (r < nr && vec) {
+            pr.v[k] = __ldg(reinterpret_cast<const uint4 *>(src));
+        } else {
+            __half h[8];
 #pragma unroll
-                for (int j = 0; j < 8; ++j) h[j] = (i < MF_R * G8 && r < nr && s + j < S) ? src[s + j] : __float2half_rn(0.0f);
-                u[k] = *reinterpret_cast<const uint4 *>(h);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < NB; ++k) {
-            const int i = i0 + k * MF_THREADS;
-            if (i >= MF_R * G8) break;
-            int r, g;
-            item(i, r, g);
-            const __half *hv = reinterpret_cast<const __half *>(&u[k]);
-            const int o = 8 * g;                 // token offset in the chunk
-            const int tl = o >> 6;               // tile of the chunk: lane tl / U, its tile j = tl % U
-            const int col = (2 * (tl % U) + ((o >> 5) & 1)) * 32 + tl / U;
-            const int pos0 = o & 31;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) dst[((1 + pos0 + j) * NCOL + col) * MF_R + r] = hv[j];
+            for (int t = 0; t < 8; ++t) h[t] = (r < nr && s + t < S) ? src[t] : __float2half_rn(0.0f);
+            pr.v[k] = *reinterpret_cast<const uint4 *>(h);
         }
     }
+}
+
+template <int U>
+__device__ __forceinline__ void mf_probs_store(const MfProbs &pr, int i, int quad, uint8_t *ps) {
+    constexpr int NCOL = 64 * U, POS_BYTES = NCOL * MF_R * 2;
+    const int l = i & 31, jq = i >> 5, q = jq % 8;
+    const int col = (2 * (jq / 8) + (q >> 2)) * 32 + l, pos0 = (q & 3) * 8;
+    uint8_t *dst = ps + (size_t)(1 + pos0) * POS_BYTES + (size_t)col * MF_R * 2 + 8 * quad;
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(pr.v);  // row k of the quad, token pair t: w[4 k + t]
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {  // tokens 2t, 2t + 1: rows (0, 1) and (2, 3) of the quad as half2
+        *reinterpret_cast<uint2 *>(dst + 2 * t * POS_BYTES) =
+            make_uint2(__byte_perm(w[t], w[4 + t], 0x5410), __byte_perm(w[8 + t], w[12 + t], 0x5410));
+        *reinterpret_cast<uint2 *>(dst + (2 * t + 1) * POS_BYTES) =
+            make_uint2(__byte_perm(w[t], w[4 + t], 0x7632), __byte_perm(w[8 + t], w[12 + t], 0x7632));
+    }
+}
+
+// Whether the kernels load the first item's first quad early (mf_probs_load before their
+// prologue's waits): with 8 rows the second quad's loads would wait for its stores anyway.
+#define MF_PROBS_EARLY (MF_R == 4)
+
+// first: quad 0 of item threadIdx.x, loaded by mf_probs_load if MF_PROBS_EARLY
+template <int U>
+__device__ __forceinline__ void mf_probs_stage(const MfProbs &first, const __half *__restrict__ x, uint8_t *ps, int b, int R,
+                                               int row0, int nr, int S, int u0) {
+    constexpr int NCOL = 64 * U, ITEMS = 256 * U;
+    for (int i = threadIdx.x; i < ITEMS; i += MF_THREADS) {
+#pragma unroll
+        for (int quad = 0; quad < MF_R / 4; ++quad) {
+            MfProbs pr = first;  // (unset and unused without MF_PROBS_EARLY)
+            if (!MF_PROBS_EARLY || i != threadIdx.x) mf_probs_load<U>(pr, i, quad, x, b, R, row0, nr, S, u0);
+            mf_probs_store<U>(pr, i, quad, ps);
+        }
+    }
+    __half *dst = reinterpret_cast<__half *>(ps);
     for (int i = threadIdx.x; i < NCOL * MF_R; i += MF_THREADS) dst[i] = __float2half_rn(0.0f);
     __syncthreads();
 }
@@ -778,17 +801,21 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
                                    ob + (COMPACT ? (size_t)d * gpr + (u0 >> 4) : (size_t)t0));
     };
 
+    float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
+    const uint32_t xw0 = (uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2;
+    // prologue: steps 0 and 1's metadata and the first item of the probabilities loaded together,
+    // step 0's window requested (it waits for the metadata), then the probabilities staged
     Mf2Meta<U> m0, m1;
     int p0 = 0;
     if (n > 0) meta(m0, 0);
     if (n > 1) meta(m1, 1);
+    MfProbs pr;
+    if (MF_PROBS_EARLY && threadIdx.x < 256 * U) mf_probs_load<U>(pr, threadIdx.x, 0, x, b, R, row0, nr, S, u0);
     if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
     mf_commit();
 
-    mf_stage_probs<U>(x, ps, b, R, row0, nr, S, u0);
+    mf_probs_stage<U>(pr, x, ps, b, R, row0, nr, S, u0);
 
-    float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
-    const uint32_t xw0 = (uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2;
     int pcur = p0;
     for (int i = 0; i < n; ++i) {  // as in mf2_key
         Mf2Meta<U> cur;
@@ -1339,20 +1366,20 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
         mf3_load<BITS, COMPACT, U, U == 1>(m, bmp, offs, scl, zer, tb + t, nt, ob + t, ob + (size_t)d * gpr + (u0 >> 4));
     };
 
-    // prologue: step 0 prepped (its window requested first), step 1's metadata loaded, then the
-    // staging of the probabilities
+    // prologue: step 0's metadata and the first item of the probabilities loaded together, step 0
+    // prepped (its window requested), step 1's metadata loaded, then the probabilities staged
     mf_zero_pads(wb, lane);
     Mf3Meta<U> m;
     uint32_t dq[U], dqn[U];
     MfKeys<NW> keys, keysn;
-    if (n > 0) {
-        meta(m, 0);
-        mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
-    }
+    MfProbs pr;
+    if (n > 0) meta(m, 0);
+    if (MF_PROBS_EARLY && threadIdx.x < 256 * U) mf_probs_load<U>(pr, threadIdx.x, 0, x, b, R, row0, nr, S, u0);
+    if (n > 0) mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
     mf_commit();
     if (n > 1) meta(m, 1);
 
-    mf_stage_probs<U>(x, ps, b, R, row0, nr, S, u0);
+    mf_probs_stage<U>(pr, x, ps, b, R, row0, nr, S, u0);
 
     float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
     const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2);
