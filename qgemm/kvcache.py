@@ -737,6 +737,19 @@ def min_ctas(mr: int, d: int, u: int = 1) -> int:
     return 4 if (mr == 4 and d <= 128) else (2 if (mr == 8 and d == 256) else 3)
 
 
+def _whole_chunk_ctas(ctas: int, shmem: int, u: int, mr: int, cc: int, sm_count: int) -> bool:
+    """Value kernels: whether a CTA takes a whole chunk (all D channels) with 16 warps, two CTAs per
+    SM, instead of 8 warps and part of the channels. Each CTA stages its chunk's probabilities once
+    (loads, transposing stores, a barrier before any walk): 16 warps halve that work and its waits
+    per step. H100, 32x16384x128 (256 CTAs, one wave), against 8-warp CTAs of 64 channels: value
+    fp16 70% 30.6 -> 28.3 us, 50% 44.5 -> 41.9, value q2 70% 27.6 -> 26.2 (docs/perf/NOTES.md,
+    session 20). Only where those CTAs make one nearly full wave at two per SM (more: a second
+    wave; fewer: idle SMs), with 4 rows per CTA (8 rows would need more than the 64 registers a
+    thread then has), on sm_90 (where it was measured) and if two fit in shared memory."""
+    return (u == 1 and mr == 4 and cc >= 90 and 0.9 * 2 * sm_count <= ctas <= 2 * sm_count
+            and 2 * (shmem + 1024) <= SMEM_SM)
+
+
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
@@ -866,13 +879,16 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         nst = -(-s // TILE)
         chunks = -(-nst // (STEP_LANES * u))
         per = d                                                # channels per CTA
-        while per // 2 >= warps and 10 * chunks * b * rb * (d // per) < 9 * resident * sm_count:  # ~one wave
+        whole = not ctas_per_sm and _whole_chunk_ctas(chunks * b * rb, xs + 2 * NUM_WARPS * per_warp(win), u, mr, cc, sm_count)
+        if whole:
+            warps, shmem, mc = 2 * NUM_WARPS, xs + 2 * NUM_WARPS * per_warp(win), 2
+        while not whole and per // 2 >= warps and 10 * chunks * b * rb * (d // per) < 9 * resident * sm_count:  # ~one wave
             per //= 2
         grid = (chunks * (d // per) * rb, b, 1)
         defines = {"MF_R": mr, "MF_D": d, "MF_WARPS": warps, "MF_WIN2": win}
         if u != 1:
             defines["MF_U"] = u
-    if u != 1 or ctas_per_sm:
+    if u != 1 or ctas_per_sm or warps > NUM_WARPS:
         defines["MF_MIN_CTAS"] = mc
     if not v3:
         defines["MF_V3"] = 0

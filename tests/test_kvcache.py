@@ -464,7 +464,9 @@ def test_plans_for_other_resident_counts(kind, bits):
     """ctas_per_sm (tools/kv_probe.py's MF_MIN_CTAS variants): the register bound and the grid both
     follow it -- more resident CTAs, a grid of more (smaller) CTAs for about one wave."""
     shape = (32, 16384, 128)
-    base = kv.plan_for(kind, bits, shape, 4, 132, 300)
+    # (on sm_90 the value plans of this shape take 16-warp CTAs over whole chunks, which a
+    # resident count overrides: the base is the 8-warp plan sm_80 gets)
+    base = kv.plan_for(kind, bits, shape, 4, 132, 300, cc=80)
     grids = {}
     for mc in (1, 2, 3, 4):
         p = kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=mc)
@@ -475,6 +477,28 @@ def test_plans_for_other_resident_counts(kind, bits):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="ctas_per_sm"):
             kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=bad)
+
+
+def test_value_plans_take_whole_chunks_where_they_fill_a_wave():
+    """16-warp value CTAs over all D channels of a chunk (kvcache._whole_chunk_ctas) exactly where
+    those CTAs make one nearly full wave at two per SM, with 4 rows, on sm_90, and two fit in
+    shared memory; 8-warp CTAs over part of the channels everywhere else."""
+    def plan(bits, shape, rows=4, cc=90, max_step=1400, sm=132, **kw):
+        return kv.plan_for("value", bits, shape, rows, sm, max_step, None, cc=cc, density=0.3, **kw)
+
+    for bits in (16, 4, 2):
+        p = plan(bits, (32, 16384, 128))  # 8 chunks x 32 heads = 256 CTAs: 97% of 264 slots
+        assert p.defines["MF_WARPS"] == 16 and p.defines["MF_MIN_CTAS"] == 2 and p.block == (512, 1, 1)
+        assert p.per_cta == 128 and p.grid == (8, 32, 1)
+        assert 2 * (p.shmem + 1024) <= kv.SMEM_SM
+        for other in (plan(bits, (32, 32768, 128)),          # 512 CTAs: two waves
+                      plan(bits, (32, 8192, 128)),           # 128 CTAs: half the SMs idle
+                      plan(bits, (32, 16384, 128), rows=8),  # 8 rows: registers
+                      plan(bits, (32, 16384, 128), cc=80),   # not measured there
+                      plan(bits, (32, 16384, 128), ctas_per_sm=4)):
+            assert other.defines["MF_WARPS"] == 8 and other.block == (256, 1, 1), other
+    assert plan(16, (32, 16384, 128), max_step=4096).defines["MF_WARPS"] == 8  # 2 x 166 KB: no room for two
+    assert plan(2, (16, 16384, 128), sm=66).defines["MF_WARPS"] == 16  # the wave, not the shape, decides
 
 
 def test_fp16_value_zeroing_follows_density():
@@ -863,6 +887,34 @@ def test_many_steps_per_warp(name, v3):
         for sp in (0.7, 0.0):
             r = runner.validate(k, shape, 11, {"lq": 1, "groups": 4, "sparsity": sp}, plan_=p)
             assert r.unwritten == 0 and r.passed, (name, v3, sp, p.defines, r.note)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in GPU_NAMES if n.startswith("mustafar.value")])
+def test_whole_chunk_value_ctas(name):
+    """Every value walk (versions 2 and 3) with 16-warp CTAs over a whole chunk
+    (kvcache._whole_chunk_ctas; the plan sized for the SM count that makes its CTAs one wave):
+    S not a multiple of 64, fewer query rows than the CTA's 4, D = 64 / 128 / 256, real windows."""
+    k = qgemm.get(name)
+    runner = k.spec.runner
+    ran = 0
+    for shape, lq, groups, sp in (((3, 5000, 64), 1, 3, 0.7), ((2, 4161, 128), 1, 4, 0.5), ((2, 2113, 256), 2, 2, 0.7),
+                                  ((1, 8000, 128), 1, 1, 0.0)):
+        opts = {"lq": lq, "groups": groups, "sparsity": sp}
+        _, ck, _ = runner.make_case(shape, 5, opts)
+        ctas = -(-(-(-shape[1] // 64)) // 32) * shape[0]  # chunks x heads: sm_count = ctas / 2 makes one wave
+        for v3 in (False, True):
+            p = kv.plan_for(runner.kind, runner.bits, shape, lq * groups, -(-ctas // 2), kv.step_bytes_max(ck),
+                            kv.step_bytes_max(ck, 2), cc=90, v3=v3, density=kv.density(ck))
+            if p.defines["MF_WARPS"] != 16:  # fp16 windows too large for two 16-warp CTAs per SM
+                xs = 33 * 64 * 4 * 2  # the staged probabilities; the rest is 8 warps' windows (and records)
+                assert runner.bits == 16 and 2 * (xs + 2 * (p.shmem - xs) + 1024) > kv.SMEM_SM, p
+                continue
+            assert p.per_cta == shape[2] and p.grid[0] == ctas // shape[0], (shape, v3, p)
+            r = runner.validate(k, shape, 5, opts, plan_=p)
+            assert r.passed, (name, shape, lq, groups, sp, v3, r.note)
+            ran += 1
+    assert ran >= (5 if runner.bits == 16 else 8), ran
 
 
 @pytest.mark.gpu
