@@ -797,7 +797,8 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks read its
     compressed bytes from L2); windows sized from the cache's largest step (max_step,
     `step_bytes_max`, and for 2-tile value steps max_step2; None: the worst case); the grid about
-    one wave of the CTAs an SM holds (registers and shared memory). ctas_per_sm: the resident CTAs
+    one wave of the CTAs an SM holds (registers and shared memory); value kernels take 16-warp CTAs
+    over whole chunks where those make one wave (_whole_chunk_ctas). ctas_per_sm: the resident CTAs
     per SM the kernel's registers are bounded for (MF_MIN_CTAS) and the grid is sized by, instead
     of the measured default (tools/kv_probe.py's MF_MIN_CTAS variants). steps_per_cta (key
     kernels): warp steps of 32 tokens per CTA instead of the even one-wave split
