@@ -880,9 +880,10 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         nst = -(-s // TILE)
         chunks = -(-nst // (STEP_LANES * u))
         per = d                                                # channels per CTA
-        whole = not ctas_per_sm and _whole_chunk_ctas(chunks * b * rb, xs + 2 * NUM_WARPS * per_warp(win), u, mr, cc, sm_count)
+        shmem16 = xs + 2 * NUM_WARPS * per_warp(win)
+        whole = not ctas_per_sm and _whole_chunk_ctas(chunks * b * rb, shmem16, u, mr, cc, sm_count)
         if whole:
-            warps, shmem, mc = 2 * NUM_WARPS, xs + 2 * NUM_WARPS * per_warp(win), 2
+            warps, shmem, mc = 2 * NUM_WARPS, shmem16, 2
         while not whole and per // 2 >= warps and 10 * chunks * b * rb * (d // per) < 9 * resident * sm_count:  # ~one wave
             per //= 2
         grid = (chunks * (d // per) * rb, b, 1)

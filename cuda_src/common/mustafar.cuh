@@ -710,7 +710,14 @@ __device__ __forceinline__ void mf_probs_store(const MfProbs &pr, int i, int qua
 // prologue's waits): with 8 rows the second quad's loads would wait for its stores anyway.
 #define MF_PROBS_EARLY (MF_R == 4)
 
-// first: quad 0 of item threadIdx.x, loaded by mf_probs_load if MF_PROBS_EARLY
+// The kernels' early part: quad 0 of item threadIdx.x, if MF_PROBS_EARLY (a no-op otherwise)
+template <int U>
+__device__ __forceinline__ void mf_probs_begin(MfProbs &first, const __half *__restrict__ x, int b, int R, int row0, int nr,
+                                               int S, int u0) {
+    if (MF_PROBS_EARLY && threadIdx.x < 256 * U) mf_probs_load<U>(first, threadIdx.x, 0, x, b, R, row0, nr, S, u0);
+}
+
+// first: from mf_probs_begin
 template <int U>
 __device__ __forceinline__ void mf_probs_stage(const MfProbs &first, const __half *__restrict__ x, uint8_t *ps, int b, int R,
                                                int row0, int nr, int S, int u0) {
@@ -810,7 +817,7 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     if (n > 0) meta(m0, 0);
     if (n > 1) meta(m1, 1);
     MfProbs pr;
-    if (MF_PROBS_EARLY && threadIdx.x < 256 * U) mf_probs_load<U>(pr, threadIdx.x, 0, x, b, R, row0, nr, S, u0);
+    mf_probs_begin<U>(pr, x, b, R, row0, nr, S, u0);
     if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
     mf_commit();
 
@@ -1374,7 +1381,7 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
     MfKeys<NW> keys, keysn;
     MfProbs pr;
     if (n > 0) meta(m, 0);
-    if (MF_PROBS_EARLY && threadIdx.x < 256 * U) mf_probs_load<U>(pr, threadIdx.x, 0, x, b, R, row0, nr, S, u0);
+    mf_probs_begin<U>(pr, x, b, R, row0, nr, S, u0);
     if (n > 0) mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
     mf_commit();
     if (n > 1) meta(m, 1);
