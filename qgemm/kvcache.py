@@ -671,6 +671,7 @@ class LaunchPlan:
     rows: int  # R = groups * Lq
 
 
+ZERO_ENTRY = "mustafar_zero_output"  # the value modules' zeroing kernel (cuda_src/common/mustafar.cuh)
 STEP_LANES = 32     # a warp step = 32 lanes (keys: 32 tokens; values: 32 tiles of a channel)
 SMEM_MAX = 227 * 1024
 
@@ -741,12 +742,15 @@ def _whole_chunk_ctas(ctas: int, shmem: int, u: int, mr: int, cc: int, sm_count:
     """Value kernels: whether a CTA takes a whole chunk (all D channels) with 16 warps, two CTAs per
     SM, instead of 8 warps and part of the channels. Each CTA stages its chunk's probabilities once
     (loads, transposing stores, a barrier before any walk): 16 warps halve that work and its waits
-    per step. H100, 32x16384x128 (256 CTAs, one wave), against 8-warp CTAs of 64 channels: value
-    fp16 70% 30.6 -> 28.3 us, 50% 44.5 -> 41.9, value q2 70% 27.6 -> 26.2 (docs/perf/NOTES.md,
-    session 20). Only where those CTAs make one nearly full wave at two per SM (more: a second
-    wave; fewer: idle SMs), with 4 rows per CTA (8 rows would need more than the 64 registers a
-    thread then has), on sm_90 (where it was measured) and if two fit in shared memory."""
-    return (u == 1 and mr == 4 and cc >= 90 and 0.9 * 2 * sm_count <= ctas <= 2 * sm_count
+    per step. H100, against the 8-warp plan: 32x16384x128 (256 CTAs, one wave; 8 warps over 64
+    channels) value fp16 70% 30.6 -> 28.3 us, 50% 44.5 -> 41.9, value q2 70% 27.6 -> 26.2 (session
+    20); 32x32768x128 (512 CTAs, 1.94 waves; 8 warps over all 128 channels) value fp16 54.3 ->
+    51.6, q2 47.9 -> 45.7 (session 21; docs/perf/NOTES.md). Only where those CTAs make nearly full
+    waves at two per SM (the last one at least 90% full: fewer leave SMs idle), with 4 rows per
+    CTA (8 rows would need more than the 64 registers a thread then has), on sm_90 (where it was
+    measured) and if two fit in shared memory."""
+    waves = ctas / (2 * sm_count)
+    return (u == 1 and mr == 4 and cc >= 90 and waves >= 0.9 and (waves % 1 == 0 or waves % 1 >= 0.9)
             and 2 * (shmem + 1024) <= SMEM_SM)
 
 
@@ -791,7 +795,7 @@ def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
 def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None,
              max_step2: int | None = None, mma: bool | None = None, cc: int = 90,
              ctas_per_sm: int | None = None, steps_per_cta: int | None = None, v3: bool | None = None,
-             density: float | None = None) -> LaunchPlan:
+             density: float | None = None, whole: bool | None = None) -> LaunchPlan:
     """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or 1-2 whole tiles
     (values), except where `use_mma` (or mma=True) picks version 4 (cc: compute capability); rows
     in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks read its
@@ -806,7 +810,8 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     walk instead of the measured default (tools/kv_probe.py's MF_V3 variants). density (the
     stored fraction of the cache, `density()`; None: unknown): version 2's fp16 value walk zeroes
     the values it reads past a lane's count (MF_VMASK=1) only from VMASK_DENSITY up, where that
-    measured faster."""
+    measured faster. whole (value kernels): 16-warp CTAs over whole chunks (True) or not (False)
+    instead of _whole_chunk_ctas's rule (tools/kv_probe.py's MF_WHOLE variants)."""
     b, s, d = shape
     if density is not None and (isinstance(density, bool) or not isinstance(density, (int, float, np.floating))
                                 or not 0.0 <= density <= 1.0):
@@ -816,6 +821,9 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     if steps_per_cta is not None and (kind != "key" or not _positive_int(steps_per_cta)):
         raise ValueError(f"steps_per_cta is for key kernels and must be a positive int (warp steps of 32 tokens per "
                          f"CTA), got {steps_per_cta!r} for a {kind} kernel")
+    if whole is not None and (kind != "value" or not isinstance(whole, bool)):
+        raise ValueError(f"whole (16-warp CTAs over whole chunks) is for value kernels and must be True, False or None, "
+                         f"got {whole!r} for a {kind} kernel")
     if mma is None:
         mma = use_mma(kind, bits, rows, cc)
     elif mma and not (kind == "value" and bits != 16 and cc >= 80):
@@ -881,7 +889,10 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         chunks = -(-nst // (STEP_LANES * u))
         per = d                                                # channels per CTA
         shmem16 = xs + 2 * NUM_WARPS * per_warp(win)
-        whole = not ctas_per_sm and _whole_chunk_ctas(chunks * b * rb, shmem16, u, mr, cc, sm_count)
+        if whole is None:
+            whole = not ctas_per_sm and _whole_chunk_ctas(chunks * b * rb, shmem16, u, mr, cc, sm_count)
+        elif whole and (u != 1 or mr != 4 or 2 * (shmem16 + 1024) > SMEM_SM):
+            raise ValueError("whole=True needs one tile per lane, 4 rows per CTA and two 16-warp CTAs' shared memory per SM")
         if whole:
             warps, shmem, mc = 2 * NUM_WARPS, shmem16, 2
         while not whole and per // 2 >= warps and 10 * chunks * b * rb * (d // per) < 9 * resident * sm_count:  # ~one wave
@@ -1001,7 +1012,10 @@ class MustafarRunner:
 
     def launch(self, kernel, dkv: DeviceKV, dx, dout, rows: int, stream=None, plan_: LaunchPlan | None = None) -> None:
         """Launch on device operands already checked (the hot path). Value kernels accumulate:
-        the output is zeroed first, on the same stream."""
+        the output is zeroed first, on the same stream, by the module's mustafar_zero_output. Both
+        kernels are launched with programmatic dependent launch where the GPU and cuda.core
+        support it (runtime.pdl_enabled; the waits are in cuda_src/common/mustafar.cuh): the value
+        kernel's prologue then runs while the output is zeroed."""
         from . import runtime
 
         b, s, d = dkv.shape
@@ -1010,12 +1024,14 @@ class MustafarRunner:
             plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, info.sm_count if info else 132, dkv.max_step,
                              dkv.max_step2, cc=info.cc if info else 90, density=dkv.density)
         mod = kernel._module(plan_.defines)
-        if self.kind == "value":
-            dout.fill_bytes(0, stream)
+        n = dout.nbytes // 4
+        if self.kind == "value" and n:
+            mod.launch(ZERO_ENTRY, (min(-(-n // 256), 1024), 1, 1), (256, 1, 1), 0, (np.uint64(dout.ptr), np.int32(n)),
+                       stream=stream, pdl=True)
         args = (np.uint64(dkv.ptr("bmp")), np.uint64(dkv.ptr("offs")), np.uint64(dkv.ptr("scl")), np.uint64(dkv.ptr("zer")),
                 np.uint64(dkv.ptr("data")), np.uint64(dx.ptr), np.uint64(dout.ptr), np.int32(s), np.int32(rows),
                 np.int32(plan_.per_cta))
-        mod.launch(kernel.spec.entry, plan_.grid, plan_.block, plan_.shmem, args, stream=stream)
+        mod.launch(kernel.spec.entry, plan_.grid, plan_.block, plan_.shmem, args, stream=stream, pdl=kernel.spec.pdl)
 
     # -- validation ------------------------------------------------------------------------------
     def make_case(self, shape, seed: int, opts: dict):

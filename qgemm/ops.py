@@ -193,7 +193,7 @@ class Kernel:
                                            f"only on sm_{self.spec.min_arch} GPUs; {arch} was requested")
             arch = arch + self.spec.arch_suffix
         full = {**self.spec.defines, **(defines or {})}
-        return jit.compile_kernel(self.name, self.spec.source, [self.spec.entry], arch, full, **kw)
+        return jit.compile_kernel(self.name, self.spec.source, [self.spec.entry, *self.spec.helpers], arch, full, **kw)
 
     def _module(self, defines: dict | None = None) -> runtime.LoadedKernel:
         key = tuple(sorted((defines or {}).items()))
@@ -209,7 +209,7 @@ class Kernel:
                             f"{self.name} needs sm_{self.spec.min_arch} or newer, but the GPU ({info.name}) is {info.arch}"
                         )
                     ck = self.compile(info.arch, defines)
-                    mod = runtime.LoadedKernel(ck.cubin, [self.spec.entry], self.name)
+                    mod = runtime.LoadedKernel(ck.cubin, [self.spec.entry, *self.spec.helpers], self.name)
                     self._loaded[key] = mod
         return mod
 

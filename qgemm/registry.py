@@ -50,6 +50,9 @@ class KernelSpec:
     # A prologue kernel that also zeroes the split-K GEMM's output (two more arguments: float*
     # and its length), so no memset separates it from the previous op (qgemm.matmul).
     zeroes: bool = False
+    # Other extern "C" entries of the same source that the launcher runs beside the kernel
+    # (compiled and loaded with it; mustafar value kernels: mustafar_zero_output).
+    helpers: tuple = ()
     # The kernel reads its activations in a layout of its own (qgemm.packing.kperm16): the
     # Kernel object permutes what it is given; qgemm.matmul's prologue (convert.f16k) writes it.
     act_layout: str | None = None
@@ -650,7 +653,8 @@ def _mustafar_specs() -> list:
             out.append(KernelSpec(f"mustafar.{kind}_{lay}", op, 7, f"mustafar/{kind}_{lay}.cu", f"mustafar_{kind}_{lay}",
                                   _mustafar_geometry, f"{what} on a bitmap-sparse KV cache: {desc}",
                                   defines={"MF_R": 4, "MF_D": 128, "MF_WARPS": 8} | ({"MF_REP": 16} if kind == "key" else {}),
-                                  runner=kvcache.MustafarRunner(kind, bits, compact)))
+                                  runner=kvcache.MustafarRunner(kind, bits, compact), pdl=True,
+                                  helpers=(kvcache.ZERO_ENTRY,) if kind == "value" else ()))
     return out
 
 

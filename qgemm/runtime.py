@@ -7,6 +7,7 @@ checked and a failure raises `CudaError` naming the call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -609,6 +610,23 @@ def pdl_enabled() -> bool:
     benchmark can time both in one process; and the first thing to turn off when debugging a
     race between consecutive kernels)."""
     return os.environ.get("QGEMM_PDL", "1").strip() != "0"
+
+
+@contextlib.contextmanager
+def pdl_setting(value):
+    """QGEMM_PDL=value (0: plain launches) inside the block, restored after; None leaves it as
+    it is. Launches read it as they are made, CUDA graph captures included, so a benchmark can
+    time both in one process."""
+    old = os.environ.get("QGEMM_PDL")
+    if value is not None:
+        os.environ["QGEMM_PDL"] = str(value)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("QGEMM_PDL", None)
+        else:
+            os.environ["QGEMM_PDL"] = old
 
 
 def _pdl_config(geo: dict):

@@ -479,26 +479,75 @@ def test_plans_for_other_resident_counts(kind, bits):
             kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=bad)
 
 
-def test_value_plans_take_whole_chunks_where_they_fill_a_wave():
+def test_value_plans_take_whole_chunks_where_they_fill_waves():
     """16-warp value CTAs over all D channels of a chunk (kvcache._whole_chunk_ctas) exactly where
-    those CTAs make one nearly full wave at two per SM, with 4 rows, on sm_90, and two fit in
-    shared memory; 8-warp CTAs over part of the channels everywhere else."""
+    those CTAs make nearly full waves at two per SM (the last at least 90% full), with 4 rows, on
+    sm_90, and two fit in shared memory; 8-warp CTAs over part of the channels everywhere else.
+    plan_for(whole=) overrides the rule (tools/kv_probe.py's MF_WHOLE), where it can."""
     def plan(bits, shape, rows=4, cc=90, max_step=1400, sm=132, **kw):
         return kv.plan_for("value", bits, shape, rows, sm, max_step, None, cc=cc, density=0.3, **kw)
 
     for bits in (16, 4, 2):
-        p = plan(bits, (32, 16384, 128))  # 8 chunks x 32 heads = 256 CTAs: 97% of 264 slots
-        assert p.defines["MF_WARPS"] == 16 and p.defines["MF_MIN_CTAS"] == 2 and p.block == (512, 1, 1)
-        assert p.per_cta == 128 and p.grid == (8, 32, 1)
-        assert 2 * (p.shmem + 1024) <= kv.SMEM_SM
-        for other in (plan(bits, (32, 32768, 128)),          # 512 CTAs: two waves
+        for shape, chunks in (((32, 16384, 128), 8),    # 256 CTAs: 97% of 264 slots
+                              ((32, 32768, 128), 16),   # 512 CTAs: 1.94 waves
+                              ((33, 32768, 128), 16),   # 528: two full waves
+                              ((66, 32768, 128), 16)):  # 1056: four full waves
+            p = plan(bits, shape)
+            assert p.defines["MF_WARPS"] == 16 and p.defines["MF_MIN_CTAS"] == 2 and p.block == (512, 1, 1), shape
+            assert p.per_cta == 128 and p.grid == (chunks, shape[0], 1)
+            assert 2 * (p.shmem + 1024) <= kv.SMEM_SM
+        for other in (plan(bits, (34, 32768, 128)),          # 544 CTAs: a third wave of 16
+                      plan(bits, (64, 32768, 128)),          # 1024 CTAs: 3.88 waves
+                      plan(bits, (48, 16384, 128)),          # 384 CTAs: 1.45 waves
                       plan(bits, (32, 8192, 128)),           # 128 CTAs: half the SMs idle
                       plan(bits, (32, 16384, 128), rows=8),  # 8 rows: registers
                       plan(bits, (32, 16384, 128), cc=80),   # not measured there
-                      plan(bits, (32, 16384, 128), ctas_per_sm=4)):
+                      plan(bits, (32, 16384, 128), ctas_per_sm=4),
+                      plan(bits, (32, 16384, 128), whole=False)):
             assert other.defines["MF_WARPS"] == 8 and other.block == (256, 1, 1), other
+        forced = plan(bits, (32, 8192, 128), whole=True)
+        assert forced.defines["MF_WARPS"] == 16 and forced.per_cta == 128 and forced.grid == (4, 32, 1)
     assert plan(16, (32, 16384, 128), max_step=4096).defines["MF_WARPS"] == 8  # 2 x 166 KB: no room for two
-    assert plan(2, (16, 16384, 128), sm=66).defines["MF_WARPS"] == 16  # the wave, not the shape, decides
+    assert plan(2, (16, 16384, 128), sm=66).defines["MF_WARPS"] == 16  # the waves, not the shape, decide
+    with pytest.raises(ValueError, match="two 16-warp CTAs"):
+        plan(16, (32, 16384, 128), max_step=4096, whole=True)
+    with pytest.raises(ValueError, match="4 rows"):
+        plan(2, (32, 16384, 128), rows=8, whole=True)
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="whole"):
+            plan(2, (32, 16384, 128), whole=bad)
+    with pytest.raises(ValueError, match="for value kernels"):
+        kv.plan_for("key", 2, (32, 16384, 128), 4, whole=True)
+
+
+def test_mustafar_kernels_wait_where_programmatic_launch_needs_it():
+    """The mustafar kernels are launched with programmatic dependent launch (KernelSpec.pdl): a key
+    kernel may start while the previous kernel still writes its queries, so it waits before it
+    reads them; a value kernel is released early by its zero kernel, which waits for the previous
+    kernel before it writes the output and before it releases the value kernel, which waits
+    before its first atomicAdd. The device-side race test is test_attention_chain_with_pdl."""
+    from qgemm import jit, registry
+
+    src = jit.read_source("common/mustafar.cuh")
+
+    def body(fn):
+        i = src.index(f"__device__ __forceinline__ void {fn}(MF_PARAMS)")
+        return src[i:src.index("\n}\n", i)]
+
+    for fn in ("mf2_key", "mf3_key"):
+        b = body(fn)
+        assert b.index("pdl_wait();") < b.index("x[((size_t)b * R + row0") and b.index("pdl_wait();") < b.index("scores"), fn
+    for fn, first_write in (("mf2_value", "mf_value_sum_store("), ("mf3_value", "mf_value_sum_store("), ("mf4_value", "atomicAdd(")):
+        b = body(fn)
+        assert b.count("pdl_wait();") == 1 and b.index("pdl_wait();") < b.index(first_write), fn
+    z = src[src.index("void __launch_bounds__(256) mustafar_zero_output("):]
+    z = z[:z.index("\n}\n")]
+    assert z.index("pdl_wait();") < z.index("pdl_launch_dependents();") < z.index("= 0.0f")
+    for name in ("mustafar.key_q2", "mustafar.value_fp16", "mustafar.value_q4c"):
+        spec = registry.get(name).spec
+        assert spec.pdl and spec.helpers == ((kv.ZERO_ENTRY,) if "value" in name else ())
+        ck = registry.get(name).compile("sm_90")
+        assert set(ck.resources) >= {spec.entry, *spec.helpers}
 
 
 def test_fp16_value_zeroing_follows_density():
@@ -942,6 +991,39 @@ def test_call_api_host_and_device(rng):
     assert np.allclose(np.asarray(torch.as_tensor(ot, device="cuda").cpu()), o, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [16, 2])
+def test_attention_chain_with_pdl(bits, rng, monkeypatch):
+    """Keys -> values -> values, queued on one stream without a sync, programmatic dependent launch
+    on: the value kernel reads the key kernel's scores as its probabilities (its zero kernel must
+    hold it until the key grid is done), each value launch zeroes the output the one before it
+    accumulates into (its zero kernel must wait for that grid), and the next round's key kernel
+    overwrites the scores the value kernel before it read. A missing wait shows up as NaN poison,
+    stale scores or the sum of two launches; checked against the numpy references."""
+    monkeypatch.setenv("QGEMM_PDL", "1")
+    b, s, d, g = 8, 8192, 128, 4
+    ck = kv.compress_keys(cache(rng, b, s, d), bits, sparsity=0.7)
+    cv = kv.compress_values(cache(rng, b, s, d), bits, sparsity=0.7)
+    dk, dv = ck.to_device(), cv.to_device()
+    q = (rng.standard_normal((b * g, 1, d), dtype=np.float32) / 8).astype(np.float16)  # scores ~ N(0, 1)
+    ps = [kv.random_probs(rng, (b * g, 1, s)) for _ in range(3)]
+    dq, dps = qgemm.DeviceArray.from_host(q), [qgemm.DeviceArray.from_host(p) for p in ps]
+    sc = qgemm.DeviceArray.empty((b * g, 1, s), np.float16)
+    o_sc, o = (qgemm.DeviceArray.empty((b * g, 1, d), np.float32) for _ in range(2))
+    for a in (sc, o_sc, o):
+        a.fill_bytes(0xFF)  # NaN
+    for _ in range(3):
+        kv.scores(dq, dk, out=sc)
+        kv.attend(sc, dv, out=o_sc)
+        for dp in dps:
+            kv.attend(dp, dv, out=o)
+    runtime.synchronize()
+    got = sc.to_host()
+    assert kv.rel_error(got, kv.reference_scores(q, kv.decompress(ck))) < 5e-3
+    assert kv.rel_error(o_sc.to_host(), kv.reference_output(got, kv.decompress(cv))) < 5e-3
+    assert kv.rel_error(o.to_host(), kv.reference_output(ps[-1], kv.decompress(cv))) < 5e-3
+
+
 @pytest.mark.parametrize("s, should_pass", [(1, True), (4096, False)])
 def test_dense_error_floor_scales_with_the_number_of_outputs(s, should_pass):
     """score()'s NMSE-vs-dense allowance for the kernel's own rounding is ~1e-6, widened for few
@@ -957,3 +1039,34 @@ def test_dense_error_floor_scales_with_the_number_of_outputs(s, should_pass):
     r = kv.score("mustafar.key_fp16", "key", (2, s, 128), 0, got, q, ck, cache, 5e-3)
     assert r.nmse == pytest.approx(1.6e-6, rel=1e-6) and r.rel_err <= 5e-3
     assert r.passed == should_pass, r.note
+
+
+def test_kvcache_bench_report_gives_plain_launch_times():
+    """`qgemm bench --suite kvcache`'s markdown and target lines: each row with its plain-launch
+    time (programmatic dependent launch off) where the run measured it, '-' in runs from before,
+    and the targets' worst speedup with plain launches beside the default one."""
+    import copy
+    import json
+    import pathlib
+
+    from qgemm import kvcache_bench as kb
+
+    old = json.loads((pathlib.Path(__file__).resolve().parents[1] / "docs/perf/kvcache-h100.json").read_text())
+    md = kb.markdown(old)
+    assert "| µs, plain launches |" in md and "plain launches: worst" not in md
+    row = next(line for line in md.splitlines() if line.startswith("| value | 16384 | 1 | 70% | fp16 |"))
+    assert row.split(" | ")[6] == "-"  # no plain time in that run
+    new = copy.deepcopy(old)
+    for r in new["rows"]:
+        r["plain_us"] = r["us"] * 1.25
+        r["plain_speedup"] = r["dense_us"] / r["plain_us"] if r["dense_us"] else None
+    md = kb.markdown(new)
+    r = next(r for r in new["rows"] if (r["kind"], r["S"], r["Lq"], r["sparsity"], r["layout"]) == ("value", 16384, 1, 0.7, "fp16"))
+    row = next(line for line in md.splitlines() if line.startswith("| value | 16384 | 1 | 70% | fp16 |"))
+    assert row.split(" | ")[5:7] == [f"{r['us']:.1f}", f"{r['plain_us']:.1f}"]
+    lines = kb.targets(new)
+    f16 = next(t for t in lines if t.startswith("value fp16 at 70%"))
+    worst = min(r["speedup"] for r in new["rows"] if r["kind"] == "value" and r["layout"] == "fp16" and r["sparsity"] == 0.7
+                and r["S"] >= 16384 and r["Lq"] == 1)
+    assert f"worst {worst:.2f}x" in f16 and f"(plain launches: worst {worst / 1.25:.2f}x)" in f16
+    assert sum("plain launches: worst" in t for t in lines) == 4  # key / value x q2 / fp16; not the size line

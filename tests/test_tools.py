@@ -1,5 +1,6 @@
 """The developer tools under tools/ that parse their own input (no GPU needed)."""
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
@@ -215,28 +216,52 @@ def test_kv_probe_overlays_defines_on_the_plan(monkeypatch):
     rng = np.random.default_rng(1)
     ck = kv.compress_keys(kv.prune(rng.standard_normal((2, 300, 128)).astype(np.float16), 0.7), 2)
     runner = kp.registry.get("mustafar.key_q2").spec.runner
-    base = kp.plan(runner, ck, 4, {})
-    over = kp.plan(runner, ck, 4, {"MF_SORT": 0})
+
+    def plan(*a):
+        p, pdl = kp.plan(*a)
+        assert pdl is None
+        return p
+
+    base = plan(runner, ck, 4, {})
+    over = plan(runner, ck, 4, {"MF_SORT": 0})
     assert base == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck))
     assert over.defines == {**base.defines, "MF_SORT": 0} and (over.grid, over.shmem) == (base.grid, base.shmem)
     # MF_MMA is not a define on top of the plan but the choice of version (its own grid)
     cv = kv.compress_values(kv.prune(rng.standard_normal((2, 300, 128)).astype(np.float16), 0.7), 2)
     vr = kp.registry.get("mustafar.value_q2").spec.runner
-    v4 = kp.plan(vr, cv, 4, {"MF_MMA": 1})
+    v4 = plan(vr, cv, 4, {"MF_MMA": 1})
     assert v4 == kv.plan_for("value", 2, cv.shape, 4, 132, mma=True) and v4.defines["MF_MMA"] == 1
-    assert "MF_MMA" not in kp.plan(vr, cv, 32, {"MF_MMA": 0}).defines and "MF_MMA" in kp.plan(vr, cv, 32, {}).defines
+    assert "MF_MMA" not in plan(vr, cv, 32, {"MF_MMA": 0}).defines and "MF_MMA" in plan(vr, cv, 32, {}).defines
     # so is MF_MIN_CTAS: the resident CTAs per SM, which size the grid too (plan_for's ctas_per_sm)
-    c2 = kp.plan(runner, ck, 4, {"MF_MIN_CTAS": 2})
+    c2 = plan(runner, ck, 4, {"MF_MIN_CTAS": 2})
     assert c2 == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck), ctas_per_sm=2) and c2.defines["MF_MIN_CTAS"] == 2
-    assert kp.plan(vr, cv, 32, {"MF_MIN_CTAS": 1}) == kv.plan_for("value", 2, cv.shape, 32, 132, mma=True, ctas_per_sm=1)
+    assert plan(vr, cv, 32, {"MF_MIN_CTAS": 1}) == kv.plan_for("value", 2, cv.shape, 32, 132, mma=True, ctas_per_sm=1)
     # and MF_STEPS_PER_CTA (keys): warp steps per CTA, a grid of their own (plan_for's steps_per_cta)
-    s1 = kp.plan(runner, ck, 4, {"MF_STEPS_PER_CTA": 1})
+    s1 = plan(runner, ck, 4, {"MF_STEPS_PER_CTA": 1})
     assert s1 == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck), steps_per_cta=1)
     assert s1.defines == base.defines and s1.per_cta == 1 and s1.grid[0] == 10  # 300 tokens: 10 steps
     # and MF_V3: the version of the walk, with its own shared memory (plan_for's v3)
-    v2 = kp.plan(runner, ck, 4, {"MF_V3": 0})
+    v2 = plan(runner, ck, 4, {"MF_V3": 0})
     assert v2 == kv.plan_for("key", 2, ck.shape, 4, 132, kv.step_bytes_max(ck), v3=False) and v2.defines["MF_V3"] == 0
-    assert v2.shmem < base.shmem and kp.plan(runner, ck, 4, {"MF_V3": 1}) == base
+    assert v2.shmem < base.shmem and plan(runner, ck, 4, {"MF_V3": 1}) == base
+    # and MF_WHOLE (values): 16-warp CTAs over whole chunks or not (plan_for's whole)
+    cv16 = kv.compress_values(kv.prune(rng.standard_normal((2, 300, 128)).astype(np.float16), 0.7), 16)
+    vr16 = kp.registry.get("mustafar.value_fp16").spec.runner
+    w1 = plan(vr16, cv16, 4, {"MF_WHOLE": 1})
+    assert w1.defines["MF_WARPS"] == 16 and w1.per_cta == 128 and plan(vr16, cv16, 4, {"MF_WHOLE": 0}).defines["MF_WARPS"] == 8
+    # QGEMM_PDL is no define: the variant is timed with that environment (plain launches for 0)
+    p0, pdl = kp.plan(vr16, cv16, 4, {"QGEMM_PDL": 0})
+    assert pdl == 0 and "QGEMM_PDL" not in p0.defines and p0 == plan(vr16, cv16, 4, {})
+    monkeypatch.setenv("QGEMM_PDL", "1")
+    with kp.runtime.pdl_setting(0):
+        assert not kp.runtime.pdl_enabled()
+    assert kp.runtime.pdl_enabled()
+    monkeypatch.delenv("QGEMM_PDL")
+    with kp.runtime.pdl_setting(None):
+        assert "QGEMM_PDL" not in os.environ
+    with kp.runtime.pdl_setting(0):
+        assert os.environ["QGEMM_PDL"] == "0"
+    assert "QGEMM_PDL" not in os.environ
 
 
 def test_perf_report_says_by_how_much_a_target_is_missed():

@@ -10,9 +10,10 @@ A variant is `label` (plan_for's plan as is) or `label=KEY=INT[;KEY=INT...]`: #d
 of the plan (a define that changes the kernel's shared memory or grid needs a plan of its own:
 change qgemm.kvcache.plan_for instead), except MF_MMA=0 / 1, which asks plan_for for version 3 / 4
 of the 4/2-bit value kernels, MF_V3=0 / 1 (version 2 / 3 of the walk), MF_MIN_CTAS=N (resident
-CTAs per SM) and, for key kernels, MF_STEPS_PER_CTA=N (warp steps of 32 tokens per CTA), each
-with a shared memory and grid of its own. To compare source trees, run it once per tree
-(QGEMM_CUDA_SRC=DIR).
+CTAs per SM), for key kernels MF_STEPS_PER_CTA=N (warp steps of 32 tokens per CTA) and for
+value kernels MF_WHOLE=0 / 1 (16-warp CTAs over whole chunks), each with a shared memory and grid
+of its own; QGEMM_PDL=0 times the variant with plain launches (no programmatic dependent
+launch). To compare source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
 """
 import argparse
 import dataclasses
@@ -24,18 +25,22 @@ from qgemm import kvcache as kv
 from qgemm import registry, runtime
 
 
-def plan(runner, ck, rows: int, overrides: dict) -> kv.LaunchPlan:
+def plan(runner, ck, rows: int, overrides: dict) -> tuple:
+    """(the variant's LaunchPlan, its QGEMM_PDL setting or None)"""
     overrides = dict(overrides)
     mma = overrides.pop("MF_MMA", None)  # a version of its own (plan_for's mma=): its own grid
     mc = overrides.pop("MF_MIN_CTAS", None)  # resident CTAs per SM: the grid is sized by it too
     spc = overrides.pop("MF_STEPS_PER_CTA", None)  # keys: warp steps per CTA (plan_for's steps_per_cta): its own grid
     v3 = overrides.pop("MF_V3", None)  # version 3 / 2 of the walk (plan_for's v3): its own shared memory and grid
+    whole = overrides.pop("MF_WHOLE", None)  # values: 16-warp CTAs over whole chunks or not (plan_for's whole)
+    pdl = overrides.pop("QGEMM_PDL", None)  # 0: plain launches (runtime.pdl_enabled), read while this variant is timed
     info = runtime.device_info()
     p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, kv.step_bytes_max(ck),
                     kv.step_bytes_max(ck, 2) if ck.kind == "value" else None, mma=None if mma is None else bool(mma),
                     cc=info.cc, ctas_per_sm=mc, steps_per_cta=spc, v3=None if v3 is None else bool(v3),
-                    density=kv.density(ck))
-    return dataclasses.replace(p, defines={**p.defines, **overrides}) if overrides else p
+                    density=kv.density(ck), whole=None if whole is None else bool(whole))
+    p = dataclasses.replace(p, defines={**p.defines, **overrides}) if overrides else p
+    return p, pdl
 
 
 def check(kernel, runner, ck, x, cache, p) -> str:
@@ -77,16 +82,20 @@ def main() -> None:
         cache, ck, x = runner.make_case(shape, 0, opts)
         rows = x.shape[0] // shape[0] * x.shape[1]
         plans = {label: plan(runner, ck, rows, d) for label, d in variants}
-        status = {label: check(kernel, runner, ck, x, cache, p) for label, p in plans.items()}
+        status = {}
+        for label, (p, pdl) in plans.items():
+            with runtime.pdl_setting(pdl):
+                status[label] = check(kernel, runner, ck, x, cache, p)
         times = {label: [] for label in plans}
         for _ in range(args.reps):
-            for label, p in plans.items():
-                t = kv.time_kernel(kernel, runner, ck, x, iters=args.iters, cold=not args.hot, plan_=p)
+            for label, (p, pdl) in plans.items():
+                with runtime.pdl_setting(pdl):
+                    t = kv.time_kernel(kernel, runner, ck, x, iters=args.iters, cold=not args.hot, plan_=p)
                 times[label].append(t["median_us"])
-        for label, p in plans.items():
+        for label, (p, pdl) in plans.items():
             ts = times[label]
             print(f"{name:22s} {label:10s} {statistics.median(ts):8.2f}  [{' '.join(f'{t:.2f}' for t in ts)}]  "
-                  f"{status[label]}  grid {p.grid} per_cta {p.per_cta} {p.defines}")
+                  f"{status[label]}  grid {p.grid} per_cta {p.per_cta} {p.defines}{'' if pdl is None else f' QGEMM_PDL={pdl}'}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@
 //           lane's reads always fall in its own bank.
 // Products accumulate in half2 within a word (<= 32 terms), fp32 across words. Keys store their
 // R fp16 scores per lane; values reduce-scatter a channel's R sums over the warp once per step
-// and atomicAdd them into the fp32 output (zeroed first).
+// and atomicAdd them into the fp32 output (zeroed first, by mustafar_zero_output below).
 //
 // Compile-time configuration (-D from the launcher, qgemm.kvcache.plan_for):
 //   MF_R      query rows per CTA: 4 or 8 (more rows: row blocks)
@@ -30,10 +30,13 @@
 //   MF_VMASK  version 2's fp16 values: 1 zeroes the values a lane reads past its own (mf_half_tile),
 //             0 relies on the window's zeroed pad and finite data below (plan_for: by density)
 //   MF_U      value kernels, version 3: tiles per lane (1; 2 is supported, measured slower)
+//   MF_VTRIG  value kernels: 1 releases the next kernel (programmatic dependent launch) at entry,
+//             0 at exit (H100, 32x16384x128 value fp16: 27.4 against 27.8 us)
 //   MF_MMA    1: version 4 of the 4/2-bit value kernels (tensor cores on densely decoded tiles,
 //             sm_80+; plan_for takes it above 8 query rows), with MF_NT row tiles of 8 per CTA
 #pragma once
 #include <cuda_fp16.h>
+#include "common/pdl.cuh"
 // NVRTC has no <stdint.h>: the fixed-width types used here
 typedef unsigned int uint32_t;
 typedef unsigned char uint8_t;
@@ -49,6 +52,9 @@ typedef unsigned char uint8_t;
 #endif
 #ifndef MF_WARPS
 #define MF_WARPS 8
+#endif
+#ifndef MF_VTRIG
+#define MF_VTRIG 1
 #endif
 #ifndef MF_MIN_CTAS
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -93,6 +99,27 @@ static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_R
         const float *__restrict__ zer, const uint8_t *__restrict__ data, const __half *__restrict__ x,     \
         void *__restrict__ out, int S, int R, int per_cta
 #define MF_ARGS bmp, offs, scl, zer, data, x, out, S, R, per_cta
+
+// ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (common/pdl.cuh; qgemm.kvcache.MustafarRunner.launch):
+//   - a value kernel accumulates into its output, so the launcher runs mustafar_zero_output
+//     (an entry of every value module) first. The zero kernel waits for the previous kernel
+//     (which may still read or write the output), then releases the value kernel, which starts
+//     its prologue -- metadata, first windows, the probabilities, all final: nothing in the
+//     stream after the previous kernel's completion writes them -- and waits before its first
+//     atomicAdd. Against a memset and a plain launch this hides the launch of the value grid
+//     behind the zeroing.
+//   - a key kernel releases the next kernel at entry and waits before it reads the queries (the
+//     previous kernel may write them) or writes scores; above the wait it reads only the cache,
+//     which no qgemm kernel writes.
+// Without the launch attribute (QGEMM_PDL=0, GPUs before sm_90) both are no-ops and the zero
+// kernel is an ordinary memset.
+
+extern "C" __global__ void __launch_bounds__(256) mustafar_zero_output(float *__restrict__ out, int n) {
+    pdl_wait();
+    pdl_launch_dependents();
+    for (int i = blockIdx.x * 256 + threadIdx.x; i < n; i += gridDim.x * 256) out[i] = 0.0f;
+}
 
 // ---------------------------------------------------------------------------------------------
 // small helpers
@@ -573,12 +600,14 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
         mf2_load<BITS, COMPACT, U>(m, bmp, offs, scl, zer, tb + (size_t)s * U, s < S, ob + (COMPACT ? t0 / 16 : t0));
     };
 
+    pdl_launch_dependents();
     Mf2Meta<U> m0, m1;
     int p0 = 0;
     if (n > 0) meta(m0, 0);
     if (n > 1) meta(m1, 1);
     if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
     mf_commit();
+    pdl_wait();  // before the queries (the previous kernel may write them) and the scores
 
     // queries of this row block, REP interleaved copies; row 0 of each block of 32 dims is zeros.
     // A thread takes a dim: its R loads are one round of latency.
@@ -784,6 +813,7 @@ __device__ __forceinline__ void mf_value_sum_store(float (&v)[MF_R], int lane, i
 
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf2_value(MF_PARAMS) {
+    if (MF_VTRIG) pdl_launch_dependents();
     static_assert(MF_R == 4 || MF_R == 8, "version 2: MF_R must be 4 or 8");
     static_assert(BITS < 0 || MF_U == 1, "version 2 value kernels: one tile per lane (a lane's tiles must all be inside the channel)");
     constexpr int U = MF_U;
@@ -822,6 +852,7 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     mf_commit();
 
     mf_probs_stage<U>(pr, x, ps, b, R, row0, nr, S, u0);
+    pdl_wait();  // the output is zeroed
 
     int pcur = p0;
     for (int i = 0; i < n; ++i) {  // as in mf2_key
@@ -1274,9 +1305,11 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 
     // prologue: step 0's metadata and the queries loaded together; step 0's window requested
     // before step 1's metadata (the first walk waits for it alone), the queries staged meanwhile
+    pdl_launch_dependents();
     mf_zero_pads(wb, lane);
     Mf3Meta<U> m;
     if (n > 0) meta(m, 0);
+    pdl_wait();  // before the queries (the previous kernel may write them) and the scores
     constexpr int ND = (MF_D + MF_THREADS - 1) / MF_THREADS;
     uint32_t hq[ND][MF_R / 2];  // this thread's dims of the row block's queries, row pairs as half2
 #pragma unroll
@@ -1347,6 +1380,7 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf3_value(MF_PARAMS) {
+    if (MF_VTRIG) pdl_launch_dependents();
     constexpr int U = MF_U;
     static_assert(U == 1 || U == 2, "MF_U must be 1 or 2");
     constexpr int NW = 2 * U;
@@ -1387,6 +1421,7 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
     if (n > 1) meta(m, 1);
 
     mf_probs_stage<U>(pr, x, ps, b, R, row0, nr, S, u0);
+    pdl_wait();  // the output is zeroed
 
     float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
     const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2);
@@ -1539,6 +1574,7 @@ __device__ __forceinline__ void mf4_stage(const __half *__restrict__ x, uint8_t 
 // (a multiple of 16 for the compact layouts: a range starts at a group offset)
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf4_value(MF_PARAMS) {
+    if (MF_VTRIG) pdl_launch_dependents();
     static_assert(BITS == 2 || BITS == 4, "version 4: 4/2-bit layouts");
     extern __shared__ __align__(16) uint8_t mf_smem[];
     constexpr int ROWS = 8 * MF_NT;
@@ -1713,6 +1749,7 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
         if (ub + 8 < u1) load_blk(bn, ub + 8);
     }
     float *o = reinterpret_cast<float *>(out) + (size_t)b * R * MF_D + d;
+    pdl_wait();  // the output is zeroed
     if (u0 < u1) {
 #pragma unroll
         for (int nt = 0; nt < MF_NT; ++nt)
