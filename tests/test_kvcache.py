@@ -537,6 +537,8 @@ def test_mustafar_kernels_wait_where_programmatic_launch_needs_it():
     for fn in ("mf2_key", "mf3_key"):
         b = body(fn)
         assert b.index("pdl_wait();") < b.index("x[((size_t)b * R + row0") and b.index("pdl_wait();") < b.index("scores"), fn
+        # released after its own wait (the default), so the waiting grids never pile up
+        assert b.index("pdl_wait();") < b.index("if (MF_KTRIG == 1) pdl_launch_dependents();"), fn
     for fn, first_write in (("mf2_value", "mf_value_sum_store("), ("mf3_value", "mf_value_sum_store("), ("mf4_value", "atomicAdd(")):
         b = body(fn)
         assert b.count("pdl_wait();") == 1 and b.index("pdl_wait();") < b.index(first_write), fn

@@ -32,6 +32,11 @@
 //   MF_U      value kernels, version 3: tiles per lane (1; 2 is supported, measured slower)
 //   MF_VTRIG  value kernels: 1 releases the next kernel (programmatic dependent launch) at entry,
 //             0 at exit (H100, 32x16384x128 value fp16: 27.4 against 27.8 us)
+//   MF_KTRIG  key kernels: when they release the next kernel (programmatic dependent launch):
+//             1 right after their own wait, 2 at entry, 0 at exit. H100, µs 1 / 2 / 0: 32x1024x128
+//             q4 3.25 / 5.66 / 4.48, 32x2048 q2 3.92 / 4.68 / 5.61, 32x16384 q2 19.5 / 19.5 / 21.9.
+//             Released at entry, the next grid is released at its own entry too, and so on: the
+//             waiting CTAs of several grids fill the SMs unevenly
 //   MF_MMA    1: version 4 of the 4/2-bit value kernels (tensor cores on densely decoded tiles,
 //             sm_80+; plan_for takes it above 8 query rows), with MF_NT row tiles of 8 per CTA
 #pragma once
@@ -56,6 +61,10 @@ typedef unsigned char uint8_t;
 #ifndef MF_VTRIG
 #define MF_VTRIG 1
 #endif
+#ifndef MF_KTRIG
+#define MF_KTRIG 1
+#endif
+static_assert(MF_KTRIG >= 0 && MF_KTRIG <= 2, "MF_KTRIG: 0 (release at exit), 1 (after the wait) or 2 (at entry)");
 #ifndef MF_MIN_CTAS
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MF_MIN_CTAS 2
@@ -109,9 +118,9 @@ static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_R
 //     stream after the previous kernel's completion writes them -- and waits before its first
 //     atomicAdd. Against a memset and a plain launch this hides the launch of the value grid
 //     behind the zeroing.
-//   - a key kernel releases the next kernel at entry and waits before it reads the queries (the
-//     previous kernel may write them) or writes scores; above the wait it reads only the cache,
-//     which no qgemm kernel writes.
+//   - a key kernel waits before it reads the queries (the previous kernel may write them) or
+//     writes scores, and releases the next kernel right after that wait (MF_KTRIG); above the
+//     wait it reads only the cache, which no qgemm kernel writes.
 // Without the launch attribute (QGEMM_PDL=0, GPUs before sm_90) both are no-ops and the zero
 // kernel is an ordinary memset.
 
@@ -600,7 +609,7 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
         mf2_load<BITS, COMPACT, U>(m, bmp, offs, scl, zer, tb + (size_t)s * U, s < S, ob + (COMPACT ? t0 / 16 : t0));
     };
 
-    pdl_launch_dependents();
+    if (MF_KTRIG == 2) pdl_launch_dependents();
     Mf2Meta<U> m0, m1;
     int p0 = 0;
     if (n > 0) meta(m0, 0);
@@ -608,6 +617,7 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
     if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
     mf_commit();
     pdl_wait();  // before the queries (the previous kernel may write them) and the scores
+    if (MF_KTRIG == 1) pdl_launch_dependents();
 
     // queries of this row block, REP interleaved copies; row 0 of each block of 32 dims is zeros.
     // A thread takes a dim: its R loads are one round of latency.
@@ -1305,11 +1315,12 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 
     // prologue: step 0's metadata and the queries loaded together; step 0's window requested
     // before step 1's metadata (the first walk waits for it alone), the queries staged meanwhile
-    pdl_launch_dependents();
+    if (MF_KTRIG == 2) pdl_launch_dependents();
     mf_zero_pads(wb, lane);
     Mf3Meta<U> m;
     if (n > 0) meta(m, 0);
     pdl_wait();  // before the queries (the previous kernel may write them) and the scores
+    if (MF_KTRIG == 1) pdl_launch_dependents();
     constexpr int ND = (MF_D + MF_THREADS - 1) / MF_THREADS;
     uint32_t hq[ND][MF_R / 2];  // this thread's dims of the row block's queries, row pairs as half2
 #pragma unroll
