@@ -523,9 +523,10 @@ def test_value_plans_take_whole_chunks_where_they_fill_waves():
 def test_mustafar_kernels_wait_where_programmatic_launch_needs_it():
     """The mustafar kernels are launched with programmatic dependent launch (KernelSpec.pdl): a key
     kernel may start while the previous kernel still writes its queries, so it waits before it
-    reads them; a value kernel is released early by its zero kernel, which waits for the previous
-    kernel before it writes the output and before it releases the value kernel, which waits
-    before its first atomicAdd. The device-side race test is test_attention_chain_with_pdl."""
+    reads them; a value kernel is released at once by its zero kernel, which waits for the
+    previous kernel before it writes the output; the value kernel waits (for the zero kernel) before
+    it reads the probabilities (the kernel before may write them) or adds into the output. The
+    device-side race test is test_attention_chain_with_pdl."""
     from qgemm import jit, registry
 
     src = jit.read_source("common/mustafar.cuh")
@@ -539,12 +540,15 @@ def test_mustafar_kernels_wait_where_programmatic_launch_needs_it():
         assert b.index("pdl_wait();") < b.index("x[((size_t)b * R + row0") and b.index("pdl_wait();") < b.index("scores"), fn
         # released after its own wait (the default), so the waiting grids never pile up
         assert b.index("pdl_wait();") < b.index("if (MF_KTRIG == 1) pdl_launch_dependents();"), fn
-    for fn, first_write in (("mf2_value", "mf_value_sum_store("), ("mf3_value", "mf_value_sum_store("), ("mf4_value", "atomicAdd(")):
+    for fn, first_read in (("mf2_value", "mf_probs_begin<U>("), ("mf3_value", "mf_probs_begin<U>("), ("mf4_value", "mf4_stage<BITS>(x")):
         b = body(fn)
-        assert b.count("pdl_wait();") == 1 and b.index("pdl_wait();") < b.index(first_write), fn
+        first_write = "atomicAdd(" if fn == "mf4_value" else "mf_value_sum_store("
+        assert b.count("pdl_wait();") == 1 and b.index("pdl_wait();") < min(b.index(first_read), b.index(first_write)), fn
+    for fn in ("mf_probs_begin", "mf_probs_stage"):  # where the value kernels read the probabilities
+        assert src.count(f"{fn}<U>(") == 2  # called by the two walks' value kernels only
     z = src[src.index("void __launch_bounds__(256) mustafar_zero_output("):]
     z = z[:z.index("\n}\n")]
-    assert z.index("pdl_wait();") < z.index("pdl_launch_dependents();") < z.index("= 0.0f")
+    assert z.index("pdl_launch_dependents();") < z.index("pdl_wait();") < z.index("= 0.0f")
     for name in ("mustafar.key_q2", "mustafar.value_fp16", "mustafar.value_q4c"):
         spec = registry.get(name).spec
         assert spec.pdl and spec.helpers == ((kv.ZERO_ENTRY,) if "value" in name else ())

@@ -31,7 +31,8 @@
 //             0 relies on the window's zeroed pad and finite data below (plan_for: by density)
 //   MF_U      value kernels, version 3: tiles per lane (1; 2 is supported, measured slower)
 //   MF_VTRIG  value kernels: 1 releases the next kernel (programmatic dependent launch) at entry,
-//             0 at exit (H100, 32x16384x128 value fp16: 27.4 against 27.8 us)
+//             0 at exit (H100, 32x16384x128 value fp16: 27.4 against 27.8 us, measured with the
+//             value kernel released after the zero kernel's wait)
 //   MF_KTRIG  key kernels: when they release the next kernel (programmatic dependent launch):
 //             1 right after their own wait, 2 at entry, 0 at exit. H100, µs 1 / 2 / 0: 32x1024x128
 //             q4 3.25 / 5.66 / 4.48, 32x2048 q2 3.92 / 4.68 / 5.61, 32x16384 q2 19.5 / 19.5 / 21.9.
@@ -112,21 +113,23 @@ static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_R
 // ---------------------------------------------------------------------------------------------
 // Programmatic dependent launch (common/pdl.cuh; qgemm.kvcache.MustafarRunner.launch):
 //   - a value kernel accumulates into its output, so the launcher runs mustafar_zero_output
-//     (an entry of every value module) first. The zero kernel waits for the previous kernel
-//     (which may still read or write the output), then releases the value kernel, which starts
-//     its prologue -- metadata, first windows, the probabilities, all final: nothing in the
-//     stream after the previous kernel's completion writes them -- and waits before its first
-//     atomicAdd. Against a memset and a plain launch this hides the launch of the value grid
-//     behind the zeroing.
+//     (an entry of every value module) first. The zero kernel releases the value kernel at once,
+//     then waits for the kernel before it (which may still read or write the output) and zeroes.
+//     The value kernel loads its first metadata from the cache, which no qgemm kernel writes,
+//     then waits (for the zero kernel, so for everything before it) before it
+//     reads the probabilities -- the kernel before the zero kernel may write them -- and
+//     before its first atomicAdd. So the value kernel's start overlaps the previous kernel's
+//     end and the zeroing: H100, 32x16384x128 value q2 25.8 us with plain launches, 25.1 with
+//     the value kernel released after the zero kernel's wait, 23.7 released at its entry.
 //   - a key kernel waits before it reads the queries (the previous kernel may write them) or
 //     writes scores, and releases the next kernel right after that wait (MF_KTRIG); above the
-//     wait it reads only the cache, which no qgemm kernel writes.
+//     wait it reads only the cache.
 // Without the launch attribute (QGEMM_PDL=0, GPUs before sm_90) both are no-ops and the zero
 // kernel is an ordinary memset.
 
 extern "C" __global__ void __launch_bounds__(256) mustafar_zero_output(float *__restrict__ out, int n) {
-    pdl_wait();
     pdl_launch_dependents();
+    pdl_wait();
     for (int i = blockIdx.x * 256 + threadIdx.x; i < n; i += gridDim.x * 256) out[i] = 0.0f;
 }
 
@@ -850,19 +853,20 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
 
     float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
     const uint32_t xw0 = (uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2;
-    // prologue: steps 0 and 1's metadata and the first item of the probabilities loaded together,
-    // step 0's window requested (it waits for the metadata), then the probabilities staged
+    // prologue: steps 0 and 1's metadata loaded (above the wait: the cache), then the first item
+    // of the probabilities with step 0's window request (it waits for the metadata), then the
+    // probabilities staged
     Mf2Meta<U> m0, m1;
     int p0 = 0;
     if (n > 0) meta(m0, 0);
     if (n > 1) meta(m1, 1);
     MfProbs pr;
+    pdl_wait();  // before the probabilities (the kernel before the zero kernel may write them) and the output
     mf_probs_begin<U>(pr, x, b, R, row0, nr, S, u0);
     if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
     mf_commit();
 
     mf_probs_stage<U>(pr, x, ps, b, R, row0, nr, S, u0);
-    pdl_wait();  // the output is zeroed
 
     int pcur = p0;
     for (int i = 0; i < n; ++i) {  // as in mf2_key
@@ -1418,21 +1422,22 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
         mf3_load<BITS, COMPACT, U, U == 1>(m, bmp, offs, scl, zer, tb + t, nt, ob + t, ob + (size_t)d * gpr + (u0 >> 4));
     };
 
-    // prologue: step 0's metadata and the first item of the probabilities loaded together, step 0
-    // prepped (its window requested), step 1's metadata loaded, then the probabilities staged
+    // prologue: step 0's metadata loaded (above the wait: the cache), the first item of the
+    // probabilities, step 0 prepped (its window requested), step 1's metadata loaded, then the
+    // probabilities staged
     mf_zero_pads(wb, lane);
     Mf3Meta<U> m;
     uint32_t dq[U], dqn[U];
     MfKeys<NW> keys, keysn;
     MfProbs pr;
     if (n > 0) meta(m, 0);
+    pdl_wait();  // before the probabilities (the kernel before the zero kernel may write them) and the output
     mf_probs_begin<U>(pr, x, b, R, row0, nr, S, u0);
     if (n > 0) mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
     mf_commit();
     if (n > 1) meta(m, 1);
 
     mf_probs_stage<U>(pr, x, ps, b, R, row0, nr, S, u0);
-    pdl_wait();  // the output is zeroed
 
     float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
     const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2);
@@ -1604,6 +1609,7 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
     const size_t trow = (size_t)b * T + (size_t)d * nst;  // tile (d, 0) in the flat [B * T] arrays
     const uint32_t *__restrict__ data32 = reinterpret_cast<const uint32_t *>(data);
 
+    pdl_wait();  // before the probabilities (the kernel before the zero kernel may write them) and the output
     mf4_stage<BITS>(x, mf_smem, b, R, row0, S, u0, u1);
     const uint32_t slut = (uint32_t)__cvta_generic_to_shared(mf_smem);
     const uint32_t sps = slut + MF4_LUT_BYTES + lane * 16;
@@ -1760,7 +1766,6 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
         if (ub + 8 < u1) load_blk(bn, ub + 8);
     }
     float *o = reinterpret_cast<float *>(out) + (size_t)b * R * MF_D + d;
-    pdl_wait();  // the output is zeroed
     if (u0 < u1) {
 #pragma unroll
         for (int nt = 0; nt < MF_NT; ++nt)
