@@ -30,9 +30,11 @@
 //   MF_VMASK  version 2's fp16 values: 1 zeroes the values a lane reads past its own (mf_half_tile),
 //             0 relies on the window's zeroed pad and finite data below (plan_for: by density)
 //   MF_U      value kernels, version 3: tiles per lane (1; 2 is supported, measured slower)
-//   MF_VTRIG  value kernels: 1 releases the next kernel (programmatic dependent launch) at entry,
-//             0 at exit (H100, 32x16384x128 value fp16: 27.4 against 27.8 us, measured with the
-//             value kernel released after the zero kernel's wait)
+//   MF_VTRIG  value kernels: when they release the next kernel (programmatic dependent launch):
+//             1 at entry, 2 after their own wait, 0 at exit. H100, µs 1 / 2 / 0: 32x16384x128
+//             value q2 24.0 / 24.1 / 25.6, 32x4096 value fp16 10.6 / 11.0 / 11.0, 32x1024 value q2
+//             6.4 / 6.4 / 7.7. (The next op's zero kernel holds its value kernel's probabilities
+//             and output behind its own wait, so no grid waits on more than the one before it.)
 //   MF_KTRIG  key kernels: when they release the next kernel (programmatic dependent launch):
 //             1 right after their own wait, 2 at entry, 0 at exit. H100, µs 1 / 2 / 0: 32x1024x128
 //             q4 3.25 / 5.66 / 4.48, 32x2048 q2 3.92 / 4.68 / 5.61, 32x16384 q2 19.5 / 19.5 / 21.9.
@@ -62,6 +64,7 @@ typedef unsigned char uint8_t;
 #ifndef MF_VTRIG
 #define MF_VTRIG 1
 #endif
+static_assert(MF_VTRIG >= 0 && MF_VTRIG <= 2, "MF_VTRIG: 0 (release at exit), 1 (at entry) or 2 (after the wait)");
 #ifndef MF_KTRIG
 #define MF_KTRIG 1
 #endif
@@ -826,7 +829,7 @@ __device__ __forceinline__ void mf_value_sum_store(float (&v)[MF_R], int lane, i
 
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf2_value(MF_PARAMS) {
-    if (MF_VTRIG) pdl_launch_dependents();
+    if (MF_VTRIG == 1) pdl_launch_dependents();
     static_assert(MF_R == 4 || MF_R == 8, "version 2: MF_R must be 4 or 8");
     static_assert(BITS < 0 || MF_U == 1, "version 2 value kernels: one tile per lane (a lane's tiles must all be inside the channel)");
     constexpr int U = MF_U;
@@ -862,6 +865,7 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     if (n > 1) meta(m1, 1);
     MfProbs pr;
     pdl_wait();  // before the probabilities (the kernel before the zero kernel may write them) and the output
+    if (MF_VTRIG == 2) pdl_launch_dependents();
     mf_probs_begin<U>(pr, x, b, R, row0, nr, S, u0);
     if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
     mf_commit();
@@ -1395,7 +1399,7 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf3_value(MF_PARAMS) {
-    if (MF_VTRIG) pdl_launch_dependents();
+    if (MF_VTRIG == 1) pdl_launch_dependents();
     constexpr int U = MF_U;
     static_assert(U == 1 || U == 2, "MF_U must be 1 or 2");
     constexpr int NW = 2 * U;
@@ -1432,6 +1436,7 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
     MfProbs pr;
     if (n > 0) meta(m, 0);
     pdl_wait();  // before the probabilities (the kernel before the zero kernel may write them) and the output
+    if (MF_VTRIG == 2) pdl_launch_dependents();
     mf_probs_begin<U>(pr, x, b, R, row0, nr, S, u0);
     if (n > 0) mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
     mf_commit();
@@ -1590,7 +1595,7 @@ __device__ __forceinline__ void mf4_stage(const __half *__restrict__ x, uint8_t 
 // (a multiple of 16 for the compact layouts: a range starts at a group offset)
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf4_value(MF_PARAMS) {
-    if (MF_VTRIG) pdl_launch_dependents();
+    if (MF_VTRIG == 1) pdl_launch_dependents();
     static_assert(BITS == 2 || BITS == 4, "version 4: 4/2-bit layouts");
     extern __shared__ __align__(16) uint8_t mf_smem[];
     constexpr int ROWS = 8 * MF_NT;
@@ -1610,6 +1615,7 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
     const uint32_t *__restrict__ data32 = reinterpret_cast<const uint32_t *>(data);
 
     pdl_wait();  // before the probabilities (the kernel before the zero kernel may write them) and the output
+    if (MF_VTRIG == 2) pdl_launch_dependents();
     mf4_stage<BITS>(x, mf_smem, b, R, row0, S, u0, u1);
     const uint32_t slut = (uint32_t)__cvta_generic_to_shared(mf_smem);
     const uint32_t sps = slut + MF4_LUT_BYTES + lane * 16;
