@@ -33,8 +33,8 @@
 //   MF_VTRIG  value kernels: when they release the next kernel (programmatic dependent launch):
 //             1 at entry, 2 after their own wait, 0 at exit. H100, µs 1 / 2 / 0: 32x16384x128
 //             value q2 24.0 / 24.1 / 25.6, 32x4096 value fp16 10.6 / 11.0 / 11.0, 32x1024 value q2
-//             6.4 / 6.4 / 7.7. (The next op's zero kernel holds its value kernel's probabilities
-//             and output behind its own wait, so no grid waits on more than the one before it.)
+//             6.4 / 6.4 / 7.7. (Released at entry, later ops' grids may queue behind this one, as
+//             the keys' did; here that measured no slower.)
 //   MF_KTRIG  key kernels: when they release the next kernel (programmatic dependent launch):
 //             1 right after their own wait, 2 at entry, 0 at exit. H100, µs 1 / 2 / 0: 32x1024x128
 //             q4 3.25 / 5.66 / 4.48, 32x2048 q2 3.92 / 4.68 / 5.61, 32x16384 q2 19.5 / 19.5 / 21.9.
