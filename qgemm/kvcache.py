@@ -1014,8 +1014,9 @@ class MustafarRunner:
         """Launch on device operands already checked (the hot path). Value kernels accumulate:
         the output is zeroed first, on the same stream, by the module's mustafar_zero_output. Both
         kernels are launched with programmatic dependent launch where the GPU and cuda.core
-        support it (runtime.pdl_enabled; the waits are in cuda_src/common/mustafar.cuh): the value
-        kernel's prologue then runs while the output is zeroed."""
+        support it (KernelSpec.pdl, runtime.pdl_enabled; the waits and their order are in
+        cuda_src/common/mustafar.cuh): the value kernel's start then overlaps the end of the
+        kernel before it and the zeroing."""
         from . import runtime
 
         b, s, d = dkv.shape
@@ -1027,7 +1028,7 @@ class MustafarRunner:
         n = dout.nbytes // 4
         if self.kind == "value" and n:
             mod.launch(ZERO_ENTRY, (min(-(-n // 256), 1024), 1, 1), (256, 1, 1), 0, (np.uint64(dout.ptr), np.int32(n)),
-                       stream=stream, pdl=True)
+                       stream=stream, pdl=kernel.spec.pdl)
         args = (np.uint64(dkv.ptr("bmp")), np.uint64(dkv.ptr("offs")), np.uint64(dkv.ptr("scl")), np.uint64(dkv.ptr("zer")),
                 np.uint64(dkv.ptr("data")), np.uint64(dx.ptr), np.uint64(dout.ptr), np.int32(s), np.int32(rows),
                 np.int32(plan_.per_cta))
