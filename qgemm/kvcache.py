@@ -672,6 +672,7 @@ class LaunchPlan:
 
 
 ZERO_ENTRY = "mustafar_zero_output"  # the value modules' zeroing kernel (cuda_src/common/mustafar.cuh)
+ZERO_THREADS = 256                   # its block: __launch_bounds__(256), a grid-stride loop of 256
 STEP_LANES = 32     # a warp step = 32 lanes (keys: 32 tokens; values: 32 tiles of a channel)
 SMEM_MAX = 227 * 1024
 
@@ -802,7 +803,7 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     compressed bytes from L2); windows sized from the cache's largest step (max_step,
     `step_bytes_max`, and for 2-tile value steps max_step2; None: the worst case); the grid about
     one wave of the CTAs an SM holds (registers and shared memory); value kernels take 16-warp CTAs
-    over whole chunks where those make one wave (_whole_chunk_ctas). ctas_per_sm: the resident CTAs
+    over whole chunks where those make nearly full waves (_whole_chunk_ctas). ctas_per_sm: the resident CTAs
     per SM the kernel's registers are bounded for (MF_MIN_CTAS) and the grid is sized by, instead
     of the measured default (tools/kv_probe.py's MF_MIN_CTAS variants). steps_per_cta (key
     kernels): warp steps of 32 tokens per CTA instead of the even one-wave split
@@ -1027,8 +1028,8 @@ class MustafarRunner:
         mod = kernel._module(plan_.defines)
         n = dout.nbytes // 4
         if self.kind == "value" and n:
-            mod.launch(ZERO_ENTRY, (min(-(-n // 256), 1024), 1, 1), (256, 1, 1), 0, (np.uint64(dout.ptr), np.int32(n)),
-                       stream=stream, pdl=kernel.spec.pdl)
+            mod.launch(ZERO_ENTRY, (min(-(-n // ZERO_THREADS), 1024), 1, 1), (ZERO_THREADS, 1, 1), 0,
+                       (np.uint64(dout.ptr), np.int32(n)), stream=stream, pdl=kernel.spec.pdl)
         args = (np.uint64(dkv.ptr("bmp")), np.uint64(dkv.ptr("offs")), np.uint64(dkv.ptr("scl")), np.uint64(dkv.ptr("zer")),
                 np.uint64(dkv.ptr("data")), np.uint64(dx.ptr), np.uint64(dout.ptr), np.int32(s), np.int32(rows),
                 np.int32(plan_.per_cta))
