@@ -10,6 +10,7 @@
 #   QGEMM_CHECK="q8" bash tools/gpu_check.sh                   # int8 small batch on Q8_1: tests, every config, whole op
 #   QGEMM_CHECK="rs" bash tools/gpu_check.sh                   # Hopper prefill: wgmma_rs vs wgmma, tests, tune
 #   QGEMM_CHECK="l2" bash tools/gpu_check.sh                   # prefill: warpgroups per CTA, L2 throughput (ncu) vs cuBLAS
+#   QGEMM_CHECK="kvcache" bash tools/gpu_check.sh              # Mustafar: its GPU tests, the kvcache bench vs dense torch
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check}
@@ -97,6 +98,10 @@ for step in $STEPS; do
               for v in 1 0; do QGEMM_PDL=$v run $PY -m qgemm bench --m 1,8,64,512,2048 --k 4096,14336 --iters 20 \
                   --hot-only --no-peers --out "$OUT/pdl$v"
                   [ -f "$OUT/pdl$v/bench.md" ] && mv "$OUT/pdl$v/bench.md" "$OUT/bench-pdl$v.md"; rm -rf "$OUT/pdl$v"; done ;;
+    kvcache)  # the mustafar.* kernels: their GPU tests, then `qgemm bench --suite kvcache` (kvcache.json / .md:
+              # docs/perf/kvcache-h100.json and docs/mustafar.md's tables come from it)
+              run $PY -m pytest -q -m gpu tests/test_kvcache.py -p no:cacheprovider
+              run $PY -m qgemm bench --suite kvcache --iters 10 --out "$OUT/kvcache" ;;
     ncu)      OUT="$OUT" KERNELS="w4a16.skinny" SHAPE=8x4096x4096 run bash tools/gpu_ncu.sh
               OUT="$OUT" KERNELS="w4a16.mma" SHAPE=512x4096x4096 run bash tools/gpu_ncu.sh ;;
     validate) run $PY -m qgemm validate --all
