@@ -581,6 +581,24 @@ def test_fp16_value_zeroing_follows_density():
         assert abs(kv.density(ck) - (1 - sp)) < 0.02, (sp, kv.density(ck))
 
 
+@pytest.mark.parametrize("name", ["mustafar.key_q2", "mustafar.key_q2c", "mustafar.key_q4", "mustafar.key_q4c"])
+def test_key_code_constants_either_way(name):
+    """MF_CREG (version 3's 4/2-bit keys): the code mask and 1.0 pair kept in registers (1: one
+    LOP3 per slot; the default for 2-bit) or folded into immediates (0: the default for 4-bit).
+    Both compile without spills (the decode shape, and the two with the most registers), in the
+    registers of the resident CTAs the kernel is bounded for (MF_MIN_CTAS)."""
+    entry = registry.spec(name).entry
+    bits = 2 if "q2" in name else 4
+    for rows, d, resident in ((4, 128, 4), (4, 256, 3), (8, 256, 2)):
+        p = kv.plan_for("key", bits, (32, 16384, d), rows, 132)
+        assert "MF_CREG" not in p.defines  # the kernel's default: by bits
+        for creg in (0, 1):
+            defines = {**p.defines, "MF_CREG": creg}
+            res = qgemm.get(name).compile("sm_90", defines).resources[entry]
+            assert res.spill_stores == 0 and res.spill_loads == 0, (defines, res)
+            assert res.registers * 32 * defines["MF_WARPS"] * resident <= 65536, (defines, res)
+
+
 @pytest.mark.parametrize("kind, bits", [("key", 16), ("key", 2), ("value", 16), ("value", 4)])
 def test_plans_for_either_walk_version(kind, bits):
     """plan_for(v3=) (tools/kv_probe.py's MF_V3 variants): version 3 (pads and word records in

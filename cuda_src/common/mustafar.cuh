@@ -40,6 +40,11 @@
 //             q4 3.25 / 5.66 / 4.48, 32x2048 q2 3.92 / 4.68 / 5.61, 32x16384 q2 19.5 / 19.5 / 21.9.
 //             Released at entry, the next grid is released at its own entry too, and so on: the
 //             waiting CTAs of several grids fill the SMs unevenly
+//   MF_CREG   4/2-bit key kernels, version 3: 1 keeps the code mask and the 1.0 pair in registers
+//             (one LOP3 per slot instead of two: mf3_code_consts), 0 lets them fold into
+//             immediates, -1 (default): 1 for 2-bit, 0 for 4-bit. H100, 32x16384x128, µs 1 / 0:
+//             q2 25.96 / 26.20 at 50%, 19.30 / 19.42 at 70%, 32x32768 50% 48.4 / 49.1; q4 28.70 /
+//             28.52 at 50%, 22.43 / 22.25 at 70% (q2c and q4c alike)
 //   MF_MMA    1: version 4 of the 4/2-bit value kernels (tensor cores on densely decoded tiles,
 //             sm_80+; plan_for takes it above 8 query rows), with MF_NT row tiles of 8 per CTA
 #pragma once
@@ -65,6 +70,9 @@ typedef unsigned char uint8_t;
 #define MF_VTRIG 1
 #endif
 static_assert(MF_VTRIG >= 0 && MF_VTRIG <= 2, "MF_VTRIG: 0 (release at exit), 1 (at entry) or 2 (after the wait)");
+#ifndef MF_CREG
+#define MF_CREG -1
+#endif
 #ifndef MF_KTRIG
 #define MF_KTRIG 1
 #endif
@@ -978,7 +986,7 @@ struct Mf3Pair {
     int xstride;
     uint32_t wd[2 * NCW];  // [2i]: top halves of code words i of A (low) and B (high); [2i+1]: bottom halves
     __half2 dqm, dqa;      // (A, B) dequantization constants
-    uint32_t fm, vta, vtb;
+    uint32_t fm, one, vta, vtb;  // fm, one: mf3_code_consts
     XT rw[2][2];           // [slot & 1][word]
     // fp16: each word's values two per even slot s (MfHalfPairs, virtual value s at vt - 2s), the
     // pair's funnel kept for slot s + 1
@@ -1011,7 +1019,7 @@ struct Mf3Pair {
             constexpr int X = 16 - BITS * (j % (PER / 2) + 1);
             const uint32_t src = wd[2 * ci + (j < PER / 2 ? 0 : 1)];
             const uint32_t sft = T >= X ? (src << (T >= X ? T - X : 0)) : (src >> (T < X ? X - T : 0));
-            const uint32_t h = (sft & fm) | 0x3C003C00u;   // (A, B) as 1 + q / 2^BITS
+            const uint32_t h = (sft & fm) | one;           // (A, B) as 1 + q / 2^BITS: one LOP3
             const __half2 vv = __hfma2(mf_as_h2(h), dqm, dqa);
             va = __low2half2(vv);
             vb = __high2half2(vv);
@@ -1021,12 +1029,24 @@ struct Mf3Pair {
     }
 };
 
+// The code mask of both halves and the pair (1.0, 1.0), as registers the compiler cannot see
+// through: as immediates (the constant folded in) a slot's (codes & mask) | 1.0 took two LOP3s,
+// since a LOP3 holds one immediate; with both in registers it is one (17 instead of 18
+// instructions per slot of two codes). Made once per kernel, above the step loop, from `zero` (0
+// at run time, computed from a kernel argument) and through a shuffle: ptxas folds a shuffle of an
+// immediate, and splits a bare (constant | zero) back into an immediate and a register.
+template <int BITS, bool OPAQUE>
+__device__ __forceinline__ uint2 mf3_code_consts(int zero) {
+    constexpr uint32_t FM = BITS == 16 ? 0u : (((1u << BITS) - 1u) << Mf3Pair<BITS>::T) * 0x10001u;
+    if (BITS == 16 || !OPAQUE) return make_uint2(FM, 0x3C003C00u);
+    return make_uint2(mf_opaque(FM | (uint32_t)zero), mf_opaque(0x3C003C00u | (uint32_t)zero));
+}
+
 template <int BITS>
 __device__ __forceinline__ void mf3_pair(uint32_t bits_a, uint32_t bits_b, int kmax, uint32_t dq_a, uint32_t dq_b, uint32_t sbuf,
-                                         int end_a, int end_b, uint32_t xrow_a, uint32_t xrow_b, int xstride,
+                                         int end_a, int end_b, uint32_t xrow_a, uint32_t xrow_b, int xstride, uint2 cc,
                                          __half2 (&acc)[MF_R / 2], __half2 (&acc2)[MF_R / 2]) {
     typedef Mf3Pair<BITS> W;
-    constexpr uint32_t FM = BITS == 16 ? 0u : (((1u << BITS) - 1u) << W::T) * 0x10001u;
     W w;
     w.ba = bits_a;
     w.bb = bits_b;
@@ -1036,7 +1056,7 @@ __device__ __forceinline__ void mf3_pair(uint32_t bits_a, uint32_t bits_b, int k
     w.vta = sbuf + 2 * (end_a + 31 - kmax);  // virtual value 0 of each word (fp16)
     w.vtb = sbuf + 2 * (end_b + 31 - kmax);
     w.dqm = w.dqa = __float2half2_rn(0.0f);
-    w.fm = 0u;
+    w.fm = w.one = 0u;
     if (BITS == 16) {
         w.wd[0] = w.wd[1] = 0u;
         // the loads before the entry slot s0 = 32 - kmax: s0 even, the previous word (phase 0
@@ -1070,7 +1090,8 @@ __device__ __forceinline__ void mf3_pair(uint32_t bits_a, uint32_t bits_b, int k
         }
         w.dqm = mf_as_h2(__byte_perm(dq_a, dq_b, 0x5410));
         w.dqa = mf_as_h2(__byte_perm(dq_a, dq_b, 0x7632));
-        w.fm = FM;
+        w.fm = cc.x;
+        w.one = cc.y;
     }
     if (kmax & 1) {  // s0 odd (gathered straight into the entry slot's set)
         w.rw[1][0] = w.gather(w.ba, w.xa);
@@ -1244,7 +1265,7 @@ __device__ __forceinline__ void mf3_prep(const Mf3Meta<U> &m, int nt, const uint
 // apart; srec: the shared address of the lane's first record in the step's buffer.
 template <int BITS, int U>
 __device__ __forceinline__ void mf3_walk(MfKeys<2 * U> keys, const uint32_t (&dq)[U], uint32_t sbuf, uint32_t srec,
-                                         uint32_t xw0, int xwstep, int xstride, float (&acc)[MF_R]) {
+                                         uint32_t xw0, int xwstep, int xstride, uint2 cc, float (&acc)[MF_R]) {
     constexpr int NW = 2 * U;
     auto tile_dq = [&](int idx) {  // the word's tile (bit tests: a chain of == made ptxas index a local array)
         uint32_t d = dq[0];
@@ -1274,7 +1295,7 @@ __device__ __forceinline__ void mf3_walk(MfKeys<2 * U> keys, const uint32_t (&dq
 #pragma unroll
             for (int i = 0; i < MF_R / 2; ++i) ha[i] = hb[i] = __float2half2_rn(0.0f);
             mf3_pair<BITS>(ra.x, rb.x, kmax, tile_dq(ia), tile_dq(ib), sbuf, (int)ra.y, (int)rb.y, xw0 + ia * xwstep,
-                           xw0 + ib * xwstep, xstride, ha, hb);
+                           xw0 + ib * xwstep, xstride, cc, ha, hb);
             add(ha);
             add(hb);
         }
@@ -1365,6 +1386,7 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 
     __half *scores = reinterpret_cast<__half *>(out) + ((size_t)b * R + row0) * S;
     const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(xs) + (MF_REP + (lane % MF_REP)) * MF_R * 2);
+    const uint2 cc = mf3_code_consts<BITS, MF_CREG == 1 || (MF_CREG == -1 && BITS == 2)>(per_cta >> 30);  // per_cta < 2^30
     for (int i = 0; i < n; ++i) {
         if (i + 1 < n)
             mf3_prep<BITS, COMPACT, U>(m, tok(i + 1) < S ? U : 0, data, (i & 1) ? win0 : win1, lane, (i & 1) ? rec0 : rec1, dqn,
@@ -1377,7 +1399,7 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 #pragma unroll
         for (int j = 0; j < MF_R; ++j) acc[j] = 0.0f;
         mf3_walk<BITS, U>(keys, dq, mf_opaque((i & 1) ? swin1 : swin0), mf_opaque((i & 1) ? srec1 : srec0), xw0, BLK,
-                          MF_REP * MF_R * 2, acc);
+                          MF_REP * MF_R * 2, cc, acc);
         __syncwarp();
         const int s = tok(i);
         if (s < S) {  // a pointer bumped by a row (64-bit row index math per row cost ~8 instructions)
@@ -1446,6 +1468,9 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
 
     float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
     const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2);
+    // as immediates: at the value kernels' 64-register bound ptxas rebuilt opaque ones with two
+    // LOP3s anyway (and 3 resident 16-warp CTAs per SM would leave 40 registers)
+    const uint2 cc = mf3_code_consts<BITS, false>(0);
     for (int i = 0; i < n; ++i) {  // as in mf3_key
         if (i + 1 < n) mf3_prep<BITS, COMPACT, U>(m, nt, data, (i & 1) ? win0 : win1, lane, (i & 1) ? rec0 : rec1, dqn, keysn);
         mf_commit();
@@ -1456,7 +1481,7 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
 #pragma unroll
         for (int j = 0; j < MF_R; ++j) v[j] = 0.0f;
         mf3_walk<BITS, U>(keys, dq, mf_opaque((i & 1) ? swin1 : swin0), mf_opaque((i & 1) ? srec1 : srec0), xw0, 32 * MF_R * 2,
-                          NCOL * MF_R * 2, v);
+                          NCOL * MF_R * 2, cc, v);
         __syncwarp();
         mf_value_sum_store(v, lane, nr, o, chan(i));
 #pragma unroll
