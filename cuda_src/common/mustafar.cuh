@@ -73,6 +73,7 @@ static_assert(MF_VTRIG >= 0 && MF_VTRIG <= 2, "MF_VTRIG: 0 (release at exit), 1 
 #ifndef MF_CREG
 #define MF_CREG -1
 #endif
+static_assert(MF_CREG >= -1 && MF_CREG <= 1, "MF_CREG: 1 (code constants in registers), 0 (immediates) or -1 (by bits)");
 #ifndef MF_KTRIG
 #define MF_KTRIG 1
 #endif
@@ -1386,7 +1387,7 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 
     __half *scores = reinterpret_cast<__half *>(out) + ((size_t)b * R + row0) * S;
     const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(xs) + (MF_REP + (lane % MF_REP)) * MF_R * 2);
-    const uint2 cc = mf3_code_consts<BITS, MF_CREG == 1 || (MF_CREG == -1 && BITS == 2)>(per_cta >> 30);  // per_cta < 2^30
+    const uint2 cc = mf3_code_consts<BITS, MF_CREG == 1 || (MF_CREG == -1 && BITS == 2)>(per_cta >> 30);  // per_cta <= S / 32 < 2^26: 0
     for (int i = 0; i < n; ++i) {
         if (i + 1 < n)
             mf3_prep<BITS, COMPACT, U>(m, tok(i + 1) < S ? U : 0, data, (i & 1) ? win0 : win1, lane, (i & 1) ? rec0 : rec1, dqn,
