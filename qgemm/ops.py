@@ -209,7 +209,7 @@ class Kernel:
                             f"{self.name} needs sm_{self.spec.min_arch} or newer, but the GPU ({info.name}) is {info.arch}"
                         )
                     ck = self.compile(info.arch, defines)
-                    mod = runtime.LoadedKernel(ck.cubin, [self.spec.entry, *self.spec.helpers], self.name)
+                    mod = runtime.LoadedKernel(ck.cubin, ck.entries, self.name)  # the kernel and its helpers
                     self._loaded[key] = mod
         return mod
 
