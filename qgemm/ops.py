@@ -157,7 +157,6 @@ class Launch:
     block: tuple[int, int, int]
     shmem: int = 0  # dynamic shared memory bytes
     zero_output: bool = False  # split-K kernels accumulate into C with atomics
-    cluster: int = 1  # CTAs per thread block cluster along x (sm_90; grid[0] a multiple of it)
 
 
 class Kernel:
@@ -363,7 +362,7 @@ class Kernel:
         # programmatic dependent launch unless the zeroing of C was queued right before it (a
         # memset, not a kernel: nothing to overlap)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream,
-                   pdl=self.spec.pdl and (zeroed or not g.zero_output), cluster=g.cluster)
+                   pdl=self.spec.pdl and (zeroed or not g.zero_output))
 
     # -- quantizers ----------------------------------------------------------------------------
     def _call_quantize(self, x, out=None, stream=None):

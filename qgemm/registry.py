@@ -332,54 +332,6 @@ def _skinny_i8_candidates(wfmt: str):
     return candidates
 
 
-# ---- skinny int8 MMA, activations quantized once per cluster (common/skinny_cq.cuh, sm_90) -----
-def _skinny_cq_smem(m: int, k: int, d: dict) -> int:
-    """Dynamic shared memory: the CTA's K range (at most ceil(groups / split) groups of 4 blocks)
-    as B fragments (32 B per block and token) and {d, sum q} (8 B per block and token slot)."""
-    mq = d["SK_MQ"]
-    return 4 * cdiv(cdiv(k // 32, 4), d["SK_GSPLIT"]) * (32 * mq + 8 * max(mq, 2))
-
-
-def _skinny_cq_geometry(m: int, n: int, k: int, d: dict) -> Launch:
-    c, split = d["SK_CQ"], d["SK_GSPLIT"]
-    ctas = cdiv(cdiv(n, 16), d["SK_R"])
-    return Launch(grid=(cdiv(ctas, c) * c, split, 1), block=(32 * d["SK_WARPS"], 1, 1), shmem=_skinny_cq_smem(m, k, d),
-                  zero_output=split > 1, cluster=c)
-
-
-def _skinny_cq_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
-    pieces = 2 if wfmt == "q4_0" else 4
-    mq, w, u, r = d["SK_MQ"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_R"]
-    smem = w * r * 512 + _skinny_cq_smem(m, k, d)  # the static reduction buffer + the activations
-    return (mq >= min(m, SKINNY_I8_MAX_M) and w * r * 512 <= 48 * 1024 and smem <= 227 * 1024
-            and d["SK_CQ"] in (1, 2, 4, 8)  # 8: the portable cluster size
-            # registers: two pipelined sets of weights, the accumulators (as skinny_i8)
-            and u * r * (pieces + 1) <= 12 and r <= 4
-            and (w < 16 or u * r * (pieces + 1) <= 6) and (d.get("SK_MINB", 1) == 1 or w <= 8))
-
-
-def _skinny_cq_config(wfmt: str):
-    def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        # Starting point: skinny_i8's configuration for the same M (its per-step quantization gone),
-        # clusters of 8 CTAs (the quantization split 8 ways). Tuned on the H100: docs/perf/NOTES.md.
-        d = {**_skinny_i8_config(wfmt)(m, n, k, sm_count), "SK_CQ": 8}
-        while not _skinny_cq_ok(d, wfmt, m, k) and d["SK_GSPLIT"] < 4:
-            d = {**d, "SK_GSPLIT": d["SK_GSPLIT"] * 2}  # long K at 8 tokens: the activations take the shared memory
-        return d
-    return config
-
-
-def _skinny_cq_candidates(wfmt: str):
-    def candidates(m: int, n: int, k: int) -> list[dict]:
-        mq = _skinny_i8_mq(m)
-        out = [{"SK_R": r, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_MQ": mq, "SK_PDL_EARLY": _skinny_i8_pdl_early(m),
-                "SK_MINB": b, "SK_CQ": c}
-               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2) for s in (1, 2) for b in ((1, 2) if w <= 8 else (1,))
-               for c in (2, 4, 8)]
-        return [d for d in out if _skinny_cq_ok(d, wfmt, m, k)]
-    return candidates
-
-
 # ---- skinny int8 MMA on Q8_1 activations (common/skinny_q8_1.cuh) ---------------------------
 SKINNY_Q8_1_MAX_M = 32
 
@@ -638,18 +590,6 @@ _SPECS = [
                "production decode (M <= 8): f32 activations quantized to int8 by the kernel x Q8_0 (repacked once) "
                "on int8 tensor cores, tokens on the MMA's N side, the weight words as the A fragments", min_arch=80,
                config=_skinny_i8_config("q8_0"), candidates=_skinny_i8_candidates("q8_0"), max_m=SKINNY_I8_MAX_M,
-               unit="imma", weight_layout="skinny", pdl=True),
-    KernelSpec("w4a8.skinny_cq", ops.W4A8S, 6, "w4a8/skinny_cq.cu", "w4a8_skinny_cq", _skinny_cq_geometry,
-               "production small batch on Hopper (M <= 8): f32 activations quantized to int8 once per thread block "
-               "cluster (a share per CTA, delivered to all through distributed shared memory) x Q4_0 (repacked once) on "
-               "int8 tensor cores, tokens on the MMA's N side", min_arch=90,
-               config=_skinny_cq_config("q4_0"), candidates=_skinny_cq_candidates("q4_0"), max_m=SKINNY_I8_MAX_M,
-               unit="imma", weight_layout="skinny", pdl=True),
-    KernelSpec("w8a8.skinny_cq", ops.W8A8S, 6, "w8a8/skinny_cq.cu", "w8a8_skinny_cq", _skinny_cq_geometry,
-               "production small batch on Hopper (M <= 8): f32 activations quantized to int8 once per thread block "
-               "cluster (a share per CTA, delivered to all through distributed shared memory) x Q8_0 (repacked once) on "
-               "int8 tensor cores, tokens on the MMA's N side, the weight words as the A fragments", min_arch=90,
-               config=_skinny_cq_config("q8_0"), candidates=_skinny_cq_candidates("q8_0"), max_m=SKINNY_I8_MAX_M,
                unit="imma", weight_layout="skinny", pdl=True),
     KernelSpec("w4a8.skinny_q8_1", ops.W4A8, 6, "w4a8/skinny_q8_1.cu", "w4a8_skinny_q8_1", _skinny_geometry,
                "production small batch (M <= 32): Q8_1 activations (quantize.q8_1, once per op) x Q4_0 (repacked "

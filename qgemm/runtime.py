@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .errors import CudaError, NoGPUError, UnsupportedArchError
+from .errors import CudaError, NoGPUError
 
 # ---------------------------------------------------------------------------------------------
 # checking results
@@ -586,27 +586,16 @@ class LoadedKernel:
             check(driver.cuFuncSetAttribute(handle, attr, int(shmem)), f"cuFuncSetAttribute({entry}, {shmem} B smem)")
         self._smem_ok[entry] = int(shmem)
 
-    def launch(self, entry: str, grid, block, shmem: int, args, stream=None, pdl: bool = False, cluster: int = 1) -> None:
+    def launch(self, entry: str, grid, block, shmem: int, args, stream=None, pdl: bool = False) -> None:
         """pdl: programmatic dependent launch -- the kernel may start while the previous kernel
         in the stream finishes; it must itself wait (griddepcontrol.wait) before reading that
-        kernel's output. Ignored (a plain launch) where cuda.core or the GPU lack it.
-        cluster: thread block clusters of that many CTAs along x (sm_90+); `grid` still counts
-        CTAs, and grid[0] must be a multiple of it."""
+        kernel's output. Ignored (a plain launch) where cuda.core or the GPU lack it."""
         from cuda.core import LaunchConfig, launch
 
         if shmem > 48 * 1024:
             self._allow_dynamic_smem(entry, shmem)
         s = as_stream(stream)
-        grid = tuple(int(g) for g in grid)
-        geo = dict(grid=grid, block=tuple(int(b) for b in block), shmem_size=int(shmem))
-        if cluster > 1:
-            if grid[0] % cluster:
-                raise ValueError(f"launch({entry}): grid {grid} is not a whole number of clusters of {cluster} CTAs along x")
-            if device_info().cc < 90:
-                raise UnsupportedArchError(f"{entry}: thread block clusters need sm_90 or newer, this GPU is "
-                                           f"sm_{device_info().cc}")
-            # cuda.core >= 0.4 counts the grid in clusters when a cluster shape is given
-            geo.update(grid=(grid[0] // cluster,) + grid[1:], cluster=(int(cluster), 1, 1))
+        geo = dict(grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block), shmem_size=int(shmem))
         cfg = _pdl_config(geo) if pdl else None
         if cfg is None:
             cfg = LaunchConfig(**geo)

@@ -433,12 +433,6 @@ def test_skinny_every_candidate_configuration(name, rng):
 
 
 SKINNY_I8 = ["w4a8.skinny", "w8a8.skinny"]
-SKINNY_CQ = ["w4a8.skinny_cq", "w8a8.skinny_cq"]  # the same math, quantized once per thread block cluster (sm_90)
-
-
-def _needs_clusters():
-    if qgemm.runtime.device_info().cc < 90:
-        pytest.skip("thread block clusters need sm_90")
 
 
 @pytest.mark.parametrize("name", SKINNY_I8)
@@ -449,14 +443,12 @@ def test_skinny_i8_every_candidate_configuration(name, rng):
     _every_candidate(qgemm.get(name), ((1, 33, 160), (3, 47, 32), (8, 4097, 4128), (1, 100, 14336)), rng)
 
 
-@pytest.mark.parametrize("name", SKINNY_I8 + SKINNY_CQ)
+@pytest.mark.parametrize("name", SKINNY_I8)
 def test_skinny_i8_activation_edges(name, rng):
     """Blocks the quantizer must not trip on: all zeros (d = 0), values below 2^-118 (q = 0 rather
     than 127 / amax = inf), exact ties (x * 127 / amax = k + 0.5: rounded to even), huge values (no half
     range to overflow: d stays float32); the kernel must match the exact reference bit for bit
     up to float summation order, and the result must be finite."""
-    if name in SKINNY_CQ:
-        _needs_clusters()
     k = qgemm.get(name)
     fmt = k.op.w.name
     m, n, kk = 2, 64, 256
@@ -473,56 +465,6 @@ def test_skinny_i8_activation_edges(name, rng):
     # and through qgemm.matmul (path override: the default plan may pick the fp16 kernel)
     c = qgemm.matmul(x, qgemm.pack_weights(w), path=name)
     assert qgemm.reference.relative_error(c, ref) <= 1e-5
-
-
-@pytest.mark.parametrize("name", SKINNY_CQ)
-def test_skinny_cq_every_candidate_configuration(name, rng):
-    """The cluster-quantized kernels: every tunable configuration (clusters of 2, 4, 8 CTAs) at 1, 3
-    and 8 tokens, N not a multiple of 16 nor of a cluster's tiles (the grid's extra CTAs quantize
-    their share and store nothing), K of 1, 5 and 129 blocks; poisoned outputs, exact reference."""
-    _needs_clusters()
-    _every_candidate(qgemm.get(name), ((1, 33, 160), (3, 47, 32), (8, 4097, 4128)), rng)
-
-
-@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
-@pytest.mark.parametrize("name", SKINNY_CQ)
-def test_skinny_cq_bitwise_equals_per_cta_quantization(name, cluster, rng):
-    """Quantized once per cluster (any cluster size, a plain launch being a cluster of one) or once
-    per CTA (w4a8.skinny / w8a8.skinny at the same tiles, warps and steps): the same bytes. The
-    kernel reads the cluster's size at run time, so a launch with another size than SK_CQ says is
-    still right."""
-    _needs_clusters()
-    cq, i8 = qgemm.get(name), qgemm.get(name.replace("_cq", ""))
-    for (m, n, kk) in ((1, 4097, 4128), (5, 300, 1056), (8, 4096, 4096), (8, 17, 32)):
-        inp = check.make_inputs(cq.op, m, n, kk, rng)
-        da, dw = cq.upload_activations(inp.a), cq.upload_weights(inp.w)
-        base = {**i8.spec.config(m, n, kk, 132), "SK_GSPLIT": 1}  # one CTA per tile: no atomics, a fixed order
-        want = qgemm.DeviceArray.empty((m, n), np.float32)
-        want.fill_bytes(0xFF)
-        i8.launch(da, dw, want, m, n, kk, defines=base)
-        d = {**base, "SK_CQ": cluster}
-        g = cq.geometry(m, n, kk, d)
-        assert g.cluster == cluster and g.grid[0] % cluster == 0
-        got = qgemm.DeviceArray.empty((m, n), np.float32)
-        got.fill_bytes(0xFF)
-        cq.launch(da, dw, got, m, n, kk, defines=d)
-        assert got.to_host().tobytes() == want.to_host().tobytes(), (m, n, kk, d)
-        # the same module launched as plain CTAs (clusters of one): each quantizes its whole K range
-        mod = cq._module(d)
-        got.fill_bytes(0xFF)
-        mod.launch(cq.spec.entry, g.grid, g.block, g.shmem,
-                   (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(got.ptr), np.int32(m), np.int32(n), np.int32(kk)))
-        assert got.to_host().tobytes() == want.to_host().tobytes(), (m, n, kk, "plain launch")
-
-
-def test_cluster_launch_rejects_a_partial_cluster(rng):
-    _needs_clusters()
-    k = qgemm.get("w8a8.skinny_cq")
-    m, n, kk = 2, 64, 256
-    d = k.spec.config(m, n, kk, 132)
-    g = k.geometry(m, n, kk, d)
-    with pytest.raises(ValueError, match="not a whole number of clusters of 8"):
-        k._module(d).launch(k.spec.entry, (g.grid[0] + 1,) + g.grid[1:], g.block, g.shmem, (), cluster=8)
 
 
 def test_skinny_i8_rejects_more_than_8_tokens(rng):

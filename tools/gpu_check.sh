@@ -8,7 +8,6 @@
 #   QGEMM_CHECK="skinny decode ncu" bash tools/gpu_check.sh    # decode path: tests, tune, bench M <= 64, ncu
 #   QGEMM_CHECK="i8" bash tools/gpu_check.sh                   # int8 decode kernels: tests, every config vs fp16, whole op
 #   QGEMM_CHECK="q8" bash tools/gpu_check.sh                   # int8 small batch on Q8_1: tests, every config, whole op
-#   QGEMM_CHECK="cq" bash tools/gpu_check.sh                   # int8 small batch quantized per cluster: tests, every config, whole op
 #   QGEMM_CHECK="rs" bash tools/gpu_check.sh                   # Hopper prefill: wgmma_rs vs wgmma, tests, tune
 #   QGEMM_CHECK="l2" bash tools/gpu_check.sh                   # prefill: warpgroups per CTA, L2 throughput (ncu) vs cuBLAS
 #   QGEMM_CHECK="kvcache" bash tools/gpu_check.sh              # Mustafar: its GPU tests, the kvcache bench vs dense torch
@@ -24,7 +23,6 @@ STEPS=${QGEMM_CHECK:-"info tests validate tutorial profile bench report"}
 SHAPE=${QGEMM_SHAPE:-512x4096x4096}
 RS_SHAPES=${QGEMM_RS_SHAPES:-64x4096x4096,128x4096x4096,512x4096x4096,2048x4096x4096,512x4096x14336}
 I8_SHAPES=${QGEMM_I8_SHAPES:-1x4096x4096,1x4096x14336,2x4096x4096,4x4096x4096,8x4096x4096}
-CQ_SHAPES=${QGEMM_CQ_SHAPES:-1x4096x4096,2x4096x4096,4x4096x4096,8x4096x4096,8x4096x14336}
 Q8_SHAPES=${QGEMM_Q8_SHAPES:-2x4096x4096,4x4096x4096,8x4096x4096,16x4096x4096,32x4096x4096,8x4096x14336}
 TUNE_PAIRS=${QGEMM_TUNE_PAIRS:-"w4a16.skinny@8x4096x4096 w8a16.skinny@8x4096x4096 w4a16.skinny@4x4096x4096 w4a16.wgmma_rs@64x4096x4096 w8a16.wgmma_rs@64x4096x4096"}
 TUNE_SHAPES=${QGEMM_TUNE_SHAPES:-1x4096x4096,8x4096x4096,1x4096x14336,8x4096x14336,16x4096x4096,32x4096x4096,64x4096x4096}
@@ -63,16 +61,6 @@ for step in $STEPS; do
                   run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run; done; done
               run $PY tools/compare_paths.py --shapes "$Q8_SHAPES" --repeats 2 \
                   --paths default,w4a8.skinny_q8_1,w8a8.skinny_q8_1 --json "$OUT/q8_paths.json" ;;
-    cq)       # the int8 kernels quantizing once per thread block cluster (w4a8.skinny_cq, w8a8.skinny_cq, sm_90):
-              # precompile every candidate, their GPU tests (bitwise against the per-CTA quantizing kernels),
-              # every configuration timed (nothing stored), then the whole op, default plan vs each path
-              run $PY tools/precompile.py w4a8.skinny_cq w8a8.skinny_cq w4a8.skinny w8a8.skinny \
-                  --shapes "1x33x160,3x47x32,8x4097x4128,1x4097x4128,5x300x1056,8x17x32,2x64x256,$CQ_SHAPES"
-              run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny_cq or skinny_i8 or cluster"
-              for s in ${CQ_SHAPES//,/ }; do for k in w4a8.skinny_cq w8a8.skinny_cq; do
-                  run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run; done; done
-              run $PY tools/compare_paths.py --shapes "$CQ_SHAPES" --repeats 3 \
-                  --paths default,w4a16.skinny,w4a8.skinny_cq,w8a16.skinny,w8a8.skinny_cq --json "$OUT/cq_paths.json" ;;
     order)    # does a decode row depend on what the sweep ran before it? the bench's per-shape sequence
               # (packed op, ggml-blocks op, torch peers) replayed, then the packed ops alone
               run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2 --clocks

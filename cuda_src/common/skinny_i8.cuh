@@ -86,30 +86,6 @@ struct SkI8Q8_0 {
     }
 };
 
-// One 32-value block of one token, four values per lane in 8 consecutive lanes (lane % 8 = the qs
-// word): the lane's int8 word, the block's d and, for Q4_0's -8 (OFFSET8), the integer sum of its
-// q (the arithmetic drawn above; qgemm.reference.quantize_rows_i8). All 32 lanes take part in the
-// xor butterflies (offsets 1, 2, 4: within each group of 8).
-template <bool OFFSET8>
-static __device__ __forceinline__ unsigned sk_quantize8(const float4 v, float& d, int& sum) {
-    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    // one IEEE division per block and lane (its slow path is a call), the scale by a multiply
-    const float id = amax >= 0x1p-118f ? __fdiv_rn(127.0f, amax) : 0.0f;
-    d = __fmul_rn(amax, 0x1.020408p-7f);  // fl(1/127), exactly as the reference
-    const int q0 = __float2int_rn(__fmul_rn(v.x, id)), q1 = __float2int_rn(__fmul_rn(v.y, id));
-    const int q2 = __float2int_rn(__fmul_rn(v.z, id)), q3 = __float2int_rn(__fmul_rn(v.w, id));
-    const unsigned word = __byte_perm(__byte_perm(q0, q1, 0x0040), __byte_perm(q2, q3, 0x0040), 0x5410);
-    sum = 0;
-    if (OFFSET8) {  // the block's integer sum of q, for the -8 of Q4_0
-        sum = __dp4a((int)word, 0x01010101, 0);
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    }
-    return word;
-}
-
 // d_w (row g + 8h, block j) of the scale piece (halves 4h + j) as float
 static __device__ __forceinline__ float sk_dw(const uint4& dq, int h, int j) {
     return __half2float(reinterpret_cast<const __half*>(&dq)[4 * h + j]);
@@ -160,10 +136,23 @@ static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, co
 #pragma unroll
             for (int m = 0; m < SK_MQ; ++m) {
                 if (SK_MQ > 1 && m >= M) break;  // warp-uniform (M >= 1 always)
-                float d;
-                int sum;
-                const unsigned word = sk_quantize8<SF::OFFSET8>(xv[u][m], d, sum);
+                const float4 v = xv[u][m];
+                float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+                for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                // one IEEE division per block and lane (its slow path is a call), the scale by a multiply
+                const float id = amax >= 0x1p-118f ? __fdiv_rn(127.0f, amax) : 0.0f;
+                const float d = __fmul_rn(amax, 0x1.020408p-7f);  // fl(1/127), exactly as the reference
+                const int q0 = __float2int_rn(__fmul_rn(v.x, id)), q1 = __float2int_rn(__fmul_rn(v.y, id));
+                const int q2 = __float2int_rn(__fmul_rn(v.z, id)), q3 = __float2int_rn(__fmul_rn(v.w, id));
+                const unsigned word = __byte_perm(__byte_perm(q0, q1, 0x0040), __byte_perm(q2, q3, 0x0040), 0x5410);
                 reinterpret_cast<unsigned*>(&xq_s[warp][par][u][jl][m][wl % 4])[wl / 4] = word;
+                int sum = 0;
+                if (SF::OFFSET8) {  // the block's integer sum of q, for the -8 of Q4_0
+                    sum = __dp4a((int)word, 0x01010101, 0);
+#pragma unroll
+                    for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                }
                 if (wl == 0) xd_s[warp][par][u][jl][m] = make_float2(d, __int_as_float(sum));
             }
         __syncwarp();  // the writes above before any lane reads them; the buffer of the other parity
