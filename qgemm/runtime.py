@@ -571,12 +571,22 @@ class LoadedKernel:
         self.kernels = {e: _wrap(f"get_kernel({e})", self.object_code.get_kernel, e) for e in entries}
         self._smem_ok: dict[str, int] = {}
 
+    def _static_smem(self, entry: str) -> int:
+        """The kernel's static shared memory (cuda.core >= 1.0: a property; before, a method)."""
+        size = self.kernels[entry].attributes.shared_size_bytes
+        return int(size() if callable(size) else size)
+
     def _allow_dynamic_smem(self, entry: str, shmem: int) -> None:
-        """Kernels get more than 48 KB of dynamic shared memory only after opting in."""
+        """A kernel gets only 48 KB of shared memory, static and dynamic together, unless it opts
+        in to more dynamic shared memory (which must then cover all of the dynamic part)."""
         from cuda.bindings import driver
 
-        if shmem <= self._smem_ok.get(entry, 48 * 1024):
+        if shmem <= self._smem_ok.get(entry, 0):
             return
+        if entry not in self._smem_ok:  # what fits without opting in
+            self._smem_ok[entry] = max(0, 48 * 1024 - self._static_smem(entry))
+            if shmem <= self._smem_ok[entry]:
+                return
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         handle = self.kernels[entry].handle
         if isinstance(handle, driver.CUkernel):
@@ -592,7 +602,7 @@ class LoadedKernel:
         kernel's output. Ignored (a plain launch) where cuda.core or the GPU lack it."""
         from cuda.core import LaunchConfig, launch
 
-        if shmem > 48 * 1024:
+        if shmem > 0:
             self._allow_dynamic_smem(entry, shmem)
         s = as_stream(stream)
         geo = dict(grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block), shmem_size=int(shmem))

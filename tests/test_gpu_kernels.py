@@ -432,6 +432,24 @@ def test_skinny_every_candidate_configuration(name, rng):
     _every_candidate(qgemm.get(name), ((1, 33, 160), (9, 4097, 4128), (57, 47, 32)), rng)
 
 
+def test_static_and_dynamic_shared_memory_past_48k(rng):
+    """w4a16.skinny at M = 1 stages the activations in dynamic shared memory beside 8 KB of static
+    (its reduction buffer): at K = 22016 the two together pass 48 KB while the dynamic part alone
+    does not, so the launch must still opt in to more dynamic shared memory (it failed with
+    CUDA_ERROR_INVALID_VALUE before)."""
+    k = qgemm.get("w4a16.skinny")
+    m, n, kk = 1, 64, 22016
+    d = k.spec.config(m, n, kk, 132)
+    dynamic = k.geometry(m, n, kk, d).shmem
+    static = k.compile(defines=d).resources[k.spec.entry].smem_static
+    assert dynamic <= 48 * 1024 < dynamic + static, (dynamic, static)
+    inp = check.make_inputs(k.op, m, n, kk, rng)
+    dc = qgemm.DeviceArray.empty((m, n), np.float32)
+    dc.fill_bytes(0xFF)
+    k.launch(k.upload_activations(inp.a), k.upload_weights(inp.w), dc, m, n, kk, defines=d)
+    assert qgemm.reference.relative_error(dc.to_host(), k.op.exact(inp.a, inp.w)) <= 1e-5
+
+
 SKINNY_I8 = ["w4a8.skinny", "w8a8.skinny"]
 
 
