@@ -465,13 +465,23 @@ def _nvrtc_compile(name: str, source_rel: str, source: str, arch: str, options: 
         print(f"[qgemm.jit] nvrtc {'.'.join(map(str, nvrtc_version()))}: {source_rel} {' '.join(options)} "
               f"-I{cuda_src_dir()} -I{cuda_header_dir()}", file=sys.stderr)
     log = io.StringIO()
+    prog, failed = None, None
     try:
         prog = Program(source, "c++", options=popts)
         obj = prog.compile("cubin", logs=log)
     except Exception as e:  # cuda.core raises NVRTCError with the log in its message
-        text = log.getvalue() or str(e)
+        failed = log.getvalue() or str(e)
+    finally:
+        # Closed and dropped here: a CompileError's traceback (kept by a caller, e.g. in a
+        # reference cycle with its frame) reaches this frame, and a Program freed by the cycle
+        # collector fails in cuda.core's Program.__dealloc__ on attributes the collector has
+        # already cleared ("Exception ignored in: Program.__dealloc__ ... AttributeError").
+        if prog is not None and hasattr(prog, "close"):
+            prog.close()
+        prog = None
+    if failed is not None:
         files = {source_rel: source, **headers}
-        raise CompileError(name, arch, options, text, numbered_listing(text, files)) from None
+        raise CompileError(name, arch, options, failed, numbered_listing(failed, files))
     text = log.getvalue()
     if verbose() and text.strip():
         print(text, file=sys.stderr)

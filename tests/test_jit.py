@@ -163,6 +163,29 @@ def test_compile_error_carries_name_options_and_numbered_log(cache, src_copy):
     assert "test.broken" in str(e) and "NVRTC log" in str(e)
 
 
+def test_compile_error_leaves_no_program_to_the_cycle_collector(cache, src_copy):
+    """A CompileError in a reference cycle is freed by the cycle collector, with every frame of
+    the failed compile that its traceback holds. cuda.core's Program fails in
+    its __dealloc__ when the collector reaches it ("Exception ignored in: Program.__dealloc__"),
+    so the compile must not leave its Program in those frames."""
+    import gc
+
+    (src_copy / "broken.cu").write_text('extern "C" __global__ void broken() { undefined_thing(); }\n')
+    unraisable = []
+    old_hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        try:
+            jit.compile_kernel("test.broken", "broken.cu", ["broken"], "sm_90")
+        except CompileError as e:
+            err = e
+        err.cycle = err  # garbage only the cycle collector frees, with its traceback's frames
+        del err
+        gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+    assert not unraisable, [f"{u.exc_type.__name__}: {u.exc_value} in {u.object!r}" for u in unraisable]
+
+
 def test_missing_entry_symbol_is_a_compile_error(cache):
     with pytest.raises(CompileError, match="not found"):
         jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["no_such_symbol"], "sm_90")
