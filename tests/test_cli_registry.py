@@ -30,6 +30,25 @@ def test_registry_entries_are_complete():
                 assert set(d) == set(s.config(512, 4096, 4096, 132))
 
 
+def test_pyproject_ships_every_kernel_directory():
+    """The wheel carries cuda_src/ as qgemm/cuda_src/<family>/: setuptools takes each directory
+    there for a package, and a directory missing from `packages` is left out of the wheel (with
+    a warning today, by default in later setuptools) -- so a new family directory must be listed."""
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = pathlib.Path(__file__).resolve().parents[1]
+    conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(conf["packages"])
+    assert conf["package-dir"]["qgemm.cuda_src"] == "cuda_src"
+    wanted = {f"qgemm.cuda_src.{d.name}" for d in (root / "cuda_src").iterdir()
+              if d.is_dir() and (any(d.glob("*.cu")) or any(d.glob("*.cuh")))}
+    wanted |= {f"qgemm.{d.name}" for d in (root / "qgemm").iterdir() if d.is_dir() and d.name != "__pycache__"
+               and not (d / "__init__.py").exists()}
+    assert wanted - packages == set(), f"add to [tool.setuptools] packages: {sorted(wanted - packages)}"
+    assert {"*.cu", "*.cuh"} <= set(conf["package-data"]["*"])
+
+
 def test_get_is_memoized_and_unknown_names_suggest():
     assert qgemm.get("w4a16.naive") is qgemm.get("w4a16.naive")
     with pytest.raises(KeyError, match="did you mean w4a16"):
