@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import shlex
 import sys
@@ -181,9 +182,23 @@ def compile(
     all_: bool = typer.Option(False, "--all", help="Every registered kernel."),
     arch: Optional[str] = typer.Option(None, "--arch", help="Target, e.g. sm_90 (default: the GPU's). Works without a GPU."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Compile even if a cached cubin exists (and do not store it)."),
+    shape: Optional[str] = typer.Option(
+        None, "--shape", help="MxNxK: the configuration a launch of this shape uses (tuned, or the default heuristic) "
+                              "instead of the source's defaults; for kernels with launch-time configurations."),
+    define: Optional[List[str]] = typer.Option(
+        None, "--define", "-D", help="KEY=VALUE, a #define on top (repeatable), e.g. -D SK_UNROLL=1: the registers "
+                                     "and spills of any configuration `qgemm tune` would try."),
 ):
     """Compile with NVRTC and print registers, shared memory, spills, cubin size, time, cache hit."""
     specs = _specs(names, all_)
+    mnk = _shape(shape) if shape else None
+    extra = {}
+    for item in define or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            _fail(f"--define takes KEY=VALUE (e.g. -D SK_UNROLL=1), got {item!r}")
+        value = value.strip()
+        extra[key.strip()] = int(value) if re.fullmatch(r"-?\d+", value) else value
     if arch is None:
         if not runtime.gpu_available():
             _fail("no GPU to take the architecture from: pass --arch, e.g. --arch sm_90")
@@ -194,26 +209,30 @@ def compile(
     except ValueError as e:
         _fail(str(e))
     rows, failed = [], 0
+    configured = bool(mnk or extra)
     for s in specs:
         k = registry.get(s.name)
+        defines = dict(k.config_for(*mnk)) if mnk and s.config is not None else {}
+        defines.update(extra)
         try:
             t0 = time.perf_counter()
-            ck = k.compile(arch, use_cache=not no_cache)
+            ck = k.compile(arch, defines or None, use_cache=not no_cache)
             wall = time.perf_counter() - t0
         except CompileError as e:
             failed += 1
             typer.echo(str(e), err=True)
-            rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", "COMPILE ERROR"])
+            rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", "COMPILE ERROR"] + ([""] if configured else []))
             continue
         except ValueError as e:
-            rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", f"skipped: {e}"])
+            rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", f"skipped: {e}"] + ([""] if configured else []))
             continue
         r = ck.resources[s.entry]
         rows.append([s.name, ck.arch, str(r.registers), f"{r.smem_static}", f"{r.spill_stores}/{r.spill_loads}",
                      f"{r.stack_frame}", f"{ck.cubin_size}", f"{(ck.compile_seconds if not ck.from_cache else wall) * 1e3:.0f} ms",
-                     "cache" if ck.from_cache else "compiled"])
-    typer.echo(_table(["kernel", "arch", "regs", "smem B", "spill st/ld B", "stack B", "cubin B", "time", "source"], rows,
-                      right={2, 3, 4, 5, 6, 7}))
+                     "cache" if ck.from_cache else "compiled"]
+                    + ([" ".join(f"{a}={b}" for a, b in defines.items()) or "(source defaults)"] if configured else []))
+    typer.echo(_table(["kernel", "arch", "regs", "smem B", "spill st/ld B", "stack B", "cubin B", "time", "source"]
+                      + (["configuration"] if configured else []), rows, right={2, 3, 4, 5, 6, 7}))
     if failed:
         raise typer.Exit(1)
 

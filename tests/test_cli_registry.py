@@ -133,7 +133,28 @@ def test_cli_compile_all_for_sm90(tmp_path, monkeypatch):
     jit.clear_memo()
 
 
+def test_cli_compile_a_shapes_configuration_and_defines(tmp_path, monkeypatch):
+    """--shape compiles what a launch of that shape uses, -D adds #defines on top; the table then
+    names the configuration (and the registers move with it)."""
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(tmp_path))  # and with it no tuning file: the default heuristic
+    jit.clear_memo()
+    spec = registry.spec("w8a16.skinny")
+    want = spec.config(8, 4096, 4096, runtime.device_info().sm_count if runtime.gpu_available() else 132)
+    r = runner.invoke(app, ["compile", "w8a16.skinny", "fp32.naive", "--arch", "sm_90", "--shape", "8x4096x4096"])
+    assert r.exit_code == 0, r.output
+    assert "configuration" in r.output and " ".join(f"{a}={b}" for a, b in want.items()) in r.output
+    assert "(source defaults)" in r.output  # fp32.naive has no launch-time configuration
+    regs = lambda out: int(next(line for line in out.splitlines() if line.startswith("w8a16.skinny")).split()[2])
+    r2 = runner.invoke(app, ["compile", "w8a16.skinny", "--arch", "sm_90", "--shape", "8x4096x4096", "-D", "SK_WARPS=16",
+                             "--define", "SK_UNROLL=1"])
+    assert r2.exit_code == 0, r2.output
+    assert "SK_WARPS=16 SK_UNROLL=1" in r2.output and regs(r2.output) < regs(r.output)  # 512 threads: <= 128 registers
+    jit.clear_memo()
+
+
 @pytest.mark.parametrize("argv,match", [
+    (["compile", "w8a16.skinny", "--arch", "sm_90", "-D", "SK_UNROLL"], "KEY=VALUE"),
+    (["compile", "w8a16.skinny", "--arch", "sm_90", "--shape", "8x4096"], "MxNxK"),
     (["compile", "nope.kernel", "--arch", "sm_90"], "no kernel named"),
     (["compile", "--all", "--arch", "sm_999"], "newer than"),
     (["compile"], "name at least one kernel"),
