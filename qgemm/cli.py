@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
-import statistics
 import typer
 
 from . import jit, registry, runtime

@@ -167,9 +167,9 @@ def test_compile_error_carries_name_options_and_numbered_log(cache, src_copy):
 
 def test_compile_error_leaves_no_program_to_the_cycle_collector(cache, src_copy):
     """A CompileError in a reference cycle is freed by the cycle collector, with every frame of
-    the failed compile that its traceback holds. cuda.core's Program fails in
-    its __dealloc__ when the collector reaches it ("Exception ignored in: Program.__dealloc__"),
-    so the compile must not leave its Program in those frames."""
+    the failed compile that its traceback holds. cuda.core's Program fails in its __dealloc__ when
+    the collector reaches it ("Exception ignored in: Program.__dealloc__"), so the compile must not
+    leave its Program in those frames."""
     import gc
 
     (src_copy / "broken.cu").write_text('extern "C" __global__ void broken() { undefined_thing(); }\n')
