@@ -220,18 +220,20 @@ def compile(
         except CompileError as e:
             failed += 1
             typer.echo(str(e), err=True)
-            rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", "COMPILE ERROR"] + ([""] if configured else []))
+            rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", "COMPILE ERROR", ""])
             continue
         except ValueError as e:
-            rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", f"skipped: {e}"] + ([""] if configured else []))
+            rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", f"skipped: {e}", ""])
             continue
         r = ck.resources[s.entry]
         rows.append([s.name, ck.arch, str(r.registers), f"{r.smem_static}", f"{r.spill_stores}/{r.spill_loads}",
                      f"{r.stack_frame}", f"{ck.cubin_size}", f"{(ck.compile_seconds if not ck.from_cache else wall) * 1e3:.0f} ms",
-                     "cache" if ck.from_cache else "compiled"]
-                    + ([" ".join(f"{a}={b}" for a, b in defines.items()) or "(source defaults)"] if configured else []))
-    typer.echo(_table(["kernel", "arch", "regs", "smem B", "spill st/ld B", "stack B", "cubin B", "time", "source"]
-                      + (["configuration"] if configured else []), rows, right={2, 3, 4, 5, 6, 7}))
+                     "cache" if ck.from_cache else "compiled",
+                     " ".join(f"{a}={b}" for a, b in defines.items()) or "(source defaults)"])
+    headers = ["kernel", "arch", "regs", "smem B", "spill st/ld B", "stack B", "cubin B", "time", "source", "configuration"]
+    if not configured:  # the configuration column only when --shape or -D chose one
+        headers, rows = headers[:-1], [row[:-1] for row in rows]
+    typer.echo(_table(headers, rows, right={2, 3, 4, 5, 6, 7}))
     if failed:
         raise typer.Exit(1)
 

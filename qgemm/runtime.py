@@ -572,7 +572,7 @@ class LoadedKernel:
         self._smem_ok: dict[str, int] = {}
 
     def _static_smem(self, entry: str) -> int:
-        """The kernel's static shared memory (cuda.core >= 1.0: a property; before, a method)."""
+        """The kernel's static shared memory (a property in cuda.core 1.x, a method in older releases)."""
         size = self.kernels[entry].attributes.shared_size_bytes
         return int(size() if callable(size) else size)
 
