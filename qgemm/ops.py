@@ -8,7 +8,6 @@ features (weights), K = reduction. Quantized operands are blocks along K: [rows,
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -158,32 +157,6 @@ class Launch:
     block: tuple[int, int, int]
     shmem: int = 0  # dynamic shared memory bytes
     zero_output: bool = False  # split-K kernels accumulate into C with atomics
-    # stream-K kernels (RS_SK): this many uint32 flags, one per CTA, passed as one more argument.
-    # They must be zero at launch and the kernel leaves them zero (each is reset by its reader).
-    flags: int = 0
-
-
-_flags_lock = threading.Lock()
-_flags: OrderedDict[int, runtime.DeviceArray] = OrderedDict()
-_FLAGS_STREAMS = 16  # the least recently used stream's flags are freed beyond this
-
-
-def stream_flags(count: int, stream=None) -> runtime.DeviceArray:
-    """`count` zeroed uint32 flags for a stream-K launch (Launch.flags) on `stream`: one array per
-    stream, zeroed once when it is made (on that stream, so in order before the launch) and left
-    zero by every kernel that uses it. Two streams never share one: kernels on one stream run in
-    order (a programmatic dependent launch touches them only after its griddepcontrol.wait)."""
-    key = int(runtime.as_stream(stream).handle)  # qgemm runs on device 0 (qgemm.runtime)
-    with _flags_lock:
-        buf = _flags.get(key)
-        if buf is None or buf.size < count:
-            buf = runtime.DeviceArray.empty((max(count, 1024),), np.uint32)
-            buf.fill_bytes(0, stream)
-            _flags[key] = buf
-            while len(_flags) > _FLAGS_STREAMS:
-                _flags.popitem(last=False)  # freed once no launch holds it (cuMemFree waits for the GPU)
-        _flags.move_to_end(key)
-    return buf
 
 
 class Kernel:
@@ -386,8 +359,6 @@ class Kernel:
         if g.zero_output and not zeroed:
             dc.fill_bytes(0, stream)
         args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr), np.int32(m), np.int32(n), np.int32(k))
-        if g.flags:
-            args += (np.uint64(stream_flags(g.flags, stream).ptr),)
         # programmatic dependent launch unless the zeroing of C was queued right before it (a
         # memset, not a kernel: nothing to overlap)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream,

@@ -415,17 +415,8 @@ def _rs_geometry(wfmt: str):
     def geometry(m: int, n: int, k: int, d: dict) -> Launch:
         split = d.get("RS_SPLITK", 1)  # RS_MINB only bounds registers (launch bounds): no launch change
         ws = d.get("RS_WS", 0)  # warp-specialized: + a copying warpgroup and 2 mbarriers per buffer
-        block = (128 * (d["RS_WGS"] + ws), 1, 1)
-        tiles = (cdiv(n, 64 * d["RS_WGS"]), cdiv(m, d["RS_BN"]))
-        if d.get("RS_SK"):
-            # stream-K: RS_SK persistent CTAs over the (tile, stage) iterations, never more CTAs
-            # than iterations (each must own one); one flag per CTA
-            iters = tiles[0] * tiles[1] * cdiv(k // 32, 4)
-            if iters >= 2**31:  # the kernel counts them in 32 bits
-                raise ValueError(f"RS_SK: {m}x{n}x{k} has {iters} tile stages, more than stream-K counts (2^31 - 1)")
-            ctas = min(d["RS_SK"], iters)
-            return Launch(grid=(ctas, 1, 1), block=block, shmem=_rs_shmem(wfmt, d), flags=ctas)
-        return Launch(grid=(*tiles, split), block=block, shmem=_rs_shmem(wfmt, d), zero_output=split > 1)
+        return Launch(grid=(cdiv(n, 64 * d["RS_WGS"]), cdiv(m, d["RS_BN"]), split), block=(128 * (d["RS_WGS"] + ws), 1, 1),
+                      shmem=_rs_shmem(wfmt, d), zero_output=split > 1)
     return geometry
 
 

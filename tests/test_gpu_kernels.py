@@ -694,45 +694,6 @@ def test_wgmma_rs_evict_first_weights(fmt, rng):
     assert qgemm.reference.relative_error(c, p.reference(x, w)) <= 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-def test_wgmma_rs_stream_k(fmt, rng):
-    """RS_SK (stream-K): whatever the grid size -- a few CTAs each owning several whole tiles, or
-    more CTAs than tiles so that a tile is shared by two or three CTAs (head, middle, tail) -- every
-    element is written (poisoned output), the result matches the exact reference, two launches
-    agree to the bit (a split tile's partial sums are added in a fixed order, not by atomics), and
-    the flags are all zero again afterwards (the next launch relies on it)."""
-    name = f"w{'4' if fmt == 'q4_0' else '8'}a16.wgmma_rs"
-    k = qgemm.get(name)
-    if qgemm.runtime.device_info().cc != 90:
-        with pytest.raises(qgemm.UnsupportedArchError, match="sm_90"):
-            k._module()
-        return
-    from qgemm import ops
-
-    for (m, n, kk) in ((129, 4097, 4128), (300, 257, 1024), (7, 33, 32)):
-        inp = check.make_inputs(k.op, m, n, kk, rng)
-        exact = k.op.exact(inp.a, inp.w)
-        da, dw = k.upload_activations(inp.a), k.upload_weights(inp.w)
-        dc = qgemm.DeviceArray.empty((m, n), np.float32)
-        base = k.spec.config(max(m, 65), n, kk, 132)
-        for layout in ({"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4}, {"RS_BN": 256, "RS_WGS": 1, "RS_STAGES": 3},
-                       {"RS_BN": 64, "RS_WGS": 1, "RS_STAGES": 4}):
-            for ctas in (3, 7, 132, 1000):
-                d = {**base, **layout, "RS_WS": 1, "RS_SPLITK": 1, "RS_SK": ctas}
-                g = k.geometry(m, n, kk, d)
-                assert g.flags == g.grid[0] <= ctas and not g.zero_output, (d, g)
-                outs = []
-                for _ in range(2):
-                    dc.fill_bytes(0xFF)
-                    k.launch(da, dw, dc, m, n, kk, defines=d)
-                    outs.append(dc.to_host())
-                assert not np.isnan(outs[0]).any(), (m, n, kk, d)
-                r = qgemm.reference.relative_error(outs[0], exact)
-                assert r <= 1e-5, (m, n, kk, d, r)
-                np.testing.assert_array_equal(outs[0], outs[1])
-                assert not ops.stream_flags(g.flags).to_host()[:g.flags].any(), d
-
-
 @pytest.mark.parametrize("m", [1, 8, 33, 300])
 def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
     """A chain of ops queued without a sync, each reading the previous one's output and writing

@@ -54,21 +54,6 @@
 //
 // K may be split across CTAs (blockIdx.z, RS_SPLITK) when the tile grid leaves SMs idle: those add
 // into a zeroed C with atomics.
-//
-// RS_SK = 1 (warp-specialized only): stream-K. A persistent grid (about one CTA per SM) splits the
-// (tile, K stage) iteration space evenly: CTA c takes iterations [T c / G, T (c + 1) / G) of
-// T = tiles x stages, i.e. whole tiles plus a piece at either end of its range. That removes the
-// wave quantization of one CTA per tile (128 tiles on 132 SMs leave 3% idle; 512 tiles make 3.9
-// waves) and the pipeline refill at every tile boundary: the copying warpgroup streams on across
-// tiles while the MMA warps store. A tile split between CTAs is finished without atomics or a
-// zeroed C: C itself holds the partial sums. Each CTA walks its range *backwards* (last segment
-// first), so the head of a split tile (K from 0, the lower CTA) is computed at the start of that
-// CTA's run and published (plain stores + a release flag), while the later part (the next CTA) is
-// computed at the end of its run, by when the flag is long set: it waits (acquire), adds the
-// partial from C and stores. Every wait is on a lower CTA, which starts no later (no deadlock
-// even if the grid were not co-resident), each tile's sum has a fixed order (deterministic), and
-// the waiter resets the flag, so the flags (one per CTA, zeroed once by the launcher) are zero
-// again when the grid ends.
 #pragma once
 #include "common/skinny_f16.cuh"
 #include "common/wgmma.cuh"
@@ -94,20 +79,6 @@
 #endif
 #if RS_WS && RS_WGS > 2
 #error "RS_WS: the copying warpgroup stands in for at most two MMA warpgroups"
-#endif
-#ifndef RS_SK
-#define RS_SK 0  // > 0: stream-K (see above); the value is the grid size the launcher uses
-#endif
-#if RS_SK && (!RS_WS || RS_SPLITK != 1)
-#error "RS_SK needs RS_WS = 1 and RS_SPLITK = 1"
-#endif
-// the stream-K flags: one more kernel argument when RS_SK is set
-#if RS_SK
-#define RS_FLAGS_PARAM , unsigned* __restrict__ flags
-#define RS_FLAGS_ARG , flags
-#else
-#define RS_FLAGS_PARAM
-#define RS_FLAGS_ARG
 #endif
 #if RS_STAGES < 3
 #error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
@@ -321,190 +292,9 @@ static __device__ __forceinline__ void rs_splitk_add(unsigned char* smem, const 
     }
 }
 
-#if RS_SK
-static __device__ __forceinline__ unsigned rs_flag_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-// predicated in the instruction, not by a branch: a thread-divergent branch inside the segment
-// loop made ptxas treat the loop's stage counters as divergent (per-thread registers and R2UR
-// waterfalls in front of every wgmma descriptor and mbarrier arrival instead of the uniform
-// datapath): 20% slower per stage, measured on the H100
-static __device__ __forceinline__ void rs_flag_store(unsigned* p, unsigned v, bool pred, bool release) {
-    if (release)
-        asm volatile("{\n.reg .pred q;\nsetp.ne.u32 q, %2, 0;\n@q st.release.gpu.global.u32 [%0], %1;\n}\n" ::"l"(p), "r"(v),
-                     "r"((unsigned)pred) : "memory");
-    else
-        asm volatile("{\n.reg .pred q;\nsetp.ne.u32 q, %2, 0;\n@q st.relaxed.gpu.global.u32 [%0], %1;\n}\n" ::"l"(p), "r"(v),
-                     "r"((unsigned)pred) : "memory");
-}
-
-// One segment of a CTA's stream-K range: stages [kb, ke) of tile `tile` (n tiles fastest, the
-// grid order of the plain kernel). Segments are visited from the end of the range backwards.
-struct RsSegment {
-    int tile, kb, ke;
-};
-// (32-bit arithmetic throughout: 64-bit division is a subroutine with branches, which costs the
-// loop its uniform registers as above; the launcher keeps tiles x stages below 2^31)
-static __device__ __forceinline__ RsSegment rs_segment_before(int hi, int it0, int ngroups) {
-    const int tile = (hi - 1) / ngroups, first = tile * ngroups;
-    return {tile, max(first, it0) - first, hi - first};
-}
-
-// The warp-specialized kernel over a stream-K range (see RS_SK at the top). Same buffers and
-// mbarriers as the plain warp-specialized path; the global stage counter gs runs on across
-// segments, so the producer fills buffers for the next tile while the MMA warps finish this one.
-template <typename SF>
-static __device__ __forceinline__ void rs_stream_k(const __half* __restrict__ A, const uint4* qs, const uint4* ds,
-                                                   float* __restrict__ C, unsigned* __restrict__ flags, int M, int N,
-                                                   int K, unsigned char* smem, unsigned base, unsigned bars) {
-    constexpr int GROUP_PIECES = SF::PIECES * 32;
-    constexpr int W_BYTES = RS_TILES * (GROUP_PIECES * 16 + 8 * 16);
-    constexpr int STAGE_BYTES = (RS_ACT_BYTES + W_BYTES + 1023) / 1024 * 1024;
-    const int tid = threadIdx.x, lane = tid % 32, wgi = tid / 128, warp_in_wg = (tid / 32) % 4;
-    const int g = lane / 4, t = lane % 4;
-    const int nb = K / QK, ngroups = (nb + 3) / 4, ntiles = (N + 15) / 16;
-    const int tiles_n = (N + 64 * RS_WGS - 1) / (64 * RS_WGS), tiles_m = (M + RS_BN - 1) / RS_BN;
-    const int total = tiles_n * tiles_m * ngroups, ctas = gridDim.x, cta = blockIdx.x;
-    const int per = total / ctas, extra = total % ctas;  // the first `extra` CTAs take one more
-    const int it0 = cta * per + min(cta, extra), it1 = it0 + per + (cta < extra);
-
-    if (wgi == RS_WGS) {  // the copying warpgroup
-        auto copier = [&](const RsSegment& sg, int part) {
-            return RsCopier<SF>(tid - RS_THREADS + 128 * part, A, qs, ds, M, K, (sg.tile % tiles_n) * (64 * RS_WGS),
-                                (sg.tile / tiles_n) * RS_BN, ntiles, ngroups, sg.kb);
-        };
-        // the first buffers' weights before waiting for the previous grid (as the plain path)
-        int gs = 0;
-        for (int hi = it1; hi > it0 && gs < RS_STAGES;) {
-            const RsSegment sg = rs_segment_before(hi, it0, ngroups);
-            const RsCopier<SF> cp0 = copier(sg, 0);
-#if RS_WGS > 1
-            const RsCopier<SF> cp1 = copier(sg, 1);
-#endif
-            for (int s = 0; s < sg.ke - sg.kb && gs < RS_STAGES; ++s, ++gs) {
-                cp0.w(base + gs * STAGE_BYTES + RS_ACT_BYTES, s);
-#if RS_WGS > 1
-                cp1.w(base + gs * STAGE_BYTES + RS_ACT_BYTES, s);
-#endif
-            }
-            hi -= sg.ke - sg.kb;
-        }
-        pdl_wait();
-        gs = 0;
-        for (int hi = it1; hi > it0;) {
-            const RsSegment sg = rs_segment_before(hi, it0, ngroups);
-            const int m0 = (sg.tile / tiles_n) * RS_BN;
-            const bool full_rows = m0 + RS_BN <= M;
-            const RsCopier<SF> cp0 = copier(sg, 0);
-#if RS_WGS > 1
-            const RsCopier<SF> cp1 = copier(sg, 1);
-#endif
-            for (int s = 0; s < sg.ke - sg.kb; ++s, ++gs) {
-                const int b = gs % RS_STAGES;
-                const unsigned buf = base + b * STAGE_BYTES;
-                const int k0 = (sg.kb + s) * 128;
-                if (gs >= RS_STAGES) {
-                    mbar_wait(bars + 8 * (RS_STAGES + b), ((gs / RS_STAGES) - 1) & 1);
-                    cp0.w(buf + RS_ACT_BYTES, s);
-#if RS_WGS > 1
-                    cp1.w(buf + RS_ACT_BYTES, s);
-#endif
-                }
-                cp0.act(buf, k0, full_rows, A, M, K, m0);
-#if RS_WGS > 1
-                cp1.act(buf, k0, full_rows, A, M, K, m0);
-#endif
-                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
-            }
-            hi -= sg.ke - sg.kb;
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-        return;
-    }
-
-    float d[RS_BN / 2];
-    unsigned fr[2][4][4];
-    const int lt = 4 * wgi + warp_in_wg;
-    pdl_wait();
-    int gs = 0;
-    for (int hi = it1; hi > it0;) {
-        const RsSegment sg = rs_segment_before(hi, it0, ngroups);
-        const int n0 = (sg.tile % tiles_n) * (64 * RS_WGS), m0 = (sg.tile / tiles_n) * RS_BN;
-#pragma unroll
-        for (int i = 0; i < RS_BN / 2; ++i) d[i] = 0.0f;
-        for (int s = 0; s < sg.ke - sg.kb; ++s, ++gs) {
-            const int b = gs % RS_STAGES;
-            mbar_wait(bars + 8 * b, (gs / RS_STAGES) & 1);
-            fence_proxy_async();
-            // the previous stage's buffer is released inside this stage, except across a segment
-            // boundary, where it was released once its wgmma had retired (below)
-            rs_mma_stage<SF, true>(smem + b * STAGE_BYTES, base + b * STAGE_BYTES, lt, g, lane, fr, d,
-                                   s > 0 ? bars + 8 * (RS_STAGES + (gs - 1) % RS_STAGES) : 0u);
-        }
-        wgmma_wait<0>();
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bars + 8 * (RS_STAGES + (gs - 1) % RS_STAGES));
-
-        // the epilogue: d[4c + i] = (weight row row0 + 8 (i >> 1), token m0 + 8c + 2t + (i & 1))
-        const int row0 = n0 + 64 * wgi + 16 * warp_in_wg + g;
-        const bool head = sg.kb == 0, tail = sg.ke == ngroups;
-        if (!head) {
-            // CTA cta - 1 computed the tile's earlier stages (C holds their sum): every MMA thread
-            // acquires its flag (a warp vote keeps the loop warp-uniform), then, all past it, one
-            // thread zeroes it for the next launch
-#ifndef RS_SK_NOWAIT
-#define RS_SK_NOWAIT 0
-#endif
-            while (!RS_SK_NOWAIT && __any_sync(0xffffffffu, rs_flag_acquire(flags + cta - 1) == 0u)) {
-            }
-            asm volatile("bar.sync 1, %0;\n" ::"n"(RS_THREADS) : "memory");
-            rs_flag_store(flags + cta - 1, 0u, tid == 0, false);
-        }
-        if (head) {
-#pragma unroll
-            for (int c = 0; c < RS_BN / 8; ++c)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int tok = m0 + 8 * c + 2 * t + (i & 1), n = row0 + 8 * (i >> 1);
-                    if (tok < M && n < N) C[(size_t)tok * N + n] = d[4 * c + i];
-                }
-        } else {
-            // the earlier partial sum, 8 loads in flight at a time (one L2 round trip per
-            // element, in sequence, cost ~15 us per split tile); clamped addresses, so every load
-            // is in bounds and none needs a branch
-#pragma unroll
-            for (int c0 = 0; c0 < RS_BN / 8; c0 += 2) {
-                float part[8];
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int c = c0 + j / 4, i = j % 4;
-                    const int tok = min(m0 + 8 * c + 2 * t + (i & 1), M - 1), n = min(row0 + 8 * (i >> 1), N - 1);
-                    part[j] = __ldcg(C + (size_t)tok * N + n);
-                }
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    const int c = c0 + j / 4, i = j % 4;
-                    const int tok = m0 + 8 * c + 2 * t + (i & 1), n = row0 + 8 * (i >> 1);
-                    if (tok < M && n < N) C[(size_t)tok * N + n] = part[j] + d[4 * c + i];
-                }
-            }
-        }
-        if (!tail) {
-            // CTA cta + 1 finishes this tile: publish the partial sum (every MMA thread's stores
-            // ordered before the barrier, then one release at GPU scope)
-            asm volatile("bar.sync 1, %0;\n" ::"n"(RS_THREADS) : "memory");
-            rs_flag_store(flags + cta, 1u, tid == 0, true);
-        }
-        hi -= sg.ke - sg.kb;
-    }
-}
-#endif
-
 template <typename SF>
 static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
-                                                         float* __restrict__ C, int M, int N, int K RS_FLAGS_PARAM) {
+                                                         float* __restrict__ C, int M, int N, int K) {
     constexpr int GROUP_PIECES = SF::PIECES * 32;                     // uint4 per (tile, group)
     constexpr int W_BYTES = RS_TILES * (GROUP_PIECES * 16 + 8 * 16);  // raw quants + scales of a stage
     constexpr int STAGE_BYTES = (RS_ACT_BYTES + W_BYTES + 1023) / 1024 * 1024;
@@ -545,10 +335,6 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
             mbar_init(bars + 8 * (RS_STAGES + b), RS_THREADS / 32);
         }
     __syncthreads();
-#if RS_SK
-    rs_stream_k<SF>(A, qs, ds, C, flags, M, N, K, smem, base, bars);
-    return;
-#endif
     if (wgi == RS_WGS) {
         // producer thread p copies what threads p + 128 i of the non-specialized kernel copy
         const RsCopier<SF> cp0(tid - RS_THREADS, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);

@@ -4,6 +4,6 @@
 #include "common/wgmma_rs_f16.cuh"
 
 extern "C" __global__ void __launch_bounds__(RS_BLOCK, RS_MINB)
-w4a16_wgmma_rs(const __half* __restrict__ A, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K RS_FLAGS_PARAM) {
-    wgmma_rs_f16_gemm<SkQ4_0>(A, W, C, M, N, K RS_FLAGS_ARG);
+w4a16_wgmma_rs(const __half* __restrict__ A, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
+    wgmma_rs_f16_gemm<SkQ4_0>(A, W, C, M, N, K);
 }
