@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import statistics
@@ -72,7 +73,9 @@ def _gguf_source(gguf, tensor, m_rows, mnk):
     try:
         n, k, fmt = gguf_io.weight_shape(gguf, tensor)
         w = gguf_io.load_gguf(gguf, tensor)
-    except (KeyError, ValueError, ImportError, OSError) as e:
+    except OSError as e:  # its args are (errno, text): str() names the file
+        _fail(f"--gguf: {e}")
+    except (KeyError, ValueError, ImportError) as e:
         _fail(str(e.args[0] if e.args else e))
     return (m_rows or mnk[0], w, k, fmt)
 
@@ -113,6 +116,49 @@ def _skip_runner(spec, mnk, all_: bool, rows: list, ncols: int) -> bool:
     return True
 
 
+def _writable_file(path: Optional[Path], what: str) -> None:
+    """--json / --out: fail before the GPU work, not after it, when the result cannot be written."""
+    if path is None:
+        return
+    if path.exists() and path.is_dir():
+        _fail(f"{what} {path} is a directory; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        _fail(f"{what} {path}: the directory {parent} does not exist or is not writable")
+
+
+def _writable_dir(path: Path, what: str) -> None:
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if path.exists() and not path.is_dir():
+        _fail(f"{what} {path} exists and is not a directory")
+    if not os.access(existing, os.W_OK):
+        _fail(f"{what} {path}: {existing} is not writable")
+
+
+def _precheck(specs, mnk, all_: bool, sparsity: float, gg) -> None:
+    """What validate / profile can check without a GPU, checked before they ask for one: the
+    mustafar sparsity, K for the GEMM kernels, a named mustafar kernel's B x S x D, and that a
+    GGUF tensor's format is the kernel's."""
+    if not 0.0 <= sparsity < 1.0:
+        _fail(f"--sparsity must be in [0, 1), got {sparsity}")
+    for s in specs:
+        runner = getattr(s, "runner", None)
+        if runner is not None:
+            why = runner.shape_problem(mnk)
+            if why is not None and not all_:
+                _fail(f"{s.name}: {why}")
+        elif s.op.kind == "gemm" and gg is None and mnk[2] % 32:
+            _fail(f"--shape: K must be a multiple of 32 for {s.name}, got K={mnk[2]}")
+        if gg is not None and runner is None:
+            try:
+                _with_gguf(s, gg, mnk)
+            except ValueError as e:
+                if not all_:
+                    _fail(str(e))
+
+
 def _command_line() -> str:
     return "qgemm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
@@ -132,7 +178,10 @@ def list_cmd(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Every registered kernel: name, op, tutorial step, minimum arch, description."""
-    specs = registry.list_kernels(family=family)
+    try:
+        specs = registry.list_kernels(family=family)
+    except ValueError as e:
+        _fail(str(e))
     if as_json:
         typer.echo(json.dumps([{"name": s.name, "op": str(s.op), "step": s.step, "min_arch": f"sm_{s.min_arch}{s.arch_suffix}",
                                 "source": f"cuda_src/{s.source}", "entry": s.entry, "description": s.description} for s in specs], indent=1))
@@ -196,6 +245,8 @@ def compile(
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():
             _fail(f"--define takes KEY=VALUE (e.g. -D SK_UNROLL=1), got {item!r}")
+        if not re.fullmatch(r"[A-Za-z_]\w*", key.strip()):
+            _fail(f"--define: {key.strip()!r} is not a macro name (letters, digits and _, not starting with a digit)")
         value = value.strip()
         extra[key.strip()] = int(value) if re.fullmatch(r"-?\d+", value) else value
     if arch is None:
@@ -209,7 +260,10 @@ def compile(
         _fail(str(e))
     rows, failed = [], 0
     configured = bool(mnk or extra)
+    named = set(names or []) & set(registry.names())  # kernels asked for by name, not through a family or --all
     for s in specs:
+        if mnk and s.config is not None and s.op.kind == "gemm" and mnk[2] % 32:
+            _fail(f"--shape: K must be a multiple of 32 for {s.name}, got K={mnk[2]}")
         k = registry.get(s.name)
         defines = dict(k.config_for(*mnk)) if mnk and s.config is not None else {}
         defines.update(extra)
@@ -224,6 +278,7 @@ def compile(
             continue
         except ValueError as e:
             rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", f"skipped: {e}", ""])
+            failed += s.name in named  # asked for by name: not compiling it is a failure
             continue
         r = ck.resources[s.entry]
         rows.append([s.name, ck.arch, str(r.registers), f"{r.smem_static}", f"{r.spill_stores}/{r.spill_loads}",
@@ -259,9 +314,11 @@ def validate(
 
     specs = _specs(names, all_)
     mnk = _shape(shape)
+    _writable_file(as_json, "--json")
+    gg = _gguf_source(gguf, tensor, m_rows, mnk)
+    _precheck(specs, mnk, all_, sparsity, gg)
     _need_gpu("validate")
     rows, results, details, failed = [], [], [], 0
-    gg = _gguf_source(gguf, tensor, m_rows, mnk)
     opts = {"lq": lq, "groups": groups, "sparsity": sparsity}
     for s in specs:
         if _skip_runner(s, mnk, all_, rows, 7):
@@ -311,9 +368,11 @@ def profile(
 
     specs = _specs(names, all_)
     mnk = _shape(shape)
+    _writable_file(as_json, "--json")
+    gg = _gguf_source(gguf, tensor, m_rows, mnk)
+    _precheck(specs, mnk, all_, sparsity, gg)
     _need_gpu("profile")
     env = bench.environment()
-    gg = _gguf_source(gguf, tensor, m_rows, mnk)
     if gg is not None:
         mnk = (gg[0], gg[1].shape[0], gg[2])
     rows, results = [], []
@@ -420,12 +479,14 @@ def tune(
         cands = [d for d in cands if all(d.get(a) == b for a, b in want.items())]
         if not cands:
             _fail(f"no configuration of {name} at {m}x{n}x{kk} has {only}")
-    _need_gpu("tune")
+    if kk % 32:
+        _fail(f"--shape: K must be a multiple of 32, got K={kk}")
     k = registry.get(name)
     try:
         k._check_m(m)
     except ValueError as e:
         _fail(str(e))
+    _need_gpu("tune")
     rng = np.random.default_rng(0)
     inp = check.make_inputs(k.op, m, n, kk, rng)
     exact = k.op.exact(inp.a, inp.w)
@@ -484,7 +545,10 @@ def bench(
 
     if suite not in ("gemm", "kvcache"):
         _fail(f"--suite must be gemm or kvcache, got {suite!r}")
+    _writable_dir(out_dir, "--out")
     if suite == "kvcache":
+        if m_list or k_list:
+            _fail("--m and --k choose the GEMM sweep's shapes; --suite kvcache has its own (S, Lq, sparsity, bits)")
         _need_gpu("bench")
         from . import kvcache_bench
 

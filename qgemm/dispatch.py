@@ -4,7 +4,7 @@
     print(qgemm.explain(512, 4096, 4096, "q4_0"))  # which kernels, which configuration, and why
 
 With weights from `qgemm.pack_weights` (repacked once, at load) and float32 activations:
-- M >= 17 on sm_90: `convert.f16` + `w4a16.wgmma_rs` / `w8a16.wgmma_rs` (asynchronous warpgroup
+- M >= 17 on sm_90: `convert.f16k` + `w4a16.wgmma_rs` / `w8a16.wgmma_rs` (asynchronous warpgroup
   MMA, the weights dequantized into registers as its A operand);
 - M = 1: `w4a8.skinny` / `w8a8.skinny` alone -- int8 tensor cores with the token on the MMA's N side,
   the weight words used as fragments (Q4_0 after one mask), the activations quantized per block by
@@ -100,6 +100,8 @@ class Plan:
         the CPU computes it, byte for byte, then the kernel's reference."""
         kernel = registry.get(self.kernel)
         x = np.asarray(x)
+        if x.ndim != 2 or x.shape != (self.m, self.k):
+            raise ValueError(f"plan.reference: x must be [M, K] = [{self.m}, {self.k}] for this plan, got shape {x.shape}")
         staged = registry.get(self.quantizer).op.cpu(x) if self.quantizer else x
         if kernel.act_layout is not None:  # the kernel's k order is the op's, permuted alike on both sides
             from . import packing
@@ -129,6 +131,16 @@ class Plan:
         kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines, zeroed=zeroed)
 
 
+_X_DTYPES = {"float32": "f32", "float16": "f16", "half": "f16"}
+
+
+def _np_dtype_name(dt) -> str | None:
+    try:
+        return np.dtype(dt).name
+    except TypeError:
+        return None
+
+
 def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
          packed: bool = False, arch: str | None = None) -> Plan:
     """packed: the weights are a qgemm.PackedWeights (the skinny kernels may be used).
@@ -137,9 +149,13 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
     fmt = F.get_format(fmt).name
     if fmt not in _DEFAULTS:
         raise ValueError(f"matmul: weights must be q4_0 or q8_0 blocks, got {fmt}")
+    x_dtype = _X_DTYPES.get(x_dtype if isinstance(x_dtype, str) else _np_dtype_name(x_dtype), x_dtype)
     if x_dtype not in ("f32", "f16"):
-        raise ValueError(f"matmul: activations must be float32 or float16, got {x_dtype}")
-    if m <= 0 or n <= 0 or k <= 0 or k % F.QK:
+        raise ValueError(f"matmul: x_dtype must be 'f32' or 'f16' (float32 or float16 activations), got {x_dtype!r}")
+    for what, v in (("M", m), ("N", n), ("K", k)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 0 < v < 2**31:
+            raise ValueError(f"matmul: {what} must be a positive integer below 2^31, got {v!r}")
+    if k % F.QK:
         raise ValueError(f"matmul: need M, N > 0 and K a positive multiple of 32, got M={m} N={n} K={k}")
     if arch is not None:
         from . import jit
@@ -164,6 +180,11 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
                              "(a one-time repacking at load)")
         if layout and s.op.a.name == "f32" and x_dtype != "f32":
             raise ValueError(f"matmul: path {path} takes float32 activations, got {x_dtype}")
+        if cc is not None and (cc < s.min_arch or (s.arch_suffix and cc != s.min_arch)):
+            from .errors import UnsupportedArchError
+
+            need = f"sm_{s.min_arch}{s.arch_suffix} (only)" if s.arch_suffix else f"sm_{s.min_arch} or newer"
+            raise UnsupportedArchError(f"matmul: path {path} needs {need}, planned for sm_{cc}")
         name, source, reason = path, "override", "requested with path="
     elif packed and cc == 90 and m >= WGMMA_MIN_M:
         name, source = choice["wgmma"], "default"
@@ -257,6 +278,14 @@ def _scratch(tag: str, shape, dtype, stream=None) -> runtime.DeviceArray:
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
 
 
+def _dtype_name(dt) -> str:
+    """A block dtype by its format name (q8_1 blocks, ...), anything else as numpy prints it."""
+    for f in F.FORMATS.values():
+        if f.dtype == dt and f.dtype.fields:
+            return f"{f.name} blocks"
+    return str(dt)
+
+
 def _weights(w, fmt: str | None, on_device: bool, stream=None):
     """(blocks as host or device array in their block dtype, format name)."""
     if on_device:
@@ -276,16 +305,21 @@ def _weights(w, fmt: str | None, on_device: bool, stream=None):
             raise ValueError(f"matmul: weights must be 2-D [N, K/32] blocks, got shape {d.shape}")
         return d, f.name
     a = np.asarray(w)
+    if isinstance(fmt, str):
+        fmt = fmt.lower()  # "Q4_0" as "q4_0", as the CLI and plan() take it
     if fmt is None:
         fmt = {F.Q4_0.dtype: "q4_0", F.Q8_0.dtype: "q8_0"}.get(a.dtype)
         if fmt is None:
             raise ValueError(f"matmul: weights must be Q4_0 or Q8_0 blocks (qgemm.quantize_q4_0/q8_0, or raw "
-                             f"gguf bytes with fmt=), got {a.dtype} {a.shape}")
+                             f"gguf bytes with fmt=), got {_dtype_name(a.dtype)} {a.shape}")
     if fmt not in ("q4_0", "q8_0"):
-        raise ValueError(f"matmul: weights must be q4_0 or q8_0, got {fmt}")
+        raise ValueError(f"matmul: weights must be q4_0 or q8_0, got fmt={fmt!r}")
     b = F.as_blocks(a, fmt, "matmul: weights")
     if b.ndim != 2:
         raise ValueError(f"matmul: weights must be 2-D [N, K/32] blocks, got shape {b.shape}")
+    if not np.isfinite(b["d"]).all():  # a corrupt file: every output of its row would be inf / NaN
+        row, blk = (int(i) for i in np.argwhere(~np.isfinite(b["d"]))[0])
+        raise ValueError(f"matmul: weight block scales must be finite; row {row}, block {blk} has d = {b['d'][row, blk]}")
     return np.ascontiguousarray(b), fmt
 
 
@@ -295,7 +329,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     Host numpy in -> numpy float32 out. Device arrays (torch, CuPy, qgemm.DeviceArray) in ->
     device float32 out (`out=` to write into your own), queued on `stream`, no host copies.
     `w` may be a `qgemm.pack_weights(w)` result (weights repacked once at load): then decode and
-    small batches (M <= 64, float32 x) run the skinny kernels; the result follows x (host or device).
+    small batches (M <= 32, float32 x; M <= 16 on sm_90, where wgmma_rs takes over) run the skinny
+    kernels; the result follows x (host or device). `qgemm.explain` shows the path for a shape.
     """
     from .packing import PackedWeights
 
@@ -322,10 +357,14 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if k != kw:
         raise ValueError(f"matmul: K mismatch: x has K={k}, weights have K={kw} ({wb.shape[1]} blocks of 32)")
     p = plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path, packed is not None)
+    # what can be checked without the GPU is, first: a bad input says so on any machine
+    if not x_on_device and not np.isfinite(dx).all():
+        raise ValueError("matmul: activations must be finite")
+    if out is not None and (isinstance(out, np.ndarray) or not runtime.is_device_array(out)):
+        raise ValueError(f"matmul: out= must be a float32 device array ({m}, {n}) (torch, CuPy, qgemm.DeviceArray); "
+                         f"a host call returns a new numpy array, got {type(out).__name__}")
     runtime.require_gpu("qgemm.matmul")
     if not x_on_device:
-        if not np.isfinite(dx).all():
-            raise ValueError("matmul: activations must be finite")
         if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size:
             # these kernels round x to float16 themselves, with no prologue to flag what overflows
             amax = float(np.abs(dx).max())

@@ -26,6 +26,14 @@ class UnsupportedArchError(ValueError, QgemmError):
     """An architecture that the installed NVRTC or the kernel cannot target."""
 
 
+class UnknownNameError(KeyError, ValueError):
+    """A kernel or GGUF tensor name that does not exist. A KeyError (a lookup by name) and a
+    ValueError (bad input, like every other input error); the message lists the close names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class CudaError(QgemmError):
     """A CUDA driver call failed. `call` names it, `code` is the CUresult name when known."""
 

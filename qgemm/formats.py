@@ -66,6 +66,8 @@ FORMATS = {f.name: f for f in (F32, F16, Q4_0, Q8_0, Q8_1)}
 def get_format(name: str | Format) -> Format:
     if isinstance(name, Format):
         return name
+    if not isinstance(name, str):
+        raise ValueError(f"a format is one of {', '.join(FORMATS)} (a string), got {name!r}")
     try:
         return FORMATS[name.lower()]
     except KeyError:

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from . import formats as F
+from .errors import UnknownNameError
 
 # ggml type name -> qgemm format name, for the types qgemm loads
 SUPPORTED = {"Q4_0": "q4_0", "Q8_0": "q8_0", "F16": "f16", "F32": "f32"}
@@ -219,7 +220,7 @@ def _scan(path: str) -> None:
             qtype = gguf.GGMLQuantizationType(raw_type)
         except ValueError:
             raise ValueError(f"{path}: tensor {name!r} has ggml type id {raw_type}, which the installed gguf package "
-                             f"({getattr(gguf, '__version__', '?')}) does not know: corrupt, or a newer ggml type") from None
+                             f"({_gguf_version()}) does not know: corrupt, or a newer ggml type") from None
         if qtype not in gguf.GGML_QUANT_SIZES:
             raise ValueError(f"{path}: tensor {name!r} has ggml type {qtype.name}, whose block size the installed "
                              "gguf package does not know")
@@ -229,6 +230,9 @@ def _scan(path: str) -> None:
             shape = " x ".join(map(str, reversed(ne)))
             raise ValueError(f"{path}: tensor {name!r} is {qtype.name} [{shape}] with K (ne[0], the row length) = {k}, "
                              f"which is not a multiple of the {qtype.name} block size {block}: the file is corrupt")
+        if offset % alignment:  # ggml rejects such files: the data would be read from the wrong bytes
+            raise ValueError(f"{path}: tensor {name!r} has data offset {offset}, not a multiple of the file's alignment "
+                             f"({alignment}): the file is corrupt")
         n_elem = 1
         for d in ne:
             n_elem *= d
@@ -237,6 +241,16 @@ def _scan(path: str) -> None:
         if end > size:
             raise ValueError(f"{path}: truncated: tensor {name!r} ({qtype.name}, {nbytes} bytes) ends at byte {end}, "
                              f"but the file has {size} bytes")
+
+
+def _gguf_version() -> str:
+    """The installed gguf package's version (it has no __version__ attribute)."""
+    try:
+        from importlib.metadata import version
+
+        return "gguf " + version("gguf")
+    except Exception:
+        return "gguf, version unknown"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,13 +305,15 @@ class GGUFFile:
         return [t.name for t in self.tensors]
 
     def info(self, name: str) -> TensorInfo:
+        if not isinstance(name, str):
+            raise UnknownNameError(f"{self.path}: a tensor name is a string (`qgemm gguf {self.path}` lists them), got {name!r}")
         i = self._by_name.get(name)
         if i is None:
             names = self.names()
             close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
             close += [n for n in names if name and name in n and n not in close][: 5 - len(close)]
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise KeyError(f"{self.path}: no tensor named {name!r}{hint} ({len(names)} tensors; "
+            raise UnknownNameError(f"{self.path}: no tensor named {name!r}{hint} ({len(names)} tensors; "
                            f"`qgemm gguf {self.path}` lists them)")
         return self.tensors[i]
 

@@ -160,7 +160,12 @@ def normalize_arch(arch: str | int) -> str:
 
 
 def check_arch_supported(arch: str) -> None:
-    cc, _ = parse_arch(arch)
+    cc, suffix = parse_arch(arch)
+    # arch-specific ("a") targets exist from sm_90, family-specific ("f") ones from sm_100
+    first = {"a": 90, "f": 100}.get(suffix)
+    if first is not None and cc < first:
+        raise UnsupportedArchError(f"{arch}: there is no '{suffix}' variant of sm_{cc} (the '{suffix}' targets start at "
+                                   f"sm_{first}); use sm_{cc}")
     archs = supported_archs()
     if cc not in archs:
         major, minor = nvrtc_version()

@@ -72,6 +72,8 @@ def _check_bits(bits) -> int:
 
 
 def _check_sparsity(sparsity) -> float:
+    if isinstance(sparsity, (str, bytes)):  # float("0.5") would take it
+        raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}")
     try:
         s = float(sparsity)
     except (TypeError, ValueError):
@@ -153,6 +155,8 @@ def popcount(bitmaps: np.ndarray) -> np.ndarray:
 
 def density(ck) -> float:
     """The fraction of the cache's elements that are stored (1 - its sparsity)."""
+    if not isinstance(ck, CompressedKV):
+        raise ValueError(f"expected a CompressedKV (from compress_keys / compress_values), got {type(ck).__name__}")
     b, s, d = ck.shape
     return float(popcount(ck.bitmaps).sum()) / max(1, b * s * d)
 
@@ -321,6 +325,8 @@ def _unpack_codes(by: np.ndarray, bits: int) -> np.ndarray:
 def _compress(x: np.ndarray, kind: str, bits, sparsity=None, compact: bool = False) -> CompressedKV:
     x = _check_cache(x, f"{kind} cache")
     bits = _check_bits(bits)
+    if not isinstance(compact, (bool, np.bool_)):
+        raise ValueError(f"compact must be True or False, got {compact!r}")
     if compact and bits == 16:
         raise ValueError("compact=True applies to bits 4 and 2 (the fp16 layout has no scale/zero/offsets to shrink)")
     if sparsity is not None:
@@ -343,8 +349,9 @@ def _compress(x: np.ndarray, kind: str, bits, sparsity=None, compact: bool = Fal
     q, scale, zero = _quantize_tiles(tiles, bits)
     dq = dequant_constants(scale, zero, bits)
     if not np.isfinite(dq.astype(np.float32)).all():
-        raise ValueError(f"{kind} cache: a tile's value range is too large for the fp16 dequantization constants "
-                         f"({1 << bits} x scale must stay below {_FP16_MAX:g})")
+        raise ValueError(f"{kind} cache: a tile's fp16 dequantization constants overflow: mult = {1 << bits} x scale and "
+                         f"add = (the tile's minimum) - mult must stay within +-{_FP16_MAX:g}, so values (or a tile's "
+                         f"range) must stay below about {_FP16_MAX * 15 / 16:.0f} in magnitude at {bits} bits; scale the cache down")
     # codes in non-zero order: rank of each non-zero within its tile
     rank = np.cumsum(nz, axis=-1) - 1
     comp = np.zeros_like(q)
@@ -421,10 +428,11 @@ def validate_compressed(ck) -> None:
     if ck.kind not in KINDS:
         raise ValueError(f"compressed cache: kind must be 'key' or 'value', got {ck.kind!r}")
     _check_bits(ck.bits)
-    try:
-        b, s, d = (int(v) for v in ck.shape)
-    except Exception:
-        raise ValueError(f"{what}: shape must be (B, S, D), got {ck.shape!r}") from None
+    shape = ck.shape
+    if (not isinstance(shape, tuple) or len(shape) != 3
+            or not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in shape)):
+        raise ValueError(f"{what}: shape must be (B, S, D), three integers, got {shape!r}")
+    b, s, d = (int(v) for v in shape)
     if b <= 0 or s <= 0 or d not in HEAD_DIMS:
         raise ValueError(f"{what}: shape must be (B, S, D) with D in {HEAD_DIMS}, got {ck.shape!r}")
     t = num_tiles(ck.kind, s, d)
@@ -473,6 +481,8 @@ def validate_compressed(ck) -> None:
         dq = _arr(ck, "dq", (np.float16,), (b, t, 2), what)
         if not np.isfinite(dq.astype(np.float32)).all():
             raise ValueError(f"{what}: dq must be finite")
+        if np.any(dq[..., 0] < 0):  # mult = 2^bits x scale: the quantizer never makes a negative scale
+            raise ValueError(f"{what}: dq's multipliers (2^bits x scale) must be >= 0")
         start = go[0, 0]
         if start < 0:
             raise ValueError(f"{what}: offsets must be >= 0, got {start}")
@@ -494,6 +504,8 @@ def validate_compressed(ck) -> None:
         ze = _arr(ck, "zeros", (np.float32,), (b, t), what)
         if not (np.isfinite(sc).all() and np.isfinite(ze).all()):
             raise ValueError(f"{what}: scales and zeros must be finite")
+        if np.any(sc < 0):  # min-max quantization never makes one; a negative scale would flip the values
+            raise ValueError(f"{what}: scales must be >= 0")
         if not np.isfinite(dequant_constants(sc, ze, ck.bits).astype(np.float32)).all():
             raise ValueError(f"{what}: a scale or zero overflows the fp16 dequantization constants")
         start = off[0, 0]
@@ -552,6 +564,7 @@ def tile_values(ck: CompressedKV) -> np.ndarray:
 def decompress(ck: CompressedKV) -> np.ndarray:
     """The cache [B, S, D] float16 the kernels compute with (dequantized values where the bitmap
     is set, zeros elsewhere)."""
+    validate_compressed(ck)
     b, s, d = ck.shape
     return from_tiles(tile_values(ck), ck.kind, s, d)
 

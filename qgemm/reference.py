@@ -15,9 +15,20 @@ import numpy as np
 from . import formats as F
 
 
+def _check_k(what: str, ka: int, kw: int, unit: str = "K") -> None:
+    """The two operands must share K: a mismatch would otherwise broadcast into a wrong answer
+    (per-block scales) or fail deep inside numpy."""
+    if ka != kw:
+        raise ValueError(f"{what}: K mismatch: A has {unit}={ka}, W has {unit}={kw}")
+
+
 def truth(a: np.ndarray, w: np.ndarray) -> np.ndarray:
     """float64 ground truth A . W^T of float matrices."""
-    return np.asarray(a, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T
+    a, w = np.asarray(a, dtype=np.float64), np.asarray(w, dtype=np.float64)
+    if a.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"reference: A and W must be 2-D [M, K] and [N, K], got shapes {a.shape} and {w.shape}")
+    _check_k("reference", a.shape[1], w.shape[1])
+    return a @ w.T
 
 
 def exact_fp32(a: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -74,6 +85,7 @@ def block_sumi(qa: np.ndarray, qw: np.ndarray) -> np.ndarray:
     integer with |sumi| <= 32 * 128 * 128 = 2^19, far below 2^53."""
     m, nb, _ = qa.shape
     n = qw.shape[0]
+    _check_k("reference", nb * F.QK, qw.shape[1] * F.QK)
     out = np.empty((m, n, nb), dtype=np.int64)
     qa64 = qa.astype(np.float64)
     qw64 = qw.astype(np.float64)
@@ -123,6 +135,8 @@ def quantize_rows_i8(a_f32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rounding); q = 0 where amax < 2^-118. -> (q int8 [M, K/32, 32], d float32 [M, K/32]).
     Unlike Q8_1, d is not rounded to half (and no float sum is kept: the kernels sum q exactly)."""
     x = np.asarray(a_f32, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % F.QK:
+        raise ValueError(f"reference: activations must be 2-D [M, K] with K a multiple of {F.QK}, got shape {x.shape}")
     m, k = x.shape
     xb = x.reshape(m, k // F.QK, F.QK)
     amax = np.abs(xb).max(axis=-1)

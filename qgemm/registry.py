@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import ops
+from .errors import UnknownNameError
 from .ops import Launch
 
 
@@ -672,12 +673,15 @@ def names() -> list[str]:
 
 
 def spec(name: str) -> KernelSpec:
+    if not isinstance(name, str):
+        raise UnknownNameError(f"a kernel name is a string such as 'w4a8.mma' (qgemm list shows all {len(REGISTRY)}), "
+                               f"got {name!r}")
     try:
         return REGISTRY[name]
     except KeyError:
-        close = difflib.get_close_matches(str(name), REGISTRY, n=3, cutoff=0.4)
+        close = difflib.get_close_matches(name, REGISTRY, n=3, cutoff=0.4)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise KeyError(f"no kernel named {name!r}{hint} (qgemm list shows all {len(REGISTRY)})") from None
+        raise UnknownNameError(f"no kernel named {name!r}{hint} (qgemm list shows all {len(REGISTRY)})") from None
 
 
 def get(name: str) -> ops.Kernel:
@@ -690,9 +694,17 @@ def get(name: str) -> ops.Kernel:
     return k
 
 
+def families() -> list[str]:
+    return sorted({s.family for s in REGISTRY.values()})
+
+
 def list_kernels(family: str | None = None, op: str | None = None) -> list[KernelSpec]:
+    """The registered kernels, optionally of one family (ValueError naming the families if it
+    has none) or one op."""
     out = list(REGISTRY.values())
-    if family:
+    if family is not None:
+        if family not in families():
+            raise UnknownNameError(f"no kernel family {family!r}; the families: {', '.join(families())}")
         out = [s for s in out if s.family == family]
     if op:
         out = [s for s in out if s.op.name == op]
@@ -707,6 +719,6 @@ def resolve(names_or_all: list[str] | None, all_: bool) -> list[KernelSpec]:
         raise ValueError("name at least one kernel, or pass --all")
     out: list[KernelSpec] = []
     for n in names_or_all:
-        fam = list_kernels(family=n)
+        fam = list_kernels(family=n) if n in families() else []
         out.extend(fam if fam and n not in REGISTRY else [spec(n)])
     return out

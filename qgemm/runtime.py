@@ -356,13 +356,24 @@ class DeviceArray:
     def from_cai(cls, obj) -> "DeviceArray":
         """Wrap (without copying) an object exposing __cuda_array_interface__."""
         cai = obj.__cuda_array_interface__
-        shape = tuple(cai["shape"])
-        ptr = int(cai["data"][0])
-        typestr = cai["typestr"]
-        if typestr.startswith("|V") and "descr" in cai and len(cai["descr"]) > 1:
-            dtype = np.dtype([tuple(f) for f in cai["descr"]])
-        else:
-            dtype = np.dtype(typestr)
+        what = f"{type(obj).__name__}.__cuda_array_interface__"
+        if not isinstance(cai, dict):
+            raise ValueError(f"{what} must be a dict (the CUDA array interface), got {type(cai).__name__}")
+        missing = [key for key in ("shape", "typestr", "data") if key not in cai]
+        if missing:
+            raise ValueError(f"{what} lacks {', '.join(repr(m) for m in missing)} (the CUDA array interface needs "
+                             "shape, typestr and data)")
+        try:
+            shape = tuple(int(v) for v in cai["shape"])
+            ptr = int(cai["data"][0])
+            typestr = cai["typestr"]
+            if typestr.startswith("|V") and "descr" in cai and len(cai["descr"]) > 1:
+                dtype = np.dtype([tuple(f) for f in cai["descr"]])
+            else:
+                dtype = np.dtype(typestr)
+        except (TypeError, ValueError, IndexError, AttributeError) as e:
+            raise ValueError(f"{what} is malformed (shape {cai.get('shape')!r}, typestr {cai.get('typestr')!r}, "
+                             f"data {cai.get('data')!r}): {e}") from None
         strides = cai.get("strides")
         if strides is not None:
             expected = []

@@ -590,3 +590,115 @@ def test_matmul_scratch_is_per_stream(monkeypatch):
     kept = [k for k in dispatch._workspace if k[0] == "prologue"]
     assert len(kept) == 8 and ("prologue", 1) not in kept and ("prologue", 2) not in kept
     assert ("status", 1) in dispatch._workspace
+
+
+def test_plan_and_matmul_name_what_they_expected_before_any_gpu(rng):
+    """Input errors that need no GPU are raised before the no-GPU check, with what was expected
+    and what came: shape types, x_dtype spellings, a path the planned arch cannot run, non-finite
+    activations, a host out=, weights given to pack_weights that are not blocks."""
+    from qgemm import dispatch
+
+    assert dispatch.plan(512, 4096, 4096, x_dtype="float16", arch="sm_90").x_dtype == "f16"
+    assert dispatch.plan(512, 4096, 4096, x_dtype=np.float32, arch="sm_90").x_dtype == "f32"
+    assert dispatch.plan(np.int64(8), 4096, 4096, arch="sm_90").m == 8
+    with pytest.raises(ValueError, match="x_dtype must be 'f32' or 'f16'.*got 'bf16'"):
+        dispatch.plan(512, 4096, 4096, x_dtype="bf16")
+    for bad in ("512", 512.5, True, 0, 2**31, None):
+        with pytest.raises(ValueError, match=f"M must be a positive integer below 2\\^31, got {re.escape(repr(bad))}"):
+            dispatch.plan(bad, 4096, 4096, arch="sm_90")
+    with pytest.raises(qgemm.UnsupportedArchError, match="path w4a16.mma needs sm_80 or newer, planned for sm_75"):
+        dispatch.plan(512, 4096, 4096, path="w4a16.mma", arch="sm_75")
+    with pytest.raises(qgemm.UnsupportedArchError, match=r"path w4a16.wgmma_rs needs sm_90a \(only\), planned for sm_80"):
+        dispatch.plan(512, 4096, 4096, path="w4a16.wgmma_rs", packed=True, arch="sm_80")
+    w = qgemm.quantize_q4_0(rng.standard_normal((8, 64), dtype=np.float32))
+    assert dispatch._weights(w, "Q4_0", False)[1] == "q4_0"  # the case of fmt does not matter
+    with pytest.raises(ValueError, match="weights must be q4_0 or q8_0, got fmt=5"):
+        qgemm.matmul(np.ones((2, 64), np.float32), w, fmt=5)
+    with pytest.raises(ValueError, match="activations must be finite"):
+        qgemm.matmul(np.full((2, 64), np.nan, np.float32), w)
+    with pytest.raises(ValueError, match=r"out= must be a float32 device array \(2, 8\).*got ndarray"):
+        qgemm.matmul(np.ones((2, 64), np.float32), w, out=np.zeros((2, 8), np.float32))
+    with pytest.raises(ValueError, match="weights must be Q4_0 or Q8_0 blocks"):
+        qgemm.pack_weights(np.ones((8, 64), np.float32))
+    with pytest.raises(ValueError, match="a format is one of .* \\(a string\\), got None"):
+        qgemm.quantize(np.ones((2, 64), np.float32), None)
+
+
+def test_unknown_kernel_and_family_names():
+    """A name that does not exist is a ValueError (as every input error) that is also a KeyError
+    (a lookup), with the close names; a family that does not exist lists the families."""
+    for bad, match in (("w4a8.mmma", "did you mean w4a8.mma"), (None, "a kernel name is a string"), ("nope", "no kernel named 'nope'")):
+        with pytest.raises(ValueError, match=match) as e:
+            qgemm.get(bad)
+        assert isinstance(e.value, KeyError) and not str(e.value).startswith("'")
+    with pytest.raises(ValueError, match="no kernel family 'w5a8'; the families: .*w4a16"):
+        qgemm.list("w5a8")
+    r = runner.invoke(app, ["list", "--family", "w5a8"])
+    assert r.exit_code == 2 and "the families" in r.output, r.output
+    assert len(qgemm.list("w4a16")) >= 6
+
+
+def test_compile_cli_rejects_bad_defines_shapes_and_archs():
+    """`qgemm compile`: a -D key that is not a macro name and a --shape whose K is not a multiple of
+    32 are usage errors (exit 2) caught before NVRTC; a kernel named explicitly that the arch cannot
+    run exits 1 (a family only skips its members); 'a' / 'f' variants that do not exist are named."""
+    for define in ("A B=3", "--use_fast_math=1", "1X=2"):
+        r = runner.invoke(app, ["compile", "w4a16.naive", "--arch", "sm_90", "-D", define])
+        assert r.exit_code == 2 and "is not a macro name" in r.output, (define, r.output)
+    r = runner.invoke(app, ["compile", "w4a16.mma", "--arch", "sm_90", "--shape", "8x4096x33"])
+    assert r.exit_code == 2 and "K must be a multiple of 32" in r.output, r.output
+    r = runner.invoke(app, ["compile", "w4a16.mma", "--arch", "sm_75"])
+    assert r.exit_code == 1 and "skipped: w4a16.mma needs sm_80" in r.output, r.output
+    r = runner.invoke(app, ["compile", "w4a16", "--arch", "sm_75"])
+    assert r.exit_code == 0 and "w4a16.naive" in r.output and "skipped" in r.output, r.output
+    for arch, first in (("sm_90f", "sm_100"), ("sm_80a", "sm_90")):
+        with pytest.raises(qgemm.UnsupportedArchError, match=f"no '{arch[-1]}' variant of {arch[:-1]}.*start at {first}"):
+            jit.check_arch_supported(arch)
+        r = runner.invoke(app, ["explain", "--shape", "8x4096x4096", "--arch", arch])
+        assert r.exit_code == 2 and "variant" in r.output, r.output
+
+
+def test_validate_profile_tune_bench_check_their_inputs_before_the_gpu(tmp_path):
+    """Usage errors that need no GPU exit 2 with the reason on any machine, before the GPU is
+    asked for (and before minutes of GPU work whose result could not be written)."""
+    cases = [
+        (["validate", "w4a8.mma", "--shape", "8x4096x33"], "K must be a multiple of 32"),
+        (["profile", "w4a8.mma", "--shape", "8x4096x33"], "K must be a multiple of 32"),
+        (["validate", "mustafar.key_q4", "--shape", "2x100x96"], "head dim D must be one of"),
+        (["validate", "mustafar.key_q4", "--shape", "2x100x128", "--sparsity", "1.5"], r"--sparsity must be in \[0, 1\)"),
+        (["profile", "w4a8.mma", "--json", str(tmp_path / "missing" / "p.json")], "does not exist or is not writable"),
+        (["validate", "w4a8.mma", "--json", str(tmp_path)], "is a directory"),
+        (["validate", "w4a8.mma", "--gguf", str(tmp_path / "none.gguf"), "--tensor", "x"], "--gguf: .*No such file"),
+        (["tune", "w4a8.gemv", "--shape", "512x4096x4096"], "at most M=8"),
+        (["tune", "w4a8.mma", "--shape", "8x4096x33"], "K must be a multiple of 32"),
+        (["bench", "--suite", "kvcache", "--m", "1"], "--suite kvcache has its own"),
+        (["bench", "--out", str(tmp_path / "f.txt")], "exists and is not a directory"),
+    ]
+    (tmp_path / "f.txt").write_text("")
+    for args, match in cases:
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2 and re.search(match, r.output), (args, r.exit_code, r.output)
+
+
+def test_weights_and_device_arrays_that_are_not_what_they_claim(rng):
+    """Weights of another block type are named by format; a non-finite block scale (a corrupt
+    file) is refused with its row and block; an object whose __cuda_array_interface__ is missing
+    a key or malformed is a ValueError that names the interface, not a KeyError from inside."""
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(ValueError, match=r"got q8_1 blocks \(8, 2\)"):
+        qgemm.matmul(x, qgemm.quantize_q8_1(np.ones((8, 64), np.float32)))
+    w = qgemm.quantize_q4_0(rng.standard_normal((8, 64), dtype=np.float32))
+    w["d"][3, 1] = np.inf
+    for f in (lambda: qgemm.matmul(x, w), lambda: qgemm.pack_weights(w)):
+        with pytest.raises(ValueError, match="block scales must be finite; row 3, block 1 has d = inf"):
+            f()
+
+    class Fake:
+        def __init__(self, cai):
+            self.__cuda_array_interface__ = cai
+
+    for cai, match in (({"shape": (2,)}, "lacks 'typestr', 'data'"), (None, "must be a dict"),
+                       ({"shape": (2,), "typestr": "bogus", "data": (0, False)}, "malformed"),
+                       ({"shape": (2,), "typestr": "<f4", "data": None}, "malformed")):
+        with pytest.raises(ValueError, match=match):
+            runtime.DeviceArray.from_cai(Fake(cai))

@@ -280,6 +280,28 @@ def test_unknown_ggml_type_id(model, tmp_path):
         gguf_io.list_tensors(bad)
 
 
+def test_misaligned_tensor_data_offset(model, tmp_path):
+    """A data offset that is not a multiple of general.alignment (32 here) is a corrupt file, as
+    ggml says: it was once accepted and the tensor read from the wrong bytes. The unknown-type
+    message names the installed gguf version (the package has no __version__)."""
+    path, _, _ = model
+    data = path.read_bytes()
+    name = b"blk.0.ffn_down.weight"
+    head = struct.pack("<Q", len(name)) + name + struct.pack("<IQQI", 2, K, N, 2)
+    at = data.index(head) + len(head)
+    offset = struct.unpack_from("<Q", data, at)[0]
+    bad = tmp_path / "misaligned.gguf"
+    bad.write_bytes(data[:at] + struct.pack("<Q", offset + 3) + data[at + 8:])
+    with pytest.raises(ValueError, match=rf"misaligned.gguf: tensor 'blk.0.ffn_down.weight' has data offset {offset + 3}, "
+                                         r"not a multiple of the file's alignment \(32\)"):
+        gguf_io.list_tensors(bad)
+    other = tmp_path / "bad-type.gguf"
+    needle = struct.pack("<Q", len(b"output.weight")) + b"output.weight" + struct.pack("<IQQI", 2, K, N, 0)
+    other.write_bytes(data.replace(needle, needle[:-4] + struct.pack("<I", 200)))
+    with pytest.raises(ValueError, match=r"installed gguf package \(gguf \d"):
+        gguf_io.list_tensors(other)
+
+
 def test_missing_file_and_directory(tmp_path):
     with pytest.raises(FileNotFoundError):
         qgemm.load_gguf(tmp_path / "nope.gguf", "x")

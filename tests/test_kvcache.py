@@ -1098,3 +1098,45 @@ def test_kvcache_bench_report_gives_plain_launch_times():
                 and r["S"] >= 16384 and r["Lq"] == 1)
     assert f"worst {worst:.2f}x" in f16 and f"(plain launches: worst {worst / 1.25:.2f}x)" in f16
     assert sum("plain launches: worst" in t for t in lines) == 4  # key / value x q2 / fp16; not the size line
+
+
+@pytest.mark.parametrize("bits,compact", [lb for lb in LAYOUTS if lb[0] != 16])
+def test_negative_scales_and_non_integer_shapes_are_rejected(rng, bits, compact):
+    """The quantizer never makes a negative scale (min-max over the tile), and a negative one would
+    flip the decoded values silently: rejected, like a shape of non-integers (int(2.5) was taken as
+    2) and objects that are not CompressedKV at all."""
+    ck = compress("key", kv.prune(cache(rng, 2, 40, 128), 0.5), bits, compact)
+    if compact:
+        dq = ck.dq.copy()
+        dq[0, 1, 0] = -dq[0, 1, 0] - 1
+        bad = dataclasses.replace(ck, dq=dq, _device=None)
+    else:
+        sc = ck.scales.copy()
+        sc[0, 1] = -1.0
+        bad = dataclasses.replace(ck, scales=sc, _device=None)
+    with pytest.raises(ValueError, match=">= 0"):
+        kv.decompress(bad)
+    for shape in ((2.5, 40, 128), (2, 40), None, (2, 40, True)):
+        with pytest.raises(ValueError, match="three integers"):
+            kv.decompress(dataclasses.replace(ck, shape=shape, _device=None))
+    for f in (kv.decompress, kv.density, kv.validate_compressed):
+        with pytest.raises(ValueError, match="expected a CompressedKV"):
+            f(None)
+
+
+def test_fp16_constant_overflow_names_the_magnitude_limit():
+    """A constant tile of 65000 has no range at all; what overflows is the fp16 dequantization
+    constant built from its value: the message says so (it used to blame the range)."""
+    x = np.full((1, 64, 64), 65000, np.float16)
+    with pytest.raises(ValueError, match="must stay below about 61410 in magnitude at 4 bits"):
+        kv.compress_keys(x, 4)
+
+
+def test_sparsity_and_compact_take_no_look_alikes(rng):
+    """A string sparsity ('0.5' once passed through float()) and a truthy non-bool compact are
+    refused, not coerced."""
+    x = cache(rng, 1, 64, 64)
+    with pytest.raises(ValueError, match="sparsity must be a number"):
+        kv.prune(x, "0.5")
+    with pytest.raises(ValueError, match="compact must be True or False, got 'yes'"):
+        kv.compress_keys(kv.prune(x, 0.5), 4, compact="yes")

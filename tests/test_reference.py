@@ -377,3 +377,34 @@ def test_nmse_tolerance_holds_for_single_outputs(opname):
     part = lose_quarter(inp, 4096)
     bad = check.compare("bad", op, shape, 0, part, part, reference.truth(inp.a_float, inp.w_float), inp.a_float, inp.w_float)
     assert not bad.passed and bad.nmse > bad.nmse_tol  # by the NMSE alone
+
+
+def test_references_refuse_operands_of_different_k():
+    """A K mismatch between activations and weights is a ValueError naming both K, in every
+    reference: before, the per-block formulas broadcast the scales of one operand over the
+    other's blocks and returned a plausible wrong answer (A with fewer blocks than W), or failed
+    deep inside numpy (more)."""
+    from qgemm import dispatch
+
+    rng = np.random.default_rng(5)
+    a32, a64 = rng.standard_normal((4, 32), dtype=np.float32), rng.standard_normal((4, 64), dtype=np.float32)
+    w32, w64 = rng.standard_normal((8, 32), dtype=np.float32), rng.standard_normal((8, 64), dtype=np.float32)
+    for a, w in ((a32, w64), (a64, w32)):
+        ka, kw = a.shape[1], w.shape[1]
+        cases = [
+            lambda: R.exact_w4a8(F.quantize_q8_1(a), F.quantize_q4_0(w)),
+            lambda: R.exact_w8a8(F.quantize_q8_1(a), F.quantize_q8_0(w)),
+            lambda: R.exact_w4a8s(a, F.quantize_q4_0(w)),
+            lambda: R.exact_w8a8s(a, F.quantize_q8_0(w)),
+            lambda: R.exact_w4a8_uncompensated(F.quantize_q8_1(a), F.quantize_q4_0(w)),
+            lambda: R.exact_w4a16(a, F.quantize_q4_0(w)),
+            lambda: R.exact_w8a16h(a.astype(np.float16), F.quantize_q8_0(w)),
+            lambda: R.truth(a, w),
+        ]
+        for case in cases:
+            with pytest.raises(ValueError, match=f"K mismatch: A has K={ka}, W has K={kw}"):
+                case()
+    with pytest.raises(ValueError, match=r"x must be \[M, K\] = \[4, 64\] for this plan, got shape \(4, 32\)"):
+        dispatch.plan(4, 8, 64, arch="sm_90").reference(a32, F.quantize_q4_0(w64))
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        R.quantize_rows_i8(np.ones((2, 48), np.float32))
