@@ -219,7 +219,8 @@ def as_blocks(a: np.ndarray, fmt: str | Format, what: str = "array") -> np.ndarr
     f = get_format(fmt)
     if not f.quantized:
         raise ValueError(f"{what}: {f.name} is not a block format")
-    a = np.asarray(a)
+    if not isinstance(a, np.ndarray):  # a list of blocks (e.g. .tolist()) cannot become blocks again
+        raise ValueError(f"{what}: expected a numpy array of {f.name} blocks (or raw uint8 bytes), got {type(a).__name__}")
     if a.dtype == f.dtype:
         return a
     if a.dtype == np.uint8 and a.ndim >= 1:

@@ -575,9 +575,17 @@ def _groups_of(rows: int, b: int, what: str) -> int:
     return rows // b
 
 
+def _three_d(x, what: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim != 3 or a.dtype.kind not in "fiu":
+        raise ValueError(f"{what} must be a 3-D numeric array, got {a.dtype} {a.shape}")
+    return a
+
+
 def reference_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Scores q . K^T in float64: q [B*groups, Lq, D], K [B, S, D] -> [B*groups, Lq, S]
     (grouped-query attention: query head h uses kv head h // groups)."""
+    q, k = _three_d(q, "queries [B*groups, Lq, D]"), _three_d(k, "the key cache [B, S, D]")
     b, s, d = k.shape
     bg, lq, dq = q.shape
     if dq != d:
@@ -589,6 +597,7 @@ def reference_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 def reference_output(p: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Attention output p . V in float64: p [B*groups, Lq, S], V [B, S, D] -> [B*groups, Lq, D]."""
+    p, v = _three_d(p, "probabilities [B*groups, Lq, S]"), _three_d(v, "the value cache [B, S, D]")
     b, s, d = v.shape
     bg, lq, sp = p.shape
     if sp != s:

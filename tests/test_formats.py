@@ -479,3 +479,11 @@ def test_quantization_nmse_on_gaussian():
     assert 0 < e8 < 1e-4, f"seed={seed}: q8_0 nmse {e8}"
     assert 0 < e81 < 1e-4, f"seed={seed}: q8_1 nmse {e81}"
     assert e8 < e4 and math.isfinite(e81)
+
+
+def test_blocks_given_as_a_list_are_refused_by_name():
+    """.tolist() of blocks is a list of tuples that numpy cannot turn back into blocks: the error
+    names the expected numpy array instead of numpy's 'inhomogeneous shape'."""
+    w = F.quantize_q4_0(np.ones((2, 64), np.float32))
+    with pytest.raises(ValueError, match="expected a numpy array of q4_0 blocks .*got list"):
+        F.dequantize(w.tolist(), "q4_0")

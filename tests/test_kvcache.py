@@ -1140,3 +1140,15 @@ def test_sparsity_and_compact_take_no_look_alikes(rng):
         kv.prune(x, "0.5")
     with pytest.raises(ValueError, match="compact must be True or False, got 'yes'"):
         kv.compress_keys(kv.prune(x, 0.5), 4, compact="yes")
+
+
+def test_references_check_their_operands(rng):
+    """The float64 references name the operand that is not 3-D instead of failing to unpack it;
+    lists of numbers are still taken."""
+    q = rng.standard_normal((4, 1, 64)).astype(np.float16)
+    k = rng.standard_normal((2, 10, 64)).astype(np.float16)
+    assert kv.reference_scores(q.tolist(), k).shape == (4, 1, 10)
+    with pytest.raises(ValueError, match=r"queries \[B\*groups, Lq, D\] must be a 3-D numeric array, got float16 \(1, 64\)"):
+        kv.reference_scores(q[0], k)
+    with pytest.raises(ValueError, match=r"the value cache \[B, S, D\] must be a 3-D"):
+        kv.reference_output(np.ones((4, 1, 10)), k[0])
