@@ -156,7 +156,7 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 0 < v < 2**31:
             raise ValueError(f"matmul: {what} must be a positive integer below 2^31, got {v!r}")
     if k % F.QK:
-        raise ValueError(f"matmul: need M, N > 0 and K a positive multiple of 32, got M={m} N={n} K={k}")
+        raise ValueError(f"matmul: K must be a multiple of {F.QK} (the block size), got K={k}")
     if arch is not None:
         from . import jit
 
