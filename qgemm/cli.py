@@ -352,7 +352,8 @@ def profile(
     all_: bool = typer.Option(False, "--all", help="Every registered kernel."),
     shape: str = typer.Option("512x4096x4096", "--shape", help="MxNxK."),
     warmup: int = typer.Option(10, "--warmup", min=0, help="Untimed launches first."),
-    iters: int = typer.Option(50, "--iters", min=1, help="Timed launches (the median is reported)."),
+    iters: int = typer.Option(50, "--iters", min=1, help="Timed samples, each a CUDA graph of back-to-back launches "
+                                                          "(~1 ms); the median time per launch is reported."),
     cold: bool = typer.Option(False, "--cold", help="Rotate buffer sets larger than 2x L2, so operands come from DRAM."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also time torch (cuBLAS fp16/bf16/fp32, cuBLASLt int8) when present."),
     as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the results (with device, date, command) as JSON."),
@@ -530,14 +531,17 @@ def tune(
 @app.command()
 def bench(
     quick: bool = typer.Option(False, "--quick", help="A few M values and K=4096 only."),
-    out_dir: Path = typer.Option(Path("bench-out"), "--out", help="Where bench.json, bench.md and the plots go."),
-    peers: bool = typer.Option(True, "--peers/--no-peers", help="Time torch (cuBLAS fp16/bf16, cuBLASLt int8) too."),
+    out_dir: Path = typer.Option(Path("bench-out"), "--out", help="Where bench.json, bench.md and the plots go "
+                                                                 "(--suite kvcache: kvcache.json and kvcache.md)."),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="gemm suite: time torch (cuBLAS fp16/bf16, cuBLASLt int8) "
+                                                                "too (the kvcache suite always times dense torch)."),
     hot_only: bool = typer.Option(False, "--hot-only", help="Skip the cold-cache pass."),
     iters: int = typer.Option(30, "--iters", min=1, help="Timed samples per point."),
     suite: str = typer.Option("gemm", "--suite", help="gemm: the matmul sweep; kvcache: Mustafar sparse KV-cache attention vs dense torch."),
     m_list: str = typer.Option("", "--m", help="Comma-separated M values instead of the sweep's (e.g. 1,8,64)."),
     k_list: str = typer.Option("", "--k", help="Comma-separated K values instead of the sweep's (e.g. 4096)."),
-    clocks: bool = typer.Option(False, "--clocks", help="Record the SM clock and power per row (nvidia-smi, every 20 ms)."),
+    clocks: bool = typer.Option(False, "--clocks", help="gemm suite: record the SM clock and power per row (nvidia-smi, "
+                                                         "every 20 ms)."),
 ):
     """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold.
     --suite kvcache: the mustafar.* kernels over S, Lq, sparsity and bits against dense torch attention."""

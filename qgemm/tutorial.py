@@ -98,6 +98,12 @@ def step3(echo: Echo, shape) -> None:
     _ladder(echo, ["fp32.naive", "fp32.tiled", "w4a16.naive", "w4a16.tiled"], shape)
 
 
+def ladder(op: str) -> list[str]:
+    """The tutorial's kernels of an op: the Step 4 rungs (naive .. vec_dp4a), not the production
+    kernels registered under the same op (mma, skinny_q8_1, gemv: Step 6, some for decode only)."""
+    return [s.name for s in registry.list_kernels(op=op) if s.step <= 5]
+
+
 def step4(echo: Echo, shape) -> None:
     m, n, k = shape
     echo(f"Step 4 - W4A8: Q8_1 activations x Q4_0 weights, integer dot products, M={m} N={n} K={k}")
@@ -114,13 +120,13 @@ def step4(echo: Echo, shape) -> None:
     echo(f"  with d_w(d_a sumi - 8 s_a): C[0,0] = {right[0, 0]:+.4f}   NMSE {F.nmse(right, truth):.2e}  (quantization error only)")
     if not _gpu(echo):
         return
-    for name in [s.name for s in registry.list_kernels(op="w4a8")]:
+    for name in ladder("w4a8"):
         c = registry.get(name)(a, w)
         echo(f"  {name:<16} rel err vs exact-math {reference.relative_error(c, right):.1e}, NMSE vs truth {F.nmse(c, truth):.2e}")
     echo("  the ladder (CUDA events, median, hot):")
-    _ladder(echo, [s.name for s in registry.list_kernels(op="w4a8")], shape)
+    _ladder(echo, ladder("w4a8"), shape)
     echo("  W8A8 (Q8_1 x Q8_0, no offset: d_w * d_a * sumi):")
-    _ladder(echo, [s.name for s in registry.list_kernels(op="w8a8")], shape)
+    _ladder(echo, ladder("w8a8"), shape)
 
 
 _GGML_LINE = re.compile(r"MUL_MAT\(type_a=(\w+),type_b=f32,m=(\d+),n=(\d+),k=(\d+).*?([\d.]+) us/run")
@@ -158,7 +164,7 @@ def step5(echo: Echo, shape) -> None:
         a = F.quantize_q8_1(rng.standard_normal((64, 4096), dtype=np.float32))
         w = F.quantize_q4_0(rng.standard_normal((256, 4096), dtype=np.float32))
         ref = reference.exact_w4a8(a, w)
-        for name in [s.name for s in registry.list_kernels(op="w4a8")]:
+        for name in ladder("w4a8"):
             c = registry.get(name)(a, w)
             echo(f"    {name:<16} max |kernel - exact| = {np.max(np.abs(c - ref)):.2e} (|C| ~ {np.sqrt(np.mean(ref ** 2)):.0f})")
         info = runtime.device_info()

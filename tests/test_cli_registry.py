@@ -183,6 +183,19 @@ def test_cli_tutorial_cpu_parts_run():
     assert runner.invoke(app, ["tutorial", "9"]).exit_code == 2
 
 
+def test_tutorial_ladders_are_the_step4_kernels_that_take_any_m():
+    """Steps 4 and 5 run their ladder at the --shape M (512 by default): the production kernels
+    registered under the same ops (w4a8.gemv: M <= 8, skinny_q8_1: M <= 32, mma) are not rungs.
+    Taking every kernel of the op once made `qgemm tutorial 4` / `5` stop with a ValueError on a GPU."""
+    from qgemm import tutorial
+
+    for op, first in (("w4a8", "w4a8.naive"), ("w8a8", "w8a8.naive")):
+        names = tutorial.ladder(op)
+        assert names[0] == first and len(names) >= 3
+        assert all(registry.spec(n).step == 4 and registry.spec(n).max_m is None for n in names), names
+    assert "w4a8.vec_dp4a" in tutorial.ladder("w4a8") and "w4a8.gemv" not in tutorial.ladder("w4a8")
+
+
 def test_tutorial_reads_the_shipped_llamacpp_figures():
     from qgemm import tutorial
 

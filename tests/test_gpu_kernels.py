@@ -775,3 +775,15 @@ def test_matmul_overflow_and_two_streams(rng):
         np.testing.assert_allclose(o.to_host(), qgemm.matmul(x, pw), rtol=1e-5, atol=1e-4)
         assert qgemm.reference.relative_error(o.to_host(), p.reference(x, w)) <= 1e-5
 
+
+def test_tutorial_gpu_parts_run():
+    """`qgemm tutorial 4 5` on a GPU: every W4A8 rung checked and both ladders timed, and Step 5's
+    comparison with llama.cpp's figures (the CPU halves are tested without a GPU)."""
+    from typer.testing import CliRunner
+
+    from qgemm.cli import app
+
+    r = CliRunner().invoke(app, ["tutorial", "4", "5", "--shape", "64x256x512"])
+    assert r.exit_code == 0, r.output
+    assert "w4a8.vec_dp4a" in r.output and "w8a8.tiled_dp4a" in r.output and "llama.cpp" in r.output, r.output
+    assert "w4a8.gemv" not in r.output
