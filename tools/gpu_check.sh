@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The one script for GPU work (run it on the device machine): the GPU tests, `qgemm validate
-# --all` (plus the 1x1x32 per-block breakdown), the live tutorial, and a profile of every kernel
-# at 512x4096x4096 (hot and cold), with logs under $OUT.
+# The one script for GPU work (run it on the device machine): by default `qgemm info` and
+# `compile --all`, the GPU tests, `qgemm validate --all` (plus the 1x1x32 per-block breakdown), the
+# live tutorial, a profile of every kernel at 512x4096x4096 (hot and cold), `qgemm bench` and
+# docs/performance.md's regeneration (report), with logs under $OUT.
 #
-#   bash tools/gpu_check.sh                 # everything
+#   bash tools/gpu_check.sh                 # the default steps: info tests validate tutorial profile bench report
 #   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh
 #   QGEMM_CHECK="skinny decode ncu" bash tools/gpu_check.sh    # decode path: tests, tune, bench M <= 64, ncu
 #   QGEMM_CHECK="i8" bash tools/gpu_check.sh                   # int8 decode kernels: tests, every config vs fp16, whole op
@@ -11,6 +12,8 @@
 #   QGEMM_CHECK="rs" bash tools/gpu_check.sh                   # Hopper prefill: wgmma_rs vs wgmma, tests, tune
 #   QGEMM_CHECK="l2" bash tools/gpu_check.sh                   # prefill: warpgroups per CTA, L2 throughput (ncu) vs cuBLAS
 #   QGEMM_CHECK="kvcache" bash tools/gpu_check.sh              # Mustafar: its GPU tests, the kvcache bench vs dense torch
+#   other steps: precompile (every default configuration of the bench shapes, in parallel: run it
+#   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, pdl
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check}

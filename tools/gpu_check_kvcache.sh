@@ -2,6 +2,8 @@
 # GPU check of the Mustafar sparse KV-cache kernels (mustafar.*): their GPU tests, `qgemm validate`
 # on odd shapes, `qgemm profile` at decode size (cold), and `qgemm bench --suite kvcache`
 # (QGEMM_KV_BENCH=quick|full|none). Logs and JSON under $OUT; a compact summary on stdout.
+# QGEMM_KV_STEPS picks the steps (default "compile tests validate profile bench"; also "ab": the
+# kernels of the source tree QGEMM_KV_OLD_SRC against this one, tools/kv_probe.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check_kvcache}
@@ -34,7 +36,8 @@ for b, s, d, sp, rows in cases:
     for name in qgemm.list("mustafar"):
         runner = qgemm.get(name).spec.runner
         ck = kv._compress(x, runner.kind, runner.bits, None, runner.compact)
-        p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, 132, kv.step_bytes_max(ck), kv.step_bytes_max(ck, 2) if runner.kind == "value" else None)
+        p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, 132, kv.step_bytes_max(ck), kv.step_bytes_max(ck, 2) if runner.kind == "value" else None,
+                       density=kv.density(ck))
         jobs.add((name, tuple(sorted(p.defines.items()))))
 def go(j):
     qgemm.get(j[0]).compile("sm_90", dict(j[1]))

@@ -7,7 +7,7 @@
 #   NCU_SET=full KERNELS="w4a16.wgmma_rs" bash tools/gpu_ncu.sh          # every section (pipes, shared memory, source counters)
 #   PEERS="512x4096x4096" KERNELS="w4a16.wgmma_rs" bash tools/gpu_ncu.sh  # also cuBLAS fp16 (torch) at that shape
 #   SOURCE=1 KERNELS="w4a16.wgmma_rs" bash tools/gpu_ncu.sh   # + per-SASS-instruction stall samples (CSV; summarize
-#                                                             #   with tools/ncu_source_top.py); DEFINES="RS_GROUPS=4" for a variant
+#                                                             #   with tools/ncu_source_top.py); DEFINES="RS_STAGES=3" for a variant
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/ncu}

@@ -4,7 +4,7 @@ numpy reference on the decompressed cache (the line says `ok` or `WRONG`). Varia
 within each repetition, in one process.
 
     python tools/kv_probe.py mustafar.value_q2,mustafar.value_q2c 32x16384x128 base unsorted=MF_SORT=0
-    python tools/kv_probe.py mustafar.key_q2 32x16384x128 base w4=MF_WARPS=4 --lq 8
+    python tools/kv_probe.py mustafar.key_q2 32x16384x128 base one_lop3=MF_CREG=0 --lq 8
 
 A variant is `label` (plan_for's plan as is) or `label=KEY=INT[;KEY=INT...]`: #defines put on top
 of the plan (a define that changes the kernel's shared memory or grid needs a plan of its own:

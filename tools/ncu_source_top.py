@@ -13,6 +13,12 @@ import re
 from collections import Counter
 
 
+def _opcode(sass: str) -> str:
+    """The opcode of a SASS line, its predicate (@P0, @!UP1) dropped."""
+    text = re.sub(r"^@!?U?P\w+\s+", "", sass.strip())
+    return text.split(" ")[0] if text else "?"
+
+
 def _num(text: str) -> float:
     try:
         return float(text.replace(",", ""))
@@ -42,15 +48,14 @@ def main() -> None:
     order = sorted(range(len(body)), key=lambda i: -_num(body[i][samp]))
     for i in order[:args.top]:
         r = body[i]
-        ctx = " | ".join(body[j][src].split()[0] if body[j][src].split() else "" for j in range(max(i - 2, 0), i))
+        ctx = " | ".join(_opcode(body[j][src]) for j in range(max(i - 2, 0), i))
         extra = f" not-issued {_num(r[nis]) / total:5.1%}" if nis is not None else ""
         why = sorted(((_num(r[j]), h[6:]) for h, j in reasons), reverse=True)[:3]
         why = ", ".join(f"{h} {v / total:.1%}" for v, h in why if v > 0)
         print(f"{_num(r[samp]) / total:6.1%}{extra}  [{i:5d}] {r[src].strip()[:56]:56s}  {why}  (after: {ctx})")
     per_op = Counter()
     for r in body:
-        op = re.sub(r"^@!?U?P\w+\s+", "", r[src].strip()).split(" ")[0] if r[src].strip() else "?"
-        per_op[op] += _num(r[samp])
+        per_op[_opcode(r[src])] += _num(r[samp])
     print("\nby stall reason:")
     for h, j in sorted(reasons, key=lambda hj: -sum(_num(r[hj[1]]) for r in body))[:10]:
         print(f"{sum(_num(r[j]) for r in body) / total:6.1%}  {h[6:]}")

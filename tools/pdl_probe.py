@@ -1,6 +1,9 @@
 """A/B probe: whole-op and kernel-alone medians (hot, graph-batched as `qgemm bench`) for a few
 shapes, PDL on and off alternating in one process (QGEMM_PDL). Run once per source variant
-(QGEMM_CUDA_SRC) to compare kernel-side changes. Prints one line per (shape, pdl, rep)."""
+(QGEMM_CUDA_SRC) to compare kernel-side changes. Prints one line per (shape, pdl, rep).
+
+    python tools/pdl_probe.py [MxNxK:FMT[,MxNxK:FMT...]]     # e.g. 8x4096x4096:q8_0; REPS=3 repetitions
+"""
 import os
 import sys
 
@@ -8,6 +11,8 @@ import numpy as np
 
 from qgemm import bench, formats as F
 
+if len(sys.argv) > 2 or (len(sys.argv) == 2 and (sys.argv[1].startswith("-") or ":" not in sys.argv[1])):
+    raise SystemExit(__doc__.strip() + "\n\n(the argument is a comma-separated list of MxNxK:FMT, FMT q4_0 or q8_0)")
 shapes = [tuple(int(v) for v in s.split("x")) + (f,) for s, f in
           (x.split(":") for x in (sys.argv[1] if len(sys.argv) > 1 else
            "1x4096x4096:q4_0,1x4096x4096:q8_0,8x4096x4096:q4_0,8x4096x14336:q8_0,64x4096x4096:q4_0,64x4096x14336:q4_0,512x4096x4096:q4_0").split(","))]

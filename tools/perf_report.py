@@ -2,7 +2,8 @@
 """Turn `qgemm profile --json` outputs into docs/performance.md. Never edit that file by hand:
 
     bash tools/gpu_check.sh            # on the GPU machine: writes $OUT/profile-*.json
-    python tools/perf_report.py docs/perf/profile-*-hot.json docs/perf/profile-*-cold.json --notes docs/performance-notes.md -o docs/performance.md
+    python tools/perf_report.py docs/perf/profile-*-hot.json docs/perf/profile-*-cold.json \
+        --bench docs/perf/bench-h100.json --notes docs/performance-notes.md -o docs/performance.md
 """
 
 from __future__ import annotations

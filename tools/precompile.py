@@ -29,20 +29,25 @@ def main() -> int:
     import qgemm
     from qgemm import check, runtime
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernels", nargs="+")
     ap.add_argument("--shapes", required=True, help="comma-separated MxNxK")
     ap.add_argument("--arch", default=None, help="default: the GPU's")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
     ap.add_argument("--defaults-only", action="store_true", help="only the configuration each shape uses untuned")
     a = ap.parse_args()
+    if a.arch is None and not runtime.gpu_available():
+        raise SystemExit("precompile: no GPU to take the architecture from; pass --arch, e.g. --arch sm_90")
     arch = a.arch or runtime.device_arch()
     jobs = set()
     names = [s.name for s in qgemm.registry.list_kernels() if s.runner is None] if a.kernels == ["all"] else a.kernels
-    for name in names:
-        spec = qgemm.spec(name)
-        for text in a.shapes.split(","):
-            m, n, k = check.parse_shape(text)
+    try:  # a bad name or shape: its message, not a traceback
+        specs = [qgemm.spec(name) for name in names]
+        shapes = [check.parse_shape(text) for text in a.shapes.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"precompile: {e}") from None
+    for name, spec in zip(names, specs):
+        for m, n, k in shapes:
             cands = [spec.config(m, n, k, 132)] if spec.config else [{}]
             cands += spec.candidates(m, n, k) if spec.candidates and not a.defaults_only else []
             jobs.update((name, arch, tuple(sorted(d.items()))) for d in cands)

@@ -7,7 +7,7 @@ variant's first launch is checked against the exact reference and the line says 
 Variants alternate within each repetition, in one process, hot (graph-batched, as `qgemm bench`)
 or with --cold weight sets rotated through more than twice the L2.
 
-    python tools/probe_defines.py w4a16.wgmma_rs 512x4096x4096,2048x4096x4096 base probe1=RS_PROBE=1
+    python tools/probe_defines.py w4a16.wgmma_rs 512x4096x4096,2048x4096x4096 base st3=RS_STAGES=3 ws0=RS_WS=0
     python tools/probe_defines.py w4a16.skinny 1x4096x4096 base u2=SK_UNROLL=2 --reps 3
     python tools/probe_defines.py w4a8.skinny 1x4096x4096 base early=SK_PDL_EARLY=1 --cold
 
@@ -26,7 +26,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
     defines = {}
     for kv in filter(None, rest.split(";")):
         key, _, val = kv.partition("=")
-        if not key or not val:
+        if not key or not val or not val.strip().lstrip("-").isdigit():
             raise SystemExit(f"variant {text!r}: expected label=KEY=INT[;KEY=INT...]")
         defines[key.strip()] = int(val)
     return label, defines
