@@ -216,8 +216,26 @@ class _ExactKernel:
         return self.op.exact(a, w)
 
 
+class _OffByOneSumiKernel(_ExactKernel):
+    """A kernel that is right on every block but the one whose weight bytes match `bad`: there it
+    adds one unit of d_w d_a, as a kernel that pairs one product wrongly would (sumi off by 1)."""
+
+    def __init__(self, name, bad):
+        super().__init__(name)
+        self.bad = bad
+
+    def __call__(self, a, w):
+        c = self.op.exact(a, w)
+        if np.array_equal(w.view(np.uint8), self.bad.view(np.uint8)):
+            c = c + float(w["d"][0, 0]) * float(a["d"][0, 0])
+        return c
+
+
 @pytest.mark.parametrize("name", ["w4a8.naive", "w8a8.naive"])
 def test_block_breakdown_recovers_sumi(name, rng):
+    """Each block is run alone and its sumi recovered from the kernel's value: exact where the
+    kernel is right, off by exactly one where a (stand-in) kernel gets one product wrong, and the
+    table marks that block, and only that block, NO."""
     from qgemm import check
 
     k = _ExactKernel(name)
@@ -225,11 +243,17 @@ def test_block_breakdown_recovers_sumi(name, rng):
     rows = check.block_breakdown(k, inp.a, inp.w, m=1, n=2)
     assert len(rows) == 4
     for r in rows:
-        assert abs(r["kernel_sumi"] - r["sumi"]) < 1e-2, r
+        assert r["kernel_sumi"] == pytest.approx(r["sumi"], abs=1e-6), r
         assert r["kernel"] == r["reference"]
     assert sum(r["reference"] for r in rows) == pytest.approx(k.op.exact(inp.a, inp.w)[1, 2], rel=1e-9)
     text = check.format_breakdown(name, rows, 1, 2)
-    assert "sumi ref" in text and "NO" not in text
+    assert "sumi ref" in text and " NO" not in text and text.count(" yes") == 4
+    wrong = _OffByOneSumiKernel(name, np.ascontiguousarray(inp.w[2:3, 2:3]))
+    rows = check.block_breakdown(wrong, inp.a, inp.w, m=1, n=2)
+    assert [round(r["kernel_sumi"] - r["sumi"], 6) for r in rows] == [0, 0, 1, 0]
+    lines = check.format_breakdown(name, rows, 1, 2).splitlines()
+    marks = [ln.split()[-1] for ln in lines if ln.strip()[:1].isdigit()]
+    assert marks == ["yes", "yes", "NO", "yes"], lines
 
 
 def test_block_breakdown_hand_case():
@@ -560,6 +584,10 @@ def test_pdl_kernels_wait_before_their_inputs():
     # where the activations are read, the wait comes first
     skinny = jit.read_source("common/skinny_f16.cuh")
     assert skinny.index("pdl_wait();") < skinny.index("#if SK_XSMEM\n    for (int r = 0; r < M; ++r)")
+    for src, first_read in (("common/skinny_i8.cuh", "load_x(xA, gb)"), ("common/skinny_q8_1.cuh", "load_x(xA, gb)"),
+                            ("common/quantize_q8_1.cuh", "q8_1_load(X")):
+        text = jit.read_source(src)
+        assert text.index("pdl_wait();") < text.index(first_read), src
     rs = jit.read_source("common/wgmma_rs_f16.cuh")
     body = rs[rs.index("wgmma_rs_f16_gemm("):]
     ws, plain = body[body.index("#if RS_WS"):body.index("#else")], body[body.index("#else"):]
@@ -715,3 +743,50 @@ def test_weights_and_device_arrays_that_are_not_what_they_claim(rng):
                        ({"shape": (2,), "typestr": "<f4", "data": None}, "malformed")):
         with pytest.raises(ValueError, match=match):
             runtime.DeviceArray.from_cai(Fake(cai))
+
+
+def test_validate_scores_what_the_kernel_left(rng, monkeypatch):
+    """check.validate is what the GPU tests assert on; its scoring is tested here with the kernel's
+    poisoned output stood in for: exact passes, a never-written output (NaN) or one wrong value
+    fails a GEMM, and for a quantizer one differing block fails and an unwritten (0xFF) block is
+    counted."""
+    from qgemm import check
+
+    def run_with(edit):
+        def fake(kernel, inp, m, n, k, stream=None):
+            if kernel.op.kind == "quantize":
+                return edit(kernel.op.cpu(inp.a).copy())
+            return edit(kernel.op.exact(inp.a, inp.w).astype(np.float32))
+        monkeypatch.setattr(check, "run_poisoned", fake)
+
+    k = qgemm.get("w4a8.naive")
+    run_with(lambda c: c)
+    assert check.validate(k, (5, 7, 64), seed=1).passed
+
+    def hole(c):
+        c[2, 3] = np.nan
+        return c
+
+    run_with(hole)
+    r = check.validate(k, (5, 7, 64), seed=1)
+    assert r.unwritten == 1 and not r.passed
+
+    def wrong(c):
+        c[4, 6] += 1.0
+        return c
+
+    run_with(wrong)
+    assert not check.validate(k, (5, 7, 64), seed=1).passed
+    q = qgemm.get("quantize.q8_1")
+    run_with(lambda y: y)
+    r = check.validate(q, (3, 0, 96), seed=2)
+    assert r.passed and r.detail["mismatched_blocks"] == 0
+
+    def flip(y):
+        y.view(np.uint8).reshape(-1, y.dtype.itemsize)[4, 5] ^= 1
+        y.view(np.uint8).reshape(-1, y.dtype.itemsize)[7, :] = 0xFF
+        return y
+
+    run_with(flip)
+    r = check.validate(q, (3, 0, 96), seed=2)
+    assert not r.passed and r.detail["mismatched_blocks"] == 2 and r.unwritten == 1

@@ -3,6 +3,8 @@ torch or CuPy the examples skip their GPU parts themselves."""
 
 from pathlib import Path
 
+import pytest
+
 from test_docs_gguf import python_blocks
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "pytorch.md"
@@ -27,3 +29,10 @@ def test_docs_pytorch_examples_run(capsys):
         assert out.count("True") >= 3 and "w4a16.mma" in out
     if qgemm.gpu_available() and ns.get("cp") is not None:
         assert "(4, 32) (4, 1152) True" in out
+
+
+@pytest.mark.gpu
+def test_docs_pytorch_examples_run_on_the_gpu(capsys):
+    """The same examples where `pytest -m gpu` (tools/gpu_check.sh) selects them: there the torch
+    and CuPy lines above are asserted (the test above runs in the CPU-only CI)."""
+    test_docs_pytorch_examples_run(capsys)

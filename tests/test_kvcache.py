@@ -685,7 +685,7 @@ def test_mma_value_plans_compile_with_bounded_spills(rows, d):
             res = qgemm.get(name).compile(arch, p.defines).resources[spec.entry]
             assert res.spill_stores <= spill and res.spill_loads <= spill, (name, p.defines, arch, res)
     # the tensor-core version has no sm_75 code: a clear compile error, never a silent fallback
-    with pytest.raises(Exception, match="sm_80"):
+    with pytest.raises(qgemm.CompileError, match=r"version 4\) needs sm_80"):
         qgemm.get("mustafar.value_q2").compile("sm_75", p.defines, use_cache=False)
 
 
@@ -1152,3 +1152,22 @@ def test_references_check_their_operands(rng):
         kv.reference_scores(q[0], k)
     with pytest.raises(ValueError, match=r"the value cache \[B, S, D\] must be a 3-D"):
         kv.reference_output(np.ones((4, 1, 10)), k[0])
+
+
+def test_score_counts_unwritten_outputs_and_wrong_values():
+    """score() is what every Mustafar GPU test asserts on: an output left at the poison (NaN) is
+    counted and fails, so does one wrong value; the exact reference passes."""
+    rng = np.random.default_rng(6)
+    cache = kv.prune(rng.standard_normal((2, 100, 128)).astype(np.float16), 0.5)
+    q = rng.standard_normal((4, 1, 128)).astype(np.float16)
+    ck = kv.compress_keys(cache, 2)
+    exact = kv.reference_scores(q, kv.decompress(ck))
+    assert kv.score("mustafar.key_q2", "key", (2, 100, 128), 0, exact, q, ck, cache, 5e-3).passed
+    holes = exact.copy()
+    holes[1, 0, 7] = holes[3, 0, 99] = np.nan
+    r = kv.score("mustafar.key_q2", "key", (2, 100, 128), 0, holes, q, ck, cache, 5e-3)
+    assert r.unwritten == 2 and not r.passed and "2 outputs never written" in r.note
+    off = exact.copy()
+    off[0, 0, 3] += 0.1 * np.sqrt(np.mean(exact ** 2)) * 100
+    r = kv.score("mustafar.key_q2", "key", (2, 100, 128), 0, off, q, ck, cache, 5e-3)
+    assert r.unwritten == 0 and not r.passed and "rel err" in r.note

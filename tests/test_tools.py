@@ -167,7 +167,7 @@ def _fake_l2_runtime(made, fills, launches):
 
 @pytest.mark.parametrize("mode", ["read", "memset", "off", "bogus"])
 def test_clear_l2_modes(monkeypatch, mode):
-    """bench.clear_l2: one zeroed buffer of 2x L2 for the process; `read` (default) launches
+    """bench.clear_l2: one zeroed buffer of 2x L2 for the process; `read` launches
     cuda_src/bench/l2_read.cu over all of it on the timing's stream, `memset` rewrites it, `off`
     does nothing (the default); anything else is an error that names the choices."""
     from qgemm import bench
