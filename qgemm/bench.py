@@ -111,6 +111,24 @@ class Profile:
 _SAMPLE_US = 1000.0  # GPU time one sample (one graph replay) should span
 _MAX_BATCH = 1000
 _TRIAL_BATCH = 16
+_MAX_SETS = 1024  # cold buffer sets; an op so small that these cannot rotate 2x L2 is reported as such
+
+
+def cold_sets(nbytes: int) -> int:
+    """Buffer sets for a cold timing: enough that one rotation through them moves more than twice
+    the L2, so no launch finds its operands there (at most _MAX_SETS: its rows carry rotation_bytes)."""
+    l2 = max(runtime.device_info().l2_bytes, 1)
+    return min(_MAX_SETS, max(2, int(np.ceil(2 * l2 / max(nbytes, 1))) + 1))
+
+
+def round_batch(batch: int, sets: int) -> int:
+    """Launches per sample for `sets` rotating buffer sets: at least one full rotation and a whole
+    number of them. A sample of fewer launches than sets used only the first sets (all of a slow
+    kernel's launches could hit one L2-resident set), and a partial rotation restarted the next
+    sample at set 0 a few launches after it was last used."""
+    if sets <= 1:
+        return max(batch, 1)
+    return -(-max(batch, sets) // sets) * sets
 
 
 _L2_JUNK = None
@@ -195,12 +213,12 @@ def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[flo
         trial.launch()
         e1 = runtime.record_event(stream)
         per_launch = runtime.elapsed_ms(e0, e1) * 1e3 / _TRIAL_BATCH
-        batch = int(min(max(_SAMPLE_US / max(per_launch, 1e-3), 1), _MAX_BATCH))
+        batch = round_batch(int(min(max(_SAMPLE_US / max(per_launch, 1e-3), 1), _MAX_BATCH)), sets)
         graph = runtime.Graph(recorder(batch), stream)
         replay = graph.launch
         method = f"CUDA graph of {batch} back-to-back launches per sample"
     except Exception as e:  # pragma: no cover - depends on the driver
-        batch = int(min(max(_SAMPLE_US / max(single, 1e-3), 1), 200))
+        batch = round_batch(int(min(max(_SAMPLE_US / max(single, 1e-3), 1), 200)), sets)
         method = f"batches of {batch} back-to-back launches (graph capture failed: {e})"
         replay = recorder(batch)
     replay()
@@ -222,10 +240,7 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
     op = kernel.op
     info = runtime.device_info()
     nbytes = operand_bytes(kernel, m, n, k)
-    sets = 1
-    if cold:  # enough buffer sets that a rotation through them overflows L2 twice
-        sets = max(2, int(np.ceil(2 * max(info.l2_bytes, 1) / max(nbytes, 1))) + 1)
-        sets = min(sets, 64)
+    sets = cold_sets(nbytes) if cold else 1  # enough buffer sets that a rotation overflows L2 twice
     rng = np.random.default_rng(seed)
     inp = make_inputs(op, m, n, k, rng, weights)
     kernel._module()  # compile and load before any timing
@@ -258,7 +273,8 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
         kernel=kernel.name, shape=shape, cold=cold, iters=iters, median_us=med, min_us=min(times), max_us=max(times),
         tflops=fl / (med * 1e-6) / 1e12 if fl else 0.0, bytes=nbytes, gbps=nbytes / (med * 1e-6) / 1e9,
         floor_us=floor, roofline_pct=100.0 * floor / med, bound="compute" if t_cmp > t_mem else "memory",
-        extra={"copy_bandwidth_gbps": bw / 1e9, "peak_tops": (peak or 0) / 1e12, "unit": unit, "buffer_sets": sets, **how},
+        extra={"copy_bandwidth_gbps": bw / 1e9, "peak_tops": (peak or 0) / 1e12, "unit": unit, "buffer_sets": sets,
+               "rotation_bytes": sets * nbytes if cold else 0, **how},
     )
 
 
@@ -276,27 +292,9 @@ def torch_peers(shape: tuple[int, int, int], warmup: int = 10, iters: int = 50) 
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def timeit(fn):
-        # like qgemm's own timing: samples of B back-to-back calls (B ~ 1 ms of work), so the
-        # host's per-call overhead is hidden behind the queue; per-call time = sample / B
-        for _ in range(max(warmup, 1)):
-            fn()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        batch = int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), 1), 200))
-        ts = []
-        for _ in range(iters):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(batch):
-                fn()
-            e1.record()
-            e1.synchronize()
-            ts.append(e0.elapsed_time(e1) * 1e3 / batch)
-        return statistics.median(ts)
+        # timed as qgemm's own rows and the bench's peers are (torch_time: hot, CUDA graphs of
+        # ~1 ms of back-to-back calls, per-call time = replay / calls)
+        return torch_time(lambda: (), lambda: fn(), cold=False, warmup=warmup, iters=iters)
 
     for dt, label in ((torch.float16, "torch fp16 A@W.T (cuBLAS)"), (torch.bfloat16, "torch bf16 A@W.T (cuBLAS)"),
                       (torch.float32, "torch fp32 A@W.T (cuBLAS)")):
@@ -420,10 +418,7 @@ class ClockSampler:
 
 
 def _sets_for(nbytes: int, cold: bool) -> int:
-    if not cold:
-        return 1
-    l2 = max(runtime.device_info().l2_bytes, 1)
-    return min(64, max(2, int(np.ceil(2 * l2 / max(nbytes, 1))) + 1))
+    return cold_sets(nbytes) if cold else 1
 
 
 def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict, warmup: int = 5, iters: int = 30,
@@ -477,7 +472,7 @@ def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
         runtime.synchronize()  # torch times on its own stream
     one = make()
     nbytes = sum(t.numel() * t.element_size() for t in one)
-    sets = [one] + ([make() for _ in range(min(32, int(np.ceil(2 * l2 / nbytes))))] if cold else [])
+    sets = [one] + ([make() for _ in range(min(32, int(np.ceil(2 * l2 / max(nbytes, 1)))))] if cold else [])
     for i in range(warmup):
         fn(*sets[i % len(sets)])
     torch.cuda.synchronize()
@@ -486,12 +481,33 @@ def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
     fn(*sets[0])
     e1.record()
     e1.synchronize()
-    batch = int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), len(sets)), 200))
+    batch = round_batch(int(min(max(1.0 / max(e0.elapsed_time(e1), 1e-6), 1), 200)), len(sets))
+
+    def run_batch():
+        for j in range(batch):
+            fn(*sets[j % len(sets)])
+
+    # captured as a CUDA graph, as qgemm's own rows are: a Python loop of torch calls also timed
+    # torch's launch overhead (~20-30 us per call), which bounded the small shapes' peers
+    replay = run_batch
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run_batch()  # cuBLAS picks its kernels and workspaces outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_batch()
+        replay = graph.replay
+    except Exception:  # pragma: no cover - a torch or driver without graph capture: the loop
+        torch.cuda.synchronize()
+    replay()
+    torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
         e0.record()
-        for j in range(batch):
-            fn(*sets[j % len(sets)])
+        replay()
         e1.record()
         e1.synchronize()
         ts.append(e0.elapsed_time(e1) * 1e3 / batch)

@@ -1196,10 +1196,9 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
     oshape, odt = runner.out_shape(ck, x.shape[0], x.shape[1])
     out_bytes = int(np.prod(oshape)) * np.dtype(odt).itemsize
     moved = ck.nbytes + x.nbytes + out_bytes
-    sets = 1
-    if cold:
-        l2 = max(runtime.device_info().l2_bytes, 1)
-        sets = min(64, max(2, int(np.ceil(2 * l2 / max(moved, 1))) + 1))
+    from .bench import cold_sets
+
+    sets = cold_sets(moved) if cold else 1
     info = runtime.device_info()
     p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, step_bytes_max(ck),
                           step_bytes_max(ck, 2) if ck.kind == "value" else None, cc=info.cc, density=density(ck))

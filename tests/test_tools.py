@@ -280,3 +280,42 @@ def test_perf_report_says_by_how_much_a_target_is_missed():
     line = {ln.split(" | ")[0][2:] + " " + ln.split(" | ")[1]: ln for ln in text.splitlines() if ln.startswith("| q")}
     over, under = (line[f"{r['fmt']} {r['M']}x{r['N']}x{r['K']}"] for r in rows[:2])
     assert over.endswith("| no (0.3% over) |") and under.endswith("| yes |"), (over, under)
+
+
+def test_cold_rotation_uses_every_set_and_whole_rotations(monkeypatch):
+    """A cold sample runs at least one whole rotation through the buffer sets, in whole rotations:
+    a slow kernel's sample of 2 launches over 5 sets had used only the first sets (L2-resident),
+    and a partial rotation restarted the next sample on a set used a few launches before. The
+    sets rotate more than twice the L2 up to a cap."""
+    import types
+
+    from qgemm import bench
+
+    assert bench.round_batch(1, 1) == 1 and bench.round_batch(7, 1) == 7
+    assert bench.round_batch(2, 5) == 5 and bench.round_batch(11, 5) == 15 and bench.round_batch(102, 11) == 110
+    monkeypatch.setattr(bench.runtime, "device_info", lambda: types.SimpleNamespace(l2_bytes=50 * 2**20))
+    for nbytes in (26_214_400, 9_437_184, 1_000_000):
+        sets = bench.cold_sets(nbytes)
+        assert sets * nbytes > 2 * 50 * 2**20 and (sets - 1) * nbytes <= 2 * 50 * 2**20 + nbytes, (nbytes, sets)
+    assert bench.cold_sets(20_992) == bench._MAX_SETS  # too small to rotate 2x L2: capped (and marked in the report)
+
+
+def test_perf_report_compares_with_naive_at_the_same_m_and_marks_l2_hot_rows():
+    """Decode kernels run at their largest M: their speedup is not taken against a naive time at
+    M = 512 (that read 1882x for w8a8.skinny); hot rows whose bytes fit the L2 say so (they pass
+    100% of the DRAM copy rate); a cold row whose rotation stays under 2x L2 is marked."""
+    import copy
+    import json
+
+    pr = _load("perf_report")
+    root = pathlib.Path(__file__).parent.parent / "docs/perf"
+    hot = json.loads((root / "profile-h100-512x4096x4096-hot.json").read_text())
+    text = pr.section(hot)
+    row = {ln.split(" | ")[0][2:].strip("`"): ln for ln in text.splitlines() if ln.startswith("| `")}
+    assert row["w8a8.skinny"].split(" | ")[1] == "8" and row["w8a8.skinny"].endswith("| - |")
+    assert row["w4a8.mma"].endswith("x |") and "L2-hot" in row["convert.f16"] and "L2-hot" in text
+    cold = json.loads((root / "profile-h100-512x4096x4096-cold.json").read_text())
+    cold = copy.deepcopy(cold)
+    cold["results"][0].setdefault("extra", {})["rotation_bytes"] = 10**6
+    text = pr.section(cold)
+    assert f"`{cold['results'][0]['kernel']}` †" in text and "not fully cold" in text and "(memory, L2-hot)" not in text
