@@ -74,7 +74,7 @@ def section(data: dict) -> str:
                    f"too small for the {1024} sets allowed): partly L2-hot, not fully cold.")
     peers = [p for p in data.get("peers", []) if "median_us" in p]
     if peers:
-        out.append("\nPeers measured in the same process, same shape, hot (batches of back-to-back calls):\n")
+        out.append("\nPeers measured in the same process, same shape, hot (CUDA graphs of back-to-back calls, as above):\n")
         out.append("| peer | median µs | TFLOPS |")
         out.append("|---|---:|---:|")
         for p in peers:
