@@ -399,7 +399,9 @@ def profile(
         if "error" in pr:
             rows.append([pr["peer"], "-", "-", "-", "-", "-", "-", "-", pr["error"][:60]])
         else:
-            rows.append([pr["peer"], f"{pr['median_us']:.1f}", "", "", f"{pr['tflops']:.2f}", "", "", "", "peer"])
+            # the peers are timed hot even in a cold profile (torch_peers has no buffer rotation)
+            rows.append([pr["peer"], f"{pr['median_us']:.1f}", "", "", f"{pr['tflops']:.2f}", "", "", "",
+                         "peer, hot" if cold else "peer"])
     bw = bench.copy_bandwidth()
     typer.echo(f"{env['device']} ({env['arch']}), {env['date']}, shape MxNxK={'x'.join(map(str, mnk))}, "
                f"{'cold (rotating buffers > 2x L2)' if cold else 'hot (same buffers)'}, {warmup} warm-up + {iters} timed launches")
