@@ -80,15 +80,21 @@ def _gguf_source(gguf, tensor, m_rows, mnk):
     return (m_rows or mnk[0], w, k, fmt)
 
 
+def _check_gguf_format(spec, fmt: str) -> None:
+    """The GGUF tensor's format must be the kernel's W format (f32 and f16 convert to each other)."""
+    want = spec.op.w.name if spec.op.w is not None else None
+    if want != fmt and not (want in ("f32", "f16") and fmt in ("f32", "f16")):
+        raise ValueError(f"{spec.name} takes {want} weights; the GGUF tensor is {fmt}")
+
+
 def _with_gguf(spec, gg, mnk):
     """The shape and weights a kernel runs on: the GGUF tensor's when given (its format must be
     the kernel's W format), else random weights of --shape."""
     if gg is None:
         return mnk, None
     m, w, k, fmt = gg
-    want = spec.op.w.name if spec.op.w is not None else None
-    if want != fmt and not (want in ("f32", "f16") and fmt in ("f32", "f16")):
-        raise ValueError(f"{spec.name} takes {want} weights; the GGUF tensor is {fmt}")
+    _check_gguf_format(spec, fmt)
+    want = spec.op.w.name
     if want in ("f32", "f16"):
         w = np.ascontiguousarray(w, dtype=spec.op.w.dtype)
     else:
@@ -153,7 +159,7 @@ def _precheck(specs, mnk, all_: bool, sparsity: float, gg) -> None:
             _fail(f"--shape: K must be a multiple of 32 for {s.name}, got K={mnk[2]}")
         if gg is not None and runner is None:
             try:
-                _with_gguf(s, gg, mnk)
+                _check_gguf_format(s, gg[3])
             except ValueError as e:
                 if not all_:
                     _fail(str(e))

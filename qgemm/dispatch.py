@@ -180,7 +180,7 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
                              "(a one-time repacking at load)")
         if layout and s.op.a.name == "f32" and x_dtype != "f32":
             raise ValueError(f"matmul: path {path} takes float32 activations, got {x_dtype}")
-        if cc is not None and (cc < s.min_arch or (s.arch_suffix and cc != s.min_arch)):
+        if cc is not None and not s.runs_on(cc):
             from .errors import UnsupportedArchError
 
             need = f"sm_{s.min_arch}{s.arch_suffix} (only)" if s.arch_suffix else f"sm_{s.min_arch} or newer"
@@ -278,14 +278,6 @@ def _scratch(tag: str, shape, dtype, stream=None) -> runtime.DeviceArray:
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
 
 
-def _dtype_name(dt) -> str:
-    """A block dtype by its format name (q8_1 blocks, ...), anything else as numpy prints it."""
-    for f in F.FORMATS.values():
-        if f.dtype == dt and f.dtype.fields:
-            return f"{f.name} blocks"
-    return str(dt)
-
-
 def _weights(w, fmt: str | None, on_device: bool, stream=None):
     """(blocks as host or device array in their block dtype, format name)."""
     if on_device:
@@ -310,8 +302,9 @@ def _weights(w, fmt: str | None, on_device: bool, stream=None):
     if fmt is None:
         fmt = {F.Q4_0.dtype: "q4_0", F.Q8_0.dtype: "q8_0"}.get(a.dtype)
         if fmt is None:
+            came = F.block_format_of(a.dtype)
             raise ValueError(f"matmul: weights must be Q4_0 or Q8_0 blocks (qgemm.quantize_q4_0/q8_0, or raw "
-                             f"gguf bytes with fmt=), got {_dtype_name(a.dtype)} {a.shape}")
+                             f"gguf bytes with fmt=), got {came + ' blocks' if came else a.dtype} {a.shape}")
     if fmt not in ("q4_0", "q8_0"):
         raise ValueError(f"matmul: weights must be q4_0 or q8_0, got fmt={fmt!r}")
     b = F.as_blocks(a, fmt, "matmul: weights")

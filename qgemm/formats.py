@@ -213,6 +213,11 @@ def quantize(x: np.ndarray, fmt: str | Format) -> np.ndarray:
 # dequantizers and raw-byte views
 
 
+def block_format_of(dtype) -> str | None:
+    """The block format whose structured dtype this is ('q4_0', ...), or None."""
+    return next((g.name for g in FORMATS.values() if g.quantized and g.dtype == dtype), None)
+
+
 def as_blocks(a: np.ndarray, fmt: str | Format, what: str = "array") -> np.ndarray:
     """View `a` as blocks of `fmt`: accepts the structured block dtype, or raw uint8 bytes
     [..., nblocks*itemsize] as gguf.quants.quantize returns them. Raises ValueError otherwise."""
@@ -230,8 +235,7 @@ def as_blocks(a: np.ndarray, fmt: str | Format, what: str = "array") -> np.ndarr
                 f"{f.dtype.itemsize} (one block), got {a.shape[-1]}"
             )
         return np.ascontiguousarray(a).view(f.dtype)
-    known = {g.dtype: g.name for g in FORMATS.values() if g.quantized}
-    came = known.get(a.dtype, str(a.dtype))
+    came = block_format_of(a.dtype) or str(a.dtype)
     raise ValueError(f"{what}: expected {f.name} blocks ({f.description}), got {came} with shape {a.shape}")
 
 

@@ -204,7 +204,7 @@ class Kernel:
                 if mod is None:
                     runtime.require_gpu(f"running {self.name}")
                     info = runtime.device_info()
-                    if info.cc < self.spec.min_arch or (self.spec.arch_suffix and info.cc != self.spec.min_arch):
+                    if not self.spec.runs_on(info.cc):
                         raise UnsupportedArchError(
                             f"{self.name} needs sm_{self.spec.min_arch} or newer, but the GPU ({info.name}) is {info.arch}"
                         )

@@ -162,12 +162,13 @@ def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     one-time cost at load (`.pack_seconds`), never paid per matmul."""
     from .dispatch import _weights
 
+    t0 = time.perf_counter()
     on_device = runtime.is_device_array(w) and not isinstance(w, np.ndarray)
     if not on_device:  # host blocks are checked before the GPU is: a bad input says so on any machine
-        _weights(w, fmt, False)
+        blocks, fmt = _weights(w, fmt, False)
     runtime.require_gpu("qgemm.pack_weights")
-    t0 = time.perf_counter()
-    blocks, fmt = _weights(w, fmt, on_device, stream)
+    if on_device:
+        blocks, fmt = _weights(w, fmt, True, stream)
     host = blocks.to_host() if on_device else blocks
     n, k = host.shape[0], host.shape[1] * F.QK
     packed = runtime.DeviceArray.from_host(pack(host, fmt))

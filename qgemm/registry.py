@@ -62,6 +62,11 @@ class KernelSpec:
     def family(self) -> str:
         return self.name.split(".", 1)[0]
 
+    def runs_on(self, cc: int) -> bool:
+        """Whether a GPU of compute capability `cc` (90 for sm_90) can run it: sm_XXa features
+        (wgmma) exist on that architecture only, not on later ones."""
+        return cc >= self.min_arch and not (self.arch_suffix and cc != self.min_arch)
+
     @property
     def variant(self) -> str:
         return self.name.split(".", 1)[1]
