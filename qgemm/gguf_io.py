@@ -170,8 +170,8 @@ def _skip_value(c: _Cursor, vtype: int, key: str, depth: int = 0) -> None:
 def _scan(path: str) -> None:
     """Walk the header with a bound on every read; ValueError on anything a GGUFReader would
     misread, crash on, or loop over. Touches the header's pages only, not the tensor data."""
+    size = os.path.getsize(path)  # a missing file is named before a missing package
     gguf = _gguf()
-    size = os.path.getsize(path)
     if size == 0:
         raise ValueError(f"{path}: not a GGUF file: the file is empty")
     with open(path, "rb") as fh:

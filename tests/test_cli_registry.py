@@ -300,16 +300,17 @@ def test_matmul_plan_override_and_errors():
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_matmul_plan_with_packed_weights(fmt):
-    """Without a GPU (CI) the plan assumes sm_80+ but not sm_90: packed weights take the skinny
-    kernels (no prologue) up to SKINNY_MAX_M, then the mma.sync path; wgmma needs an sm_90 GPU."""
+    """On sm_80 (the plan CI makes without a GPU; pinned here, so a GPU machine tests the same)
+    packed weights take the skinny kernels (no prologue) up to SKINNY_MAX_M, then the mma.sync
+    path; wgmma needs sm_90."""
     w = "4" if fmt == "q4_0" else "8"
     for m in (1, 2, 8, qgemm.dispatch.SKINNY_MAX_M):
-        p = qgemm.plan(m, 4096, 4096, fmt, packed=True)
+        p = qgemm.plan(m, 4096, 4096, fmt, packed=True, arch="sm_80")
         # one token: the int8 kernel (activations quantized by the kernel); more: the fp16 one
         assert p.kernel == (f"w{w}a8.skinny" if m == 1 else f"w{w}a16.skinny") and p.quantizer is None and p.packed
         assert p.defines == qgemm.spec(p.kernel).config(m, 4096, 4096, 132)
         assert "packed" in qgemm.explain(m, 4096, 4096, fmt, packed=True)
-    p = qgemm.plan(qgemm.dispatch.SKINNY_MAX_M + 1, 4096, 4096, fmt, packed=True)
+    p = qgemm.plan(qgemm.dispatch.SKINNY_MAX_M + 1, 4096, 4096, fmt, packed=True, arch="sm_80")
     assert p.kernel == f"w{w}a16.mma" and not p.packed
     # fp16 activations with packed weights: the skinny kernels read float32, so the ggml-block path
     assert qgemm.plan(4, 4096, 4096, fmt, x_dtype="f16", packed=True).kernel == f"w{w}a8.gemv"
