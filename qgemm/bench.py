@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from functools import lru_cache, wraps
 
 import numpy as np
 
@@ -278,6 +278,25 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
     )
 
 
+def on_qgemm_device(fn):
+    """Run a torch timing with torch's "cuda" (tensors, streams, events, graphs) meaning qgemm's
+    device (QGEMM_DEVICE), so the peers run on the GPU the kernels do."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            import torch
+        except Exception:
+            return fn(*args, **kwargs)
+        if not torch.cuda.is_available():
+            return fn(*args, **kwargs)
+        with torch.cuda.device(runtime.device_ordinal()):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@on_qgemm_device
 def torch_peers(shape: tuple[int, int, int], warmup: int = 10, iters: int = 50) -> list[dict]:
     """torch A @ W.T in fp32/fp16/bf16 (cuBLAS) and torch._int_mm (cuBLASLt int8) on the same
     shape, timed the same way (hot, CUDA events, median). Empty when torch/CUDA is absent."""
@@ -321,6 +340,7 @@ def environment() -> dict:
     info = runtime.device_info()
     d = {
         "device": info.name,
+        "device_ordinal": info.ordinal,
         "arch": info.arch,
         "sm_count": info.sm_count,
         "l2_mib": info.l2_bytes / 2**20,
@@ -460,6 +480,7 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
             "weight_gbps": wq.nbytes / med / 1e3, "buffer_sets": sets, "method": how["method"]}
 
 
+@on_qgemm_device
 def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
     """Median µs of `fn(*make())` (torch, CUDA events), batched so each sample spans >= 1 ms; cold:
     rotated through buffer sets from `make` larger than twice the L2. The torch peers of
@@ -514,6 +535,7 @@ def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
     return statistics.median(ts)
 
 
+@on_qgemm_device
 def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters: int = 30) -> dict:
     """torch fp16/bf16 A @ W.T (cuBLAS) and torch._int_mm (cuBLASLt int8), hot or rotated."""
     try:

@@ -222,7 +222,8 @@ def info():
         pass
     if runtime.gpu_available():
         d = runtime.device_info()
-        lines.insert(0, f"GPU:              {d.name} ({d.arch}, {d.sm_count} SMs, {d.total_mem / 2**30:.1f} GiB, L2 {d.l2_bytes / 2**20:.0f} MiB)")
+        which = f"device {d.ordinal} of {d.device_count} (QGEMM_DEVICE picks): " if d.device_count > 1 or d.ordinal else ""
+        lines.insert(0, f"GPU:              {which}{d.name} ({d.arch}, {d.sm_count} SMs, {d.total_mem / 2**30:.1f} GiB, L2 {d.l2_bytes / 2**20:.0f} MiB)")
         lines.insert(1, f"driver:           {d.driver_version} (CUDA {d.driver_cuda_version[0]}.{d.driver_cuda_version[1]} driver API)")
     else:
         lines.insert(0, f"No NVIDIA GPU is usable on this machine ({runtime.gpu_unavailable_reason()}). "

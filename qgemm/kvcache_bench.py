@@ -68,7 +68,7 @@ def _torch_dense(kind: str, s: int, lq: int, cold: bool, iters: int, warmup: int
         return cache, p
 
     fn = (lambda c, x: torch.bmm(x, c.transpose(1, 2))) if kind == "key" else (lambda c, x: torch.bmm(x, c))
-    t = torch_time(make, fn, cold, warmup, iters)
+    t = torch_time(make, fn, cold, warmup, iters)  # on qgemm's device (make() runs inside it)
     torch.cuda.empty_cache()  # the rotated sets are gone with torch_time's frame
     return t
 

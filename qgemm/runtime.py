@@ -60,7 +60,28 @@ _state_lock = threading.Lock()
 
 
 @lru_cache(maxsize=None)
+def device_ordinal() -> int:
+    """The GPU qgemm runs on: `QGEMM_DEVICE`, an ordinal among the devices the driver shows
+    (after CUDA_VISIBLE_DEVICES), default 0. Read once per process: kernels, device arrays and
+    streams all belong to that device's primary context. ValueError if it is not an integer >= 0."""
+    raw = os.environ.get("QGEMM_DEVICE", "").strip()
+    if not raw:
+        return 0
+    try:
+        ordinal = int(raw)
+    except ValueError:
+        ordinal = -1
+    if ordinal < 0:
+        raise ValueError(f"QGEMM_DEVICE must be a CUDA device ordinal (an integer >= 0), got {raw!r}")
+    return ordinal
+
+
+@lru_cache(maxsize=None)
 def _probe() -> tuple[bool, str]:
+    try:
+        ordinal = device_ordinal()
+    except ValueError as e:
+        return False, str(e)
     try:
         from cuda.bindings import driver
     except Exception as e:
@@ -74,6 +95,9 @@ def _probe() -> tuple[bool, str]:
     err, count = driver.cuDeviceGetCount()
     if int(err) != 0 or count == 0:
         return False, "the NVIDIA driver reports no CUDA devices"
+    if ordinal >= count:
+        return False, (f"QGEMM_DEVICE={ordinal} names no device: the driver reports {count} "
+                       f"(ordinals 0..{count - 1}{', after CUDA_VISIBLE_DEVICES' if os.environ.get('CUDA_VISIBLE_DEVICES') else ''})")
     return True, ""
 
 
@@ -93,17 +117,19 @@ def require_gpu(what: str = "this") -> None:
 
 @lru_cache(maxsize=None)
 def device():
-    """cuda.core Device 0, made current (its primary context) in this thread."""
+    """qgemm's cuda.core Device (device_ordinal(): QGEMM_DEVICE, default 0), made current (its
+    primary context) in this thread."""
     require_gpu("the GPU runtime")
     from cuda.core import Device
 
-    dev = _wrap("cuda.core.Device(0)", Device, 0)
+    ordinal = device_ordinal()
+    dev = _wrap(f"cuda.core.Device({ordinal})", Device, ordinal)
     _wrap("Device.set_current", dev.set_current)
     return dev
 
 
 def ensure_current():
-    """Make device 0's primary context current in the calling thread (threads start with none)."""
+    """Make qgemm's device's primary context current in the calling thread (threads start with none)."""
     dev = device()
     _wrap("Device.set_current", dev.set_current)
     return dev
@@ -114,7 +140,7 @@ def _attr(name: str) -> int:
 
     ensure_current()
     attr = getattr(driver.CUdevice_attribute, name)
-    dev = check(driver.cuDeviceGet(0), "cuDeviceGet")
+    dev = check(driver.cuDeviceGet(device_ordinal()), "cuDeviceGet")
     return int(check(driver.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name})"))
 
 
@@ -131,6 +157,8 @@ class DeviceInfo:
     total_mem: int
     driver_cuda_version: tuple[int, int]
     driver_version: str
+    ordinal: int = 0       # which device (QGEMM_DEVICE)
+    device_count: int = 1  # of how many the driver shows
 
     @property
     def arch(self) -> str:
@@ -160,7 +188,7 @@ def device_info() -> DeviceInfo:
     except Exception:
         pass
     cc = dev.compute_capability
-    cudev = check(driver.cuDeviceGet(0), "cuDeviceGet")
+    cudev = check(driver.cuDeviceGet(device_ordinal()), "cuDeviceGet")
     total = int(check(driver.cuDeviceTotalMem(cudev), "cuDeviceTotalMem"))
 
     def safe(name: str) -> int:
@@ -181,11 +209,13 @@ def device_info() -> DeviceInfo:
         total_mem=total,
         driver_cuda_version=(ver // 1000, (ver % 1000) // 10),
         driver_version=drv,
+        ordinal=device_ordinal(),
+        device_count=int(check(driver.cuDeviceGetCount(), "cuDeviceGetCount")),
     )
 
 
 def device_arch() -> str:
-    """'sm_XX' of device 0."""
+    """'sm_XX' of qgemm's device."""
     return device_info().arch
 
 
@@ -204,16 +234,32 @@ def as_stream(stream=None):
         return default_stream()
     from cuda.core import Stream
 
-    if isinstance(stream, Stream):
+    if isinstance(stream, Stream):  # qgemm's own streams come this way, once per launch: not re-checked
         return stream
     if hasattr(stream, "__cuda_stream__"):
-        return _wrap("Stream.from_handle", Stream.from_handle, int(stream.__cuda_stream__()[1]))
+        return _same_device(_wrap("Stream.from_handle", Stream.from_handle, int(stream.__cuda_stream__()[1])), stream)
     handle = getattr(stream, "cuda_stream", stream)
     if isinstance(handle, (int, np.integer)):
         if int(handle) == 0:
             return default_stream()
-        return _wrap("Stream.from_handle", Stream.from_handle, int(handle))
+        return _same_device(_wrap("Stream.from_handle", Stream.from_handle, int(handle)), stream)
     raise ValueError(f"stream: expected a cuda.core Stream, an int handle or a torch/CuPy stream, got {type(stream).__name__}")
+
+
+def _same_device(s, given):
+    """A stream of another GPU's context must not get qgemm's launches: the kernel would run on
+    that GPU against buffers of this one (or the launch fail, naming nothing). Said up front."""
+    from cuda.bindings import driver
+
+    ensure_current()
+    err, ctx = driver.cuStreamGetCtx(s.handle)
+    if int(err) != 0:  # not a stream handle at all: the launch reports it
+        return s
+    ordinal = _context_device(ctx)
+    if ordinal != device_ordinal():
+        raise ValueError(f"stream: expected a stream of CUDA device {device_ordinal()} (qgemm's device), got a "
+                         f"{type(given).__name__} of device {ordinal}")
+    return s
 
 
 def record_event(stream=None):
@@ -298,6 +344,63 @@ def reset_persisting_l2() -> None:
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 _DL_CUDA_TYPES = (_DL_CUDA, _DL_CUDA_MANAGED)
+
+
+def _other_device_message(what: str, ordinal: int) -> str:
+    return (f"expected an array on CUDA device {device_ordinal()} (qgemm's device), got a {what} on device {ordinal}; "
+            f"move it there, or run qgemm on device {ordinal} (QGEMM_DEVICE={ordinal}, set before qgemm first uses the GPU)")
+
+
+def _pointer_device(ptr: int) -> int | None:
+    """The ordinal of the device whose memory `ptr` is, or None if CUDA does not know it.
+
+    From the allocation's context: CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL reads 0 for every device
+    in cuda.bindings up to at least 13.3 (NVIDIA/cuda-python#2928: the value is read back from the
+    wrong field). Memory without a context (virtual-memory and pool allocations) still has to ask
+    it -- correct once the bindings are fixed, 0 before."""
+    from cuda.bindings import driver
+
+    attrs = driver.CUpointer_attribute
+    err, ctx = driver.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_CONTEXT, ptr)
+    if int(err) != 0:
+        return None
+    if int(ctx) == 0:
+        err, ordinal = driver.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+        return int(ordinal) if int(err) == 0 else None
+    return _context_device(ctx)
+
+
+def _context_device(ctx) -> int:
+    """The device ordinal of a CUDA context (qgemm's own context is current)."""
+    from cuda.bindings import driver
+
+    if int(ctx) == int(check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")):
+        return device_ordinal()
+    check(driver.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        return int(check(driver.cuCtxGetDevice(), "cuCtxGetDevice"))
+    finally:
+        check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+
+def _check_pointer_device(ptr: int, what: str) -> None:
+    """A foreign (__cuda_array_interface__) pointer must be memory of qgemm's device: a kernel
+    given another GPU's memory would fault (a sticky error that ends the CUDA context) or read it
+    over the interconnect, and one given an address CUDA does not know would fault. Managed
+    memory may live anywhere. Skipped without a GPU (nothing can launch then)."""
+    if not gpu_available():
+        return
+    from cuda.bindings import driver
+
+    ensure_current()
+    ordinal = _pointer_device(ptr)
+    if ordinal is None:
+        raise ValueError(f"the data pointer {ptr:#x} of a {what} is not memory that CUDA knows; expected device "
+                         f"memory of CUDA device {device_ordinal()}")
+    if ordinal != device_ordinal():
+        err, managed = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)
+        if int(err) != 0 or not int(managed):
+            raise ValueError(_other_device_message(what, ordinal))
 
 
 def _typestr(dtype: np.dtype) -> str:
@@ -388,6 +491,8 @@ class DeviceArray:
                 )
         if ptr == 0 and int(np.prod(shape)) > 0:
             raise ValueError("device array has a null data pointer")
+        if int(np.prod(shape)) > 0:
+            _check_pointer_device(ptr, type(obj).__name__)
         return cls(ptr, shape, dtype, owner=obj)
 
     @classmethod
@@ -402,8 +507,8 @@ class DeviceArray:
                              "pass a numpy array for host data, or move it to the GPU first")
         if dev_type is not None and dev_type not in _DL_CUDA_TYPES:
             raise ValueError(f"expected a CUDA device array, got a DLPack tensor on device type {dev_type}")
-        if dev_id not in (None, 0):
-            raise ValueError(f"expected an array on CUDA device 0 (qgemm's device), got one on device {dev_id}")
+        if dev_id is not None and dev_type == _DL_CUDA and dev_id != device_ordinal():
+            raise ValueError(_other_device_message(type(obj).__name__, dev_id))
         # -1: no extra ordering. Right for the legacy default stream (handle 0), which already
         # orders itself after other blocking streams; a real stream gets the producer's event.
         handle = int(as_stream(stream).handle) if stream is not None else 0
@@ -424,7 +529,7 @@ class DeviceArray:
 
     # -- DLPack export -------------------------------------------------------------------------
     def __dlpack_device__(self):
-        return (_DL_CUDA, 0)
+        return (_DL_CUDA, device_ordinal())
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """Export through cuda.core's StridedMemoryView, so torch.from_dlpack / cupy.from_dlpack
@@ -601,7 +706,7 @@ class LoadedKernel:
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         handle = self.kernels[entry].handle
         if isinstance(handle, driver.CUkernel):
-            dev = check(driver.cuDeviceGet(0), "cuDeviceGet")
+            dev = check(driver.cuDeviceGet(device_ordinal()), "cuDeviceGet")
             check(driver.cuKernelSetAttribute(attr, int(shmem), handle, dev), f"cuKernelSetAttribute({entry}, {shmem} B smem)")
         else:
             check(driver.cuFuncSetAttribute(handle, attr, int(shmem)), f"cuFuncSetAttribute({entry}, {shmem} B smem)")

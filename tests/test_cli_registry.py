@@ -1,7 +1,10 @@
 """Registry, operand checks and the CLI (typer's CliRunner), on a machine with or without a GPU."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -791,3 +794,32 @@ def test_validate_scores_what_the_kernel_left(rng, monkeypatch):
     run_with(flip)
     r = check.validate(q, (3, 0, 96), seed=2)
     assert not r.passed and r.detail["mismatched_blocks"] == 2 and r.unwritten == 1
+
+
+def test_device_ordinal_from_the_environment(monkeypatch):
+    """QGEMM_DEVICE picks the GPU (default 0); anything but an integer >= 0 is a ValueError that
+    names the variable, and makes the GPU unusable with that reason (CLI: a sentence, exit 2)."""
+    try:
+        for raw, want in (("", 0), (" 2 ", 2), ("0", 0)):
+            monkeypatch.setenv("QGEMM_DEVICE", raw)
+            runtime.device_ordinal.cache_clear()
+            assert runtime.device_ordinal() == want
+        for raw in ("abc", "-1", "1.5", "cuda:1"):
+            monkeypatch.setenv("QGEMM_DEVICE", raw)
+            runtime.device_ordinal.cache_clear()
+            with pytest.raises(ValueError, match=rf"QGEMM_DEVICE must be a CUDA device ordinal .*got '{re.escape(raw)}'"):
+                runtime.device_ordinal()
+    finally:
+        monkeypatch.delenv("QGEMM_DEVICE", raising=False)
+        runtime.device_ordinal.cache_clear()
+    env = dict(os.environ, QGEMM_DEVICE="gpu1")
+    code = ("import qgemm, numpy as np\n"
+            "try:\n"
+            "    qgemm.matmul(np.ones((1, 32), np.float32), qgemm.quantize_q4_0(np.ones((8, 32), np.float32)))\n"
+            "except qgemm.NoGPUError as e:\n"
+            "    print('NoGPUError:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "NoGPUError:" in r.stdout and "QGEMM_DEVICE must be a CUDA device ordinal (an integer >= 0), got 'gpu1'" in r.stdout, r
+    r = subprocess.run([sys.executable, "-m", "qgemm", "validate", "w4a8.naive"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "QGEMM_DEVICE" in r.stdout + r.stderr, r

@@ -152,6 +152,96 @@ def test_bad_input_raises_before_launch(rng):
         qgemm.get("quantize.q8_1")(rng.standard_normal((2, 40), dtype=np.float32))
 
 
+def test_pointers_qgemm_cannot_use_are_refused(rng):
+    """A __cuda_array_interface__ whose pointer is not CUDA memory (here: a host numpy buffer)
+    is a ValueError before any launch -- a kernel given it would fault and end the context."""
+    host = np.zeros(64, np.float32)
+
+    class Fake:
+        __cuda_array_interface__ = {"shape": (2, 32), "typestr": "<f4", "data": (host.ctypes.data, False), "version": 3}
+
+    with pytest.raises(ValueError, match=r"is not memory that CUDA knows; expected device memory of CUDA device 0"):
+        qgemm.get("quantize.q8_1")(Fake())
+    with pytest.raises(ValueError, match=r"is not memory that CUDA knows"):
+        qgemm.matmul(Fake(), qgemm.DeviceArray.from_host(qgemm.quantize_q4_0(np.ones((8, 32), np.float32)).view(np.uint8)),
+                     fmt="q4_0")
+
+
+_OTHER_DEVICE = """
+import sys, numpy as np, torch, qgemm
+from qgemm import runtime
+print("device", runtime.device_info().ordinal, runtime.device_info().device_count)
+rng = np.random.default_rng(int(sys.argv[1]))
+wq = qgemm.quantize_q4_0(rng.standard_normal((96, 256), dtype=np.float32))
+x = torch.randn(5, 256, device="cuda:1")
+w = torch.from_numpy(wq.view(np.uint8).reshape(96, -1).copy()).to("cuda:1")
+c = qgemm.matmul(x, w, fmt="q4_0")
+t = torch.from_dlpack(c)
+assert t.device == torch.device("cuda:1"), t.device
+ref = qgemm.plan(5, 96, 256, "q4_0").reference(x.cpu().numpy(), wq)
+np.testing.assert_allclose(t.cpu().numpy(), ref, rtol=1e-5, atol=1e-3)
+pw = qgemm.pack_weights(wq)
+for m in (1, 8, 40):
+    xm = rng.standard_normal((m, 256), dtype=np.float32)
+    np.testing.assert_allclose(qgemm.matmul(xm, pw), qgemm.plan(m, 96, 256, "q4_0", packed=True).reference(xm, wq), rtol=1e-4, atol=1e-2)
+out = torch.full((5, 96), float("nan"), device="cuda:1")
+with torch.cuda.device(1):
+    s = torch.cuda.Stream()
+qgemm.matmul(x, w, fmt="q4_0", out=out, stream=s)
+s.synchronize()
+np.testing.assert_allclose(out.cpu().numpy(), ref, rtol=1e-5, atol=1e-3)
+try:
+    qgemm.matmul(x.to("cuda:0"), w, fmt="q4_0")
+except ValueError as e:
+    print("refused:", e)
+print("ok")
+"""
+
+
+def test_another_device(rng):
+    """On a machine with two GPUs: torch tensors and streams of device 1 are refused by name under
+    the default device 0; with QGEMM_DEVICE=1 (its own process: the device is fixed at first use)
+    qgemm runs there -- device tensors, host arrays, packed weights, a caller's stream -- and
+    refuses device 0's tensors."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import os
+    import subprocess
+    import sys
+
+    x1 = torch.randn(3, 64, device="cuda:1")
+    w = qgemm.DeviceArray.from_host(qgemm.quantize_q4_0(rng.standard_normal((8, 64), dtype=np.float32)).view(np.uint8))
+    with pytest.raises(ValueError, match=r"expected an array on CUDA device 0 \(qgemm's device\), got a Tensor on device 1"):
+        qgemm.matmul(x1, w, fmt="q4_0")
+    with pytest.raises(ValueError, match=r"expected an array on CUDA device 0 .* on device 1"):
+        qgemm.matmul(_DLPackOnly(x1), w, fmt="q4_0")
+    with torch.cuda.device(1):
+        s1 = torch.cuda.Stream()
+    with pytest.raises(ValueError, match=r"stream: expected a stream of CUDA device 0 \(qgemm's device\), got a Stream of device 1"):
+        qgemm.matmul(torch.randn(3, 64, device="cuda:0"), w, fmt="q4_0", stream=s1)
+    env = dict(os.environ, QGEMM_DEVICE="1")
+    r = subprocess.run([sys.executable, "-c", _OTHER_DEVICE, str(int(rng.integers(1 << 30)))], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "device 1 2" in r.stdout and r.stdout.rstrip().endswith("ok"), r.stdout + r.stderr
+    assert "refused: expected an array on CUDA device 1 (qgemm's device), got a Tensor on device 0" in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, "-m", "qgemm", "info"], env=env, capture_output=True, text=True, timeout=120)
+    assert "GPU:              device 1 of 2 (QGEMM_DEVICE picks)" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_device_that_does_not_exist():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, QGEMM_DEVICE="99")
+    r = subprocess.run([sys.executable, "-m", "qgemm", "info"], env=env, capture_output=True, text=True, timeout=120)
+    assert "QGEMM_DEVICE=99 names no device: the driver reports" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "qgemm", "profile", "w4a8.naive", "--shape", "1x32x32"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "QGEMM_DEVICE=99 names no device" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
 def test_cuda_error_names_the_call():
     with pytest.raises(qgemm.CudaError, match="cuMemAlloc"):
         qgemm.DeviceArray.empty((1 << 50,), np.uint8)
