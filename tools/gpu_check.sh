@@ -5,7 +5,7 @@
 # docs/performance.md's regeneration (report), with logs under $OUT.
 #
 #   bash tools/gpu_check.sh                 # the default steps: info tests validate tutorial profile bench report
-#   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh
+#   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh   # tests: the whole suite (with two GPUs: QGEMM_DEVICE too)
 #   QGEMM_CHECK="skinny decode ncu" bash tools/gpu_check.sh    # decode path: tests, tune, bench M <= 64, ncu
 #   QGEMM_CHECK="i8" bash tools/gpu_check.sh                   # int8 decode kernels: tests, every config vs fp16, whole op
 #   QGEMM_CHECK="q8" bash tools/gpu_check.sh                   # int8 small batch on Q8_1: tests, every config, whole op
@@ -39,7 +39,9 @@ for step in $STEPS; do
     precompile) # every GEMM kernel's untuned configuration at the profile and bench shapes, in parallel
               shapes=$(for k in 4096 14336; do for m in 1 2 4 8 16 32 64 128 256 512 1024 2048 4096; do printf "%sx4096x%s," $m $k; done; done)
               run $PY tools/precompile.py all --defaults-only --shapes "${shapes}$SHAPE" ;;
-    tests)    run $PY -m pytest -q -m gpu tests -p no:cacheprovider ;;
+    tests)    # the whole suite: the CPU tests too (CI runs them without a GPU only; on one, plans and CLI
+              # paths differ -- two such tests failed in session 26)
+              run $PY -m pytest -q tests -p no:cacheprovider ;;
     skinny)   # the decode / small-batch path: precompile, its GPU tests, tune it (stored, so the bench below uses it)
               run $PY tools/precompile.py w4a16.skinny w8a16.skinny --shapes "1x33x160,9x4097x4128,57x47x32,$TUNE_SHAPES"
               run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny or packed or matmul"
