@@ -257,8 +257,32 @@ _workspace: OrderedDict[tuple, runtime.DeviceArray] = OrderedDict()
 _WORKSPACE_STREAMS = 8  # per tag: the least recently used stream's buffer is freed beyond this
 
 
-def _stream_key(stream) -> int:
-    return int(runtime.as_stream(stream).handle)
+_PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
+
+
+def _stream_key(stream):
+    handle = int(runtime.as_stream(stream).handle)
+    # the per-thread default stream (cuda.core's default under CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1)
+    # is one handle for a different stream in each thread: its ops run concurrently, so no shared scratch
+    return (handle, threading.get_ident()) if handle == _PER_THREAD_STREAM else handle
+
+
+_queue_locks: dict = {}
+
+
+def _queue_lock(stream) -> threading.Lock:
+    """One lock per stream, held while an op takes the stream's scratch and queues its kernels (and,
+    for a host call, until it has read the status word back). Two threads sharing a stream would
+    otherwise interleave their launches -- quantize A, quantize B, GEMM A -- and A's GEMM would read
+    B's activations from the one staging buffer, or A read B's overflow flag. Consecutive ops of one
+    thread need no more: the stream orders them, and a PDL-launched prologue writes the staging
+    buffer only after its wait for the previous kernel."""
+    key = _stream_key(stream)
+    with _workspace_lock:
+        lock = _queue_locks.get(key)
+        if lock is None:
+            lock = _queue_locks[key] = threading.Lock()
+    return lock
 
 
 def _scratch(tag: str, shape, dtype, stream=None) -> runtime.DeviceArray:
@@ -357,6 +381,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         raise ValueError(f"matmul: out= must be a float32 device array ({m}, {n}) (torch, CuPy, qgemm.DeviceArray); "
                          f"a host call returns a new numpy array, got {type(out).__name__}")
     runtime.require_gpu("qgemm.matmul")
+    runtime.ensure_current()  # a thread's first call: threads start without a current context
     if not x_on_device:
         if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size:
             # these kernels round x to float16 themselves, with no prologue to flag what overflows
@@ -371,20 +396,21 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         wb = packed.packed
         if dx.ptr % 16 and p.quantizer is None:  # read by the kernel itself (float4 / 16-byte loads)
             raise ValueError(f"matmul: {p.kernel} needs the activations on a 16-byte boundary, got address {dx.ptr:#x}")
-    staged = p.staged_format
-    dq = _scratch("prologue", *staged, stream) if staged else None
-    status = _scratch("status", (1,), np.int32, stream)
-    if not x_on_device:  # only a host call reads the prologue's flags; a device call queues no memset, which
-        status.fill_bytes(0, stream)  # would stand between this op's kernels and the previous op's (PDL)
     if out is not None:
         dc = runtime.as_device_array(out)
         if dc.shape != (m, n) or dc.dtype != np.float32:
             raise ValueError(f"matmul: out must be float32 ({m}, {n}), got {dc.dtype} {dc.shape}")
     else:
         dc = runtime.DeviceArray.empty((m, n), np.float32)
-    p.launch(dx, wb, dq, dc, status, stream=stream)
+    staged = p.staged_format
+    with _queue_lock(stream):
+        dq = _scratch("prologue", *staged, stream) if staged else None
+        status = _scratch("status", (1,), np.int32, stream)
+        if not x_on_device:  # only a host call reads the prologue's flags; a device call queues no memset, which
+            status.fill_bytes(0, stream)  # would stand between this op's kernels and the previous op's (PDL)
+        p.launch(dx, wb, dq, dc, status, stream=stream)
+        flag = int(status.to_host()[0]) if not x_on_device else 0
     if not x_on_device:
-        flag = int(status.to_host()[0])
         if flag:
             raise ValueError("matmul: the activations overflow the GPU format of this path: a value (float16) or a Q8_1 "
                              "block scale or sum beyond half's range (65504); scale them down")

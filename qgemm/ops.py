@@ -329,6 +329,7 @@ class Kernel:
         if not device and out is not None and isinstance(out, np.ndarray):
             raise ValueError(f"{self.name}: out= must be a device array; host calls return a new numpy array")
         self._module()  # no GPU, or a GPU too old: fail before allocating anything
+        runtime.ensure_current()  # a thread's first call: threads start without a current context
         if device:
             da = _check_device(a, self.op.a, "A", self.op)
             dw = self._device_weights(w)

@@ -242,6 +242,66 @@ def test_a_device_that_does_not_exist():
     assert r.returncode == 2 and "QGEMM_DEVICE=99 names no device" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
+def test_threads_sharing_a_stream(rng):
+    """Threads calling qgemm.matmul at once on the default stream: an op's kernels are queued
+    together, so no op reads another's staged activations (M = 4: quantize.q8_1 into the stream's
+    staging buffer, then w4a8.gemv) and no host call reads another's overflow flag. The GIL is made
+    to switch threads every microsecond, so unguarded launches interleave."""
+    import sys
+    import threading
+
+    wq = qgemm.quantize_q4_0(rng.standard_normal((256, 512), dtype=np.float32))
+    dw = qgemm.DeviceArray.from_host(wq)
+    ref = qgemm.plan(4, 256, 512, "q4_0").reference
+    xs = [rng.standard_normal((4, 512), dtype=np.float32) * (i + 1) for i in range(6)]
+    big = np.full((4, 512), 3e4, np.float32)  # each block's sum s = 9.6e5 overflows Q8_1's half
+    got = {i: [] for i in range(len(xs))}
+    errors, overflow_flags = [], []
+
+    def device_calls(i):
+        dx = qgemm.DeviceArray.from_host(xs[i])
+        for _ in range(40):
+            got[i].append(qgemm.matmul(dx, dw, fmt="q4_0"))
+
+    def host_calls(i):
+        for _ in range(15):
+            got[i].append(qgemm.matmul(xs[i], wq))
+
+    def overflowing_calls():
+        for _ in range(15):
+            try:
+                qgemm.matmul(big, wq)
+            except ValueError as e:
+                overflow_flags.append("overflow" in str(e))
+
+    def guarded(fn, *args):
+        def run():
+            try:
+                fn(*args)
+            except Exception as e:  # pragma: no cover - the assertion below names it
+                errors.append(e)
+        return run
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = ([threading.Thread(target=guarded(device_calls, i)) for i in range(3)]
+                   + [threading.Thread(target=guarded(host_calls, i)) for i in range(3, 6)]
+                   + [threading.Thread(target=guarded(overflowing_calls)) for _ in range(2)])
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    assert overflow_flags == [True] * 30, "an overflowing host call returned without its error"
+    for i, x in enumerate(xs):
+        want = ref(x, wq)
+        for c in got[i]:
+            np.testing.assert_allclose(c if isinstance(c, np.ndarray) else c.to_host(), want, rtol=1e-5, atol=1e-3)
+
+
 def test_cuda_error_names_the_call():
     with pytest.raises(qgemm.CudaError, match="cuMemAlloc"):
         qgemm.DeviceArray.empty((1 << 50,), np.uint8)
