@@ -299,7 +299,14 @@ def _scratch(tag: str, shape, dtype, stream=None) -> runtime.DeviceArray:
             for old in same_tag[:-_WORKSPACE_STREAMS]:
                 del _workspace[old]  # freed once no view holds it (cuMemFree waits for the GPU)
         _workspace.move_to_end(key)
+        if runtime.is_capturing(stream) and all(b is not buf for b in _in_graphs):
+            _in_graphs.append(buf)
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
+
+
+# Scratch a CUDA graph captured: its replays use the buffer long after the capture, so it is never
+# freed, even once a larger request or the LRU rule above replaces it for eager calls.
+_in_graphs: list = []
 
 
 def _weights(w, fmt: str | None, on_device: bool, stream=None):
@@ -382,6 +389,10 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
                          f"a host call returns a new numpy array, got {type(out).__name__}")
     runtime.require_gpu("qgemm.matmul")
     runtime.ensure_current()  # a thread's first call: threads start without a current context
+    if not x_on_device and runtime.is_capturing(stream):
+        raise ValueError("matmul: host (numpy) arrays cannot be used while a CUDA graph is being captured (their "
+                         "upload and the read-back are synchronous); capture device arrays, with out= and "
+                         "stream= the capturing stream")
     if not x_on_device:
         if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size:
             # these kernels round x to float16 themselves, with no prologue to flag what overflows

@@ -252,10 +252,11 @@ def _same_device(s, given):
     from cuda.bindings import driver
 
     ensure_current()
-    err, ctx = driver.cuStreamGetCtx(s.handle)
-    if int(err) != 0:  # not a stream handle at all: the launch reports it
-        return s
-    ordinal = _context_device(ctx)
+    with relaxed_capture():
+        err, ctx = driver.cuStreamGetCtx(s.handle)
+        if int(err) != 0:  # not a stream handle at all: the launch reports it
+            return s
+        ordinal = _context_device(ctx)
     if ordinal != device_ordinal():
         raise ValueError(f"stream: expected a stream of CUDA device {device_ordinal()} (qgemm's device), got a "
                          f"{type(given).__name__} of device {ordinal}")
@@ -287,6 +288,33 @@ def create_stream():
     """A new non-blocking stream of the device (graph capture needs one: the legacy default
     stream cannot be captured)."""
     return _wrap("Device.create_stream", device().create_stream)
+
+
+@contextlib.contextmanager
+def relaxed_capture():
+    """This thread may make calls a stream capture would otherwise refuse (cuMemAlloc is
+    "potentially unsafe" while any stream is captured in global mode, torch.cuda.graph's default):
+    they run now, outside the graph -- as torch's own allocator does during a capture."""
+    from cuda.bindings import driver
+
+    err, old = driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    if int(err) != 0:  # pragma: no cover - a driver without capture modes
+        yield
+        return
+    try:
+        yield
+    finally:
+        driver.cuThreadExchangeStreamCaptureMode(old)
+
+
+def is_capturing(stream=None) -> bool:
+    """Whether `stream` is being captured into a CUDA graph (work queued on it is recorded, not run)."""
+    from cuda.bindings import driver
+
+    err, status = driver.cuStreamIsCapturing(as_stream(stream).handle)
+    if int(err) != 0:  # the legacy stream while another is captured in global mode: it cannot take work either
+        return True
+    return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
 class Graph:
@@ -393,12 +421,14 @@ def _check_pointer_device(ptr: int, what: str) -> None:
     from cuda.bindings import driver
 
     ensure_current()
-    ordinal = _pointer_device(ptr)
+    with relaxed_capture():  # queries, not stream work: fine inside a caller's graph capture
+        ordinal = _pointer_device(ptr)
     if ordinal is None:
         raise ValueError(f"the data pointer {ptr:#x} of a {what} is not memory that CUDA knows; expected device "
                          f"memory of CUDA device {device_ordinal()}")
     if ordinal != device_ordinal():
-        err, managed = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)
+        with relaxed_capture():
+            err, managed = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)
         if int(err) != 0 or not int(managed):
             raise ValueError(_other_device_message(what, ordinal))
 
@@ -440,12 +470,16 @@ class DeviceArray:
     # -- construction --------------------------------------------------------------------------
     @classmethod
     def empty(cls, shape, dtype) -> "DeviceArray":
+        """Uninitialized device memory. Allowed while a stream is being captured into a CUDA graph
+        (torch.cuda.graph or qgemm's own): the allocation happens now, outside the graph, which
+        then uses the memory on every replay -- keep the array alive as long as the graph."""
         from cuda.bindings import driver
 
         ensure_current()
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        ptr = int(check(driver.cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc({nbytes} bytes)"))
+        with relaxed_capture():
+            ptr = int(check(driver.cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc({nbytes} bytes)"))
         return cls(ptr, shape, dtype, owns=True)
 
     @classmethod

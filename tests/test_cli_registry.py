@@ -608,11 +608,18 @@ def test_pdl_kernels_wait_before_their_inputs():
 
 def test_matmul_scratch_is_per_stream(monkeypatch):
     """qgemm.matmul's staging buffers: reused on one stream (no allocation per call), never shared
-    by two streams (their ops may run at once), grown when a bigger op comes, and only the 8 most
-    recently used streams' buffers kept per kind."""
+    by two streams (their ops may run at once) nor by two threads on the per-thread default stream
+    (handle 2: a stream per thread), grown when a bigger op comes, only the 8 most recently used
+    streams' buffers kept per kind -- except a buffer handed out during a CUDA graph capture, which
+    the graph's replays use: never freed."""
+    import threading
     import types
 
     from qgemm import dispatch, runtime
+
+    capturing = set()
+    monkeypatch.setattr(runtime, "is_capturing", lambda s=None: s in capturing)
+    monkeypatch.setattr(dispatch, "_in_graphs", [])
 
     made = []
 
@@ -635,6 +642,19 @@ def test_matmul_scratch_is_per_stream(monkeypatch):
     kept = [k for k in dispatch._workspace if k[0] == "prologue"]
     assert len(kept) == 8 and ("prologue", 1) not in kept and ("prologue", 2) not in kept
     assert ("status", 1) in dispatch._workspace
+    keys = []
+    t = threading.Thread(target=lambda: keys.append(dispatch._stream_key(2)))
+    t.start()
+    t.join()
+    assert keys[0] != dispatch._stream_key(2) and dispatch._stream_key(3) == 3
+    capturing.add(12)
+    g = dispatch._scratch("prologue", (4, 8), np.float16, 12)
+    assert dispatch._scratch("prologue", (4, 8), np.float16, 12).ptr == g.ptr
+    capturing.clear()
+    assert dispatch._scratch("prologue", (128, 8), np.float16, 12).ptr != g.ptr  # grown for an eager call
+    for s in range(13, 25):  # and the key evicted
+        dispatch._scratch("prologue", (4, 8), np.float16, s)
+    assert [b.ptr for b in dispatch._in_graphs] == [g.ptr]  # still held: the graph replays into it
 
 
 def test_plan_and_matmul_name_what_they_expected_before_any_gpu(rng):

@@ -302,6 +302,57 @@ def test_threads_sharing_a_stream(rng):
             np.testing.assert_allclose(c if isinstance(c, np.ndarray) else c.to_host(), want, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_matmul_in_a_torch_cuda_graph(rng, packed):
+    """qgemm.matmul captured by torch.cuda.graph (global capture mode, torch's default) and
+    replayed: every replay multiplies what the static inputs hold then -- ggml blocks at M = 4
+    (quantize.q8_1 + w4a8.gemv) and 64, packed weights at M = 1, 8 and 64 (on Hopper the
+    convert.f16k prologue + wgmma_rs); an output allocated during the capture (out=None) is
+    written by the replays; eager calls on another stream between replays stay right; a host call
+    inside a capture is refused by name."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    n, k = 96, 512
+    wq = qgemm.quantize_q4_0(rng.standard_normal((n, k), dtype=np.float32))
+    w = qgemm.pack_weights(wq) if packed else torch.from_numpy(wq.view(np.uint8).copy()).cuda()
+    kw = {} if packed else {"fmt": "q4_0"}
+    ms = (1, 8, 64) if packed else (4, 64)
+    xs = {m: torch.randn(m, k, device="cuda") for m in ms}
+    ys = {m: torch.full((m, n), float("nan"), device="cuda") for m in ms}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile and load outside the capture
+        for m in ms:
+            qgemm.matmul(xs[m], w, out=ys[m], stream=side, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cs = torch.cuda.current_stream()
+        for m in ms:
+            qgemm.matmul(xs[m], w, out=ys[m], stream=cs, **kw)
+        fresh = qgemm.matmul(xs[ms[0]], w, stream=cs, **kw)  # allocated during the capture
+    for _ in range(3):
+        new = {m: torch.randn(m, k, device="cuda") for m in ms}
+        for m in ms:
+            xs[m].copy_(new[m])
+            ys[m].fill_(float("nan"))
+        g.replay()
+        eager = {m: qgemm.matmul(new[m].cpu().numpy(), w if packed else wq) for m in ms}  # between replays
+        torch.cuda.synchronize()
+        for m in ms:
+            want = qgemm.plan(m, n, k, "q4_0", packed=packed).reference(new[m].cpu().numpy(), wq)
+            np.testing.assert_allclose(ys[m].cpu().numpy(), want, rtol=1e-5, atol=2e-3)
+            np.testing.assert_allclose(eager[m], want, rtol=1e-5, atol=2e-3)
+        np.testing.assert_array_equal(torch.as_tensor(fresh, device="cuda").cpu().numpy(), ys[ms[0]].cpu().numpy())
+    host_x = new[ms[0]].cpu().numpy()  # (torch refuses a device-to-host copy inside a capture)
+    g2 = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="cannot be used while a CUDA graph is being captured"):
+        with torch.cuda.graph(g2):
+            qgemm.matmul(host_x, w if packed else wq, stream=torch.cuda.current_stream())
+    torch.cuda.synchronize()
+
+
 def test_cuda_error_names_the_call():
     with pytest.raises(qgemm.CudaError, match="cuMemAlloc"):
         qgemm.DeviceArray.empty((1 << 50,), np.uint8)
