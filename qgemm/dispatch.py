@@ -389,6 +389,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
                          f"a host call returns a new numpy array, got {type(out).__name__}")
     runtime.require_gpu("qgemm.matmul")
     runtime.ensure_current()  # a thread's first call: threads start without a current context
+    runtime.check_capture_stream(stream, "matmul")
     if not x_on_device and runtime.is_capturing(stream):
         raise ValueError("matmul: host (numpy) arrays cannot be used while a CUDA graph is being captured (their "
                          "upload and the read-back are synchronous); capture device arrays, with out= and "

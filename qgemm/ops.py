@@ -330,6 +330,7 @@ class Kernel:
             raise ValueError(f"{self.name}: out= must be a device array; host calls return a new numpy array")
         self._module()  # no GPU, or a GPU too old: fail before allocating anything
         runtime.ensure_current()  # a thread's first call: threads start without a current context
+        runtime.check_capture_stream(stream, self.name)
         if runtime.is_capturing(stream) and (not device or self.act_layout is not None
                                              or (self.packed and not isinstance(w, packing.PackedWeights))):
             raise ValueError(f"{self.name}: this call cannot be captured into a CUDA graph (it uploads, reads back or "
@@ -373,9 +374,11 @@ class Kernel:
     # -- quantizers ----------------------------------------------------------------------------
     def _call_quantize(self, x, out=None, stream=None):
         device = not isinstance(x, np.ndarray)
-        if runtime.gpu_available() and runtime.is_capturing(stream):
-            raise ValueError(f"{self.name}: a quantizer called alone reads its overflow flag back, which a CUDA graph "
-                             "capture cannot; qgemm.matmul captures its own quantization")
+        if runtime.gpu_available():
+            runtime.check_capture_stream(stream, self.name)
+            if runtime.is_capturing(stream):
+                raise ValueError(f"{self.name}: a quantizer called alone reads its overflow flag back, which a CUDA "
+                                 "graph capture cannot; qgemm.matmul captures its own quantization")
         fmt = self.op.a
         if device:
             dx = _check_device(x, fmt, "X", self.op)

@@ -312,9 +312,30 @@ def is_capturing(stream=None) -> bool:
     from cuda.bindings import driver
 
     err, status = driver.cuStreamIsCapturing(as_stream(stream).handle)
-    if int(err) != 0:  # the legacy stream while another is captured in global mode: it cannot take work either
+    if int(err) != 0:  # the legacy stream while a blocking stream captures: it cannot take work either
         return True
     return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
+def check_capture_stream(stream, what: str) -> None:
+    """Inside `torch.cuda.graph` a call on another stream than the capturing one is not captured:
+    it runs now, once, and the replays leave its output stale -- with no error from CUDA, since
+    torch captures on a non-blocking stream (the legacy default stream, stream=None, stays free).
+    So while torch captures its current stream (when torch is imported at all), qgemm's stream
+    must be a capturing one."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    try:
+        capturing = bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # a torch without CUDA
+        return
+    if capturing and not is_capturing(stream):
+        raise ValueError(f"{what}: torch is capturing a CUDA graph on its current stream, but this call's stream "
+                         f"({'the default stream: stream=None' if stream is None else type(stream).__name__}) is not being "
+                         "captured: it would run once, now, outside the graph; pass stream=torch.cuda.current_stream()")
 
 
 class Graph:
@@ -384,8 +405,10 @@ def _pointer_device(ptr: int) -> int | None:
 
     From the allocation's context: CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL reads 0 for every device
     in cuda.bindings up to at least 13.3 (NVIDIA/cuda-python#2928: the value is read back from the
-    wrong field). Memory without a context (virtual-memory and pool allocations) still has to ask
-    it -- correct once the bindings are fixed, 0 before."""
+    wrong field). Memory without a context (virtual-memory and pool allocations, e.g. torch's
+    expandable segments or its cudaMallocAsync backend) can only ask it: a nonzero ordinal is real
+    (once the bindings are fixed), but a 0 may be the bug, so it counts as qgemm's device -- not
+    refused: until then qgemm, on any device, cannot tell such memory of another GPU."""
     from cuda.bindings import driver
 
     attrs = driver.CUpointer_attribute
@@ -394,7 +417,9 @@ def _pointer_device(ptr: int) -> int | None:
         return None
     if int(ctx) == 0:
         err, ordinal = driver.cuPointerGetAttribute(attrs.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
-        return int(ordinal) if int(err) == 0 else None
+        if int(err) != 0:
+            return None
+        return int(ordinal) or device_ordinal()
     return _context_device(ctx)
 
 

@@ -843,3 +843,51 @@ def test_device_ordinal_from_the_environment(monkeypatch):
     r = subprocess.run([sys.executable, "-m", "qgemm", "validate", "w4a8.naive"], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "QGEMM_DEVICE" in r.stdout + r.stderr, r
+
+
+def test_the_device_of_a_pointer(monkeypatch):
+    """Which GPU a foreign pointer's memory is on: from its context's device; memory without a
+    context asks the ordinal attribute, whose 0 may be cuda.bindings' bug (NVIDIA/cuda-python#2928)
+    and so counts as qgemm's device, while a nonzero ordinal is believed; unknown memory is None."""
+    from cuda.bindings import driver
+
+    ok, bad = driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    context_of = {0x1000: 7, 0x2000: 0, 0x3000: 0}  # pointer -> its context handle (0: none)
+    ordinal_of = {0x2000: 0, 0x3000: 1}
+
+    def attribute(which, ptr):
+        if ptr not in context_of:
+            return bad, None
+        if which == driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT:
+            return ok, driver.CUcontext(context_of[ptr])
+        assert which == driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        return ok, ordinal_of[ptr]
+
+    monkeypatch.setattr(driver, "cuPointerGetAttribute", attribute)
+    monkeypatch.setattr(runtime, "_context_device", lambda ctx: {7: 1}[int(ctx)])
+    monkeypatch.setattr(runtime, "device_ordinal", lambda: 2)
+    assert runtime._pointer_device(0x1000) == 1  # its context's device
+    assert runtime._pointer_device(0x2000) == 2  # no context, ordinal 0: perhaps the bug -> qgemm's device
+    assert runtime._pointer_device(0x3000) == 1  # no context, a nonzero ordinal: real
+    assert runtime._pointer_device(0x4000) is None
+
+
+def test_a_torch_capture_needs_the_capturing_stream(monkeypatch):
+    """While torch captures a CUDA graph on its current stream, a qgemm call on another stream
+    would run once, outside the graph, with no error from CUDA: refused by name; on the capturing
+    stream, or with no capture (or no torch imported), nothing is said."""
+    import types
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_current_stream_capturing=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(runtime, "is_capturing", lambda s=None: s == "capturing")
+    with pytest.raises(ValueError, match=r"matmul: torch is capturing .*\(the default stream: stream=None\).*"
+                                         r"pass stream=torch.cuda.current_stream\(\)"):
+        runtime.check_capture_stream(None, "matmul")
+    with pytest.raises(ValueError, match=r"w4a16.tiled: torch is capturing .*\(int\)"):
+        runtime.check_capture_stream(7, "w4a16.tiled")
+    runtime.check_capture_stream("capturing", "matmul")
+    fake.cuda.is_current_stream_capturing = lambda: False
+    runtime.check_capture_stream(None, "matmul")
+    monkeypatch.delitem(sys.modules, "torch")
+    runtime.check_capture_stream(None, "matmul")
