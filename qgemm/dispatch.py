@@ -290,16 +290,20 @@ def _scratch(tag: str, shape, dtype, stream=None) -> runtime.DeviceArray:
     per call, and ops queued on two streams at once never share a staging buffer."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     key = (tag, _stream_key(stream))
+    capturing = runtime.is_capturing(stream)
     with _workspace_lock:
         buf = _workspace.get(key)
         if buf is None or buf.nbytes < nbytes:
+            dropped = [buf] if buf is not None else []
             buf = runtime.DeviceArray.empty((max(nbytes, 1),), np.uint8)
             _workspace[key] = buf
             same_tag = [k for k in _workspace if k[0] == tag]
             for old in same_tag[:-_WORKSPACE_STREAMS]:
-                del _workspace[old]  # freed once no view holds it (cuMemFree waits for the GPU)
+                dropped.append(_workspace.pop(old))  # freed once no view holds it (cuMemFree waits for the GPU)
+            if capturing:  # not freed during a capture (queued eager work may still use them): kept
+                _in_graphs.extend(b for b in dropped if all(b is not g for g in _in_graphs))
         _workspace.move_to_end(key)
-        if runtime.is_capturing(stream) and all(b is not buf for b in _in_graphs):
+        if capturing and all(b is not buf for b in _in_graphs):
             _in_graphs.append(buf)
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
 

@@ -35,6 +35,7 @@ which is (q - zero) * scale up to the rounding of the two fp16 constants.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -252,11 +253,20 @@ class CompressedKV:
         return self
 
     def to_device(self):
-        """Validate, then upload once (memoized): the kernels' operand. After the device copy's
-        free(), the next call uploads a new one."""
-        if self._device is None or self._device.freed:
-            self._device = DeviceKV.upload(self)
-        return self._device
+        """Validate, then upload once (memoized, once however many threads ask): the kernels'
+        operand. After the device copy's free(), the next call uploads a new one."""
+        with _upload_lock:
+            if not self.on_device:
+                self._device = DeviceKV.upload(self)
+            return self._device
+
+    @property
+    def on_device(self) -> bool:
+        """Whether to_device() has an upload to return without copying (what a CUDA graph capture needs)."""
+        return self._device is not None and not self._device.freed
+
+
+_upload_lock = threading.Lock()
 
 
 def _quantize_tiles(tiles: np.ndarray, bits: int):
@@ -1016,6 +1026,14 @@ class MustafarRunner:
         ck = self._check_cache(kernel, w)
         device = _is_device(x)
         dx, groups, lq = self._check_x(kernel, x, ck, device)
+        if runtime.gpu_available():
+            runtime.ensure_current()  # a thread's first call: threads start without a current context
+            runtime.check_capture_stream(stream, kernel.name)
+            if runtime.is_capturing(stream) and (not device or (isinstance(ck, CompressedKV) and not ck.on_device)):
+                raise ValueError(f"{kernel.name}: this call cannot be captured into a CUDA graph: "
+                                 + ("host operands are uploaded and the result read back synchronously; capture "
+                                    "device arrays" if not device else "the compressed cache is uploaded first; call "
+                                    "ck.to_device() before capturing"))
         dkv = ck.to_device() if isinstance(ck, CompressedKV) else ck
         oshape, odt = self.out_shape(dkv, dx.shape[0], lq)
         if not device:

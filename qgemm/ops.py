@@ -375,6 +375,7 @@ class Kernel:
     def _call_quantize(self, x, out=None, stream=None):
         device = not isinstance(x, np.ndarray)
         if runtime.gpu_available():
+            runtime.ensure_current()  # a thread's first call: threads start without a current context
             runtime.check_capture_stream(stream, self.name)
             if runtime.is_capturing(stream):
                 raise ValueError(f"{self.name}: a quantizer called alone reads its overflow flag back, which a CUDA "

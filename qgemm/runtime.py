@@ -311,9 +311,11 @@ def is_capturing(stream=None) -> bool:
     """Whether `stream` is being captured into a CUDA graph (work queued on it is recorded, not run)."""
     from cuda.bindings import driver
 
+    ensure_current()  # the legacy stream means the current context's: a fresh thread has none
     err, status = driver.cuStreamIsCapturing(as_stream(stream).handle)
-    if int(err) != 0:  # the legacy stream while a blocking stream captures: it cannot take work either
-        return True
+    if getattr(err, "name", "") == "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT":
+        return True  # the legacy stream while a blocking stream captures: it cannot take work either
+    check(err, "cuStreamIsCapturing")
     return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
@@ -682,6 +684,7 @@ class DeviceArray:
         if other.nbytes != self.nbytes:
             raise ValueError("copy_to: size mismatch")
         if self.nbytes:
+            ensure_current()
             s = as_stream(stream)
             check(driver.cuMemcpyDtoDAsync(other.ptr, self.ptr, self.nbytes, s.handle), "cuMemcpyDtoDAsync")
 
@@ -690,12 +693,7 @@ class DeviceArray:
         """Release the allocation now (an owned array; on a view or a wrapped foreign array it only
         marks this object unusable). Afterwards .ptr raises, and so does every launch given it."""
         if self._owns and self._ptr:
-            from cuda.bindings import driver
-
-            try:
-                driver.cuMemFree(self._ptr)
-            except Exception:
-                pass
+            _release(self._ptr)
             self._owns = False
         self._freed = True
 
@@ -704,6 +702,40 @@ class DeviceArray:
             self.free()
         except Exception:
             pass
+
+
+_deferred_frees: list[int] = []
+
+
+def _release(ptr: int) -> None:
+    """cuMemFree in qgemm's context (a thread that drops an array may have none current), in
+    relaxed capture mode: an array dropped while a CUDA graph is being captured (torch's global
+    mode refuses a plain cuMemFree then, and invalidates the capture). An address the driver still
+    refuses for the capture waits and is freed by a later release. No lock: this runs from
+    __del__, which the garbage collector may call inside any code, this function included; the
+    list's single pop / append calls hand each waiting address to exactly one release."""
+    from cuda.bindings import driver
+
+    todo = []
+    while True:
+        try:
+            todo.append(_deferred_frees.pop())
+        except IndexError:
+            break
+    todo = todo[::-1] + [ptr]  # the waiting ones first, oldest first
+    try:
+        ensure_current()
+    except Exception:  # no usable GPU any more (interpreter shutdown): nothing to free into
+        return
+    with relaxed_capture():
+        for p in todo:
+            try:
+                res = driver.cuMemFree(p)
+            except Exception:
+                continue
+            err = res[0] if isinstance(res, tuple) else res
+            if getattr(err, "name", "").startswith("CUDA_ERROR_STREAM_CAPTURE"):
+                _deferred_frees.append(p)
 
 
 def is_device_array(obj) -> bool:

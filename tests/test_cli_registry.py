@@ -648,13 +648,19 @@ def test_matmul_scratch_is_per_stream(monkeypatch):
     t.join()
     assert keys[0] != dispatch._stream_key(2) and dispatch._stream_key(3) == 3
     capturing.add(12)
-    g = dispatch._scratch("prologue", (4, 8), np.float16, 12)
+    g = dispatch._scratch("prologue", (4, 8), np.float16, 12)  # (its arrival evicts stream 3's buffer: kept too)
     assert dispatch._scratch("prologue", (4, 8), np.float16, 12).ptr == g.ptr
+    held = [b.ptr for b in dispatch._in_graphs]
+    assert g.ptr in held and len(held) == 2
     capturing.clear()
     assert dispatch._scratch("prologue", (128, 8), np.float16, 12).ptr != g.ptr  # grown for an eager call
     for s in range(13, 25):  # and the key evicted
         dispatch._scratch("prologue", (4, 8), np.float16, s)
-    assert [b.ptr for b in dispatch._in_graphs] == [g.ptr]  # still held: the graph replays into it
+    assert [b.ptr for b in dispatch._in_graphs] == held  # still held: the graph replays into it; eager drops are not
+    eager = dispatch._scratch("prologue", (4, 8), np.float16, 40)
+    capturing.add(40)  # a capture needs more on the same stream: the eager buffer is not freed mid-capture
+    assert dispatch._scratch("prologue", (256, 8), np.float16, 40).ptr != eager.ptr
+    assert eager.ptr in [b.ptr for b in dispatch._in_graphs]
 
 
 def test_plan_and_matmul_name_what_they_expected_before_any_gpu(rng):
@@ -891,3 +897,93 @@ def test_a_torch_capture_needs_the_capturing_stream(monkeypatch):
     runtime.check_capture_stream(None, "matmul")
     monkeypatch.delitem(sys.modules, "torch")
     runtime.check_capture_stream(None, "matmul")
+
+
+def test_capture_and_thread_guards_without_a_gpu(monkeypatch, rng):
+    """The guards of today's CUDA-graph and thread fixes, with the driver stood in for:
+    - is_capturing makes the context current first (the legacy stream is the current context's),
+      reads CUDA_ERROR_STREAM_CAPTURE_IMPLICIT as capturing and raises on any other error;
+    - a quantizer alone makes the context current before it asks whether a capture is running;
+    - pack_weights and the Mustafar kernels refuse a capture by name (uploads, read-backs);
+    - a device array dropped during a capture is freed in relaxed capture mode in qgemm's context,
+      and one the driver still refuses waits for a later release."""
+    import contextlib
+    import types
+
+    from cuda.bindings import driver
+
+    from qgemm import kvcache as kv
+
+    calls = []
+    monkeypatch.setattr(runtime, "ensure_current", lambda: calls.append("current"))
+    monkeypatch.setattr(runtime, "as_stream", lambda s=None: types.SimpleNamespace(handle=s or 0))
+    results = {0: (driver.CUresult.CUDA_SUCCESS, driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE),
+               1: (driver.CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, None),
+               2: (driver.CUresult.CUDA_ERROR_INVALID_CONTEXT, None),
+               3: (driver.CUresult.CUDA_SUCCESS, driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)}
+    monkeypatch.setattr(driver, "cuStreamIsCapturing", lambda h: results[h])
+    assert runtime.is_capturing(0) and runtime.is_capturing(1) and not runtime.is_capturing(3)
+    with pytest.raises(qgemm.CudaError, match="cuStreamIsCapturing"):
+        runtime.is_capturing(2)
+    assert calls and all(c == "current" for c in calls)
+
+    # the quantizer: the capture question comes after the context is current
+    calls.clear()
+    monkeypatch.setattr(runtime, "gpu_available", lambda: True)
+    monkeypatch.setattr(runtime, "check_capture_stream", lambda s, what: calls.append("check"))
+    monkeypatch.setattr(runtime, "is_capturing", lambda s=None: calls.append("capturing?") or calls[0] != "current")
+
+    class Sentinel(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Sentinel
+
+    monkeypatch.setattr(runtime.DeviceArray, "from_host", classmethod(stop))
+    with pytest.raises(Sentinel):
+        qgemm.get("quantize.q8_1")(np.ones((2, 32), np.float32))
+    assert calls[:3] == ["current", "check", "capturing?"]
+
+    # capturing: pack_weights and the Mustafar kernels say why they cannot be captured
+    monkeypatch.setattr(runtime, "is_capturing", lambda s=None: True)
+    monkeypatch.setattr(runtime, "require_gpu", lambda what="": None)
+    with pytest.raises(ValueError, match="pack_weights: cannot run while a CUDA graph is being captured"):
+        qgemm.pack_weights(qgemm.quantize_q4_0(np.ones((8, 32), np.float32)))
+    cache = rng.standard_normal((1, 64, 64), dtype=np.float32).astype(np.float16)
+    ck = kv.compress_keys(kv.prune(cache, 0.5), 2)
+    q = rng.standard_normal((4, 1, 64), dtype=np.float32).astype(np.float16)
+    with pytest.raises(ValueError, match="mustafar.key_q2: this call cannot be captured .*host operands"):
+        qgemm.get("mustafar.key_q2")(q, ck)
+    monkeypatch.setattr(kv, "_is_device", lambda x: True)
+    monkeypatch.setattr(kv.MustafarRunner, "_check_x", lambda self, kernel, x, ck, device: (x, 4, 1))
+    with pytest.raises(ValueError, match=r"the compressed cache is uploaded first; call ck.to_device\(\) before"):
+        qgemm.get("mustafar.key_q2")(q, ck)
+
+    # frees during a capture
+    relaxed = []
+
+    @contextlib.contextmanager
+    def fake_relaxed():
+        relaxed.append(True)
+        yield
+        relaxed.append(False)
+
+    freed, refuse = [], {0x2000}
+
+    def fake_free(ptr):
+        assert relaxed and relaxed[-1] is True, "cuMemFree outside relaxed capture mode"
+        if ptr in refuse:
+            return (driver.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+        freed.append(ptr)
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(runtime, "relaxed_capture", fake_relaxed)
+    monkeypatch.setattr(driver, "cuMemFree", fake_free)
+    monkeypatch.setattr(runtime, "_deferred_frees", [])
+    calls.clear()
+    runtime.DeviceArray(0x1000, (4,), np.uint8, owns=True).free()
+    runtime.DeviceArray(0x2000, (4,), np.uint8, owns=True).free()  # refused: waits
+    assert freed == [0x1000] and runtime._deferred_frees == [0x2000] and "current" in calls
+    refuse.clear()
+    runtime.DeviceArray(0x3000, (4,), np.uint8, owns=True).free()
+    assert freed == [0x1000, 0x2000, 0x3000] and runtime._deferred_frees == []
