@@ -263,8 +263,10 @@ _PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 def _stream_key(stream):
     handle = int(runtime.as_stream(stream).handle)
     # the per-thread default stream (cuda.core's default under CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1)
-    # is one handle for a different stream in each thread: its ops run concurrently, so no shared scratch
-    return (handle, threading.get_ident()) if handle == _PER_THREAD_STREAM else handle
+    # is one handle for a different stream in each thread: its ops run concurrently, so no shared scratch.
+    # Keyed by the Thread object, not its ident: an ident is reused once a thread ends, perhaps with its
+    # work still queued; the key holds the object, so no later thread gets that key.
+    return (handle, threading.current_thread()) if handle == _PER_THREAD_STREAM else handle
 
 
 _queue_locks: dict = {}

@@ -647,6 +647,12 @@ def test_matmul_scratch_is_per_stream(monkeypatch):
     t.start()
     t.join()
     assert keys[0] != dispatch._stream_key(2) and dispatch._stream_key(3) == 3
+    monkeypatch.setattr(threading, "get_ident", lambda: 1)  # idents are reused once a thread ends
+    for _ in range(2):
+        t = threading.Thread(target=lambda: keys.append(dispatch._stream_key(2)))
+        t.start()
+        t.join()
+    assert keys[1] != keys[2]
     capturing.add(12)
     g = dispatch._scratch("prologue", (4, 8), np.float16, 12)  # (its arrival evicts stream 3's buffer: kept too)
     assert dispatch._scratch("prologue", (4, 8), np.float16, 12).ptr == g.ptr
