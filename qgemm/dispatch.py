@@ -394,12 +394,9 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         raise ValueError(f"matmul: out= must be a float32 device array ({m}, {n}) (torch, CuPy, qgemm.DeviceArray); "
                          f"a host call returns a new numpy array, got {type(out).__name__}")
     runtime.require_gpu("qgemm.matmul")
-    runtime.ensure_current()  # a thread's first call: threads start without a current context
-    runtime.check_capture_stream(stream, "matmul")
-    if not x_on_device and runtime.is_capturing(stream):
-        raise ValueError("matmul: host (numpy) arrays cannot be used while a CUDA graph is being captured (their "
-                         "upload and the read-back are synchronous); capture device arrays, with out= and "
-                         "stream= the capturing stream")
+    runtime.prepare_call(stream, "matmul", None if x_on_device else (
+        "host (numpy) arrays cannot be used while a CUDA graph is being captured (their upload and the read-back "
+        "are synchronous); capture device arrays, with out= and stream= the capturing stream"))
     if not x_on_device:
         if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size:
             # these kernels round x to float16 themselves, with no prologue to flag what overflows

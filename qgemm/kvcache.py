@@ -1027,13 +1027,10 @@ class MustafarRunner:
         device = _is_device(x)
         dx, groups, lq = self._check_x(kernel, x, ck, device)
         if runtime.gpu_available():
-            runtime.ensure_current()  # a thread's first call: threads start without a current context
-            runtime.check_capture_stream(stream, kernel.name)
-            if runtime.is_capturing(stream) and (not device or (isinstance(ck, CompressedKV) and not ck.on_device)):
-                raise ValueError(f"{kernel.name}: this call cannot be captured into a CUDA graph: "
-                                 + ("host operands are uploaded and the result read back synchronously; capture "
-                                    "device arrays" if not device else "the compressed cache is uploaded first; call "
-                                    "ck.to_device() before capturing"))
+            why = ("host operands are uploaded and the result read back synchronously; capture device arrays"
+                   if not device else "the compressed cache is uploaded first; call ck.to_device() before capturing"
+                   if isinstance(ck, CompressedKV) and not ck.on_device else None)
+            runtime.prepare_call(stream, kernel.name, why and f"this call cannot be captured into a CUDA graph: {why}")
         dkv = ck.to_device() if isinstance(ck, CompressedKV) else ck
         oshape, odt = self.out_shape(dkv, dx.shape[0], lq)
         if not device:

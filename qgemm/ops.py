@@ -329,13 +329,10 @@ class Kernel:
         if not device and out is not None and isinstance(out, np.ndarray):
             raise ValueError(f"{self.name}: out= must be a device array; host calls return a new numpy array")
         self._module()  # no GPU, or a GPU too old: fail before allocating anything
-        runtime.ensure_current()  # a thread's first call: threads start without a current context
-        runtime.check_capture_stream(stream, self.name)
-        if runtime.is_capturing(stream) and (not device or self.act_layout is not None
-                                             or (self.packed and not isinstance(w, packing.PackedWeights))):
-            raise ValueError(f"{self.name}: this call cannot be captured into a CUDA graph (it uploads, reads back or "
-                             "stages operands synchronously); capture qgemm.matmul, or this kernel on device arrays "
-                             "in its own formats")
+        staged = not device or self.act_layout is not None or (self.packed and not isinstance(w, packing.PackedWeights))
+        runtime.prepare_call(stream, self.name, None if not staged else (
+            "this call cannot be captured into a CUDA graph (it uploads, reads back or stages operands synchronously); "
+            "capture qgemm.matmul, or this kernel on device arrays in its own formats"))
         if device:
             da = _check_device(a, self.op.a, "A", self.op)
             dw = self._device_weights(w)
@@ -375,11 +372,8 @@ class Kernel:
     def _call_quantize(self, x, out=None, stream=None):
         device = not isinstance(x, np.ndarray)
         if runtime.gpu_available():
-            runtime.ensure_current()  # a thread's first call: threads start without a current context
-            runtime.check_capture_stream(stream, self.name)
-            if runtime.is_capturing(stream):
-                raise ValueError(f"{self.name}: a quantizer called alone reads its overflow flag back, which a CUDA "
-                                 "graph capture cannot; qgemm.matmul captures its own quantization")
+            runtime.prepare_call(stream, self.name, "a quantizer called alone reads its overflow flag back, which a "
+                                                    "CUDA graph capture cannot; qgemm.matmul captures its own quantization")
         fmt = self.op.a
         if device:
             dx = _check_device(x, fmt, "X", self.op)

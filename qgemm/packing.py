@@ -167,11 +167,9 @@ def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     if not on_device:  # host blocks are checked before the GPU is: a bad input says so on any machine
         blocks, fmt = _weights(w, fmt, False)
     runtime.require_gpu("qgemm.pack_weights")
-    runtime.ensure_current()
-    runtime.check_capture_stream(stream, "pack_weights")
-    if runtime.is_capturing(stream):
-        raise ValueError("pack_weights: cannot run while a CUDA graph is being captured (it copies the blocks to the "
-                         "host and uploads the packed ones); pack once, at load, before capturing")
+    runtime.prepare_call(stream, "pack_weights", "cannot run while a CUDA graph is being captured (it copies the "
+                                                 "blocks to the host and uploads the packed ones); pack once, at load, "
+                                                 "before capturing")
     if on_device:
         blocks, fmt = _weights(w, fmt, True, stream)
     host = blocks.to_host() if on_device else blocks

@@ -319,6 +319,17 @@ def is_capturing(stream=None) -> bool:
     return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
+def prepare_call(stream, what: str, uncapturable: str | None = None) -> None:
+    """What every public entry point does before it queues work: make qgemm's context current in
+    this thread (threads start with none); while torch captures, insist on the capturing stream
+    (check_capture_stream); and refuse, while `stream` is captured, a call that cannot be --
+    `uncapturable` says why (None: this call can be)."""
+    ensure_current()
+    check_capture_stream(stream, what)
+    if uncapturable and is_capturing(stream):
+        raise ValueError(f"{what}: {uncapturable}")
+
+
 def check_capture_stream(stream, what: str) -> None:
     """Inside `torch.cuda.graph` a call on another stream than the capturing one is not captured:
     it runs now, once, and the replays leave its output stale -- with no error from CUDA, since
