@@ -397,6 +397,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     runtime.prepare_call(stream, "matmul", None if x_on_device else (
         "host (numpy) arrays cannot be used while a CUDA graph is being captured (their upload and the read-back "
         "are synchronous); capture device arrays, with out= and stream= the capturing stream"))
+    stream = runtime.as_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
     if not x_on_device:
         if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size:
             # these kernels round x to float16 themselves, with no prologue to flag what overflows

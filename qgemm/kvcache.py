@@ -1031,6 +1031,7 @@ class MustafarRunner:
                    if not device else "the compressed cache is uploaded first; call ck.to_device() before capturing"
                    if isinstance(ck, CompressedKV) and not ck.on_device else None)
             runtime.prepare_call(stream, kernel.name, why and f"this call cannot be captured into a CUDA graph: {why}")
+            stream = runtime.as_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
         dkv = ck.to_device() if isinstance(ck, CompressedKV) else ck
         oshape, odt = self.out_shape(dkv, dx.shape[0], lq)
         if not device:
