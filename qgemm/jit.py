@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import itertools
 import json
 import os
 import re
@@ -450,6 +449,20 @@ def build_options(arch: str, defines: dict[str, object] | None) -> list[str]:
     return opts
 
 
+def _no_nvrtc_cache() -> dict:
+    """NVRTC 12.9+ keeps its own on-disk cache of ptxas results, keyed by the PTX: a program whose
+    PTX some process compiled before (a define no source reads changes nothing) comes back
+    without ptxas's report -- 0 registers and no spills for every sm_90 kernel in one pytest
+    process on the H100 machines (session 27), after other processes had compiled them. qgemm
+    caches its cubins itself, so NVRTC's cache is turned off (`--no-cache`) where cuda.core
+    can say so."""
+    from cuda.core import ProgramOptions
+
+    if nvrtc_version() >= (12, 9) and "no_cache" in getattr(ProgramOptions, "__dataclass_fields__", {}):
+        return {"no_cache": True}
+    return {}
+
+
 def _nvrtc_compile(name: str, source_rel: str, source: str, arch: str, options: list[str], headers: dict[str, str]) -> tuple[bytes, str]:
     """One NVRTC compile to cubin through cuda.core's Program. Returns (cubin, log)."""
     from cuda.core import Program, ProgramOptions
@@ -466,6 +479,7 @@ def _nvrtc_compile(name: str, source_rel: str, source: str, arch: str, options: 
         include_path=[str(cuda_src_dir()), cuda_header_dir()],
         ptxas_options=["-v"],
         define_macro=defines or None,
+        **_no_nvrtc_cache(),
     )
     if verbose():
         print(f"[qgemm.jit] nvrtc {'.'.join(map(str, nvrtc_version()))}: {source_rel} {' '.join(options)} "
@@ -542,26 +556,11 @@ def compile_kernel(
     return result
 
 
-_fresh = itertools.count()
-
-
 def _compile_and_store(name, source_rel, source, headers, entries, arch, options, key, cache) -> CompiledKernel:
     t0 = time.perf_counter()
     cubin, log = _nvrtc_compile(name, source_rel, source, arch, options, headers)
     seconds = time.perf_counter() - t0
     res = parse_ptxas_report(log)
-    if any(e not in res and e.encode() + b"\0" in cubin for e in entries):
-        # NVRTC 13.0 remembers the programs a process compiled: compiling one again returns the
-        # cubin without ptxas's report (seen on the H100 machines, session 26: a second compile of
-        # fp32.naive in one process reported 0 registers, and tests that read spills from the
-        # report passed without one). A define no source reads makes it a new program; the code
-        # is the same, so only the report is taken from it.
-        _, fresh_log = _nvrtc_compile(name, source_rel, source, arch, options + [f"-DQGEMM_NVRTC_FRESH={next(_fresh)}"],
-                                      headers)
-        fresh = parse_ptxas_report(fresh_log)
-        if all(e in fresh for e in entries if e not in res):
-            res = {**fresh, **res}
-            log = log + fresh_log
     # Should a report still be missing, the cubin's symbol table tells whether the entry exists
     # (its resources are then reported as unknown, 0).
     for e in entries:

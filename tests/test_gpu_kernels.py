@@ -302,6 +302,8 @@ def test_threads_sharing_a_stream(rng):
             np.testing.assert_allclose(c if isinstance(c, np.ndarray) else c.to_host(), want, rtol=1e-5, atol=1e-3)
 
 
+# the refused host call leaves g2 empty, which torch reports as a warning when the capture ends
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")
 @pytest.mark.parametrize("packed", [False, True])
 def test_matmul_in_a_torch_cuda_graph(rng, packed):
     """qgemm.matmul captured by torch.cuda.graph (global capture mode, torch's default) and

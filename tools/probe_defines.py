@@ -63,11 +63,12 @@ def main() -> None:
                 dc.fill_bytes(0xFF)
                 k.launch(da, dw, dc, m, n, kk, defines=d)
                 out = dc.to_host()
-                ok = not np.isnan(out).any() and check.reference.relative_error(out, exact) <= k.op.exact_tol
+                rel = check.reference.relative_error(out, exact)
+                ok = not np.isnan(out).any() and rel <= k.op.exact_tol
                 times, _ = bench._time_launches(
                     lambda i, stream=None: k.launch(das[i], dws[i], dcs[i], m, n, kk, stream=stream, defines=d), sets, 3,
                     args.iters)
-                print(f"  rep {rep} {label:12s} {statistics.median(times):8.2f} us  {'ok' if ok else 'WRONG'}  "
+                print(f"  rep {rep} {label:12s} {statistics.median(times):8.2f} us  {'ok' if ok else 'WRONG'} (rel {rel:.1e})  "
                       f"{' '.join(f'{a}={b}' for a, b in extra.items())}", flush=True)
 
 
