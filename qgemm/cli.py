@@ -62,6 +62,15 @@ def _shape(text: str) -> tuple[int, int, int]:
         _fail(str(e))
 
 
+def _shapes(text: Optional[str], gemm_default: str, runner_default: str):
+    """(the GEMM shape, shape_of(spec)): --shape for every kernel when given; otherwise each kind
+    its own default, so `validate mustafar.key_q2` or `--all` needs no --shape (a GEMM's MxNxK is
+    no BxSxD: D = 4096 is not a head dim)."""
+    mnk = _shape(text or gemm_default)
+    kv = _shape(text or runner_default)
+    return mnk, (lambda spec: kv if getattr(spec, "runner", None) is not None else mnk)
+
+
 def _gguf_source(gguf, tensor, m_rows, mnk):
     """(M, weights, K, fmt) from --gguf/--tensor/--m, or None. Exits 2 with the reason on a bad file."""
     if gguf is None and tensor is None:
@@ -143,7 +152,7 @@ def _writable_dir(path: Path, what: str) -> None:
         _fail(f"{what} {path}: {existing} is not writable")
 
 
-def _precheck(specs, mnk, all_: bool, sparsity: float, gg) -> None:
+def _precheck(specs, shape_of, all_: bool, sparsity: float, gg) -> None:
     """What validate / profile can check without a GPU, checked before they ask for one: the
     mustafar sparsity, K for the GEMM kernels, a named mustafar kernel's B x S x D, and that a
     GGUF tensor's format is the kernel's."""
@@ -151,6 +160,7 @@ def _precheck(specs, mnk, all_: bool, sparsity: float, gg) -> None:
         _fail(f"--sparsity must be in [0, 1), got {sparsity}")
     for s in specs:
         runner = getattr(s, "runner", None)
+        mnk = shape_of(s)
         if runner is not None:
             why = runner.shape_problem(mnk)
             if why is not None and not all_:
@@ -304,7 +314,8 @@ def compile(
 def validate(
     names: Optional[List[str]] = typer.Argument(None, help="Kernel names (or families)."),
     all_: bool = typer.Option(False, "--all", help="Every registered kernel."),
-    shape: str = typer.Option("257x1031x4096", "--shape", help="MxNxK; odd M and N catch edge bugs."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="MxNxK (mustafar.*: BxSxD) for every kernel named; odd M and N "
+                                        "catch edge bugs. Default: 257x1031x4096, and 5x1031x128 for mustafar.*."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: fresh every run, printed)."),
     as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Break C[0,0] down block by block: sumi, d_a, s_a, d_w, kernel vs reference."),
@@ -320,22 +331,22 @@ def validate(
     from .check import validate as run_validate
 
     specs = _specs(names, all_)
-    mnk = _shape(shape)
+    mnk, shape_of = _shapes(shape, "257x1031x4096", "5x1031x128")
     _writable_file(as_json, "--json")
     gg = _gguf_source(gguf, tensor, m_rows, mnk)
-    _precheck(specs, mnk, all_, sparsity, gg)
+    _precheck(specs, shape_of, all_, sparsity, gg)
     _need_gpu("validate")
     rows, results, details, failed = [], [], [], 0
     opts = {"lq": lq, "groups": groups, "sparsity": sparsity}
     for s in specs:
-        if _skip_runner(s, mnk, all_, rows, 7):
+        if _skip_runner(s, shape_of(s), all_, rows, 7):
             continue
         try:
-            shp, wts = _with_gguf(s, gg, mnk)
+            shp, wts = _with_gguf(s, gg, shape_of(s))
             r = run_validate(registry.get(s.name), _clamp_m(s, shp), seed, weights=wts, opts=opts)
         except (QgemmError, ValueError) as e:
             failed += 1
-            rows.append([s.name, "x".join(map(str, mnk)), "-", "-", "-", "-", f"ERROR: {e}"])
+            rows.append([s.name, "x".join(map(str, shape_of(s))), "-", "-", "-", "-", f"ERROR: {e}"])
             continue
         results.append(r.to_dict())
         failed += not r.passed
@@ -357,7 +368,8 @@ def validate(
 def profile(
     names: Optional[List[str]] = typer.Argument(None, help="Kernel names (or families)."),
     all_: bool = typer.Option(False, "--all", help="Every registered kernel."),
-    shape: str = typer.Option("512x4096x4096", "--shape", help="MxNxK."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="MxNxK (mustafar.*: BxSxD) for every kernel named. Default: "
+                                        "512x4096x4096, and 32x16384x128 for mustafar.*."),
     warmup: int = typer.Option(10, "--warmup", min=0, help="Untimed launches first."),
     iters: int = typer.Option(50, "--iters", min=1, help="Timed samples, each a CUDA graph of back-to-back launches "
                                                           "(~1 ms); the median time per launch is reported."),
@@ -375,10 +387,10 @@ def profile(
     from . import bench
 
     specs = _specs(names, all_)
-    mnk = _shape(shape)
+    mnk, shape_of = _shapes(shape, "512x4096x4096", "32x16384x128")
     _writable_file(as_json, "--json")
     gg = _gguf_source(gguf, tensor, m_rows, mnk)
-    _precheck(specs, mnk, all_, sparsity, gg)
+    _precheck(specs, shape_of, all_, sparsity, gg)
     _need_gpu("profile")
     env = bench.environment()
     if gg is not None:
@@ -386,10 +398,10 @@ def profile(
     rows, results = [], []
     opts = {"lq": lq, "groups": groups, "sparsity": sparsity}
     for s in specs:
-        if _skip_runner(s, mnk, all_, rows, 9):
+        if _skip_runner(s, shape_of(s), all_, rows, 9):
             continue
         try:
-            shp, wts = _with_gguf(s, gg, mnk)
+            shp, wts = _with_gguf(s, gg, shape_of(s) if gg is None else mnk)
             p = bench.profile(registry.get(s.name), _clamp_m(s, shp), warmup=warmup, iters=iters, cold=cold, weights=wts, opts=opts)
         except (QgemmError, ValueError) as e:
             rows.append([s.name, "-", "-", "-", "-", "-", "-", "-", f"ERROR: {e}"])
@@ -397,7 +409,13 @@ def profile(
         results.append(p.to_dict())
         note = (f"compressed {p.extra['compressed_gbps']:.0f} GB/s = {p.extra['compressed_pct_of_copy']:.0f}% of copy, "
                 f"{100 * p.extra['ratio']:.1f}% of dense") if "compressed_gbps" in p.extra else ""
-        rows.append([s.name + ("" if p.shape == mnk else f" (M={p.shape[0]})"), f"{p.median_us:.1f}", f"{p.min_us:.1f}", f"{p.max_us:.1f}", f"{p.tflops:.2f}",
+        if tuple(p.shape) == tuple(mnk):
+            label = s.name
+        elif getattr(s, "runner", None) is not None:
+            label = f"{s.name} (BxSxD={'x'.join(map(str, p.shape))})"
+        else:
+            label = f"{s.name} (M={p.shape[0]})"
+        rows.append([label, f"{p.median_us:.1f}", f"{p.min_us:.1f}", f"{p.max_us:.1f}", f"{p.tflops:.2f}",
                      f"{p.bytes / 1e6:.1f}", f"{p.gbps:.0f}", f"{p.roofline_pct:.1f}% ({p.bound})", note])
     if all(s.runner is not None for s in specs):
         peers = False  # the GEMM peers mean nothing for attention kernels (qgemm bench --suite kvcache has torch's)
@@ -410,7 +428,11 @@ def profile(
             rows.append([pr["peer"], f"{pr['median_us']:.1f}", "", "", f"{pr['tflops']:.2f}", "", "", "",
                          "peer, hot" if cold else "peer"])
     bw = bench.copy_bandwidth()
-    typer.echo(f"{env['device']} ({env['arch']}), {env['date']}, shape MxNxK={'x'.join(map(str, mnk))}, "
+    gemms = [t for t in specs if getattr(t, "runner", None) is None]
+    runners = [t for t in specs if getattr(t, "runner", None) is not None]
+    shapes = ([f"MxNxK={'x'.join(map(str, mnk))}"] if gemms else []) + (
+        [f"BxSxD={'x'.join(map(str, shape_of(runners[0])))}"] if runners and (not gemms or shape_of(runners[0]) != mnk) else [])
+    typer.echo(f"{env['device']} ({env['arch']}), {env['date']}, shape {', '.join(shapes)}, "
                f"{'cold (rotating buffers > 2x L2)' if cold else 'hot (same buffers)'}, {warmup} warm-up + {iters} timed launches")
     typer.echo(f"measured copy bandwidth {bw / 1e9:.0f} GB/s (read+write)\n")
     typer.echo(_table(["kernel", "median us", "min us", "max us", "TFLOPS", "MB moved", "GB/s", "% roofline", "note"], rows,

@@ -757,6 +757,31 @@ def test_validate_profile_tune_bench_check_their_inputs_before_the_gpu(tmp_path)
         assert r.exit_code == 2 and re.search(match, r.output), (args, r.exit_code, r.output)
 
 
+def test_each_kind_of_kernel_has_its_own_default_shape(monkeypatch):
+    """Without --shape, a mustafar.* kernel runs at a BxSxD of its own: `validate mustafar.key_q2`
+    stopped at "head dim D must be one of ..., got D=4096" (the GEMM default), and `--all` skipped
+    every mustafar.* kernel. With --shape, that one shape for every kernel named."""
+    from qgemm import cli
+
+    mnk, shape_of = cli._shapes(None, "257x1031x4096", "5x1031x128")
+    assert mnk == (257, 1031, 4096)
+    assert shape_of(registry.spec("mustafar.key_q2")) == (5, 1031, 128)
+    assert shape_of(registry.spec("w4a8.mma")) == (257, 1031, 4096)
+    mnk, shape_of = cli._shapes("2x64x256", "257x1031x4096", "5x1031x128")
+    assert mnk == shape_of(registry.spec("mustafar.key_q2")) == shape_of(registry.spec("w4a8.mma")) == (2, 64, 256)
+
+    class ReachedGpu(Exception):
+        pass
+
+    def need_gpu(what):
+        raise ReachedGpu(what)
+
+    monkeypatch.setattr(cli, "_need_gpu", need_gpu)
+    for cmd in ("validate", "profile"):
+        r = runner.invoke(app, [cmd, "mustafar.key_q2", "mustafar.value_fp16", "w8a8.mma"])
+        assert isinstance(r.exception, ReachedGpu), (cmd, r.output)
+
+
 def test_weights_and_device_arrays_that_are_not_what_they_claim(rng):
     """Weights of another block type are named by format; a non-finite block scale (a corrupt
     file) is refused with its row and block; an object whose __cuda_array_interface__ is missing
