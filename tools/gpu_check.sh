@@ -40,8 +40,19 @@ for step in $STEPS; do
               shapes=$(for k in 4096 14336; do for m in 1 2 4 8 16 32 64 128 256 512 1024 2048 4096; do printf "%sx4096x%s," $m $k; done; done)
               run $PY tools/precompile.py all --defaults-only --shapes "${shapes}$SHAPE" ;;
     tests)    # the whole suite: the CPU tests too (CI runs them without a GPU only; on one, plans and CLI
-              # paths differ -- two such tests failed in session 26)
-              run $PY -m pytest -q tests -p no:cacheprovider ;;
+              # paths differ -- two such tests failed in session 26). One process takes over the 10
+              # minutes a device call may run, so four run side by side (NVRTC compiles are CPU-bound;
+              # H100, session 27: 4.6 / 8.7 / 4.4 / 2.9 minutes), each with its own log
+              PT="$PY -m pytest -q -p no:cacheprovider -rfE --durations=8"
+              GEMM_REFS=tests/test_gpu_kernels.py::test_gemm_matches_references
+              echo "+ tests: 4 pytest processes, logs $OUT/tests-*.log" | tee -a "$LOG"
+              $PT $GEMM_REFS > "$OUT/tests-gemm.log" 2>&1 & p1=$!
+              $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS > "$OUT/tests-gpu.log" 2>&1 & p2=$!
+              $PT tests/test_kvcache.py > "$OUT/tests-kvcache.log" 2>&1 & p3=$!
+              $PT tests --ignore=tests/test_gpu_kernels.py --ignore=tests/test_kvcache.py > "$OUT/tests-rest.log" 2>&1 & p4=$!
+              for p in $p1 $p2 $p3 $p4; do wait $p || rc=1; done
+              tail -n 3 "$OUT"/tests-*.log | tee -a "$LOG"
+              grep -h FAILED "$OUT"/tests-*.log | tee -a "$LOG" ;;
     skinny)   # the decode / small-batch path: precompile, its GPU tests, tune it (stored, so the bench below uses it)
               run $PY tools/precompile.py w4a16.skinny w8a16.skinny --shapes "1x33x160,9x4097x4128,57x47x32,$TUNE_SHAPES"
               run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny or packed or matmul"
