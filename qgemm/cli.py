@@ -438,7 +438,7 @@ def profile(
     typer.echo(_table(["kernel", "median us", "min us", "max us", "TFLOPS", "MB moved", "GB/s", "% roofline", "note"], rows,
                       right={1, 2, 3, 4, 5, 6}))
     if as_json:
-        as_json.write_text(json.dumps({"command": _command_line(), "environment": env, "shape": mnk, "cold": cold,
+        as_json.write_text(json.dumps({"command": _command_line(), "environment": env, "shape": mnk if gemms else shape_of(runners[0]), "cold": cold,
                                        "warmup": warmup, "iters": iters, "copy_bandwidth_gbps": bw / 1e9,
                                        "results": results, "peers": peer_rows}, indent=1))
 
