@@ -289,30 +289,45 @@ def _queue_lock(stream) -> threading.Lock:
 
 def _scratch(tag: str, shape, dtype, stream=None) -> runtime.DeviceArray:
     """Reusable device scratch (staged activations, status word), one per stream: no cuMemAlloc
-    per call, and ops queued on two streams at once never share a staging buffer."""
+    per call, and ops queued on two streams at once never share a staging buffer. During a CUDA
+    graph capture, one per capture instead: the graph's replays may run on any stream, beside
+    eager calls on the capturing one or replays of another graph captured there."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    cid = runtime.capture_id(stream)
+    if cid is not None:
+        return _graph_scratch(tag, nbytes, shape, dtype, stream, cid)
     key = (tag, _stream_key(stream))
-    capturing = runtime.is_capturing(stream)
     with _workspace_lock:
         buf = _workspace.get(key)
         if buf is None or buf.nbytes < nbytes:
-            dropped = [buf] if buf is not None else []
             buf = runtime.DeviceArray.empty((max(nbytes, 1),), np.uint8)
             _workspace[key] = buf
             same_tag = [k for k in _workspace if k[0] == tag]
             for old in same_tag[:-_WORKSPACE_STREAMS]:
-                dropped.append(_workspace.pop(old))  # freed once no view holds it (cuMemFree waits for the GPU)
-            if capturing:  # not freed during a capture (queued eager work may still use them): kept
-                _in_graphs.extend(b for b in dropped if all(b is not g for g in _in_graphs))
+                del _workspace[old]  # freed once no view holds it (cuMemFree waits for the GPU)
         _workspace.move_to_end(key)
-        if capturing and all(b is not buf for b in _in_graphs):
-            _in_graphs.append(buf)
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
 
 
-# Scratch a CUDA graph captured: its replays use the buffer long after the capture, so it is never
-# freed, even once a larger request or the LRU rule above replaces it for eager calls.
+# Scratch CUDA graphs captured: their replays use the buffers long after the capture, so they are
+# never freed.
 _in_graphs: list = []
+# the buffer each capture's ops share, by (tag, stream, capture id); a capture that needs more
+# takes a bigger one (the smaller stays in _in_graphs: the ops captured before use it)
+_graph_buffers: dict = {}
+
+
+def _graph_scratch(tag: str, nbytes: int, shape, dtype, stream, cid: int) -> runtime.DeviceArray:
+    """Scratch private to one capture: never handed to eager calls or to another capture, and
+    never freed (the graph may be replayed as long as the process lives; qgemm cannot see it go).
+    Ops of one capture share it -- the graph orders them as the stream did."""
+    key = (tag, _stream_key(stream), cid)
+    with _workspace_lock:
+        buf = _graph_buffers.get(key)
+        if buf is None or buf.nbytes < nbytes:
+            buf = _graph_buffers[key] = runtime.DeviceArray.empty((max(nbytes, 1),), np.uint8)
+            _in_graphs.append(buf)
+    return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
 
 
 def _weights(w, fmt: str | None, on_device: bool, stream=None):

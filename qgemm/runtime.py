@@ -319,6 +319,23 @@ def is_capturing(stream=None) -> bool:
     return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
+def capture_id(stream=None) -> int | None:
+    """The id of the CUDA graph capture `stream` is in (unique within the process), None when it is
+    not being captured; 0 for the legacy stream while a blocking stream captures (CAPTURE_IMPLICIT:
+    it cannot take work, and the launch will say so)."""
+    from cuda.bindings import driver
+
+    ensure_current()
+    res = driver.cuStreamGetCaptureInfo(as_stream(stream).handle)
+    err = res[0]
+    if getattr(err, "name", "") == "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT":
+        return 0
+    check(err, "cuStreamGetCaptureInfo")
+    if res[1] != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        return None
+    return int(res[2])
+
+
 def prepare_call(stream, what: str, uncapturable: str | None = None) -> None:
     """What every public entry point does before it queues work: make qgemm's context current in
     this thread (threads start with none); while torch captures, insist on the capturing stream

@@ -610,16 +610,18 @@ def test_matmul_scratch_is_per_stream(monkeypatch):
     """qgemm.matmul's staging buffers: reused on one stream (no allocation per call), never shared
     by two streams (their ops may run at once) nor by two threads on the per-thread default stream
     (handle 2: a stream per thread), grown when a bigger op comes, only the 8 most recently used
-    streams' buffers kept per kind -- except a buffer handed out during a CUDA graph capture, which
-    the graph's replays use: never freed."""
+    streams' buffers kept per kind. During a CUDA graph capture: a buffer of that capture's own,
+    shared by its ops, never handed to eager calls or another capture (their replays may run at
+    once on other streams), never freed."""
     import threading
     import types
 
     from qgemm import dispatch, runtime
 
-    capturing = set()
-    monkeypatch.setattr(runtime, "is_capturing", lambda s=None: s in capturing)
+    capturing = {}  # stream -> capture id
+    monkeypatch.setattr(runtime, "capture_id", lambda s=None: capturing.get(s))
     monkeypatch.setattr(dispatch, "_in_graphs", [])
+    monkeypatch.setattr(dispatch, "_graph_buffers", {})
 
     made = []
 
@@ -653,20 +655,22 @@ def test_matmul_scratch_is_per_stream(monkeypatch):
         t.start()
         t.join()
     assert keys[1] != keys[2]
-    capturing.add(12)
-    g = dispatch._scratch("prologue", (4, 8), np.float16, 12)  # (its arrival evicts stream 3's buffer: kept too)
-    assert dispatch._scratch("prologue", (4, 8), np.float16, 12).ptr == g.ptr
+    eager12 = dispatch._scratch("prologue", (4, 8), np.float16, 12)
+    capturing[12] = 101
+    g = dispatch._scratch("prologue", (4, 8), np.float16, 12)
+    assert g.ptr != eager12.ptr and dispatch._scratch("prologue", (4, 8), np.float16, 12).ptr == g.ptr
+    big = dispatch._scratch("prologue", (256, 8), np.float16, 12)  # the capture needs more: both kept
+    assert big.ptr != g.ptr and dispatch._scratch("prologue", (8, 8), np.float16, 12).ptr == big.ptr
+    capturing[12] = 102  # another graph captured on the same stream
+    g2 = dispatch._scratch("prologue", (4, 8), np.float16, 12)
+    assert g2.ptr not in (g.ptr, big.ptr, eager12.ptr)
     held = [b.ptr for b in dispatch._in_graphs]
-    assert g.ptr in held and len(held) == 2
+    assert held == [g.ptr, big.ptr, g2.ptr]
     capturing.clear()
-    assert dispatch._scratch("prologue", (128, 8), np.float16, 12).ptr != g.ptr  # grown for an eager call
-    for s in range(13, 25):  # and the key evicted
+    assert dispatch._scratch("prologue", (4, 8), np.float16, 12).ptr == eager12.ptr  # eager: its own again
+    for s in range(13, 25):  # stream 12's eager buffer evicted; the graphs' stay
         dispatch._scratch("prologue", (4, 8), np.float16, s)
-    assert [b.ptr for b in dispatch._in_graphs] == held  # still held: the graph replays into it; eager drops are not
-    eager = dispatch._scratch("prologue", (4, 8), np.float16, 40)
-    capturing.add(40)  # a capture needs more on the same stream: the eager buffer is not freed mid-capture
-    assert dispatch._scratch("prologue", (256, 8), np.float16, 40).ptr != eager.ptr
-    assert eager.ptr in [b.ptr for b in dispatch._in_graphs]
+    assert ("prologue", 12) not in dispatch._workspace and [b.ptr for b in dispatch._in_graphs] == held
 
 
 def test_plan_and_matmul_name_what_they_expected_before_any_gpu(rng):
@@ -956,6 +960,13 @@ def test_capture_and_thread_guards_without_a_gpu(monkeypatch, rng):
     assert runtime.is_capturing(0) and runtime.is_capturing(1) and not runtime.is_capturing(3)
     with pytest.raises(qgemm.CudaError, match="cuStreamIsCapturing"):
         runtime.is_capturing(2)
+    # capture_id: the capture's id (cuStreamGetCaptureInfo: result, status, id, graph, ...), None
+    # outside a capture, 0 for the legacy stream blocked by another's capture, other errors raised
+    info = {h: (r[0], r[1], driver.cuuint64_t(40 + h), None, None, None, 0) for h, r in results.items()}
+    monkeypatch.setattr(driver, "cuStreamGetCaptureInfo", lambda h: info[h])
+    assert (runtime.capture_id(0), runtime.capture_id(1), runtime.capture_id(3)) == (40, 0, None)
+    with pytest.raises(qgemm.CudaError, match="cuStreamGetCaptureInfo"):
+        runtime.capture_id(2)
     assert calls and all(c == "current" for c in calls)
 
     # the quantizer: the capture question comes after the context is current

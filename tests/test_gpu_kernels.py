@@ -355,6 +355,40 @@ def test_matmul_in_a_torch_cuda_graph(rng, packed):
     torch.cuda.synchronize()
 
 
+def test_two_graphs_of_one_stream_replayed_at_once(rng):
+    """Two graphs captured on one stream (torch.cuda.graph's default) replayed at the same time on
+    two streams: with one staging buffer per stream they shared it, and each op's GEMM could read
+    the other's quantized activations. Each capture now has its own."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    m, n, k = 64, 2048, 4096  # ggml blocks: quantize.q8_1 into the staging buffer, then the GEMM
+    wq = qgemm.quantize_q8_0(rng.standard_normal((n, k), dtype=np.float32))
+    w = torch.from_numpy(wq.view(np.uint8).copy()).cuda()
+    xs = [torch.randn(m, k, device="cuda") * (1 + 99 * i) for i in range(2)]
+    ys = [torch.empty(m, n, device="cuda") for _ in range(2)]
+    for x, y in zip(xs, ys):  # compile and load outside the captures
+        qgemm.matmul(x, w, out=y, fmt="q8_0", stream=torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+    for g, x, y in zip(graphs, xs, ys):
+        with torch.cuda.graph(g):
+            for _ in range(4):
+                qgemm.matmul(x, w, out=y, fmt="q8_0", stream=torch.cuda.current_stream())
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    want = [qgemm.plan(m, n, k, "q8_0").reference(x.cpu().numpy(), wq) for x in xs]
+    for _ in range(10):
+        for y in ys:
+            y.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for g, st in zip(graphs, streams):
+            with torch.cuda.stream(st):
+                g.replay()
+        torch.cuda.synchronize()
+        for y, ref in zip(ys, want):
+            np.testing.assert_allclose(y.cpu().numpy(), ref, rtol=1e-5, atol=1e-3 * float(np.abs(ref).max()))
+
+
 def test_cuda_error_names_the_call():
     with pytest.raises(qgemm.CudaError, match="cuMemAlloc"):
         qgemm.DeviceArray.empty((1 << 50,), np.uint8)
