@@ -66,8 +66,8 @@ def _shapes(text: Optional[str], gemm_default: str, runner_default: str):
     """(the GEMM shape, shape_of(spec)): --shape for every kernel when given; otherwise each kind
     its own default, so `validate mustafar.key_q2` or `--all` needs no --shape (a GEMM's MxNxK is
     no BxSxD: D = 4096 is not a head dim)."""
-    mnk = _shape(text or gemm_default)
-    kv = _shape(text or runner_default)
+    mnk = _shape(gemm_default if text is None else text)
+    kv = _shape(runner_default if text is None else text)
     return mnk, (lambda spec: kv if getattr(spec, "runner", None) is not None else mnk)
 
 
@@ -118,13 +118,14 @@ def _clamp_m(spec, mnk):
     return mnk
 
 
-def _skip_runner(spec, mnk, all_: bool, rows: list, ncols: int) -> bool:
-    """--all with a shape a runner kernel (mustafar.*: BxSxD, D in 64/128/256) cannot take: a
-    'skipped' row, not a failure. Named explicitly, the kernel runs and reports the error."""
+def _skip_runner(spec, mnk, all_: bool, rows: list, ncols: int, gguf: bool = False) -> bool:
+    """--all with a shape a runner kernel (mustafar.*: BxSxD, D in 64/128/256) cannot take, or
+    with --gguf (GEMM weights): a 'skipped' row, not a failure. Named explicitly, _precheck
+    refuses it."""
     runner = getattr(spec, "runner", None)
     if runner is None or not all_:
         return False
-    why = runner.shape_problem(mnk)
+    why = "--gguf gives GEMM weights; this kernel takes a compressed KV cache" if gguf else runner.shape_problem(mnk)
     if why is None:
         return False
     rows.append([spec.name] + ["-"] * (ncols - 2) + [f"skipped: {why}"])
@@ -161,6 +162,8 @@ def _precheck(specs, shape_of, all_: bool, sparsity: float, gg) -> None:
     for s in specs:
         runner = getattr(s, "runner", None)
         mnk = shape_of(s)
+        if runner is not None and gg is not None and not all_:
+            _fail(f"{s.name}: --gguf gives GEMM weights; this kernel takes a compressed KV cache (no --gguf)")
         if runner is not None:
             why = runner.shape_problem(mnk)
             if why is not None and not all_:
@@ -339,7 +342,7 @@ def validate(
     rows, results, details, failed = [], [], [], 0
     opts = {"lq": lq, "groups": groups, "sparsity": sparsity}
     for s in specs:
-        if _skip_runner(s, shape_of(s), all_, rows, 7):
+        if _skip_runner(s, shape_of(s), all_, rows, 7, gg is not None):
             continue
         try:
             shp, wts = _with_gguf(s, gg, shape_of(s))
@@ -398,7 +401,7 @@ def profile(
     rows, results = [], []
     opts = {"lq": lq, "groups": groups, "sparsity": sparsity}
     for s in specs:
-        if _skip_runner(s, shape_of(s), all_, rows, 9):
+        if _skip_runner(s, shape_of(s), all_, rows, 9, gg is not None):
             continue
         try:
             shp, wts = _with_gguf(s, gg, shape_of(s) if gg is None else mnk)
@@ -426,8 +429,11 @@ def profile(
     bw = bench.copy_bandwidth()
     gemms = [t for t in specs if getattr(t, "runner", None) is None]
     runners = [t for t in specs if getattr(t, "runner", None) is not None]
-    shapes = ([f"MxNxK={'x'.join(map(str, mnk))}"] if gemms else []) + (
-        [f"BxSxD={'x'.join(map(str, shape_of(runners[0])))}"] if runners and (not gemms or shape_of(runners[0]) != mnk) else [])
+    if gemms and runners and shape_of(runners[0]) == mnk:  # --shape given: one shape, two readings
+        shapes = [f"MxNxK={'x'.join(map(str, mnk))} (mustafar.*: BxSxD)"]
+    else:
+        shapes = ([f"MxNxK={'x'.join(map(str, mnk))}"] if gemms else []) + (
+            [f"BxSxD={'x'.join(map(str, shape_of(runners[0])))}"] if runners else [])
     typer.echo(f"{env['device']} ({env['arch']}), {env['date']}, shape {', '.join(shapes)}, "
                f"{'cold (rotating buffers > 2x L2)' if cold else 'hot (same buffers)'}, {warmup} warm-up + {iters} timed launches")
     typer.echo(f"measured copy bandwidth {bw / 1e9:.0f} GB/s (read+write)\n")

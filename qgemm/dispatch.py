@@ -309,25 +309,30 @@ def _scratch(tag: str, shape, dtype, stream=None) -> runtime.DeviceArray:
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
 
 
-# Scratch CUDA graphs captured: their replays use the buffers long after the capture, so they are
-# never freed.
-_in_graphs: list = []
 # the buffer each capture's ops share, by (tag, stream, capture id); a capture that needs more
-# takes a bigger one (the smaller stays in _in_graphs: the ops captured before use it)
+# takes a bigger one (the smaller stays held for the capture: the ops captured before use it)
 _graph_buffers: dict = {}
 
 
 def _graph_scratch(tag: str, nbytes: int, shape, dtype, stream, cid: int) -> runtime.DeviceArray:
-    """Scratch private to one capture: never handed to eager calls or to another capture, and
-    never freed (the graph may be replayed as long as the process lives; qgemm cannot see it go).
-    Ops of one capture share it -- the graph orders them as the stream did."""
+    """Scratch private to one capture: never handed to eager calls or to another capture, and held
+    as long as the graph can be replayed (runtime.hold_for_capture: with a qgemm Graph, until it is
+    deleted; with a caller's capture, torch.cuda.graph, for the process -- qgemm cannot see that
+    graph go). Ops of one capture share it: the graph orders them as the stream did."""
     key = (tag, _stream_key(stream), cid)
     with _workspace_lock:
         buf = _graph_buffers.get(key)
         if buf is None or buf.nbytes < nbytes:
             buf = _graph_buffers[key] = runtime.DeviceArray.empty((max(nbytes, 1),), np.uint8)
-            _in_graphs.append(buf)
+            runtime.hold_for_capture(cid, buf)
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
+
+
+def _forget_capture(cid: int) -> None:
+    """A qgemm Graph took its capture's buffers (runtime.Graph): drop the lookup entries."""
+    with _workspace_lock:
+        for key in [k for k in _graph_buffers if k[2] == cid]:
+            del _graph_buffers[key]
 
 
 def _weights(w, fmt: str | None, on_device: bool, stream=None):

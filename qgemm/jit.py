@@ -561,11 +561,15 @@ def _compile_and_store(name, source_rel, source, headers, entries, arch, options
     cubin, log = _nvrtc_compile(name, source_rel, source, arch, options, headers)
     seconds = time.perf_counter() - t0
     res = parse_ptxas_report(log)
-    # Should a report still be missing, the cubin's symbol table tells whether the entry exists
-    # (its resources are then reported as unknown, 0).
+    # Without a report (NVRTC's own cache where cuda.core cannot turn it off: _no_nvrtc_cache), the
+    # cubin's symbol table tells whether the entry exists; its resources then read 0, said aloud,
+    # since a spill check would pass on them.
     for e in entries:
         if e not in res and e.encode() + b"\0" in cubin:
             res[e] = Resources()
+            warnings.warn(f"{name} ({arch}): NVRTC returned no ptxas report for {e}, so its registers and spills "
+                          f"read 0 (NVRTC >= 12.9 omits it for a program its own cache holds; that cache is off only "
+                          f"where cuda.core's ProgramOptions has no_cache)", RuntimeWarning, stacklevel=2)
     missing = [e for e in entries if e not in res]
     if missing:
         raise CompileError(name, arch, options, f"entry symbol(s) {missing} not found in the compiled code; "

@@ -368,9 +368,31 @@ def check_capture_stream(stream, what: str) -> None:
                          "captured: it would run once, now, outside the graph; pass stream=torch.cuda.current_stream()")
 
 
+# Device buffers the ops of a capture took for the graph's replays (qgemm.dispatch's per-capture
+# scratch), by capture id. A qgemm Graph takes its capture's when the capture ends and frees them
+# with itself; those of a caller's capture (torch.cuda.graph) stay for the process.
+_capture_buffers: dict = {}
+_capture_lock = threading.Lock()
+
+
+def hold_for_capture(cid: int, buf) -> None:
+    with _capture_lock:
+        _capture_buffers.setdefault(cid, []).append(buf)
+
+
+def _take_capture_buffers(cid: int) -> list:
+    from . import dispatch
+
+    dispatch._forget_capture(cid)
+    with _capture_lock:
+        return _capture_buffers.pop(cid, [])
+
+
 class Graph:
     """Launches recorded once on a stream and replayed as one CUDA graph: the replay has no host
-    overhead between kernels, so timing B replayed launches measures the GPU, not Python."""
+    overhead between kernels, so timing B replayed launches measures the GPU, not Python. The
+    scratch the recorded ops took lives as long as this object (bench and compare-llamacpp
+    capture one graph per row)."""
 
     def __init__(self, record, stream):
         from cuda.bindings import driver
@@ -378,11 +400,16 @@ class Graph:
         h = stream.handle
         mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(driver.cuStreamBeginCapture(h, mode), "cuStreamBeginCapture")
+        cid = None
         try:
+            cid = capture_id(stream)
             record()
         except BaseException:
             driver.cuStreamEndCapture(h)
+            if cid is not None:
+                _take_capture_buffers(cid)  # dropped: no graph will replay them
             raise
+        self._held = _take_capture_buffers(cid)
         self._graph = check(driver.cuStreamEndCapture(h), "cuStreamEndCapture")
         self._exec = check(driver.cuGraphInstantiate(self._graph, 0), "cuGraphInstantiate")
         self.stream = stream

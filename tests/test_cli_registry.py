@@ -620,7 +620,7 @@ def test_matmul_scratch_is_per_stream(monkeypatch):
 
     capturing = {}  # stream -> capture id
     monkeypatch.setattr(runtime, "capture_id", lambda s=None: capturing.get(s))
-    monkeypatch.setattr(dispatch, "_in_graphs", [])
+    monkeypatch.setattr(runtime, "_capture_buffers", {})
     monkeypatch.setattr(dispatch, "_graph_buffers", {})
 
     made = []
@@ -664,13 +664,79 @@ def test_matmul_scratch_is_per_stream(monkeypatch):
     capturing[12] = 102  # another graph captured on the same stream
     g2 = dispatch._scratch("prologue", (4, 8), np.float16, 12)
     assert g2.ptr not in (g.ptr, big.ptr, eager12.ptr)
-    held = [b.ptr for b in dispatch._in_graphs]
-    assert held == [g.ptr, big.ptr, g2.ptr]
+    held = {cid: [b.ptr for b in bufs] for cid, bufs in runtime._capture_buffers.items()}
+    assert held == {101: [g.ptr, big.ptr], 102: [g2.ptr]}
     capturing.clear()
     assert dispatch._scratch("prologue", (4, 8), np.float16, 12).ptr == eager12.ptr  # eager: its own again
     for s in range(13, 25):  # stream 12's eager buffer evicted; the graphs' stay
         dispatch._scratch("prologue", (4, 8), np.float16, s)
-    assert ("prologue", 12) not in dispatch._workspace and [b.ptr for b in dispatch._in_graphs] == held
+    assert ("prologue", 12) not in dispatch._workspace
+    assert {cid: [b.ptr for b in bufs] for cid, bufs in runtime._capture_buffers.items()} == held
+
+
+def test_a_qgemm_graph_owns_its_captures_scratch(monkeypatch):
+    """runtime.Graph (bench and compare-llamacpp capture one per row) takes the scratch its
+    capture's ops were given and frees it with itself; a failed capture's is dropped at once; a
+    caller's capture (torch.cuda.graph) keeps its own for the process."""
+    import types
+    import weakref
+
+    from cuda.bindings import driver
+
+    from qgemm import dispatch
+
+    monkeypatch.setattr(runtime, "_capture_buffers", {})
+    monkeypatch.setattr(dispatch, "_graph_buffers", {})
+    made = []
+
+    class FakeBuf:
+        def __init__(self, nbytes):
+            self.ptr, self.nbytes = 0x1000 * (len(made) + 1), nbytes
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(runtime.DeviceArray, "empty", classmethod(lambda cls, shape, dtype: FakeBuf(int(np.prod(shape)))))
+    monkeypatch.setattr(runtime, "as_stream", lambda s=None: s if hasattr(s, "handle") else types.SimpleNamespace(handle=s or 0))
+    cid = iter(range(500, 600))
+    capturing = {}
+
+    def begin(h, mode):
+        capturing[h] = next(cid)
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    def end(h):
+        capturing.pop(h, None)
+        return (driver.CUresult.CUDA_SUCCESS, "graph")
+
+    monkeypatch.setattr(runtime, "capture_id", lambda s=None: capturing.get(runtime.as_stream(s).handle))
+    monkeypatch.setattr(driver, "cuStreamBeginCapture", begin)
+    monkeypatch.setattr(driver, "cuStreamEndCapture", end)
+    monkeypatch.setattr(driver, "cuGraphInstantiate", lambda g, f: (driver.CUresult.CUDA_SUCCESS, "exec"))
+    monkeypatch.setattr(driver, "cuGraphExecDestroy", lambda e: None)
+    monkeypatch.setattr(driver, "cuGraphDestroy", lambda g: None)
+    stream = types.SimpleNamespace(handle=7)
+
+    def record():
+        dispatch._scratch("prologue", (4, 8), np.float16, 7)
+        dispatch._scratch("prologue", (64, 8), np.float16, 7)  # grown within the capture: both held
+        dispatch._scratch("status", (1,), np.int32, 7)
+
+    g = runtime.Graph(record, stream)
+    assert len(g._held) == 3 and all(r() is not None for r in made)
+    assert runtime._capture_buffers == {} and dispatch._graph_buffers == {}
+    del g
+    assert all(r() is None for r in made)  # freed with the graph
+
+    def failing():
+        dispatch._scratch("prologue", (4, 8), np.float16, 7)
+        raise RuntimeError("record failed")
+
+    with pytest.raises(RuntimeError, match="record failed"):
+        runtime.Graph(failing, stream)
+    assert runtime._capture_buffers == {} and dispatch._graph_buffers == {} and made[-1]() is None
+    capturing[9] = 42  # a caller's capture: nothing takes its buffers
+    kept = dispatch._scratch("prologue", (4, 8), np.float16, 9)
+    del kept
+    assert [len(v) for v in runtime._capture_buffers.values()] == [1] and made[-1]() is not None
 
 
 def test_plan_and_matmul_name_what_they_expected_before_any_gpu(rng):

@@ -347,6 +347,22 @@ def test_cli_gguf_bad_file_exits_2(model, tmp_path):
     assert r.exit_code == 2 and "missing.gguf" in r.output
 
 
+def test_cli_gguf_weights_are_not_for_the_kv_cache_kernels(model, monkeypatch):
+    """--gguf gives GEMM weights: a mustafar.* kernel named with it is refused before the GPU, and
+    --all skips them (before session 27's per-kind default shapes, --all skipped them only because
+    the GEMM shape was no BxSxD; with those defaults they ran on the GGUF tensor's shape)."""
+    from qgemm import cli
+
+    path, _, _ = model
+    r = runner.invoke(app, ["validate", "mustafar.key_q2", "--gguf", str(path), "--tensor", "token_embd.weight"])
+    assert r.exit_code == 2 and "takes a compressed KV cache" in r.output, r.output
+    rows = []
+    spec = qgemm.registry.spec("mustafar.key_q2")
+    assert cli._skip_runner(spec, (5, 1031, 128), True, rows, 7, gguf=True)
+    assert "takes a compressed KV cache" in rows[0][-1]
+    assert not cli._skip_runner(spec, (5, 1031, 128), True, [], 7, gguf=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # on the GPU: a kernel on loaded weights
 

@@ -686,7 +686,8 @@ def test_mma_value_plans_compile_with_bounded_spills(rows, d):
             # NVRTC 13.0 (the H100 machines') spills 8 bytes for value_q4's 2-tile D = 256 plan at
             # sm_80 and sm_90 (13.5: none). Unseen before session 27: NVRTC's own cache had
             # dropped the report on those machines (jit._no_nvrtc_cache)
-            bound = spill + (8 if p.defines["MF_WARPS"] == 16 else 0)
+            nvrtc_13_0 = name == "mustafar.value_q4" and d == 256 and p.defines["MF_NT"] == 2
+            bound = spill + (8 if nvrtc_13_0 else 0)
             assert res.spill_stores <= bound and res.spill_loads <= bound, (name, p.defines, arch, res)
     # the tensor-core version has no sm_75 code: a clear compile error, never a silent fallback
     with pytest.raises(qgemm.CompileError, match=r"version 4\) needs sm_80"):

@@ -52,7 +52,7 @@ for step in $STEPS; do
               $PT tests --ignore=tests/test_gpu_kernels.py --ignore=tests/test_kvcache.py > "$OUT/tests-rest.log" 2>&1 & p4=$!
               for p in $p1 $p2 $p3 $p4; do wait $p || rc=1; done
               tail -n 3 "$OUT"/tests-*.log | tee -a "$LOG"
-              grep -h FAILED "$OUT"/tests-*.log | tee -a "$LOG" ;;
+              grep -hE '^(FAILED|ERROR)' "$OUT"/tests-*.log | tee -a "$LOG" ;;
     skinny)   # the decode / small-batch path: precompile, its GPU tests, tune it (stored, so the bench below uses it)
               run $PY tools/precompile.py w4a16.skinny w8a16.skinny --shapes "1x33x160,9x4097x4128,57x47x32,$TUNE_SHAPES"
               run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny or packed or matmul"
