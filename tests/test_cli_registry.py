@@ -606,6 +606,26 @@ def test_pdl_kernels_wait_before_their_inputs():
     assert begin.index("pdl_wait();") < begin.index("}")
 
 
+def _fake_device_buffers(monkeypatch, weak: bool = False) -> list:
+    """DeviceArray.empty stood in for by numbered fake buffers (listed as made, or as weak
+    references to see them freed), with qgemm's scratch tables empty."""
+    import weakref
+
+    from qgemm import dispatch
+
+    monkeypatch.setattr(runtime, "_capture_buffers", {})
+    monkeypatch.setattr(dispatch, "_graph_buffers", {})
+    made = []
+
+    class FakeBuf:
+        def __init__(self, nbytes):
+            self.ptr, self.nbytes = 0x1000 * (len(made) + 1), nbytes
+            made.append(weakref.ref(self) if weak else self)
+
+    monkeypatch.setattr(runtime.DeviceArray, "empty", classmethod(lambda cls, shape, dtype: FakeBuf(int(np.prod(shape)))))
+    return made
+
+
 def test_matmul_scratch_is_per_stream(monkeypatch):
     """qgemm.matmul's staging buffers: reused on one stream (no allocation per call), never shared
     by two streams (their ops may run at once) nor by two threads on the per-thread default stream
@@ -620,17 +640,7 @@ def test_matmul_scratch_is_per_stream(monkeypatch):
 
     capturing = {}  # stream -> capture id
     monkeypatch.setattr(runtime, "capture_id", lambda s=None: capturing.get(s))
-    monkeypatch.setattr(runtime, "_capture_buffers", {})
-    monkeypatch.setattr(dispatch, "_graph_buffers", {})
-
-    made = []
-
-    class FakeBuf:
-        def __init__(self, nbytes):
-            self.ptr, self.nbytes = 0x1000 * (len(made) + 1), nbytes
-            made.append(self)
-
-    monkeypatch.setattr(runtime.DeviceArray, "empty", classmethod(lambda cls, shape, dtype: FakeBuf(int(np.prod(shape)))))
+    made = _fake_device_buffers(monkeypatch)
     monkeypatch.setattr(runtime, "as_stream", lambda s=None: types.SimpleNamespace(handle=s or 0))
     monkeypatch.setattr(dispatch, "_workspace", type(dispatch._workspace)())
     a1 = dispatch._scratch("prologue", (4, 8), np.float16, 1)
@@ -679,22 +689,12 @@ def test_a_qgemm_graph_owns_its_captures_scratch(monkeypatch):
     capture's ops were given and frees it with itself; a failed capture's is dropped at once; a
     caller's capture (torch.cuda.graph) keeps its own for the process."""
     import types
-    import weakref
 
     from cuda.bindings import driver
 
     from qgemm import dispatch
 
-    monkeypatch.setattr(runtime, "_capture_buffers", {})
-    monkeypatch.setattr(dispatch, "_graph_buffers", {})
-    made = []
-
-    class FakeBuf:
-        def __init__(self, nbytes):
-            self.ptr, self.nbytes = 0x1000 * (len(made) + 1), nbytes
-            made.append(weakref.ref(self))
-
-    monkeypatch.setattr(runtime.DeviceArray, "empty", classmethod(lambda cls, shape, dtype: FakeBuf(int(np.prod(shape)))))
+    made = _fake_device_buffers(monkeypatch, weak=True)
     monkeypatch.setattr(runtime, "as_stream", lambda s=None: s if hasattr(s, "handle") else types.SimpleNamespace(handle=s or 0))
     cid = iter(range(500, 600))
     capturing = {}
