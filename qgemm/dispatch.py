@@ -183,8 +183,7 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         if cc is not None and not s.runs_on(cc):
             from .errors import UnsupportedArchError
 
-            need = f"sm_{s.min_arch}{s.arch_suffix} (only)" if s.arch_suffix else f"sm_{s.min_arch} or newer"
-            raise UnsupportedArchError(f"matmul: path {path} needs {need}, planned for sm_{cc}")
+            raise UnsupportedArchError(f"matmul: path {path} needs {s.arch_needed}, planned for sm_{cc}")
         name, source, reason = path, "override", "requested with path="
     elif packed and cc == 90 and m >= WGMMA_MIN_M:
         name, source = choice["wgmma"], "default"
@@ -287,13 +286,18 @@ def _queue_lock(stream) -> threading.Lock:
     return lock
 
 
-def _scratch(tag: str, shape, dtype, stream=None) -> runtime.DeviceArray:
+_ASK = object()
+
+
+def _scratch(tag: str, shape, dtype, stream=None, cid=_ASK) -> runtime.DeviceArray:
     """Reusable device scratch (staged activations, status word), one per stream: no cuMemAlloc
     per call, and ops queued on two streams at once never share a staging buffer. During a CUDA
     graph capture, one per capture instead: the graph's replays may run on any stream, beside
-    eager calls on the capturing one or replays of another graph captured there."""
+    eager calls on the capturing one or replays of another graph captured there. `cid`: the
+    stream's capture id (runtime.capture_id) when the caller already asked."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    cid = runtime.capture_id(stream)
+    if cid is _ASK:
+        cid = runtime.capture_id(stream)
     if cid is not None:
         return _graph_scratch(tag, nbytes, shape, dtype, stream, cid)
     key = (tag, _stream_key(stream))
@@ -440,8 +444,9 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         dc = runtime.DeviceArray.empty((m, n), np.float32)
     staged = p.staged_format
     with _queue_lock(stream):
-        dq = _scratch("prologue", *staged, stream) if staged else None
-        status = _scratch("status", (1,), np.int32, stream)
+        cid = runtime.capture_id(stream)  # one driver query for both buffers
+        dq = _scratch("prologue", *staged, stream, cid) if staged else None
+        status = _scratch("status", (1,), np.int32, stream, cid)
         if not x_on_device:  # only a host call reads the prologue's flags; a device call queues no memset, which
             status.fill_bytes(0, stream)  # would stand between this op's kernels and the previous op's (PDL)
         p.launch(dx, wb, dq, dc, status, stream=stream)

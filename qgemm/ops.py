@@ -206,7 +206,7 @@ class Kernel:
                     info = runtime.device_info()
                     if not self.spec.runs_on(info.cc):
                         raise UnsupportedArchError(
-                            f"{self.name} needs sm_{self.spec.min_arch} or newer, but the GPU ({info.name}) is {info.arch}"
+                            f"{self.name} needs {self.spec.arch_needed}, but the GPU ({info.name}) is {info.arch}"
                         )
                     ck = self.compile(info.arch, defines)
                     mod = runtime.LoadedKernel(ck.cubin, ck.entries, self.name)  # the kernel and its helpers

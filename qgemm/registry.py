@@ -68,6 +68,11 @@ class KernelSpec:
         return cc >= self.min_arch and not (self.arch_suffix and cc != self.min_arch)
 
     @property
+    def arch_needed(self) -> str:
+        """The GPUs it runs on, for error messages: "sm_80 or newer", or "sm_90a (only)"."""
+        return f"sm_{self.min_arch}{self.arch_suffix} (only)" if self.arch_suffix else f"sm_{self.min_arch} or newer"
+
+    @property
     def variant(self) -> str:
         return self.name.split(".", 1)[1]
 

@@ -308,15 +308,9 @@ def relaxed_capture():
 
 
 def is_capturing(stream=None) -> bool:
-    """Whether `stream` is being captured into a CUDA graph (work queued on it is recorded, not run)."""
-    from cuda.bindings import driver
-
-    ensure_current()  # the legacy stream means the current context's: a fresh thread has none
-    err, status = driver.cuStreamIsCapturing(as_stream(stream).handle)
-    if getattr(err, "name", "") == "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT":
-        return True  # the legacy stream while a blocking stream captures: it cannot take work either
-    check(err, "cuStreamIsCapturing")
-    return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+    """Whether `stream` is being captured into a CUDA graph (work queued on it is recorded, not
+    run); True too for the legacy stream while a blocking stream captures: it cannot take work."""
+    return capture_id(stream) is not None
 
 
 def capture_id(stream=None) -> int | None:
@@ -325,7 +319,7 @@ def capture_id(stream=None) -> int | None:
     it cannot take work, and the launch will say so)."""
     from cuda.bindings import driver
 
-    ensure_current()
+    ensure_current()  # the legacy stream means the current context's: a fresh thread has none
     res = driver.cuStreamGetCaptureInfo(as_stream(stream).handle)
     err = res[0]
     if getattr(err, "name", "") == "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT":

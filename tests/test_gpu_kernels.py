@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import qgemm
-from qgemm import packing, check, formats as F, registry
+from qgemm import packing, check, formats as F, registry, runtime
 
 pytestmark = pytest.mark.gpu
 
@@ -387,6 +387,61 @@ def test_two_graphs_of_one_stream_replayed_at_once(rng):
         torch.cuda.synchronize()
         for y, ref in zip(ys, want):
             np.testing.assert_allclose(y.cpu().numpy(), ref, rtol=1e-5, atol=1e-3 * float(np.abs(ref).max()))
+
+
+def test_matmul_in_a_qgemm_graph(rng):
+    """qgemm's own runtime.Graph (what bench, profile, tune and compare-llamacpp replay) around
+    qgemm.matmul on ggml blocks (quantize.q8_1 into staging scratch, then the GEMM): every replay
+    multiplies what the inputs hold then; two graphs of one stream replayed at once on two streams
+    do not share the staging; each graph holds its capture's scratch, and deleting it frees that
+    scratch (nothing is left in the capture tables) while eager calls stay right."""
+    import gc
+    import weakref
+
+    from qgemm import dispatch
+
+    m, n, k = 64, 2048, 4096
+    wq = qgemm.quantize_q8_0(rng.standard_normal((n, k), dtype=np.float32))
+    w = qgemm.DeviceArray.from_host(wq.view(np.uint8))
+    xs = [qgemm.DeviceArray.from_host(np.zeros((m, k), np.float32)) for _ in range(2)]
+    ys = [qgemm.DeviceArray.empty((m, n), np.float32) for _ in range(2)]
+    stream = runtime.create_stream()
+    for x, y in zip(xs, ys):  # compile and load outside the captures
+        qgemm.matmul(x, w, out=y, fmt="q8_0", stream=stream)
+    runtime.synchronize(stream)
+
+    def recorder(x, y):
+        def record():
+            for _ in range(4):
+                qgemm.matmul(x, w, out=y, fmt="q8_0", stream=stream)
+        return record
+
+    tables = (set(runtime._capture_buffers), set(dispatch._graph_buffers))  # earlier torch captures keep theirs
+    graphs = [runtime.Graph(recorder(x, y), stream) for x, y in zip(xs, ys)]
+    assert all(g._held for g in graphs)  # each took its own staging
+    held = [weakref.ref(b) for g in graphs for b in g._held]
+    assert not {b.ptr for b in graphs[0]._held} & {b.ptr for b in graphs[1]._held}
+    assert (set(runtime._capture_buffers), set(dispatch._graph_buffers)) == tables  # handed to the graphs
+    side = [runtime.create_stream() for _ in range(2)]
+    for i in range(4):
+        hx = [rng.standard_normal((m, k), dtype=np.float32) * (1 + 99 * j) for j in range(2)]
+        for x, h, y in zip(xs, hx, ys):
+            x.copy_from_host(h)
+            y.fill_bytes(0xFF, stream=stream)  # NaN: every element must be written by the replay
+        runtime.synchronize(stream)
+        for graph, st in zip(graphs, side):
+            graph.stream = st if i % 2 else stream  # replayed at once on two streams, then in turn on one
+            graph.launch()
+        for st in side + [stream]:
+            runtime.synchronize(st)
+        for h, y in zip(hx, ys):
+            want = qgemm.plan(m, n, k, "q8_0").reference(h, wq)
+            np.testing.assert_allclose(y.to_host(), want, rtol=1e-5, atol=1e-3 * float(np.abs(want).max()))
+    del graphs, graph
+    gc.collect()
+    assert all(r() is None for r in held)  # freed with their graphs
+    h = rng.standard_normal((m, k), dtype=np.float32)
+    np.testing.assert_allclose(qgemm.matmul(h, wq), qgemm.plan(m, n, k, "q8_0").reference(h, wq), rtol=1e-5, atol=1e-3)
 
 
 def test_cuda_error_names_the_call():

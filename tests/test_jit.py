@@ -206,6 +206,23 @@ def test_kernel_below_min_arch_is_refused():
         qgemm.get("fp32.naive").compile("sm_70")
 
 
+def test_running_on_a_gpu_it_does_not_run_on_names_what_it_needs(monkeypatch):
+    """The launch-time refusal (no GPU call made): an sm_90a kernel on an sm_100 GPU says it runs
+    on sm_90a only, not "sm_90 or newer"; a kernel below its minimum names its minimum."""
+    import types
+
+    from qgemm import runtime
+
+    for cc, name, want in ((100, "w4a16.wgmma_rs", r"needs sm_90a \(only\), but the GPU \(B200\) is sm_100"),
+                           (75, "w4a8.mma", r"needs sm_80 or newer, but the GPU \(T4\) is sm_75")):
+        monkeypatch.setattr(runtime, "require_gpu", lambda what="": None)
+        monkeypatch.setattr(runtime, "device_info", lambda cc=cc, n=name: types.SimpleNamespace(
+            cc=cc, arch=f"sm_{cc}", name="B200" if cc == 100 else "T4"))
+        k = qgemm.get(name)
+        with pytest.raises(UnsupportedArchError, match=want):
+            k._module({"QGEMM_TEST_UNLOADED": 1})
+
+
 def test_ptxas_report_parser():
     log = textwrap.dedent("""\
         ptxas info    : 0 bytes gmem
