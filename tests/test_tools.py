@@ -282,6 +282,57 @@ def test_perf_report_says_by_how_much_a_target_is_missed():
     assert over.endswith("| no (0.3% over) |") and under.endswith("| yes |"), (over, under)
 
 
+def test_sweep_measures_the_copy_bandwidth_before_and_after(monkeypatch):
+    """The copy bandwidth moves by up to ~10% between runs on one GPU: the sweep measures it before
+    and after its rows and reports the higher (a row's share of it is never flattered), with both
+    figures in the JSON and the markdown."""
+    import types
+
+    from qgemm import bench, packing
+
+    copies = iter([2583e9, 2749e9])
+    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a: next(copies))
+    monkeypatch.setattr(bench, "environment", lambda: {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"})
+    fake = types.SimpleNamespace(free=lambda: None)
+    monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=fake, blocks=fake))
+    timed = []
+
+    def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True):
+        timed.append((fmt, m, k, cold))
+        return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": False, "matmul_us": 1.0, "kernel_us": 1.0,
+                "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}
+
+    monkeypatch.setattr(bench, "time_matmul", time_matmul)
+    data = bench.sweep(ms=(1, 2), ks=(64,), n=32, fmts=("q4_0",), peers=False)
+    assert next(copies, None) is None and len(timed) == 4  # both measured, every row timed
+    assert data["copy_bandwidth_runs_gbps"] == [2583.0, 2749.0] and data["copy_bandwidth_gbps"] == 2749.0
+    assert "2749 GB/s (read + write) -- the higher of 2583 before the sweep and 2749 after it" in bench.sweep_markdown(data, "qgemm bench")
+
+
+def test_perf_report_judges_cold_decode_and_the_prefill_peers():
+    """performance.md's tables for the issue's two other claims, from the bench JSON alone: M = 1
+    cold rows as a share of the run's copy bandwidth (>= 85%), and the kernel alone at M >= 512
+    against cuBLAS fp16 and cuBLASLt int8 (must beat both)."""
+    pr = _load("perf_report")
+    base = {"N": 4096, "K": 4096, "kernel": "w4a8.skinny", "matmul_us": 4.0}
+    rows = [{**base, "fmt": "q4_0", "M": 1, "cold": True, "weight_gbps": 2200.0},  # 2200 / 2600 = 84.6%
+            {**base, "fmt": "q8_0", "M": 1, "cold": True, "weight_gbps": 2300.0},  # 88.5%
+            {**base, "fmt": "q4_0", "M": 1, "cold": False, "weight_gbps": 9000.0},  # hot: not judged
+            {**base, "fmt": "q4_0", "M": 512, "cold": False, "kernel": "w4a16.wgmma_rs", "kernel_us": 26.0,
+             "torch_fp16_us": 26.5, "torch_int_mm_us": 27.0, "torch_bf16_us": 25.0},
+            {**base, "fmt": "q8_0", "M": 512, "cold": False, "kernel": "w8a16.wgmma_rs", "kernel_us": 28.0,
+             "torch_fp16_us": 26.0, "torch_int_mm_us": 27.0},
+            {**base, "fmt": "q4_0", "M": 256, "cold": False, "kernel_us": 9.0, "torch_fp16_us": 9.5, "torch_int_mm_us": 9.5}]
+    data = {"copy_bandwidth_gbps": 2600.0, "rows": rows}
+    cold = [ln for ln in pr.cold_decode_table(data) if ln.startswith("| q")]
+    assert cold == ["| q4_0 | 1x4096x4096 | 4.00 | `w4a8.skinny` | 2200 | 84.6% | no (0.4 points short) |",
+                    "| q8_0 | 1x4096x4096 | 4.00 | `w4a8.skinny` | 2300 | 88.5% | yes |"]
+    peers = [ln for ln in pr.prefill_peer_table(data) if ln.startswith("| q")]
+    assert peers == ["| q4_0 | 512x4096x4096 | `w4a16.wgmma_rs` | 26.0 | 26.5 | 27.0 | 25.0 | yes |",
+                     "| q8_0 | 512x4096x4096 | `w8a16.wgmma_rs` | 28.0 | 26.0 | 27.0 | - | no (7.7% slower) |"]
+    assert pr.cold_decode_table({**data, "rows": rows[2:]}) == [] and pr.prefill_peer_table({**data, "rows": rows[:3]}) == []
+
+
 def test_cold_rotation_uses_every_set_and_whole_rotations(monkeypatch):
     """A cold sample runs at least one whole rotation through the buffer sets, in whole rotations:
     a slow kernel's sample of 2 launches over 5 sets had used only the first sets (L2-resident),

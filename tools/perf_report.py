@@ -96,6 +96,50 @@ TARGETS = {  # (type, M, N, K) -> target us
 }
 
 
+# The issue's two other claims: cold decode reads the weights at >= 85% of the measured copy
+# bandwidth; at M >= 512 the GEMM kernel alone beats cuBLAS fp16 and cuBLASLt int8 in the same run.
+COLD_DECODE_SHARE = 0.85
+PREFILL_MIN_M = 512
+
+
+def cold_decode_table(data: dict) -> list[str]:
+    """M = 1 cold rows: weight bytes / time against the run's copy bandwidth (read + write, the
+    higher of the sweep's two measurements)."""
+    bw = data["copy_bandwidth_gbps"]
+    rows = [r for r in data["rows"] if r["cold"] and r["M"] == 1]
+    if not rows:
+        return []
+    out = [f"Cold decode (M = 1, weights from device memory: buffers rotated through more than twice the L2) "
+           f"against the measured copy bandwidth, {bw:.0f} GB/s; the issue asks for >= {COLD_DECODE_SHARE:.0%}.\n",
+           "| type | MxNxK | qgemm.matmul µs | path | weight GB/s | % of copy | target met |", "|---|---|---:|---|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r["K"], r["fmt"])):
+        share = r["weight_gbps"] / bw
+        met = "yes" if share >= COLD_DECODE_SHARE else f"no ({100 * (COLD_DECODE_SHARE - share):.1f} points short)"
+        out.append(f"| {r['fmt']} | {r['M']}x{r['N']}x{r['K']} | {r['matmul_us']:.2f} | `{r['kernel']}` | "
+                   f"{r['weight_gbps']:.0f} | {100 * share:.1f}% | {met} |")
+    return out + [""]
+
+
+def prefill_peer_table(data: dict) -> list[str]:
+    """Hot rows with M >= 512 that have torch peers: the production kernel alone against cuBLAS
+    fp16 (A @ W.T) and cuBLASLt int8 (torch._int_mm) on the same shape in the same run."""
+    rows = [r for r in data["rows"] if not r["cold"] and r["M"] >= PREFILL_MIN_M
+            and r.get("torch_fp16_us") and r.get("torch_int_mm_us")]
+    if not rows:
+        return []
+    out = [f"The GEMM kernel alone (no prologue) at M >= {PREFILL_MIN_M} against cuBLAS fp16 and cuBLASLt int8, hot, "
+           "same run (all timed as CUDA graphs); the issue asks the kernel to beat both.\n",
+           "| type | MxNxK | kernel | kernel µs | cuBLAS fp16 µs | cuBLASLt int8 µs | cuBLAS bf16 µs | beats fp16 and int8 |",
+           "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r["fmt"], r["K"], r["M"])):
+        best = min(r["torch_fp16_us"], r["torch_int_mm_us"])
+        beats = "yes" if r["kernel_us"] < best else f"no ({100 * (r['kernel_us'] / best - 1):.1f}% slower)"
+        bf16 = f"{r['torch_bf16_us']:.1f}" if r.get("torch_bf16_us") else "-"
+        out.append(f"| {r['fmt']} | {r['M']}x{r['N']}x{r['K']} | `{r['kernel']}` | {r['kernel_us']:.1f} | "
+                   f"{r['torch_fp16_us']:.1f} | {r['torch_int_mm_us']:.1f} | {bf16} | {beats} |")
+    return out + [""]
+
+
 def bench_section(data: dict) -> str:
     from qgemm.bench import sweep_markdown
     from qgemm.tutorial import llamacpp_figures
@@ -122,6 +166,8 @@ def bench_section(data: dict) -> str:
         out.append(f"| {key[0]} | {key[1]}x{key[2]}x{key[3]} | {lu if lu else '-'} | {target:.1f} | {r['matmul_us']:.1f} | "
                    f"`{r['kernel']}` | {ratio} | {met} |")
     out.append("")
+    out += cold_decode_table(data)
+    out += prefill_peer_table(data)
     out.append(sweep_markdown(data, data.get("command", "qgemm bench")))
     for tag, cold in (("hot", False), ("cold", True)):
         if any(r["cold"] == cold for r in data["rows"]):
