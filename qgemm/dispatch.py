@@ -269,6 +269,7 @@ def _stream_key(stream):
 
 
 _queue_locks: dict = {}
+_thread_queue = threading.local()
 
 
 def _queue_lock(stream) -> threading.Lock:
@@ -279,6 +280,11 @@ def _queue_lock(stream) -> threading.Lock:
     thread need no more: the stream orders them, and a PDL-launched prologue writes the staging
     buffer only after its wait for the previous kernel."""
     key = _stream_key(stream)
+    if isinstance(key, tuple):  # the per-thread default stream is this thread's alone, and so is its lock:
+        lock = getattr(_thread_queue, "lock", None)  # kept in the table, its key would hold every finished Thread
+        if lock is None:
+            lock = _thread_queue.lock = threading.Lock()
+        return lock
     with _workspace_lock:
         lock = _queue_locks.get(key)
         if lock is None:

@@ -665,6 +665,15 @@ def test_matmul_scratch_is_per_stream(monkeypatch):
         t.start()
         t.join()
     assert keys[1] != keys[2]
+    # the per-thread stream's queue lock is its thread's own: the shared table holds no Thread
+    locks = []
+    for _ in range(2):
+        t = threading.Thread(target=lambda: locks.append(dispatch._queue_lock(2)))
+        t.start()
+        t.join()
+    assert locks[0] is not locks[1] and dispatch._queue_lock(2) is dispatch._queue_lock(2)
+    assert not any(isinstance(k, tuple) for k in dispatch._queue_locks)
+    assert dispatch._queue_lock(3) is dispatch._queue_lock(3) and 3 in dispatch._queue_locks
     eager12 = dispatch._scratch("prologue", (4, 8), np.float16, 12)
     capturing[12] = 101
     g = dispatch._scratch("prologue", (4, 8), np.float16, 12)
