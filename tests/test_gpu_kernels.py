@@ -242,6 +242,53 @@ def test_a_device_that_does_not_exist():
     assert r.returncode == 2 and "QGEMM_DEVICE=99 names no device" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
+_PER_THREAD_STREAMS = """
+import sys, threading, numpy as np, qgemm
+from qgemm import dispatch, runtime
+assert int(runtime.default_stream().handle) == 2, runtime.default_stream().handle  # CU_STREAM_PER_THREAD
+rng = np.random.default_rng(int(sys.argv[1]))
+wq = qgemm.quantize_q4_0(rng.standard_normal((256, 512), dtype=np.float32))
+dw = qgemm.DeviceArray.from_host(wq)
+ref = qgemm.plan(4, 256, 512, "q4_0").reference
+xs = [rng.standard_normal((4, 512), dtype=np.float32) * (i + 1) for i in range(8)]
+got, errors = {i: [] for i in range(8)}, []
+
+def calls(i):
+    try:
+        dx = qgemm.DeviceArray.from_host(xs[i])
+        for j in range(20):  # device calls (staging + GEMM) and host calls (status read back), interleaved
+            got[i].append(qgemm.matmul(dx, dw, fmt="q4_0").to_host() if j % 2 else qgemm.matmul(xs[i], wq))
+    except Exception as e:
+        errors.append(e)
+
+sys.setswitchinterval(1e-6)
+threads = [threading.Thread(target=calls, args=(i,)) for i in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+assert not errors, errors
+for i, outs in got.items():
+    for c in outs:
+        np.testing.assert_allclose(c, ref(xs[i], wq), rtol=1e-5, atol=1e-3)
+assert not any(isinstance(k, tuple) for k in dispatch._queue_locks), list(dispatch._queue_locks)
+print("ok", len(threads))
+"""
+
+
+def test_threads_on_the_per_thread_default_stream(rng):
+    """With cuda.core's per-thread default stream (CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1,
+    its own process): every thread's ops run on a stream of its own under one handle, each with
+    its own staging and queue lock (none kept in the shared table): eight threads' device and host
+    calls at once all come out right."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM": "1"}
+    r = subprocess.run([sys.executable, "-c", _PER_THREAD_STREAMS, str(int(rng.integers(1 << 30)))], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok 8" in r.stdout, r.stdout + r.stderr
+
+
 def test_threads_sharing_a_stream(rng):
     """Threads calling qgemm.matmul at once on the default stream: an op's kernels are queued
     together, so no op reads another's staged activations (M = 4: quantize.q8_1 into the stream's
