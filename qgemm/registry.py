@@ -315,7 +315,7 @@ def _skinny_i8_config(wfmt: str):
         else:
             r, warps, unroll = 1 if m == 1 else 2, 8, 2 if m == 1 else 1
         d = {"SK_R": r, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": 1, "SK_MQ": _skinny_i8_mq(m),
-             "SK_PDL_EARLY": _skinny_i8_pdl_early(m), "SK_MINB": minb}
+             "SK_PDL_EARLY": _skinny_i8_pdl_early(m), "SK_MINB": minb, "SK_PRIME": _skinny_i8_prime(m, unroll)}
         while not _skinny_i8_ok(d, wfmt, m, k) and d["SK_WARPS"] > 4:
             d = {**d, "SK_WARPS": d["SK_WARPS"] // 2}
         return d
@@ -332,12 +332,25 @@ def _skinny_i8_pdl_early(m: int) -> int:
     return 1 if m == 1 else 0
 
 
+def _skinny_i8_prime(m: int, unroll: int) -> int:
+    """SK_PRIME (common/skinny_i8.cuh): at M = 1 with one group per step, request the first two
+    steps' weights before the PDL wait. Measured on the H100 (session 29, Q8_0 1x4096x4096, the
+    default's one group per step; tools/probe_defines.py kernel alone and tools/sweep_order.py
+    whole op, old vs new tree alternating): cold 6.41-6.43 -> 5.79-5.84 us; hot right after the
+    torch peers (the bench's order) 4.93-4.94 -> 4.60-4.65; hot with the weights left resident by
+    qgemm rows only 3.89 -> 4.05-4.06. Decode weights come from DRAM in a model (they exceed the
+    L2), so the first two count. With two groups per step (Q4_0, Q8_0 at K >= 8192) the same idea
+    requests a warp's whole slice before the wait and measured slower (Q4_0 1x4096x4096 cold 4.05
+    -> 4.38, Q8_0 1x4096x14336 19.7 -> 20.3): off there."""
+    return int(m == 1 and unroll == 1)
+
+
 def _skinny_i8_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         mq = _skinny_i8_mq(m)
         # SK_MINB = 2 only up to 8 warps: at 16 it caps the registers at 64 and spills
         out = [{"SK_R": r, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_MQ": mq, "SK_PDL_EARLY": _skinny_i8_pdl_early(m),
-                "SK_MINB": b}
+                "SK_MINB": b, "SK_PRIME": _skinny_i8_prime(m, u)}
                for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in (1, 2, 4) for b in ((1, 2) if w <= 8 else (1,))]
         return [d for d in out if _skinny_i8_ok(d, wfmt, m, k)]
     return candidates

@@ -34,9 +34,9 @@
 // which is why this kernel is for M <= 8 and is chosen per shape by measurement (qgemm.dispatch).
 //
 // Configuration (-D): SK_R, SK_WARPS, SK_UNROLL as in skinny_f16.cuh; SK_MQ = tokens compiled for
-// (1, 2, 4, 8; M <= SK_MQ), SK_PDL_EARLY as in skinny_f16.cuh (default here: trigger after the
-// main loop; the launcher sets 1 at M = 1, where the trigger at entry measured faster cold and
-// no slower hot: qgemm.registry._skinny_i8_pdl_early).
+// (1, 2, 4, 8; M <= SK_MQ); SK_PRIME (below); SK_PDL_EARLY as in skinny_f16.cuh (default here:
+// trigger after the main loop; the launcher sets 1 at M = 1, where the trigger at entry measured
+// faster cold and no slower hot: qgemm.registry._skinny_i8_pdl_early).
 #pragma once
 #include "common/mma_gemm.cuh"
 #include "common/pdl.cuh"
@@ -58,6 +58,15 @@
 #endif
 #ifndef SK_PDL_EARLY
 #define SK_PDL_EARLY 0
+#endif
+// SK_PRIME: 1 requests the weights of the first two steps (both pipelined sets) before the PDL
+// wait, so a CTA that starts while the previous kernel finishes has two steps in flight instead
+// of one; the next set is then requested after a step is computed rather than before. For a lane
+// that streams one group per step (SK_UNROLL = 1: Q8_0 at M = 1, K < 8192) the launcher sets it
+// (qgemm.registry._skinny_i8_config); with two groups per step the whole slice would be requested
+// up front, which let the next op's loads crowd out this op's (Q4_0 1x4096x4096 cold 4.05 -> 4.38 us).
+#ifndef SK_PRIME
+#define SK_PRIME 0
 #endif
 #define SK_MQP (SK_MQ < 2 ? 2 : SK_MQ)  // token slots of the scale rows: a lane reads tokens 2t, 2t + 1
 #include "common/skinny_common.cuh"
@@ -192,12 +201,14 @@ static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, co
     DSet wdA, wdB;
     XSet xA, xB;
     if (gb < ge) load_w(wqA, wdA, gb);  // in flight while the previous kernel finishes (PDL)
+    if (SK_PRIME && gb + SK_UNROLL < ge) load_w(wqB, wdB, gb + SK_UNROLL);
     // The weights are the only memory read above this line (no kernel of an op chain writes them);
     // X and C only after the wait (common/pdl.cuh).
     pdl_wait();
     if (gb < ge) load_x(xA, gb);
+    if (SK_PRIME && gb + SK_UNROLL < ge) load_x(xB, gb + SK_UNROLL);
     for (int G = gb; G < ge; G += 2 * SK_UNROLL) {
-        if (G + SK_UNROLL < ge) {
+        if (!SK_PRIME && G + SK_UNROLL < ge) {
             load_w(wqB, wdB, G + SK_UNROLL);
             load_x(xB, G + SK_UNROLL);
         }
@@ -210,6 +221,10 @@ static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, co
         }
         quantize(xB, 1);
         compute(wqB, wdB, G + SK_UNROLL, 1);
+        if (SK_PRIME && G + 3 * SK_UNROLL < ge) {
+            load_w(wqB, wdB, G + 3 * SK_UNROLL);
+            load_x(xB, G + 3 * SK_UNROLL);
+        }
     }
 
     // C fragment: acc[r][0..1] -> W row g, tokens 2t, 2t+1; acc[r][2..3] -> row g + 8
