@@ -382,6 +382,26 @@ def test_wgmma_rs_weights_evict_first_where_activations_fit():
         assert qgemm.plan(m, 4096, k, fmt, packed=True, arch="sm_90").defines["RS_WEF"] == want
 
 
+@pytest.mark.parametrize("name", ["w4a8.skinny", "w8a8.skinny"])
+def test_skinny_i8_prime_follows_the_step_width(name):
+    """SK_PRIME (both pipelined weight sets before the PDL wait) is on exactly where a lane streams
+    one group per step at M = 1 -- in the default and in every tuning candidate, so `qgemm tune`
+    can keep the default and never stores a combination measured slower (two groups per step)."""
+    from qgemm import registry as R
+
+    s = R.spec(name)
+    for (m, n, k) in ((1, 4096, 4096), (1, 4096, 14336), (1, 33, 160), (3, 4096, 4096), (8, 4097, 4128)):
+        d = s.config(m, n, k, 132)
+        cands = s.candidates(m, n, k)
+        assert d in cands, (m, n, k, d)
+        for c in cands + [d]:
+            assert c["SK_PRIME"] == int(m == 1 and c["SK_UNROLL"] == 1), c
+    # the measured defaults (docs/perf/NOTES.md, session 29): on for Q8_0 below K = 8192 only
+    want = 1 if name == "w8a8.skinny" else 0
+    assert s.config(1, 4096, 4096, 132)["SK_PRIME"] == want
+    assert s.config(1, 4096, 14336, 132)["SK_PRIME"] == 0
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_wgmma_rs_configurations_fit(fmt):
     """Every configuration the register-A wgmma kernel may be tuned to fits the 227 KB of shared
