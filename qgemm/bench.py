@@ -119,6 +119,9 @@ class Profile:
 _SAMPLE_US = 1000.0  # GPU time one sample (one graph replay) should span
 _MAX_BATCH = 1000
 _TRIAL_BATCH = 16
+# --sustain: samples are queued this many at a time (one host synchronization per chunk, so the
+# GPU runs the replays back to back as llama.cpp's perf loop does)
+_SUSTAIN_CHUNK = 50
 _MAX_SETS = 1024  # cold buffer sets; an op so small that these cannot rotate 2x L2 is reported as such
 
 
@@ -187,7 +190,22 @@ def clear_l2(stream=None) -> bool:
     return True
 
 
-def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[float], dict]:
+def _sustained(replay_timed, iters: int, sustain_s: float) -> list[float]:
+    """Samples from `replay_timed()` -> (start, stop) pairs queued _SUSTAIN_CHUNK at a time, then
+    read back, until they add up to sustain_s seconds of GPU time (and at least `iters` of them):
+    llama.cpp's `test-backend-ops perf` runs each op back to back for at least a second, so its
+    figure includes the L2's steady state and whatever the clock does under sustained load."""
+    times, total_ms = [], 0.0
+    while total_ms < sustain_s * 1e3 or len(times) < iters:
+        pairs = [replay_timed() for _ in range(_SUSTAIN_CHUNK)]
+        for elapsed in pairs:
+            ms = elapsed()
+            total_ms += ms
+            times.append(ms)
+    return times
+
+
+def _time_launches(launch, sets: int, warmup: int, iters: int, sustain_s: float = 0.0) -> tuple[list[float], dict]:
     """Per-launch times in us. A single launch between two events would also time Python's launch
     overhead whenever the kernel is shorter than it (the GPU idles waiting for the launch), so
     launches are batched: B back-to-back launches (cycling through the buffer sets) are captured
@@ -196,7 +214,8 @@ def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[flo
     one plain launch (as before session 9) measured Python's launch overhead (25-110 us per call
     with qgemm.matmul's planning), gave batches of 9-39 decode ops, and left the graph's own
     launch latency (a few us per replay) in every sample. Falls back to uncaptured back-to-back
-    batches if capture fails. Starts with clear_l2 (a no-op unless QGEMM_BENCH_L2 asks for it)."""
+    batches if capture fails. Starts with clear_l2 (a no-op unless QGEMM_BENCH_L2 asks for it).
+    sustain_s > 0: samples for at least that long (`_sustained`) instead of `iters` of them."""
     stream = runtime.create_stream()
     clear_l2(stream)
     for i in range(max(warmup, 1)):
@@ -231,12 +250,22 @@ def _time_launches(launch, sets: int, warmup: int, iters: int) -> tuple[list[flo
         replay = recorder(batch)
     replay()
     runtime.synchronize(stream)
-    times = []
-    for _ in range(iters):
-        e0 = runtime.record_event(stream)
-        replay()
-        e1 = runtime.record_event(stream)
-        times.append(runtime.elapsed_ms(e0, e1) * 1e3 / batch)
+    if sustain_s > 0:
+        def replay_timed():
+            e0 = runtime.record_event(stream)
+            replay()
+            e1 = runtime.record_event(stream)
+            return lambda: runtime.elapsed_ms(e0, e1)
+
+        times = [ms * 1e3 / batch for ms in _sustained(replay_timed, iters, sustain_s)]
+        method += f", {len(times)} samples back to back over >= {sustain_s:g} s"
+    else:
+        times = []
+        for _ in range(iters):
+            e0 = runtime.record_event(stream)
+            replay()
+            e1 = runtime.record_event(stream)
+            times.append(runtime.elapsed_ms(e0, e1) * 1e3 / batch)
     return times, {"method": method, "launches_per_sample": batch, "single_launch_us": single}
 
 
@@ -450,10 +479,11 @@ def _sets_for(nbytes: int, cold: bool) -> int:
 
 
 def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict, warmup: int = 5, iters: int = 30,
-                path: str | None = None, packed: bool = True) -> dict:
+                path: str | None = None, packed: bool = True, sustain_s: float = 0.0) -> dict:
     """The whole op as qgemm.matmul runs it (prologue + GEMM), graph-batched like llama.cpp's perf
     mode. packed: the weights were made by qgemm.pack_weights (their one-time repacking is timed
-    separately, by `sweep`), so the skinny kernels may run; else raw ggml blocks."""
+    separately, by `sweep`), so the skinny kernels may run; else raw ggml blocks. sustain_s: each
+    timing runs back to back for at least that long (`_time_launches`)."""
     from . import dispatch as mm
     from . import packing
 
@@ -477,8 +507,8 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
 
         registry.get(p.kernel).launch(qs[i], ws[i], cs[i], m, n, k, stream=stream, defines=p.defines or None)
 
-    t_all, how = _time_launches(launch, sets, warmup, iters)
-    t_k, _ = _time_launches(kernel_only, sets, warmup, iters)
+    t_all, how = _time_launches(launch, sets, warmup, iters, sustain_s)
+    t_k, _ = _time_launches(kernel_only, sets, warmup, iters, sustain_s)
     med, kmed = statistics.median(t_all), statistics.median(t_k)
     for arr in xs + ws + cs + ([] if staged is None else qs):
         arr.free()
@@ -489,11 +519,12 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
 
 
 @on_qgemm_device
-def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
+def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30, sustain_s: float = 0.0) -> float:
     """Median µs of `fn(*make())` (torch, CUDA events), batched so each sample spans >= 1 ms; cold:
     rotated through buffer sets from `make` larger than twice the L2. The torch peers of
     `qgemm bench` and of its kvcache suite are timed by this one function. Starts with clear_l2,
-    as qgemm's own timings do (a no-op unless QGEMM_BENCH_L2 asks for a reset)."""
+    as qgemm's own timings do (a no-op unless QGEMM_BENCH_L2 asks for a reset). sustain_s: sampled
+    back to back for at least that long, as qgemm's own rows (`_sustained`)."""
     import torch
 
     l2 = max(runtime.device_info().l2_bytes, 1)
@@ -533,6 +564,15 @@ def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
         torch.cuda.synchronize()
     replay()
     torch.cuda.synchronize()
+    if sustain_s > 0:
+        def replay_timed():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            replay()
+            b.record()
+            return lambda: (b.synchronize(), a.elapsed_time(b))[1]
+
+        return statistics.median(ms * 1e3 / batch for ms in _sustained(replay_timed, iters, sustain_s))
     ts = []
     for _ in range(iters):
         e0.record()
@@ -544,7 +584,7 @@ def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30) -> float:
 
 
 @on_qgemm_device
-def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters: int = 30) -> dict:
+def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters: int = 30, sustain_s: float = 0.0) -> dict:
     """torch fp16/bf16 A @ W.T (cuBLAS) and torch._int_mm (cuBLASLt int8), hot or rotated."""
     try:
         import torch
@@ -555,7 +595,7 @@ def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters:
     out = {}
 
     def measure(make, fn):
-        return torch_time(make, fn, cold, warmup, iters)
+        return torch_time(make, fn, cold, warmup, iters, sustain_s)
 
     for dt, key in ((torch.float16, "torch_fp16_us"), (torch.bfloat16, "torch_bf16_us")):
         out[key] = measure(lambda: (torch.randn(m, k, device="cuda", dtype=dt), torch.randn(n, k, device="cuda", dtype=dt)),
@@ -572,9 +612,10 @@ def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters:
 
 
 def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes=(False, True), peers: bool = True,
-          progress=None, iters: int = 30, clocks: bool = False) -> dict:
+          progress=None, iters: int = 30, clocks: bool = False, sustain_s: float = 0.0) -> dict:
     """Everything `qgemm bench` reports, as a dict (environment, copy bandwidth, rows). clocks: each
-    row also gets the SM clock and power during its qgemm.matmul / kernel timings (`ClockSampler`)."""
+    row also gets the SM clock and power during its qgemm.matmul / kernel timings (`ClockSampler`).
+    sustain_s: every timing (qgemm's and the peers') runs back to back for at least that long."""
     rng = np.random.default_rng(0)
     weights = {}
     for fmt in fmts:
@@ -597,16 +638,16 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     try:
         for cold, k, m, fmt in jobs:
             t0 = time.time()
-            r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters)
+            r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, sustain_s=sustain_s)
             if sampler is not None:
                 r["clock"] = sampler.window(t0, time.time())
             if r["packed"]:  # the same op on raw ggml blocks (no pack_weights): what an unpacked caller gets
-                rb = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, packed=False)
+                rb = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, packed=False, sustain_s=sustain_s)
                 r.update(blocks_kernel=rb["kernel"], blocks_matmul_us=rb["matmul_us"])
             if peers:
                 key = (m, k, cold)
                 if key not in peer_cache:
-                    peer_cache[key] = torch_peer_times(m, n, k, cold, iters=iters)
+                    peer_cache[key] = torch_peer_times(m, n, k, cold, iters=iters, sustain_s=sustain_s)
                 r.update(peer_cache[key])
             rows.append(r)
             if progress:
@@ -617,7 +658,7 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     # the higher of the two measurements: a row's share of the copy bandwidth is never flattered by a slow copy
     copies = [copy_start / 1e9, measure_copy_bandwidth() / 1e9]
     return {"environment": environment(), "copy_bandwidth_gbps": max(copies), "copy_bandwidth_runs_gbps": copies,
-            "pack_ms": pack_ms, "rows": rows, "l2_reset": l2_mode()}
+            "pack_ms": pack_ms, "rows": rows, "l2_reset": l2_mode(), "sustain_s": sustain_s}
 
 
 def sweep_markdown(data: dict, command: str) -> str:
@@ -641,6 +682,10 @@ def sweep_markdown(data: dict, command: str) -> str:
         how = {"read": "a kernel reads twice its size", "memset": "twice its size of memset"}[reset]
         out.append(f"- every timing (qgemm and torch) starts from a reset L2 ({how}, `QGEMM_BENCH_L2={reset}`), "
                    "then warms up")
+    if data.get("sustain_s"):
+        out.append(f"- every timing (qgemm's and torch's) ran its samples back to back for at least "
+                   f"{data['sustain_s']:g} s (`--sustain`), as llama.cpp's `test-backend-ops perf` runs each op for "
+                   "at least a second; the median of all of them")
     clk = [r["clock"] for r in data["rows"] if r.get("clock")]
     if clk:
         mhz, watts = [c["sm_mhz"] for c in clk], [c["power_w"] for c in clk]

@@ -575,6 +575,10 @@ def bench(
     k_list: str = typer.Option("", "--k", help="Comma-separated K values instead of the sweep's (e.g. 4096)."),
     clocks: bool = typer.Option(False, "--clocks", help="gemm suite: record the SM clock and power per row (nvidia-smi, "
                                                          "every 20 ms)."),
+    sustain: float = typer.Option(0.0, "--sustain", min=0.0,
+                                  help="gemm suite: sample every timing back to back for at least this many seconds "
+                                       "(llama.cpp's perf mode runs each op >= 1 s) instead of --iters samples of ~1 ms; "
+                                       "0: off."),
 ):
     """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold.
     --suite kvcache: the mustafar.* kernels over S, Lq, sparsity and bits against dense torch attention."""
@@ -586,6 +590,8 @@ def bench(
     if suite == "kvcache":
         if m_list or k_list:
             _fail("--m and --k choose the GEMM sweep's shapes; --suite kvcache has its own (S, Lq, sparsity, bits)")
+        if sustain:
+            _fail("--sustain is for the gemm suite; --suite kvcache times --iters samples")
         _need_gpu("bench")
         from . import kvcache_bench
 
@@ -607,7 +613,8 @@ def bench(
     _need_gpu("bench")
     total = len(ms) * len(ks) * 2 * len(modes)
     with typer.progressbar(length=total, label="qgemm bench") as bar:
-        data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters, clocks=clocks)
+        data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters, clocks=clocks,
+                       sustain_s=sustain)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = _command_line()
     data["command"] = cmd

@@ -143,6 +143,61 @@ def test_every_timing_starts_from_a_cleared_l2(monkeypatch):
     assert [e for e in log[1:] if e[0] != "launch"] == []
 
 
+def test_sustained_timing_runs_for_the_time_asked(monkeypatch):
+    """--sustain: samples are taken back to back until they add up to the time asked (llama.cpp's
+    perf loop runs each op for >= 1 s), never fewer than --iters; without it, exactly --iters."""
+    from types import SimpleNamespace
+
+    from qgemm import bench
+
+    synced = []
+
+    class FakeGraph:
+        def __init__(self, record, stream):
+            self.record = record
+
+        def launch(self):
+            self.record()
+
+    fake = SimpleNamespace(create_stream=lambda: "s", synchronize=lambda s=None: synced.append(1), record_event=lambda s=None: 0,
+                           elapsed_ms=lambda a, b: 2.0, Graph=FakeGraph)  # every replay: 2 ms of GPU time
+    monkeypatch.setattr(bench, "runtime", fake)
+    launch = lambda i, stream=None: None  # noqa: E731
+    times, how = bench._time_launches(launch, 1, 3, 4)
+    assert len(times) == 4 and "over" not in how["method"]
+    times, how = bench._time_launches(launch, 1, 3, 4, sustain_s=0.25)  # 125 replays of 2 ms: three chunks of 50
+    assert len(times) == 3 * bench._SUSTAIN_CHUNK and how["method"].endswith("150 samples back to back over >= 0.25 s")
+    times, _ = bench._time_launches(launch, 1, 3, 120, sustain_s=1e-6)  # --iters still the floor
+    assert len(times) == 3 * bench._SUSTAIN_CHUNK
+
+    # the sweep hands it to every timing, qgemm's and the peers', and says so
+    import types
+
+    from qgemm import packing
+
+    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a: 2.0e12)
+    monkeypatch.setattr(bench, "environment", lambda: {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"})
+    nothing = types.SimpleNamespace(free=lambda: None)
+    monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=nothing, blocks=nothing))
+    asked = []
+
+    def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0):
+        asked.append(("qgemm", sustain_s))
+        return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": packed, "matmul_us": 1.0, "kernel_us": 1.0,
+                "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}
+
+    def peers(m, n, k, cold, iters=30, sustain_s=0.0):
+        asked.append(("torch", sustain_s))
+        return {"torch_fp16_us": 2.0}
+
+    monkeypatch.setattr(bench, "time_matmul", time_matmul)
+    monkeypatch.setattr(bench, "torch_peer_times", peers)
+    data = bench.sweep(ms=(1,), ks=(64,), n=32, fmts=("q4_0",), modes=(False,), sustain_s=1.5)
+    assert asked == [("qgemm", 1.5), ("qgemm", 1.5), ("torch", 1.5)] and data["sustain_s"] == 1.5
+    assert "back to back for at least 1.5 s (`--sustain`)" in bench.sweep_markdown(data, "qgemm bench --sustain 1.5")
+    assert "--sustain" not in bench.sweep_markdown({**data, "sustain_s": 0.0}, "qgemm bench")
+
+
 def _fake_l2_runtime(made, fills, launches):
     from types import SimpleNamespace
 
@@ -297,7 +352,7 @@ def test_sweep_measures_the_copy_bandwidth_before_and_after(monkeypatch):
     monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=fake, blocks=fake))
     timed = []
 
-    def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True):
+    def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0):
         timed.append((fmt, m, k, cold))
         return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": False, "matmul_us": 1.0, "kernel_us": 1.0,
                 "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}
