@@ -1,4 +1,5 @@
 """The developer tools under tools/ that parse their own input (no GPU needed)."""
+import json
 import importlib.util
 import os
 import pathlib
@@ -386,6 +387,33 @@ def test_perf_report_judges_cold_decode_and_the_prefill_peers():
     assert peers == ["| q4_0 | 512x4096x4096 | `w4a16.wgmma_rs` | 26.0 | 26.5 | 27.0 | 25.0 | yes |",
                      "| q8_0 | 512x4096x4096 | `w8a16.wgmma_rs` | 28.0 | 26.0 | 27.0 | - | no (7.7% slower) |"]
     assert pr.cold_decode_table({**data, "rows": rows[2:]}) == [] and pr.prefill_peer_table({**data, "rows": rows[:3]}) == []
+
+
+def test_perf_report_adds_the_targets_timed_llamacpps_way(tmp_path):
+    """--sustained-bench: a `qgemm bench --sustain` run's target rows in their own section, judged
+    like the main table, which now also counts its met targets; a bench.json that was not
+    sustained is refused (it would be mislabelled)."""
+    pr = _load("perf_report")
+    env = {"device": "NVIDIA H100 80GB HBM3", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"}
+    row = {"fmt": "q8_0", "M": 8, "N": 4096, "K": 4096, "cold": False, "matmul_us": 6.53, "kernel_us": 6.4,
+           "kernel": "w8a16.skinny", "tflops": 0.1, "weight_gbps": 1.0}
+    burst = {"environment": env, "copy_bandwidth_gbps": 2800.0, "rows": [row], "command": "qgemm bench"}
+    sustained = {**burst, "rows": [{**row, "matmul_us": 6.31}], "sustain_s": 1.0, "command": "qgemm bench --sustain 1"}
+    paths = {}
+    for name, data in (("b", burst), ("s", sustained), ("plain", {**sustained, "sustain_s": 0.0})):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(data))
+    prof = pathlib.Path(__file__).resolve().parents[1] / "docs" / "perf" / "profile-h100-512x4096x4096-hot.json"
+    out = tmp_path / "perf.md"
+    assert pr.main([str(prof), "--bench", str(paths["b"]), "--sustained-bench", str(paths["s"]), "-o", str(out)]) == 0
+    text = out.read_text()
+    main, _, sust = text.partition("## The targets timed llama.cpp's way (`qgemm bench --sustain 1`)")
+    assert "| q8_0 | 8x4096x4096 | 14.37 | 6.5 | 6.5 | `w8a16.skinny` | 2.20x faster | no (0.5% over) |" in main
+    assert "0 of 1 targets met in this run." in main
+    assert "| q8_0 | 8x4096x4096 | 14.37 | 6.5 | 6.3 | `w8a16.skinny` | 2.28x faster | yes |" in sust
+    assert "1 of 1 targets met in this run." in sust and "back to back for at least 1 s (`--sustain`)" in sust
+    assert pr.main([str(prof), "--sustained-bench", str(paths["plain"]), "-o", str(out)]) == 1
+    assert pr.main([str(prof), "--sustained-bench", str(tmp_path / "none.json"), "-o", str(out)]) == 1
 
 
 def test_cold_rotation_uses_every_set_and_whole_rotations(monkeypatch):

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one script for GPU work (run it on the device machine): by default `qgemm info` and
 # `compile --all`, the GPU tests, `qgemm validate --all` (plus the 1x1x32 per-block breakdown), the
-# live tutorial, a profile of every kernel at 512x4096x4096 (hot and cold), `qgemm bench` and
-# docs/performance.md's regeneration (report), with logs under $OUT.
+# live tutorial, a profile of every kernel at 512x4096x4096 (hot and cold), `qgemm bench`, the issue's
+# target shapes timed llama.cpp's way (`qgemm bench --sustain 1`) and docs/performance.md's
+# regeneration (report), with logs under $OUT.
 #
-#   bash tools/gpu_check.sh                 # the default steps: info tests validate tutorial profile bench report
+#   bash tools/gpu_check.sh                 # the default steps: info tests validate tutorial profile bench sustained report
 #   QGEMM_CHECK="tests profile" bash tools/gpu_check.sh   # tests: the whole suite (with two GPUs: QGEMM_DEVICE too)
 #   QGEMM_CHECK="skinny decode ncu" bash tools/gpu_check.sh    # decode path: tests, tune, bench M <= 64, ncu
 #   QGEMM_CHECK="i8" bash tools/gpu_check.sh                   # int8 decode kernels: tests, every config vs fp16, whole op
@@ -22,7 +23,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export QGEMM_CACHE_DIR=${QGEMM_CACHE_DIR:-/tmp/qgemm-cache}
 PY=${PYTHON:-python3}
-STEPS=${QGEMM_CHECK:-"info tests validate tutorial profile bench report"}
+STEPS=${QGEMM_CHECK:-"info tests validate tutorial profile bench sustained report"}
 SHAPE=${QGEMM_SHAPE:-512x4096x4096}
 RS_SHAPES=${QGEMM_RS_SHAPES:-64x4096x4096,128x4096x4096,512x4096x4096,2048x4096x4096,512x4096x14336}
 I8_SHAPES=${QGEMM_I8_SHAPES:-1x4096x4096,1x4096x14336,2x4096x4096,4x4096x4096,8x4096x4096}
@@ -131,8 +132,15 @@ for step in $STEPS; do
     bench)    run $PY -m qgemm bench --out "$OUT/bench" --iters 20 --clocks
               for f in bench.json bench-hot.png bench-cold.png; do [ -f "$OUT/bench/$f" ] && mv "$OUT/bench/$f" "$OUT/$f"; done
               rm -rf "$OUT/bench" ;;  # bench.md is folded into performance.md (the device returns 8 files at most)
-    report)   run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" --bench "$OUT/bench.json" \
-                  --notes docs/performance-notes.md -o "$OUT/performance.md" ;;
+    sustained) # the issue's target shapes, every timing (qgemm's and torch's) back to back for >= 1 s, as
+              # llama.cpp's perf mode measures its figures: the L2's steady state, the clock at the power limit
+              run $PY -m qgemm bench --m 1,8,64,512,2048 --k 4096,14336 --hot-only --clocks --iters 20 --sustain 1 \
+                  --out "$OUT/sustained"
+              [ -f "$OUT/sustained/bench.json" ] && mv "$OUT/sustained/bench.json" "$OUT/bench-sustained.json"
+              rm -rf "$OUT/sustained" ;;
+    report)   sust=(); [ -f "$OUT/bench-sustained.json" ] && sust=(--sustained-bench "$OUT/bench-sustained.json")
+              run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" --bench "$OUT/bench.json" \
+                  ${sust[@]+"${sust[@]}"} --notes docs/performance-notes.md -o "$OUT/performance.md" ;;
     *) echo "unknown step $step" | tee -a "$LOG"; rc=1 ;;
   esac
 done
