@@ -119,8 +119,8 @@ class Profile:
 _SAMPLE_US = 1000.0  # GPU time one sample (one graph replay) should span
 _MAX_BATCH = 1000
 _TRIAL_BATCH = 16
-# --sustain: samples are queued this many at a time (one host synchronization per chunk, so the
-# GPU runs the replays back to back as llama.cpp's perf loop does)
+# --sustain: samples are queued this many at a time before the host reads their times, so the GPU
+# always has replays waiting and runs them back to back, as llama.cpp's perf loop does
 _SUSTAIN_CHUNK = 50
 _MAX_SETS = 1024  # cold buffer sets; an op so small that these cannot rotate 2x L2 is reported as such
 
@@ -215,7 +215,7 @@ def _time_launches(launch, sets: int, warmup: int, iters: int, sustain_s: float 
     with qgemm.matmul's planning), gave batches of 9-39 decode ops, and left the graph's own
     launch latency (a few us per replay) in every sample. Falls back to uncaptured back-to-back
     batches if capture fails. Starts with clear_l2 (a no-op unless QGEMM_BENCH_L2 asks for it).
-    sustain_s > 0: samples for at least that long (`_sustained`) instead of `iters` of them."""
+    sustain_s > 0: samples for at least that long (`_sustained`), and never fewer than `iters`."""
     stream = runtime.create_stream()
     clear_l2(stream)
     for i in range(max(warmup, 1)):

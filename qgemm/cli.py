@@ -575,9 +575,9 @@ def bench(
     k_list: str = typer.Option("", "--k", help="Comma-separated K values instead of the sweep's (e.g. 4096)."),
     clocks: bool = typer.Option(False, "--clocks", help="gemm suite: record the SM clock and power per row (nvidia-smi, "
                                                          "every 20 ms)."),
-    sustain: float = typer.Option(0.0, "--sustain", min=0.0,
+    sustain: float = typer.Option(0.0, "--sustain", min=0.0, max=60.0,
                                   help="gemm suite: sample every timing back to back for at least this many seconds "
-                                       "(llama.cpp's perf mode runs each op >= 1 s) instead of --iters samples of ~1 ms; "
+                                       "(llama.cpp's perf mode runs each op >= 1 s), --iters samples of ~1 ms at least; "
                                        "0: off."),
 ):
     """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold.

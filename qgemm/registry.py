@@ -340,8 +340,10 @@ def _skinny_i8_prime(m: int, unroll: int) -> int:
     torch peers (the bench's order) 4.93-4.94 -> 4.60-4.65; hot with the weights left resident by
     qgemm rows only 3.89 -> 4.05-4.06. Decode weights come from DRAM in a model (they exceed the
     L2), so the first two count. With two groups per step (Q4_0, Q8_0 at K >= 8192) the same idea
-    requests a warp's whole slice before the wait and measured slower (Q4_0 1x4096x4096 cold 4.05
-    -> 4.38, Q8_0 1x4096x14336 19.7 -> 20.3): off there."""
+    requests four groups per warp before the wait (at K = 4096 a warp's whole slice) and measured
+    slower (Q4_0 1x4096x4096 cold 4.05 -> 4.38, Q8_0 1x4096x14336 19.7 -> 20.3): off there. The
+    rule follows the step width only; a candidate whose warps hold just one or two groups (many
+    warps, or K split across CTAs) primes its whole slice too -- `qgemm tune` times it as it is."""
     return int(m == 1 and unroll == 1)
 
 

@@ -385,8 +385,8 @@ def test_wgmma_rs_weights_evict_first_where_activations_fit():
 @pytest.mark.parametrize("name", ["w4a8.skinny", "w8a8.skinny"])
 def test_skinny_i8_prime_follows_the_step_width(name):
     """SK_PRIME (both pipelined weight sets before the PDL wait) is on exactly where a lane streams
-    one group per step at M = 1 -- in the default and in every tuning candidate, so `qgemm tune`
-    can keep the default and never stores a combination measured slower (two groups per step)."""
+    one group per step at M = 1, by the same rule in the default and in every tuning candidate (so
+    the default is one of the candidates `qgemm tune` times); the measured defaults are pinned."""
     from qgemm import registry as R
 
     s = R.spec(name)
@@ -850,6 +850,7 @@ def test_validate_profile_tune_bench_check_their_inputs_before_the_gpu(tmp_path)
         (["bench", "--suite", "kvcache", "--m", "1"], "--suite kvcache has its own"),
         (["bench", "--suite", "kvcache", "--sustain", "1"], "--sustain is for the gemm suite"),
         (["bench", "--sustain", "-1"], r"Invalid value for '--sustain'"),
+        (["bench", "--sustain", "inf"], r"Invalid value for '--sustain'"),  # would never end
         (["bench", "--out", str(tmp_path / "f.txt")], "exists and is not a directory"),
     ]
     (tmp_path / "f.txt").write_text("")

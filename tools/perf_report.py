@@ -176,10 +176,10 @@ def sustained_section(data: dict) -> str:
     _, llama = _llama_figures(data)
     out = [f"## The targets timed llama.cpp's way (`qgemm bench --sustain {data.get('sustain_s', 0):g}`)\n",
            "llama.cpp's `test-backend-ops perf` runs each op back to back for at least a second and reports total "
-           "time / runs, so its figures include the L2's steady state and the clock under sustained load (the "
-           "H100 reaches its power limit in prefill and lowers its SM clock). The bench above times ~20 ms of "
-           "samples per row. Here every timing -- qgemm's and cuBLAS's -- ran back to back for the time named "
-           "in the command, in one run of the target shapes.\n"]
+           "time / runs, so its figures include the L2's steady state and the clock under sustained load (prefill "
+           "can reach the board's power limit, which lowers the SM clock; the SM clock column says). `qgemm bench` "
+           "without `--sustain` times ~20 ms of samples per row. Here every timing -- qgemm's and cuBLAS's -- ran "
+           f"back to back for the time named in the command, on the {data['environment']['device']}.\n"]
     out += target_table(data, llama)
     out += prefill_peer_table(data)
     out.append(sweep_markdown(data, data.get("command", "qgemm bench --sustain")))

@@ -63,8 +63,9 @@
 // wait, so a CTA that starts while the previous kernel finishes has two steps in flight instead
 // of one; the next set is then requested after a step is computed rather than before. For a lane
 // that streams one group per step (SK_UNROLL = 1: Q8_0 at M = 1, K < 8192) the launcher sets it
-// (qgemm.registry._skinny_i8_config); with two groups per step the whole slice would be requested
-// up front, which let the next op's loads crowd out this op's (Q4_0 1x4096x4096 cold 4.05 -> 4.38 us).
+// (qgemm.registry._skinny_i8_config). With two groups per step it requests four groups per warp
+// before the wait -- at K = 4096 the warp's whole slice -- and measured slower: the next op's
+// loads then crowd out this op's (Q4_0 1x4096x4096 cold 4.05 -> 4.38 us).
 #ifndef SK_PRIME
 #define SK_PRIME 0
 #endif
