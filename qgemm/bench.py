@@ -191,8 +191,9 @@ def clear_l2(stream=None) -> bool:
 
 
 def _sustained(replay_timed, iters: int, sustain_s: float) -> list[float]:
-    """Samples from `replay_timed()` -> (start, stop) pairs queued _SUSTAIN_CHUNK at a time, then
-    read back, until they add up to sustain_s seconds of GPU time (and at least `iters` of them):
+    """Sample times in ms: `replay_timed()` queues one timed replay and returns a function that
+    reads its time; they are queued _SUSTAIN_CHUNK at a time, then read back, until they add up to
+    sustain_s seconds of GPU time (and at least `iters` of them):
     llama.cpp's `test-backend-ops perf` runs each op back to back for at least a second, so its
     figure includes the L2's steady state and whatever the clock does under sustained load."""
     times, total_ms = [], 0.0
