@@ -701,6 +701,9 @@ def compare_llamacpp(
     timeout: float = typer.Option(1800.0, "--timeout", help="Seconds test-backend-ops may run."),
     warmup: int = typer.Option(5, "--warmup", min=0, help="Untimed qgemm.matmul calls per shape."),
     iters: int = typer.Option(20, "--iters", min=1, help="Timed samples per shape, each a CUDA-graph replay of back-to-back qgemm.matmul calls (the median is reported)."),
+    sustain: float = typer.Option(0.0, "--sustain", min=0.0, max=60.0,
+                                  help="Sample each shape back to back for at least this many seconds, as test-backend-ops "
+                                       "runs each op for >= 1 s (--iters samples at least); 0: off."),
     as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the rows as JSON."),
 ):
     """llama.cpp's MUL_MAT (test-backend-ops perf) and qgemm.matmul on the same shapes and types,
@@ -744,12 +747,13 @@ def compare_llamacpp(
         return
     info = runtime.device_info()
     try:
-        timer = llamacpp.matmul_timer(warmup=warmup, iters=iters)
+        timer = llamacpp.matmul_timer(warmup=warmup, iters=iters, sustain_s=sustain)
     except RuntimeError as e:
         _fail(str(e))
     res = llamacpp.compare(selected, timer)
     typer.echo(f"llama.cpp: {llama_dev} ({source}); qgemm.matmul: {info.name} ({info.arch}), "
-               f"median of {iters} CUDA-graph samples of back-to-back calls per shape")
+               f"median of {iters} CUDA-graph samples of back-to-back calls per shape"
+               + (f", sampled back to back for >= {sustain:g} s" if sustain else ""))
     if llama_dev != "unknown device" and llama_dev != info.name:
         typer.echo(f"warning: the llama.cpp figures come from {llama_dev}, qgemm runs on {info.name}: "
                    "the ratio compares different GPUs")

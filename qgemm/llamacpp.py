@@ -180,19 +180,21 @@ def _weights(fmt: str, n: int, k: int, rng) -> np.ndarray:
     raise ValueError(f"{fmt} is not a weight format (expected q4_0, q8_0, f16 or f32)")
 
 
-def matmul_timer(warmup: int = 5, iters: int = 20, seed: int = 0) -> Timer:
+def matmul_timer(warmup: int = 5, iters: int = 20, seed: int = 0, sustain_s: float = 0.0) -> Timer:
     """A timer for compare() backed by `qgemm.matmul(A, W, out=C)` on device arrays: float32
     activations [M, K] x weights [N, K] of the row's type -> float32 [M, N], the whole op
     (activation quantization included) as test-backend-ops times MUL_MAT.
 
-    Timed like `qgemm profile`: B back-to-back matmul calls (B ~ 1 ms of GPU work, at most 200)
-    captured once as a CUDA graph and replayed between two CUDA events, so Python's per-call
-    overhead is not in the figure (ggml's perf mode also times GPU work, not host launches);
-    `iters` replays, the median of replay time / B is returned, in microseconds."""
+    Timed as `qgemm bench` times its rows (`qgemm.bench._time_launches`): B back-to-back matmul
+    calls (B ~ 1 ms of GPU work) captured once as a CUDA graph and replayed between two CUDA
+    events, so Python's per-call overhead is not in the figure (ggml's perf mode also times GPU
+    work, not host launches); `iters` replays -- or, with sustain_s, replays back to back for at
+    least that long, as test-backend-ops runs each op for >= 1 s -- and the median of replay
+    time / B is returned, in microseconds."""
     import statistics
 
     import qgemm
-    from . import runtime
+    from . import bench, runtime
 
     matmul = getattr(qgemm, "matmul", None)
     if matmul is None:
@@ -207,32 +209,9 @@ def matmul_timer(warmup: int = 5, iters: int = 20, seed: int = 0) -> Timer:
             w = weights[(type_, n, k)] = runtime.DeviceArray.from_host(_weights(type_, n, k, rng))
         a = runtime.DeviceArray.from_host(rng.standard_normal((m, k), dtype=np.float32))
         c = runtime.DeviceArray.empty((m, n), np.float32)
-        stream = runtime.create_stream()
-        for _ in range(max(warmup, 1)):  # compiles and loads before the capture (which takes scratch of its own)
-            matmul(a, w, out=c, stream=stream)
-        e0 = runtime.record_event(stream)
-        matmul(a, w, out=c, stream=stream)
-        e1 = runtime.record_event(stream)
-        single = runtime.elapsed_ms(e0, e1) * 1e3
-        batch = int(min(max(1000.0 / max(single, 1e-3), 1), 200))
-
-        def record():
-            for _ in range(batch):
-                matmul(a, w, out=c, stream=stream)
-
-        try:
-            graph = runtime.Graph(record, stream)
-            replay = graph.launch
-        except Exception:  # capture unsupported here: uncaptured back-to-back batches
-            replay = record
-        replay()
-        runtime.synchronize(stream)
-        samples = []
-        for _ in range(iters):
-            e0 = runtime.record_event(stream)
-            replay()
-            e1 = runtime.record_event(stream)
-            samples.append(runtime.elapsed_ms(e0, e1) * 1e3 / batch)
+        # warm-up calls compile and load before the capture (which takes scratch of its own)
+        samples, _ = bench._time_launches(lambda i, stream=None: matmul(a, w, out=c, stream=stream), 1, warmup, iters,
+                                          sustain_s)
         return statistics.median(samples)
 
     return timer

@@ -851,6 +851,7 @@ def test_validate_profile_tune_bench_check_their_inputs_before_the_gpu(tmp_path)
         (["bench", "--suite", "kvcache", "--sustain", "1"], "--sustain is for the gemm suite"),
         (["bench", "--sustain", "-1"], r"Invalid value for '--sustain'"),
         (["bench", "--sustain", "inf"], r"Invalid value for '--sustain'"),  # would never end
+        (["compare-llamacpp", "--from-file", str(tmp_path / "f.txt"), "--sustain", "-1"], r"Invalid value for '--sustain'"),
         (["bench", "--out", str(tmp_path / "f.txt")], "exists and is not a directory"),
     ]
     (tmp_path / "f.txt").write_text("")

@@ -249,3 +249,7 @@ def test_cli_side_by_side_on_gpu(tmp_path):
     assert len(rows) == 2
     for row in rows:
         assert row["qgemm_us"] > 0 and row["ratio"] == pytest.approx(row["us"] / row["qgemm_us"]), row
+    # timed the way test-backend-ops times its own rows: back to back for a while (0.05 s here)
+    r = runner.invoke(app, ["compare-llamacpp", "--from-file", str(p), "--iters", "3", "--sustain", "0.05", "--json", str(out)])
+    assert r.exit_code == 0 and "sampled back to back for >= 0.05 s" in r.output, r.output
+    assert all(row["qgemm_us"] > 0 for row in json.loads(out.read_text())["rows"])

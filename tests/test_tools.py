@@ -119,6 +119,16 @@ def test_sweep_markdown_reports_clock_range():
     assert "reset L2 (a kernel reads twice its size" in bench.sweep_markdown({**data, "l2_reset": "read"}, "qgemm bench")
 
 
+class _FakeGraph:
+    """runtime.Graph for the timing tests: a replay runs the recorded launches."""
+
+    def __init__(self, record, stream):
+        self.record = record
+
+    def launch(self):
+        self.record()
+
+
 def test_every_timing_starts_from_a_cleared_l2(monkeypatch):
     """_time_launches calls clear_l2 on its stream before any launch (what it does is
     QGEMM_BENCH_L2's choice: test_clear_l2_modes)."""
@@ -127,16 +137,8 @@ def test_every_timing_starts_from_a_cleared_l2(monkeypatch):
     from qgemm import bench
 
     log = []
-
-    class FakeGraph:
-        def __init__(self, record, stream):
-            self.record = record
-
-        def launch(self):
-            self.record()
-
     fake = SimpleNamespace(create_stream=lambda: "s", synchronize=lambda s=None: None, record_event=lambda s=None: len(log),
-                           elapsed_ms=lambda a, b: 1.0, Graph=FakeGraph)
+                           elapsed_ms=lambda a, b: 1.0, Graph=_FakeGraph)
     monkeypatch.setattr(bench, "runtime", fake)
     monkeypatch.setattr(bench, "clear_l2", lambda stream=None: log.append(("clear", stream)))
     times, _ = bench._time_launches(lambda i, stream=None: log.append(("launch", stream)), 1, 3, 4)
@@ -151,17 +153,8 @@ def test_sustained_timing_runs_for_the_time_asked(monkeypatch):
 
     from qgemm import bench
 
-    synced = []
-
-    class FakeGraph:
-        def __init__(self, record, stream):
-            self.record = record
-
-        def launch(self):
-            self.record()
-
-    fake = SimpleNamespace(create_stream=lambda: "s", synchronize=lambda s=None: synced.append(1), record_event=lambda s=None: 0,
-                           elapsed_ms=lambda a, b: 2.0, Graph=FakeGraph)  # every replay: 2 ms of GPU time
+    fake = SimpleNamespace(create_stream=lambda: "s", synchronize=lambda s=None: None, record_event=lambda s=None: 0,
+                           elapsed_ms=lambda a, b: 2.0, Graph=_FakeGraph)  # every replay: 2 ms of GPU time
     monkeypatch.setattr(bench, "runtime", fake)
     launch = lambda i, stream=None: None  # noqa: E731
     times, how = bench._time_launches(launch, 1, 3, 4)
