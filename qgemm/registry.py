@@ -171,13 +171,21 @@ def _gemv_m(m: int) -> int:
 
 
 def _gemv_config(m: int, n: int, k: int, sm_count: int) -> dict:
-    # more weight rows per warp when there are more activation rows: each loaded activation
-    # fragment is then reused GEMV_COLS times
-    return {"GEMV_M": _gemv_m(m), "GEMV_COLS": 2 if m <= 2 else 4, "GEMV_WARPS": 4}
+    # Two weight rows per warp, 8 warps per CTA, activations staged 128 blocks at a time (half as
+    # many CTA barriers as 64). Measured on the H100 (session 29: `qgemm tune --dry-run`, then
+    # tools/probe_defines.py, kernel alone, hot), against the earlier default (4 warps; 2 rows up
+    # to M = 2, then 4; 64-block chunks), us:
+    #   Q8_0 1x4096x4096 7.3-7.5 -> 6.95, 2x 9.5 -> 8.5, 4x 14.6 -> 10.2, 8x 18.9 -> 15.2-15.3,
+    #        8x4096x14336 92.4 -> 63.0-63.1, 1x4096x14336 37.6 -> 36.3, 7x4097x4128 26.1 -> 19.9
+    #   Q4_0 1x4096x4096 6.0-6.2 -> 5.8, 2x 7.2 -> 6.9, 4x 11.3 -> 9.4, 8x 17.9 -> 14.5-14.6,
+    #        8x4096x14336 62.9-66.7 -> 46.5, 1x4096x14336 17.8-17.9 -> 16.4-16.5
+    # (4 rows per warp, meant to reuse each activation fragment, lost to the occupancy it costs.)
+    return {"GEMV_M": _gemv_m(m), "GEMV_COLS": 2, "GEMV_WARPS": 8, "GEMV_CHUNK": 128}
 
 
 def _gemv_candidates(m: int, n: int, k: int) -> list[dict]:
-    return [{"GEMV_M": _gemv_m(m), "GEMV_COLS": c, "GEMV_WARPS": w} for c in (1, 2, 4, 8) for w in (2, 4, 8)]
+    return [{"GEMV_M": _gemv_m(m), "GEMV_COLS": c, "GEMV_WARPS": w, "GEMV_CHUNK": ch}
+            for c in (1, 2, 4, 8) for w in (2, 4, 8) for ch in (64, 128)]
 
 
 # ---- skinny fp16 MMA for decode and small batches (common/skinny_f16.cuh) --------------------

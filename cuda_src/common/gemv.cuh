@@ -21,13 +21,13 @@
 #define GEMV_COLS 2
 #endif
 #ifndef GEMV_WARPS
-#define GEMV_WARPS 4
+#define GEMV_WARPS 8
 #endif
 #ifndef GEMV_UNROLL
 #define GEMV_UNROLL 4  // iterations of weight loads in flight per lane
 #endif
 #ifndef GEMV_CHUNK
-#define GEMV_CHUNK 64  // Q8_1 blocks of each activation row staged at a time
+#define GEMV_CHUNK 128  // Q8_1 blocks of each activation row staged at a time
 #endif
 #define GEMV_ROW_BYTES (GEMV_CHUNK * 36)
 
