@@ -190,19 +190,21 @@ def clear_l2(stream=None) -> bool:
     return True
 
 
-def _sustained(replay_timed, iters: int, sustain_s: float) -> list[float]:
+def _samples(replay_timed, iters: int, sustain_s: float) -> list[float]:
     """Sample times in ms: `replay_timed()` queues one timed replay and returns a function that
-    reads its time; they are queued _SUSTAIN_CHUNK at a time, then read back, until they add up to
-    sustain_s seconds of GPU time (and at least `iters` of them):
-    llama.cpp's `test-backend-ops perf` runs each op back to back for at least a second, so its
-    figure includes the L2's steady state and whatever the clock does under sustained load."""
+    reads its time. Without sustain_s, `iters` samples, each read before the next is queued. With
+    it, samples queued _SUSTAIN_CHUNK at a time, then read back, until they add up to sustain_s
+    seconds of GPU time (and at least `iters` of them): llama.cpp's `test-backend-ops perf` runs
+    each op back to back for at least a second, so its figure includes the L2's steady state and
+    whatever the clock does under sustained load."""
+    if sustain_s <= 0:
+        return [replay_timed()() for _ in range(iters)]
     times, total_ms = [], 0.0
     while total_ms < sustain_s * 1e3 or len(times) < iters:
-        pairs = [replay_timed() for _ in range(_SUSTAIN_CHUNK)]
-        for elapsed in pairs:
-            ms = elapsed()
-            total_ms += ms
-            times.append(ms)
+        pending = [replay_timed() for _ in range(_SUSTAIN_CHUNK)]
+        for elapsed in pending:
+            times.append(elapsed())
+            total_ms += times[-1]
     return times
 
 
@@ -216,7 +218,7 @@ def _time_launches(launch, sets: int, warmup: int, iters: int, sustain_s: float 
     with qgemm.matmul's planning), gave batches of 9-39 decode ops, and left the graph's own
     launch latency (a few us per replay) in every sample. Falls back to uncaptured back-to-back
     batches if capture fails. Starts with clear_l2 (a no-op unless QGEMM_BENCH_L2 asks for it).
-    sustain_s > 0: samples for at least that long (`_sustained`), and never fewer than `iters`."""
+    sustain_s > 0: samples for at least that long (`_samples`), and never fewer than `iters`."""
     stream = runtime.create_stream()
     clear_l2(stream)
     for i in range(max(warmup, 1)):
@@ -251,22 +253,15 @@ def _time_launches(launch, sets: int, warmup: int, iters: int, sustain_s: float 
         replay = recorder(batch)
     replay()
     runtime.synchronize(stream)
-    if sustain_s > 0:
-        def replay_timed():
-            e0 = runtime.record_event(stream)
-            replay()
-            e1 = runtime.record_event(stream)
-            return lambda: runtime.elapsed_ms(e0, e1)
+    def replay_timed():
+        e0 = runtime.record_event(stream)
+        replay()
+        e1 = runtime.record_event(stream)
+        return lambda: runtime.elapsed_ms(e0, e1)
 
-        times = [ms * 1e3 / batch for ms in _sustained(replay_timed, iters, sustain_s)]
+    times = [ms * 1e3 / batch for ms in _samples(replay_timed, iters, sustain_s)]
+    if sustain_s > 0:
         method += f", {len(times)} samples back to back over >= {sustain_s:g} s"
-    else:
-        times = []
-        for _ in range(iters):
-            e0 = runtime.record_event(stream)
-            replay()
-            e1 = runtime.record_event(stream)
-            times.append(runtime.elapsed_ms(e0, e1) * 1e3 / batch)
     return times, {"method": method, "launches_per_sample": batch, "single_launch_us": single}
 
 
@@ -525,7 +520,7 @@ def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30, sustain_s
     rotated through buffer sets from `make` larger than twice the L2. The torch peers of
     `qgemm bench` and of its kvcache suite are timed by this one function. Starts with clear_l2,
     as qgemm's own timings do (a no-op unless QGEMM_BENCH_L2 asks for a reset). sustain_s: sampled
-    back to back for at least that long, as qgemm's own rows (`_sustained`)."""
+    back to back for at least that long, as qgemm's own rows (`_samples`)."""
     import torch
 
     l2 = max(runtime.device_info().l2_bytes, 1)
@@ -565,23 +560,14 @@ def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30, sustain_s
         torch.cuda.synchronize()
     replay()
     torch.cuda.synchronize()
-    if sustain_s > 0:
-        def replay_timed():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            replay()
-            b.record()
-            return lambda: (b.synchronize(), a.elapsed_time(b))[1]
-
-        return statistics.median(ms * 1e3 / batch for ms in _sustained(replay_timed, iters, sustain_s))
-    ts = []
-    for _ in range(iters):
-        e0.record()
+    def replay_timed():
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
         replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / batch)
-    return statistics.median(ts)
+        b.record()
+        return lambda: (b.synchronize(), a.elapsed_time(b))[1]
+
+    return statistics.median(ms * 1e3 / batch for ms in _samples(replay_timed, iters, sustain_s))
 
 
 @on_qgemm_device
