@@ -157,6 +157,9 @@ class Launch:
     block: tuple[int, int, int]
     shmem: int = 0  # dynamic shared memory bytes
     zero_output: bool = False  # split-K kernels accumulate into C with atomics
+    # launched with programmatic dependent launch when the kernel's spec supports it (KernelSpec.pdl)
+    # and PDL is on: a configuration may turn it off where starting early costs more than it gives
+    pdl: bool = True
 
 
 class Kernel:
@@ -367,7 +370,7 @@ class Kernel:
         # programmatic dependent launch unless the zeroing of C was queued right before it (a
         # memset, not a kernel: nothing to overlap)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream,
-                   pdl=self.spec.pdl and (zeroed or not g.zero_output))
+                   pdl=self.spec.pdl and g.pdl and (zeroed or not g.zero_output))
 
     # -- quantizers ----------------------------------------------------------------------------
     def _call_quantize(self, x, out=None, stream=None):

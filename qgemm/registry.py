@@ -163,7 +163,22 @@ def _hf_candidates(m: int, n: int, k: int) -> list[dict]:
 # ---- decode GEMV (common/gemv.cuh) ----------------------------------------------------------
 def _gemv_geometry(m: int, n: int, k: int, d: dict) -> Launch:
     per_cta = d["GEMV_COLS"] * d["GEMV_WARPS"]
-    return Launch(grid=(cdiv(n, per_cta), 1, 1), block=(32 * d["GEMV_WARPS"], 1, 1))
+    return Launch(grid=(cdiv(n, per_cta), 1, 1), block=(32 * d["GEMV_WARPS"], 1, 1), pdl=bool(d.get("GEMV_PDL", 0)))
+
+
+def _gemv_early(m: int) -> dict:
+    """GEMV_EARLY (a chunk's first weight loads before its activations are staged) and GEMV_PDL
+    (launched with programmatic dependent launch, waiting for the quantizer only before the
+    staging), both up to 2 tokens. H100, whole op on ggml blocks (quantize.q8_1 + the GEMV,
+    graph-batched), us, PDL + early / neither:
+        1x4096x4096  Q4_0 6.45-6.67 / 8.14-8.21   Q8_0 7.42-7.43 / 9.30-9.32
+        2x4096x4096  Q4_0 9.10-9.12 / 9.41-9.47   Q8_0 10.10-10.11 / 10.96-11.05
+        1x4096x14336 Q4_0 17.7-18.0 / 20.9-21.0   Q8_0 32.7 / 38.7
+        4x4096x4096  Q4_0 12.6 / 11.95            8x4096x4096 Q4_0 20.5 / 17.4 (early alone 17.8)
+    From 4 tokens the early CTAs' staging buffers and waiting warps crowd the running GEMV
+    (docs/perf/NOTES.md, session 30)."""
+    on = 1 if m <= 2 else 0
+    return {"GEMV_EARLY": on, "GEMV_PDL": on}
 
 
 def _gemv_m(m: int) -> int:
@@ -180,12 +195,17 @@ def _gemv_config(m: int, n: int, k: int, sm_count: int) -> dict:
     #   Q4_0 1x4096x4096 6.0-6.2 -> 5.8, 2x 7.2 -> 6.9, 4x 11.3 -> 9.4, 8x 17.9 -> 14.5-14.6,
     #        8x4096x14336 62.9-66.7 -> 46.5, 1x4096x14336 17.8-17.9 -> 16.4-16.5
     # (4 rows per warp, meant to reuse each activation fragment, lost to the occupancy it costs.)
-    return {"GEMV_M": _gemv_m(m), "GEMV_COLS": 2, "GEMV_WARPS": 8, "GEMV_CHUNK": 128}
+    # At two tokens 512-block chunks (K = 14336 staged in one piece instead of four): whole op
+    # 2x4096x14336 Q4_0 27.8 -> 25.7, Q8_0 36.9 -> 35.0. At one token the kernel alone is faster
+    # with them too (Q4_0 1x4096x14336 14.9 -> 13.6) but the whole op slower (16.5 -> 18.8, Q8_0
+    # 32.8 -> 34.1): behind PDL, only the first chunk's staging waits for the quantizer, and a
+    # 128-block one is ready sooner (session 30).
+    return {"GEMV_M": _gemv_m(m), "GEMV_COLS": 2, "GEMV_WARPS": 8, "GEMV_CHUNK": 512 if m == 2 else 128} | _gemv_early(m)
 
 
 def _gemv_candidates(m: int, n: int, k: int) -> list[dict]:
-    return [{"GEMV_M": _gemv_m(m), "GEMV_COLS": c, "GEMV_WARPS": w, "GEMV_CHUNK": ch}
-            for c in (1, 2, 4, 8) for w in (2, 4, 8) for ch in (64, 128)]
+    return [{"GEMV_M": _gemv_m(m), "GEMV_COLS": c, "GEMV_WARPS": w, "GEMV_CHUNK": ch} | _gemv_early(m)
+            for c in (1, 2, 4, 8) for w in (2, 4, 8) for ch in ((64, 128, 512) if m <= 2 else (64, 128))]
 
 
 # ---- skinny fp16 MMA for decode and small batches (common/skinny_f16.cuh) --------------------
@@ -657,10 +677,10 @@ _SPECS = [
                weight_layout="skinny", act_layout="kperm16", pdl=True),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
-               config=_gemv_config, candidates=_gemv_candidates, max_m=8),
+               config=_gemv_config, candidates=_gemv_candidates, max_m=8, pdl=True),
     KernelSpec("w8a8.gemv", ops.W8A8, 6, "w8a8/gemv.cu", "w8a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q8_0, each weight row streamed once by one warp",
-               config=_gemv_config, candidates=_gemv_candidates, max_m=8),
+               config=_gemv_config, candidates=_gemv_candidates, max_m=8, pdl=True),
 ]
 
 

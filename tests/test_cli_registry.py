@@ -612,6 +612,9 @@ def test_pdl_kernels_wait_before_their_inputs():
                             ("common/quantize_q8_1.cuh", "q8_1_load(X")):
         text = jit.read_source(src)
         assert text.index("pdl_wait();") < text.index(first_read), src
+    gemv = jit.read_source("common/gemv.cuh")  # GEMV_PDL: the wait before the first staging (and any store)
+    gemv = gemv[gemv.index("void gemv("):]
+    assert gemv.index("pdl_wait();") < gemv.index("gemv_stage(sh, A") < gemv.index("C[(size_t)")
     rs = jit.read_source("common/wgmma_rs_f16.cuh")
     body = rs[rs.index("wgmma_rs_f16_gemm("):]
     ws, plain = body[body.index("#if RS_WS"):body.index("#else")], body[body.index("#else"):]
@@ -624,6 +627,37 @@ def test_pdl_kernels_wait_before_their_inputs():
     begin = jit.read_source("common/convert.cuh")
     begin = begin[begin.index("void convert_begin("):]
     assert begin.index("pdl_wait();") < begin.index("}")
+
+
+def test_gemv_early_loads_and_pdl_follow_the_token_count(monkeypatch):
+    """The ggml-blocks decode GEMV requests a chunk's first weights before staging the activations
+    and is launched with programmatic dependent launch up to 2 tokens only (measured slower from 4:
+    qgemm.registry._gemv_early), in the default and in every tuning candidate; the launch carries
+    GEMV_PDL, so a configuration without it is launched plainly though the spec supports PDL."""
+    from qgemm import registry as R
+
+    for m in range(1, 9):
+        on = 1 if m <= 2 else 0
+        for d in [R._gemv_config(m, 4096, 4096, 132)] + R._gemv_candidates(m, 4096, 4096):
+            assert d["GEMV_EARLY"] == d["GEMV_PDL"] == on, (m, d)
+            assert R._gemv_geometry(m, 4096, 4096, d).pdl is bool(on)
+    assert R.spec("w4a8.gemv").pdl and R.spec("w8a8.gemv").pdl
+    assert [R._gemv_config(m, 4096, 14336, 132)["GEMV_CHUNK"] for m in (1, 2, 3, 8)] == [128, 512, 128, 128]
+    # what ops.Kernel.launch asks the module for (no device needed: the module and buffers are stand-ins)
+    launched = []
+
+    class FakeModule:
+        def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
+            launched.append(pdl)
+
+    class FakeBuffer:
+        ptr = 0
+
+    k = qgemm.get("w4a8.gemv")
+    monkeypatch.setattr(k, "_module", lambda defines: FakeModule())
+    for m in (1, 4):
+        k.launch(FakeBuffer(), FakeBuffer(), FakeBuffer(), m, 64, 64, defines=R._gemv_config(m, 64, 64, 132))
+    assert launched == [True, False]
 
 
 def _fake_device_buffers(monkeypatch, weak: bool = False) -> list:

@@ -1090,6 +1090,43 @@ def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
         assert np.isfinite(got).all() and qgemm.reference.relative_error(got, want) <= 2e-3
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_gemv_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
+    """The decode path on ggml blocks (quantize.q8_1 + w4a8/w8a8.gemv) in a ping-pong chain queued
+    without a sync: up to 2 tokens the GEMV is launched with PDL (GEMV_PDL) and requests its first
+    weights before waiting for the quantizer (GEMV_EARLY), so a wait placed after the staging
+    would read stale or NaN-poisoned activations. Bit for bit the chain run one op at a time with
+    PDL off."""
+    n = k = 2048
+    ws = []
+    for i in range(6):
+        w_f = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))
+        ws.append(qgemm.DeviceArray.from_host(F.quantize(w_f, "q4_0" if i % 2 == 0 else "q8_0")))
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    for i, fmt in enumerate(("q4_0", "q8_0")):
+        p = qgemm.plan(m, n, k, fmt)
+        assert p.kernel.endswith(".gemv") and p.quantizer == "quantize.q8_1", p
+        assert p.defines["GEMV_PDL"] == p.defines["GEMV_EARLY"] == (1 if m <= 2 else 0), p.defines
+
+    def chain(sync_each: bool):
+        a = qgemm.DeviceArray.from_host(x)
+        b = qgemm.DeviceArray.empty((m, n), np.float32)
+        b.fill_bytes(0xFF)  # NaN: an op that reads its input too early sees these
+        for i, wb in enumerate(ws):
+            qgemm.matmul(a, wb, fmt="q4_0" if i % 2 == 0 else "q8_0", out=b)
+            if sync_each:
+                qgemm.runtime.synchronize()
+            a, b = b, a
+        return a.to_host()
+
+    monkeypatch.setenv("QGEMM_PDL", "0")
+    want = chain(sync_each=True)
+    monkeypatch.setenv("QGEMM_PDL", "1")
+    got = chain(sync_each=False)
+    assert np.isfinite(want).all() and np.abs(want).mean() > 0.1
+    np.testing.assert_array_equal(got, want)
+
+
 def test_matmul_overflow_and_two_streams(rng):
     """A host call whose activations overflow the path's GPU format raises (float16 prologue: a
     value beyond 65504; Q8_1: a block sum); ops queued on two streams at once, each with its own

@@ -13,6 +13,7 @@
 // registers.
 #pragma once
 #include "common/warp_dot.cuh"
+#include "common/pdl.cuh"
 
 #ifndef GEMV_M
 #define GEMV_M 8
@@ -30,6 +31,19 @@
 #define GEMV_CHUNK 128  // Q8_1 blocks of each activation row staged at a time
 #endif
 #define GEMV_ROW_BYTES (GEMV_CHUNK * 36)
+// GEMV_EARLY: a chunk's first weight loads are issued before its activations are staged (they
+// hold GEMV_UNROLL x GEMV_COLS x 3 registers across the staging: slower from 4 tokens on).
+// GEMV_PDL: launched with programmatic dependent launch behind its quantizer (quantize.q8_1,
+// which releases it at entry): the CTAs start while the quantizer runs, request their first
+// weights and wait (griddepcontrol.wait) only before staging the quantizer's output or writing C.
+// This kernel never releases the next one early: a next GEMV resident beside this one measured
+// much slower (session 29). Both on up to 2 tokens (qgemm.registry._gemv_early).
+#ifndef GEMV_EARLY
+#define GEMV_EARLY 0
+#endif
+#ifndef GEMV_PDL
+#define GEMV_PDL 0
+#endif
 
 // Stage blocks [c0, c0 + cnt) of activation rows [0, M) into sh[r][...] (raw Q8_1 bytes).
 static __device__ __forceinline__ void gemv_stage(unsigned char* sh, const block_q8_1* __restrict__ A, int M, int nb,
@@ -69,26 +83,36 @@ static __device__ __forceinline__ void gemv(const block_q8_1* __restrict__ A, co
 #pragma unroll
         for (int c = 0; c < GEMV_COLS; ++c) acc[r][c] = 0.0f;
 
+    // GEMV_UNROLL iterations' weight loads are issued before any of them is used: one iteration
+    // alone keeps too few bytes in flight per SM to cover DRAM/L2 latency. A chunk's first batch
+    // is requested before its staging (the weights do not depend on it), so the staging's round
+    // trip overlaps them (GEMV_EARLY).
+    int w0[GEMV_UNROLL][GEMV_COLS], w1[GEMV_UNROLL][GEMV_COLS];
+    float dw[GEMV_UNROLL][GEMV_COLS];
+    auto load = [&](int c0, int bl0, int cnt) {
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+            const int b = c0 + min(bl0 + u * WD_BLOCKS_PER_ITER, cnt - 1);  // clamped: loads stay in bounds
+#pragma unroll
+            for (int c = 0; c < GEMV_COLS; ++c) {
+                Fmt::load(w_rows[c] + b, i, w0[u][c], w1[u][c]);
+                dw[u][c] = __half2float(w_rows[c][b].d);
+            }
+        }
+    };
     for (int c0 = 0; c0 < nb; c0 += GEMV_CHUNK) {
         const int cnt = min(GEMV_CHUNK, nb - c0);
+        const int first = lane / WD_LANES_PER_BLOCK;
+        if (GEMV_EARLY && active && first < cnt) load(c0, first, cnt);
+#if GEMV_PDL
+        if (c0 == 0) pdl_wait();  // the quantizer's output (A) is read, and C written, only below
+#endif
         __syncthreads();  // the previous chunk is no longer read
         gemv_stage(sh, A, M, nb, c0, cnt);
         __syncthreads();
         if (!active) continue;
-        // GEMV_UNROLL iterations' weight loads are issued before any of them is used: one
-        // iteration alone keeps too few bytes in flight per SM to cover DRAM/L2 latency.
-        for (int bl0 = lane / WD_LANES_PER_BLOCK; bl0 < cnt; bl0 += WD_BLOCKS_PER_ITER * GEMV_UNROLL) {
-            int w0[GEMV_UNROLL][GEMV_COLS], w1[GEMV_UNROLL][GEMV_COLS];
-            float dw[GEMV_UNROLL][GEMV_COLS];
-#pragma unroll
-            for (int u = 0; u < GEMV_UNROLL; ++u) {
-                const int b = c0 + min(bl0 + u * WD_BLOCKS_PER_ITER, cnt - 1);  // clamped: loads stay in bounds
-#pragma unroll
-                for (int c = 0; c < GEMV_COLS; ++c) {
-                    Fmt::load(w_rows[c] + b, i, w0[u][c], w1[u][c]);
-                    dw[u][c] = __half2float(w_rows[c][b].d);
-                }
-            }
+        for (int bl0 = first; bl0 < cnt; bl0 += WD_BLOCKS_PER_ITER * GEMV_UNROLL) {
+            if (!GEMV_EARLY || bl0 != first) load(c0, bl0, cnt);
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; ++u) {
                 const int bl = bl0 + u * WD_BLOCKS_PER_ITER;
