@@ -186,26 +186,35 @@ def _gemv_m(m: int) -> int:
 
 
 def _gemv_config(m: int, n: int, k: int, sm_count: int) -> dict:
-    # Two weight rows per warp, 8 warps per CTA, activations staged 128 blocks at a time (half as
-    # many CTA barriers as 64). Measured on the H100 (session 29: `qgemm tune --dry-run`, then
-    # tools/probe_defines.py, kernel alone, hot), against the earlier default (4 warps; 2 rows up
-    # to M = 2, then 4; 64-block chunks), us:
+    # Two weight rows per warp, activations staged 128 blocks at a time (half as many CTA barriers
+    # as 64). Session 29 (H100, `qgemm tune --dry-run`, then tools/probe_defines.py, kernel alone,
+    # hot): 8 warps x 4 iterations in flight against the earlier default (4 warps; 2 rows up to
+    # M = 2, then 4; 64-block chunks), us:
     #   Q8_0 1x4096x4096 7.3-7.5 -> 6.95, 2x 9.5 -> 8.5, 4x 14.6 -> 10.2, 8x 18.9 -> 15.2-15.3,
     #        8x4096x14336 92.4 -> 63.0-63.1, 1x4096x14336 37.6 -> 36.3, 7x4097x4128 26.1 -> 19.9
     #   Q4_0 1x4096x4096 6.0-6.2 -> 5.8, 2x 7.2 -> 6.9, 4x 11.3 -> 9.4, 8x 17.9 -> 14.5-14.6,
     #        8x4096x14336 62.9-66.7 -> 46.5, 1x4096x14336 17.8-17.9 -> 16.4-16.5
     # (4 rows per warp, meant to reuse each activation fragment, lost to the occupancy it costs.)
-    # At two tokens 512-block chunks (K = 14336 staged in one piece instead of four): whole op
-    # 2x4096x14336 Q4_0 27.8 -> 25.7, Q8_0 36.9 -> 35.0. At one token the kernel alone is faster
-    # with them too (Q4_0 1x4096x14336 14.9 -> 13.6) but the whole op slower (16.5 -> 18.8, Q8_0
-    # 32.8 -> 34.1): behind PDL, only the first chunk's staging waits for the quantizer, and a
-    # 128-block one is ready sooner (session 30).
-    return {"GEMV_M": _gemv_m(m), "GEMV_COLS": 2, "GEMV_WARPS": 8, "GEMV_CHUNK": 512 if m == 2 else 128} | _gemv_early(m)
+    # Session 30, whole op (quantize.q8_1 + GEMV, graph-batched; with _gemv_early's PDL and early
+    # loads up to 2 tokens), H100, us, Q4_0 / Q8_0:
+    #   1 token: 8 iterations of loads in flight instead of 4 -- 1x4096x4096 6.45 -> 5.78 / 7.42 ->
+    #     6.74, 1x4096x14336 17.8 -> 16.4 / 32.8 -> 30.3 (4 warps x 8: 5.65 / 6.90, 16.9 / 32.1-32.4).
+    #     128-block chunks: with 512 the kernel alone is faster (Q4_0 1x4096x14336 14.9 -> 13.6) but
+    #     the op slower (16.5 -> 18.8): behind PDL the first chunk's staging waits for the quantizer.
+    #   2-4 tokens: 16 warps (each CTA's staging serves twice the rows) and 8 in flight --
+    #     2x4096x4096 8.91 -> 7.45-7.62 / 10.06 -> 9.20, 2x4096x14336 (512-block chunks: 27.8 -> 25.7
+    #     with 128) 25.9-26.2 -> 18.9 / 35.3 -> 31.9; 4x4096x14336 30.8 -> 29.7 / 44.4 -> 43.1.
+    #   5-8 tokens: 16 warps, 4 in flight -- 8x4096x4096 16.9-17.4 -> 15.4 / 18.0 -> 16.6,
+    #     8x4096x14336 47.1 -> 43.5 / 60.2 -> 60.6 (8 in flight: 15.9 / 16.9, 44.9 / 64.3).
+    #   Lost everywhere: 1 or 4 rows per warp with 16-32 warps, 32- and 64-block chunks at 4-8 tokens.
+    warps, unroll = (8, 8) if m == 1 else ((16, 8) if m <= 4 else (16, 4))
+    return {"GEMV_M": _gemv_m(m), "GEMV_COLS": 2, "GEMV_WARPS": warps, "GEMV_UNROLL": unroll,
+            "GEMV_CHUNK": 512 if m == 2 else 128} | _gemv_early(m)
 
 
 def _gemv_candidates(m: int, n: int, k: int) -> list[dict]:
-    return [{"GEMV_M": _gemv_m(m), "GEMV_COLS": c, "GEMV_WARPS": w, "GEMV_CHUNK": ch} | _gemv_early(m)
-            for c in (1, 2, 4, 8) for w in (2, 4, 8) for ch in ((64, 128, 512) if m <= 2 else (64, 128))]
+    return [{"GEMV_M": _gemv_m(m), "GEMV_COLS": c, "GEMV_WARPS": w, "GEMV_UNROLL": u, "GEMV_CHUNK": ch} | _gemv_early(m)
+            for c in (1, 2, 4) for w in (4, 8, 16) for u in (4, 8) for ch in ((128, 512) if m <= 2 else (64, 128))]
 
 
 # ---- skinny fp16 MMA for decode and small batches (common/skinny_f16.cuh) --------------------

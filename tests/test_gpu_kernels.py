@@ -1090,6 +1090,26 @@ def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
         assert np.isfinite(got).all() and qgemm.reference.relative_error(got, want) <= 2e-3
 
 
+@pytest.mark.parametrize("name", ["w4a8.gemv", "w8a8.gemv"])
+def test_gemv_defaults_every_token_count(name, rng):
+    """The blocks-path GEMV's default configuration at every M it takes (8 or 16 warps, 4 or 8
+    iterations in flight, 128- or 512-block chunks, early loads: qgemm.registry._gemv_config) on an
+    odd N, with one chunk and with several (K = 16416: 513 blocks, a last chunk of one block at
+    512 per chunk), poisoned output, against the exact reference."""
+    k_obj = qgemm.get(name)
+    for kk in (4128, 16416):
+        w = F.quantize(rng.standard_normal((4097, kk), dtype=np.float32), k_obj.op.w.name)
+        dw = k_obj.upload_weights(w)
+        for m in range(1, 9):
+            a = F.quantize_q8_1(rng.standard_normal((m, kk), dtype=np.float32))
+            dc = qgemm.DeviceArray.empty((m, 4097), np.float32)
+            dc.fill_bytes(0xFF)
+            k_obj.launch(k_obj.upload_activations(a), dw, dc, m, 4097, kk)
+            out = dc.to_host()
+            assert not np.isnan(out).any(), (m, kk)
+            assert qgemm.reference.relative_error(out, k_obj.op.exact(a, w)) <= 1e-5, (m, kk, k_obj.config_for(m, 4097, kk))
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
 def test_gemv_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
     """The decode path on ggml blocks (quantize.q8_1 + w4a8/w8a8.gemv) in a ping-pong chain queued

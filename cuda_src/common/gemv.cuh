@@ -22,7 +22,7 @@
 #define GEMV_COLS 2
 #endif
 #ifndef GEMV_WARPS
-#define GEMV_WARPS 8
+#define GEMV_WARPS 16
 #endif
 #ifndef GEMV_UNROLL
 #define GEMV_UNROLL 4  // iterations of weight loads in flight per lane
