@@ -169,15 +169,17 @@ def _gemv_geometry(m: int, n: int, k: int, d: dict) -> Launch:
 def _gemv_early(m: int) -> dict:
     """GEMV_EARLY (a chunk's first weight loads before its activations are staged) and GEMV_PDL
     (launched with programmatic dependent launch, waiting for the quantizer only before the
-    staging), both up to 2 tokens. H100, whole op on ggml blocks (quantize.q8_1 + the GEMV,
-    graph-batched), us, PDL + early / neither:
+    staging), both up to 4 tokens. H100, whole op on ggml blocks (quantize.q8_1 + the GEMV,
+    graph-batched), us, PDL + early / neither (session 30):
         1x4096x4096  Q4_0 6.45-6.67 / 8.14-8.21   Q8_0 7.42-7.43 / 9.30-9.32
         2x4096x4096  Q4_0 9.10-9.12 / 9.41-9.47   Q8_0 10.10-10.11 / 10.96-11.05
         1x4096x14336 Q4_0 17.7-18.0 / 20.9-21.0   Q8_0 32.7 / 38.7
-        4x4096x4096  Q4_0 12.6 / 11.95            8x4096x4096 Q4_0 20.5 / 17.4 (early alone 17.8)
-    From 4 tokens the early CTAs' staging buffers and waiting warps crowd the running GEMV
+        4x4096x4096  Q4_0 9.57-9.63 / 10.75-11.26 Q8_0 10.34-10.38 / 11.80-11.88 (16 warps)
+        4x4096x14336 Q4_0 27.9-28.0 / 29.7        Q8_0 43.5 / 42.8-43.0
+        8x4096x4096  Q4_0 22.1 / 15.2 (early alone 16.4), Q8_0 23.5 / 16.3
+    At 8 tokens the early CTAs' staging buffers (37 KB) and waiting warps crowd the running GEMV
     (docs/perf/NOTES.md, session 30)."""
-    on = 1 if m <= 2 else 0
+    on = 1 if m <= 4 else 0
     return {"GEMV_EARLY": on, "GEMV_PDL": on}
 
 
@@ -196,7 +198,7 @@ def _gemv_config(m: int, n: int, k: int, sm_count: int) -> dict:
     #        8x4096x14336 62.9-66.7 -> 46.5, 1x4096x14336 17.8-17.9 -> 16.4-16.5
     # (4 rows per warp, meant to reuse each activation fragment, lost to the occupancy it costs.)
     # Session 30, whole op (quantize.q8_1 + GEMV, graph-batched; with _gemv_early's PDL and early
-    # loads up to 2 tokens), H100, us, Q4_0 / Q8_0:
+    # loads up to 2 tokens when measured; now up to 4), H100, us, Q4_0 / Q8_0:
     #   1 token: 8 iterations of loads in flight instead of 4 -- 1x4096x4096 6.45 -> 5.78 / 7.42 ->
     #     6.74, 1x4096x14336 17.8 -> 16.4 / 32.8 -> 30.3 (4 warps x 8: 5.65 / 6.90, 16.9 / 32.1-32.4).
     #     128-block chunks: with 512 the kernel alone is faster (Q4_0 1x4096x14336 14.9 -> 13.6) but

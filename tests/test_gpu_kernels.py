@@ -1113,7 +1113,7 @@ def test_gemv_defaults_every_token_count(name, rng):
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
 def test_gemv_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
     """The decode path on ggml blocks (quantize.q8_1 + w4a8/w8a8.gemv) in a ping-pong chain queued
-    without a sync: up to 2 tokens the GEMV is launched with PDL (GEMV_PDL) and requests its first
+    without a sync: up to 4 tokens the GEMV is launched with PDL (GEMV_PDL) and requests its first
     weights before waiting for the quantizer (GEMV_EARLY), so a wait placed after the staging
     would read stale or NaN-poisoned activations. Bit for bit the chain run one op at a time with
     PDL off."""
@@ -1126,7 +1126,7 @@ def test_gemv_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
     for i, fmt in enumerate(("q4_0", "q8_0")):
         p = qgemm.plan(m, n, k, fmt)
         assert p.kernel.endswith(".gemv") and p.quantizer == "quantize.q8_1", p
-        assert p.defines["GEMV_PDL"] == p.defines["GEMV_EARLY"] == (1 if m <= 2 else 0), p.defines
+        assert p.defines["GEMV_PDL"] == p.defines["GEMV_EARLY"] == (1 if m <= 4 else 0), p.defines
 
     def chain(sync_each: bool):
         a = qgemm.DeviceArray.from_host(x)

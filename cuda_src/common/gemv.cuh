@@ -37,7 +37,7 @@
 // which releases it at entry): the CTAs start while the quantizer runs, request their first
 // weights and wait (griddepcontrol.wait) only before staging the quantizer's output or writing C.
 // This kernel never releases the next one early: a next GEMV resident beside this one measured
-// much slower (session 29). Both on up to 2 tokens (qgemm.registry._gemv_early).
+// much slower (session 29). Both on up to 4 tokens (qgemm.registry._gemv_early).
 #ifndef GEMV_EARLY
 #define GEMV_EARLY 0
 #endif
