@@ -1048,6 +1048,32 @@ def test_wgmma_rs_evict_first_weights(fmt, rng):
     assert qgemm.reference.relative_error(c, p.reference(x, w)) <= 1e-5
 
 
+def _pdl_chain(x, ws, n, monkeypatch, fmts=None):
+    """x through the weights ws by qgemm.matmul, ping-pong between two device buffers (each op reads
+    the previous one's output and overwrites what the op before it read; the second buffer starts
+    NaN-poisoned): once one op at a time with PDL off, once queued without a sync with PDL on.
+    fmts: the weights' formats where they are raw device blocks. -> (want, got) on the host."""
+    m = x.shape[0]
+
+    def chain(sync_each: bool):
+        a = qgemm.DeviceArray.from_host(x)
+        b = qgemm.DeviceArray.empty((m, n), np.float32)
+        b.fill_bytes(0xFF)  # NaN: an op that reads its input too early sees these
+        for i, w in enumerate(ws):
+            qgemm.matmul(a, w, fmt=None if fmts is None else fmts[i], out=b)
+            if sync_each:
+                qgemm.runtime.synchronize()
+            a, b = b, a
+        return a.to_host()
+
+    monkeypatch.setenv("QGEMM_PDL", "0")
+    want = chain(sync_each=True)
+    monkeypatch.setenv("QGEMM_PDL", "1")
+    got = chain(sync_each=False)
+    assert np.isfinite(want).all() and np.abs(want).mean() > 0.1
+    return want, got
+
+
 @pytest.mark.parametrize("m", [1, 8, 33, 300])
 def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
     """A chain of ops queued without a sync, each reading the previous one's output and writing
@@ -1061,23 +1087,7 @@ def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
         w_f = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))  # keeps |y| ~ |x|
         ws.append(qgemm.pack_weights(F.quantize(w_f, "q4_0" if i % 2 == 0 else "q8_0")))
     x = rng.standard_normal((m, k), dtype=np.float32)
-
-    def chain(sync_each: bool):
-        a = qgemm.DeviceArray.from_host(x)
-        b = qgemm.DeviceArray.empty((m, n), np.float32)
-        b.fill_bytes(0xFF)  # NaN: an op that reads its input too early sees these
-        for pw in ws:
-            qgemm.matmul(a, pw, out=b)
-            if sync_each:
-                qgemm.runtime.synchronize()
-            a, b = b, a
-        return a.to_host()
-
-    monkeypatch.setenv("QGEMM_PDL", "0")
-    want = chain(sync_each=True)
-    monkeypatch.setenv("QGEMM_PDL", "1")
-    got = chain(sync_each=False)
-    assert np.isfinite(want).all() and np.abs(want).mean() > 0.1
+    want, got = _pdl_chain(x, ws, n, monkeypatch)
     plans = [qgemm.plan(m, n, k, pw.fmt, packed=True) for pw in ws[:2]]
     split_k = any(registry.get(p.kernel).geometry(m, n, k, p.defines or registry.get(p.kernel).config_for(m, n, k)).zero_output
                   for p in plans)
@@ -1118,32 +1128,14 @@ def test_gemv_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
     would read stale or NaN-poisoned activations. Bit for bit the chain run one op at a time with
     PDL off."""
     n = k = 2048
-    ws = []
-    for i in range(6):
-        w_f = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))
-        ws.append(qgemm.DeviceArray.from_host(F.quantize(w_f, "q4_0" if i % 2 == 0 else "q8_0")))
-    x = rng.standard_normal((m, k), dtype=np.float32)
-    for i, fmt in enumerate(("q4_0", "q8_0")):
+    fmts = ["q4_0" if i % 2 == 0 else "q8_0" for i in range(6)]
+    ws = [qgemm.DeviceArray.from_host(F.quantize(rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k)), f))
+          for f in fmts]  # / sqrt(k) keeps |y| ~ |x| along the chain
+    for fmt in fmts[:2]:
         p = qgemm.plan(m, n, k, fmt)
         assert p.kernel.endswith(".gemv") and p.quantizer == "quantize.q8_1", p
         assert p.defines["GEMV_PDL"] == p.defines["GEMV_EARLY"] == (1 if m <= 4 else 0), p.defines
-
-    def chain(sync_each: bool):
-        a = qgemm.DeviceArray.from_host(x)
-        b = qgemm.DeviceArray.empty((m, n), np.float32)
-        b.fill_bytes(0xFF)  # NaN: an op that reads its input too early sees these
-        for i, wb in enumerate(ws):
-            qgemm.matmul(a, wb, fmt="q4_0" if i % 2 == 0 else "q8_0", out=b)
-            if sync_each:
-                qgemm.runtime.synchronize()
-            a, b = b, a
-        return a.to_host()
-
-    monkeypatch.setenv("QGEMM_PDL", "0")
-    want = chain(sync_each=True)
-    monkeypatch.setenv("QGEMM_PDL", "1")
-    got = chain(sync_each=False)
-    assert np.isfinite(want).all() and np.abs(want).mean() > 0.1
+    want, got = _pdl_chain(rng.standard_normal((m, k), dtype=np.float32), ws, n, monkeypatch, fmts)
     np.testing.assert_array_equal(got, want)
 
 

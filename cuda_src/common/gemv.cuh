@@ -32,7 +32,7 @@
 #endif
 #define GEMV_ROW_BYTES (GEMV_CHUNK * 36)
 // GEMV_EARLY: a chunk's first weight loads are issued before its activations are staged (they
-// hold GEMV_UNROLL x GEMV_COLS x 3 registers across the staging: slower from 4 tokens on).
+// hold GEMV_UNROLL x GEMV_COLS x 3 registers across the staging).
 // GEMV_PDL: launched with programmatic dependent launch behind its quantizer (quantize.q8_1,
 // which releases it at entry): the CTAs start while the quantizer runs, request their first
 // weights and wait (griddepcontrol.wait) only before staging the quantizer's output or writing C.
