@@ -229,6 +229,9 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
             defines = k_obj.spec.config(m, n, k, 132)
         else:
             defines = k_obj.config_for(m, n, k)
+    if defines.get("GEMV_PDL") and cc is not None and cc >= 90:  # PDL is a no-op before sm_90
+        reason += ("; it starts beside its quantizer (programmatic dependent launch) and requests its first weights "
+                   "before it waits for the quantized activations")
     if defines.get("RS_WS"):
         wgs = defines.get("RS_WGS", 2)
         reason += (f"; warp-specialized: a copying warpgroup feeds the {'MMA warpgroup' if wgs == 1 else f'{wgs} MMA warpgroups'}"

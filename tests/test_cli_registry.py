@@ -658,6 +658,11 @@ def test_gemv_early_loads_and_pdl_follow_the_token_count(monkeypatch):
     for m in (1, 8):
         k.launch(FakeBuffer(), FakeBuffer(), FakeBuffer(), m, 64, 64, defines=R._gemv_config(m, 64, 64, 132))
     assert launched == [True, False]
+    # explain says so where it happens (PDL needs sm_90)
+    starts = "starts beside its quantizer"
+    assert starts in qgemm.plan(1, 4096, 4096, "q8_0", arch="sm_90").reason
+    assert starts not in qgemm.plan(8, 4096, 4096, "q8_0", arch="sm_90").reason
+    assert starts not in qgemm.plan(1, 4096, 4096, "q8_0", arch="sm_80").reason
 
 
 def _fake_device_buffers(monkeypatch, weak: bool = False) -> list:
