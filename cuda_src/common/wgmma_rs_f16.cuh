@@ -83,20 +83,8 @@
 #if RS_STAGES < 3
 #error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
 #endif
-#ifndef RS_FUSE
-#define RS_FUSE 0  // 1: the activations' conversion inside the kernel (see RS_FUSE below)
-#endif
-#ifndef RS_FUSE_DBG
-#define RS_FUSE_DBG 0
-#endif
-#ifndef RS_CONVW
-#define RS_CONVW (RS_FUSE ? 2 : 0)  // RS_FUSE: the converting warps, after the copying warpgroup
-#endif
-#if RS_FUSE && (!RS_WS || RS_CONVW < 1)
-#error "RS_FUSE: the conversion runs beside a copying warpgroup (RS_WS=1) in RS_CONVW >= 1 warps of its own"
-#endif
 #define RS_THREADS (128 * RS_WGS)            // the warpgroups that multiply
-#define RS_BLOCK (RS_THREADS + 128 * RS_WS + 32 * RS_CONVW)  // + the copying warpgroup, + the converting warps
+#define RS_BLOCK (RS_THREADS + 128 * RS_WS)  // + the copying warpgroup when warp-specialized
 #define RS_TILES (4 * RS_WGS)          // 16-row weight tiles per CTA
 #define RS_ACT_BYTES (RS_BN * 128 * 2)  // [RS_BN tokens][128 K] fp16
 
@@ -135,180 +123,6 @@ static __device__ __forceinline__ void rs_cp_async16_hint(unsigned dst, const vo
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "l"(policy));
 }
 
-// RS_FUSE = 1 (the `*.wgmma_rs_fused` kernels): the float32 -> fp16 kperm16 conversion of the
-// activations is done inside the GEMM instead of by a prologue kernel (convert.f16k).
-//
-// Why: the prologue is memory-bound and runs *before* the GEMM: at 512x4096x14336 it cost ~12 of
-// the op's ~96 us on the H100 (29 MB of float32 read, 15 MB of fp16 written), at 2048x4096x4096
-// ~15 of 118, while the GEMM behind it is bound by its tensor cores and leaves DRAM mostly idle.
-// Converted inside the GEMM, a stage's activations need only be ready before they are copied, so
-// the conversion runs under the MMAs instead of in front of them.
-//
-// How. Every CTA needs every K stage of its RS_BN token rows, and those rows are shared by all
-// the CTAs along N, so the conversion is shared by the whole grid through global memory: the
-// [M, K] fp16 staging buffer Y (what convert.f16k wrote) and 32-bit sync words:
-//   sync[0]      pieces handed out so far (a piece: 8 token rows x one 128-wide K stage, 4 KB of
-//                float32), in stage-major order;
-//   sync[1]      copying and converting warps that have finished;
-//   sync[2 + s]  pieces of stage s converted (stage s is ready at cdiv(M, 8)).
-// RS_CONVW more warps convert (the copying warpgroup copies as without RS_FUSE) -- they take pieces two at a time until none are left, requesting the next two into
-// the L2 (prefetch) before converting the current two. Before the copying warps copy stage s they
-// wait until its count is complete. The converting warps never wait on the pipeline (a first
-// version had the copying warps convert too: each piece's DRAM round trip and store fence then
-// stalled the copies, 30-50% slower), and progress is guaranteed with any number of waves of
-// CTAs: a piece is only ever taken by a running warp, which converts it without waiting for
-// anything, and a running CTA's converting warps take pieces until none are left.
-// Ordering: a converting warp's stores, then __threadfence (release) before its count; a waiting
-// warp reads the counts relaxed, then __threadfence (acquire) and __syncwarp before its lanes'
-// cp.async (which read through L2) of those rows.
-// The last copying or converting warp of the grid to finish (sync[1]) sets every word it used back to 0,
-// so the next launch finds them as the first one did: the launcher allocates them zeroed
-// (qgemm.dispatch._scratch), and a stream's launches run one after the other (the next op waits,
-// pdl_wait, before any access). `status` gets convert.f16k's bits: 1 a non-finite input, 2 a
-// finite value beyond half's range.
-
-struct RsFuseArgs {
-    const float* X;  // [M, K] float32, 16-byte aligned (the launcher checks)
-    __half* Y;       // [M, K] fp16, kperm16
-    unsigned* sync;  // 2 + cdiv(K, 128) words
-    int* status;
-};
-
-// One warp's part in the conversion (see RS_FUSE).
-struct RsFuseWarp {
-    RsFuseArgs f;
-    int M, K, pps, nstages, ready;  // pieces per stage; stages < ready are known converted
-    unsigned total;                 // pieces in all
-
-    __device__ __forceinline__ RsFuseWarp(const RsFuseArgs& a, int M_, int K_)
-        : f(a), M(M_), K(K_), pps((M_ + 7) / 8), nstages((K_ + 127) / 128), ready(0) {
-        total = (unsigned)pps * (unsigned)nstages;
-    }
-
-    // Piece p: rows 8 (p % pps) .. + 7 of stage p / pps. Lane l converts k = 8 (l % 16) .. + 7 of
-    // the stage in rows 2 i + l / 16 (i = 0..3): the warp's 8 float4 loads per lane read the
-    // piece's 8 x 512 bytes whole, and the pair of lanes of a 16-chunk (l, l ^ 1) writes it as
-    // store_kperm16 does (the even lane the 8 even k, the odd lane the 8 odd k, 16 bytes each).
-    __device__ __forceinline__ int piece_row(unsigned p, int i, int lane) const {
-        return (int)(p % (unsigned)pps) * 8 + 2 * i + (lane >> 4);
-    }
-    __device__ __forceinline__ int piece_k(unsigned p, int lane) const { return (int)(p / (unsigned)pps) * 128 + 8 * (lane & 15); }
-
-    // the piece's 32 lines of 128 bytes into the L2, one per lane
-    __device__ __forceinline__ void prefetch(unsigned p, int lane) const {
-        const int r = (int)(p % (unsigned)pps) * 8 + lane / 4, k = (int)(p / (unsigned)pps) * 128 + 32 * (lane & 3);
-        if (r < M && k < K) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(f.X + (size_t)r * K + k));
-    }
-    __device__ __forceinline__ void load(unsigned p, int lane, float4 (&v)[8]) const {
-        const int kc = piece_k(p, lane);
-        const bool kin = kc < K;  // K % 16 == 0: both lanes of a 16-chunk agree
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float4* src = reinterpret_cast<const float4*>(f.X + (size_t)min(piece_row(p, i, lane), M - 1) * K + (kin ? kc : 0));
-            v[2 * i] = __ldcs(src);  // read once: streaming, evict first
-            v[2 * i + 1] = __ldcs(src + 1);
-        }
-    }
-    __device__ __forceinline__ int store(unsigned p, int lane, const float4 (&v)[8]) const {
-        const int kc = piece_k(p, lane);
-        int bad = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float x[8] = {v[2 * i].x, v[2 * i].y, v[2 * i].z, v[2 * i].w,
-                                v[2 * i + 1].x, v[2 * i + 1].y, v[2 * i + 1].z, v[2 * i + 1].w};
-            __align__(16) __half h[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                h[j] = __float2half_rn(x[j]);
-                if (!isfinite(x[j])) bad |= 1;
-                else if (isinf(__half2float(h[j]))) bad |= 2;
-            }
-            const unsigned* w = reinterpret_cast<const unsigned*>(h);
-            const unsigned e0 = __byte_perm(w[0], w[1], 0x5410), e1 = __byte_perm(w[2], w[3], 0x5410);  // h0 h2, h4 h6
-            const unsigned o0 = __byte_perm(w[0], w[1], 0x7632), o1 = __byte_perm(w[2], w[3], 0x7632);  // h1 h3, h5 h7
-            // lanes l (even) and l ^ 1 hold k c .. c + 7 and c + 8 .. c + 15 of one 16-chunk
-            const bool odd = lane & 1;
-            const unsigned r0 = __shfl_xor_sync(0xFFFFFFFFu, odd ? e0 : o0, 1), r1 = __shfl_xor_sync(0xFFFFFFFFu, odd ? e1 : o1, 1);
-            const uint4 out = odd ? make_uint4(r0, r1, o0, o1) : make_uint4(e0, e1, r0, r1);
-            const int r = piece_row(p, i, lane);
-            if (r < M && kc < K) *reinterpret_cast<uint4*>(f.Y + (size_t)r * K + (kc & ~15) + (odd ? 8 : 0)) = out;
-        }
-        return bad;
-    }
-    __device__ __forceinline__ unsigned take2(int lane) const {
-        unsigned p = 0;
-        if (lane == 0) p = atomicAdd(f.sync, 2u);
-        return __shfl_sync(0xFFFFFFFFu, p, 0);
-    }
-
-    // a converting warp: pieces two at a time until none are left
-    __device__ __forceinline__ void convert_all(int lane) const {
-        unsigned p = take2(lane);
-        if (p < total) prefetch(p, lane);
-        if (p + 1 < total) prefetch(p + 1, lane);
-        int bad = 0;
-        while (p < total) {
-            const unsigned q = take2(lane);
-            if (q < total) prefetch(q, lane);
-            if (q + 1 < total) prefetch(q + 1, lane);
-            float4 v[8], u[8];
-            const bool two = p + 1 < total;
-#if RS_FUSE_DBG != 4
-            load(p, lane, v);
-            if (two) load(p + 1, lane, u);
-            bad |= store(p, lane, v);
-            if (two) bad |= store(p + 1, lane, u);
-#endif
-#if RS_FUSE_DBG < 3
-            __threadfence();  // release: this lane's stores before the counts
-#endif
-            __syncwarp();
-            if (lane == 0) {
-                atomicAdd(f.sync + 2 + p / (unsigned)pps, 1u);
-                if (two) atomicAdd(f.sync + 2 + (p + 1) / (unsigned)pps, 1u);
-            }
-            p = q;
-        }
-        if (bad) atomicOr(f.status, bad);
-    }
-
-    // a copying warp, before it copies stage s: wait until the stage is converted
-    __device__ __forceinline__ void ensure_ready(int s, int lane) {
-#if RS_FUSE_DBG == 1 || RS_FUSE_DBG >= 3
-        return;
-#endif
-        if (s < ready) return;
-        for (;;) {
-            const int st = s + lane;
-            const unsigned c = st < nstages ? *reinterpret_cast<volatile unsigned*>(f.sync + 2 + st) : 0u;
-            const unsigned ok = __ballot_sync(0xFFFFFFFFu, st < nstages && c >= (unsigned)pps);
-            const int run = ok == 0xFFFFFFFFu ? 32 : __ffs(~ok) - 1;  // consecutive ready stages from s
-            if (run > 0) {
-                ready = s + run;
-                break;
-            }
-            __nanosleep(64);
-        }
-#if RS_FUSE_DBG != 2
-        __threadfence();  // acquire: the counts read before this lane's copies of the rows
-#endif
-        __syncwarp();
-    }
-
-    // after the warp's last access: the last of the grid's copying-warpgroup warps zeroes the words
-    __device__ __forceinline__ void finish(int lane) const {
-        __syncwarp();
-        if (lane != 0) return;
-        const unsigned warps = gridDim.x * gridDim.y * gridDim.z * (4u + RS_CONVW);
-        __threadfence();
-        if (atomicAdd(f.sync + 1, 1u) == warps - 1) {
-            for (int s = 0; s < nstages; ++s) f.sync[2 + s] = 0u;
-            f.sync[0] = 0u;
-            f.sync[1] = 0u;
-        }
-    }
-};
-
 // What one copying thread (tid in [0, RS_THREADS)) copies of every stage. The addressing is
 // computed once: the per-stage part is a pointer bump, because every thread copies the same chunks
 // of every stage (SASS of the first version spent ~150 of its ~350 instructions per warp per stage
@@ -334,7 +148,6 @@ struct RsCopier {
     unsigned long long w_policy;
 #endif
 
-    RsCopier() = default;
     __device__ __forceinline__ RsCopier(int tid_, const __half* A, const uint4* qs, const uint4* ds, int M, int K, int n0,
                                         int m0, int ntiles, int ngroups, int g_begin)
         : tid(tid_), ar0(tid_ / 16), ac(tid_ % 16) {
@@ -481,8 +294,7 @@ static __device__ __forceinline__ void rs_splitk_add(unsigned char* smem, const 
 
 template <typename SF>
 static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
-                                                         float* __restrict__ C, int M, int N, int K,
-                                                         const RsFuseArgs& fuse = RsFuseArgs{}) {
+                                                         float* __restrict__ C, int M, int N, int K) {
     constexpr int GROUP_PIECES = SF::PIECES * 32;                     // uint4 per (tile, group)
     constexpr int W_BYTES = RS_TILES * (GROUP_PIECES * 16 + 8 * 16);  // raw quants + scales of a stage
     constexpr int STAGE_BYTES = (RS_ACT_BYTES + W_BYTES + 1023) / 1024 * 1024;
@@ -523,50 +335,38 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
             mbar_init(bars + 8 * (RS_STAGES + b), RS_THREADS / 32);
         }
     __syncthreads();
-#if RS_FUSE
-    if (wgi > RS_WGS) {  // the converting warps (see RS_FUSE)
-        pdl_wait();
-        const RsFuseWarp fw(fuse, M, K);
-        fw.convert_all(lane);
-        fw.finish(lane);
-        return;
-    }
-#endif
     if (wgi == RS_WGS) {
-        // copying thread p copies what threads p + 128 i of the non-specialized kernel copy
-        constexpr int NCP = RS_THREADS / 128;
-        RsCopier<SF> cps[NCP];
-#pragma unroll
-        for (int i = 0; i < NCP; ++i) cps[i] = RsCopier<SF>(tid - RS_THREADS + 128 * i, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
-        // the first buffers' weights before waiting for the previous grid (see below)
-        for (int s = 0; s < RS_STAGES && s < n_stages; ++s)
-#pragma unroll
-            for (int i = 0; i < NCP; ++i) cps[i].w(base + s * STAGE_BYTES + RS_ACT_BYTES, s);
-        pdl_wait();
-#if RS_FUSE
-        RsFuseWarp fw(fuse, M, K);
-#else
-        (void)fuse;
+        // producer thread p copies what threads p + 128 i of the non-specialized kernel copy
+        const RsCopier<SF> cp0(tid - RS_THREADS, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
+#if RS_WGS > 1
+        const RsCopier<SF> cp1(tid - RS_THREADS + 128, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
 #endif
+        auto copy = [&](int s, bool act, bool w) {
+            const unsigned buf = base + (s % RS_STAGES) * STAGE_BYTES;
+            const int k0 = (g_begin + s) * 128;
+            if (w) {
+                cp0.w(buf + RS_ACT_BYTES, s);
+#if RS_WGS > 1
+                cp1.w(buf + RS_ACT_BYTES, s);
+#endif
+            }
+            if (act) {
+                cp0.act(buf, k0, a_full_rows, A, M, K, m0);
+#if RS_WGS > 1
+                cp1.act(buf, k0, a_full_rows, A, M, K, m0);
+#endif
+            }
+        };
+        // the first buffers' weights before waiting for the previous grid (see below)
+        for (int s = 0; s < RS_STAGES && s < n_stages; ++s) copy(s, false, true);
+        pdl_wait();
         for (int s = 0; s < n_stages; ++s) {
             const int b = s % RS_STAGES;
-            const unsigned buf = base + b * STAGE_BYTES;
-#if RS_FUSE
-            fw.ensure_ready(g_begin + s, lane);
-#endif
-            if (s >= RS_STAGES) {
-                mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
-#pragma unroll
-                for (int i = 0; i < NCP; ++i) cps[i].w(buf + RS_ACT_BYTES, s);
-            }
-#pragma unroll
-            for (int i = 0; i < NCP; ++i) cps[i].act(buf, (g_begin + s) * 128, a_full_rows, A, M, K, m0);
+            if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
+            copy(s, true, s >= RS_STAGES);
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
-#if RS_FUSE
-        fw.finish(lane);
-#endif
         return;
     }
     pdl_wait();
