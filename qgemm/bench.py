@@ -271,6 +271,7 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
         return kernel.spec.runner.profile(kernel, shape, warmup, iters, cold, opts or {})
     m, n, k = shape
     op = kernel.op
+    kernel.check_launch(m, n, k)
     info = runtime.device_info()
     nbytes = operand_bytes(kernel, m, n, k)
     sets = cold_sets(nbytes) if cold else 1  # enough buffer sets that a rotation overflows L2 twice

@@ -118,6 +118,7 @@ def validate(kernel: Kernel, shape: tuple[int, int, int], seed: int | None = Non
         return kernel.spec.runner.validate(kernel, shape, seed, opts or {})
     m, n, k = shape
     kernel._check_m(m)
+    kernel.check_launch(m, n, k)  # before the inputs are made: a shape CUDA cannot launch says so
     op = kernel.op
     if seed is None:
         seed = int(np.random.SeedSequence().entropy % (2**31))

@@ -113,6 +113,12 @@ class Plan:
     def op(self):
         return registry.get(self.kernel).op
 
+    def check_launch(self) -> None:
+        """ValueError where a kernel of the plan would need a grid beyond CUDA's limits (very large M)."""
+        if self.quantizer is not None:
+            registry.get(self.quantizer).check_launch(self.m, 0, self.k)
+        registry.get(self.kernel).check_launch(self.m, self.n, self.k, self.defines or None)
+
     def launch(self, dx, dw, dq, dc, status, stream=None) -> None:
         """Queue the kernels on device arrays (the hot path: no checks, no allocation). Kernels
         that support it (KernelSpec.pdl) are launched with programmatic dependent launch: the GEMM
@@ -146,6 +152,8 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
     """packed: the weights are a qgemm.PackedWeights (the skinny kernels may be used).
     arch: plan for this architecture (e.g. "sm_90") instead of the GPU's -- the untuned defaults,
     so a plan for an H100 can be read on a machine without one."""
+    if not isinstance(packed, (bool, np.bool_)):
+        raise TypeError(f"plan: packed must be True or False (the weights are a qgemm.PackedWeights), got {packed!r}")
     fmt = F.get_format(fmt).name
     if fmt not in _DEFAULTS:
         raise ValueError(f"matmul: weights must be q4_0 or q8_0 blocks, got {fmt}")
@@ -348,24 +356,29 @@ def _forget_capture(cid: int) -> None:
             del _graph_buffers[key]
 
 
-def _weights(w, fmt: str | None, on_device: bool, stream=None):
-    """(blocks as host or device array in their block dtype, format name)."""
+def _weights(w, fmt: str | None, on_device: bool, stream=None, who: str = "matmul"):
+    """(blocks as host or device array in their block dtype, format name). who: the caller, for messages."""
     if on_device:
         d = runtime.as_device_array(w, stream)
         if fmt is None:
             fmt = {F.Q4_0.dtype: "q4_0", F.Q8_0.dtype: "q8_0"}.get(d.dtype)
             if fmt is None:
-                raise ValueError(f"matmul: cannot tell the weight format of a {d.dtype} device array; pass fmt='q4_0' or 'q8_0'")
+                raise ValueError(f"{who}: cannot tell the weight format of a {d.dtype} device array; pass fmt='q4_0' or 'q8_0'")
         f = F.get_format(fmt)
         if d.dtype == np.uint8:
             if d.ndim != 2 or d.shape[1] % f.dtype.itemsize:
-                raise ValueError(f"matmul: raw {f.name} weights must be uint8 [N, (K/32)*{f.dtype.itemsize}], got {d.shape}")
+                raise ValueError(f"{who}: raw {f.name} weights must be uint8 [N, (K/32)*{f.dtype.itemsize}], got {d.shape}")
             d = d.view(f.dtype)
         elif d.dtype != f.dtype:
-            raise ValueError(f"matmul: weights must be {f.name} blocks, got {d.dtype}")
+            raise ValueError(f"{who}: weights must be {f.name} blocks, got {d.dtype}")
         if d.ndim != 2:
-            raise ValueError(f"matmul: weights must be 2-D [N, K/32] blocks, got shape {d.shape}")
+            raise ValueError(f"{who}: weights must be 2-D [N, K/32] blocks, got shape {d.shape}")
+        if 0 in d.shape:
+            raise ValueError(f"{who}: weights must have N >= 1 rows and K/32 >= 1 blocks, got shape {d.shape}")
         return d, f.name
+    if isinstance(w, (list, tuple)):  # np.asarray of a list of blocks would not give blocks back
+        raise ValueError(f"{who}: weights must be a numpy array of Q4_0 / Q8_0 blocks [N, K/32] (or raw uint8 bytes with "
+                         f"fmt=), or a device array, got {type(w).__name__}")
     a = np.asarray(w)
     if isinstance(fmt, str):
         fmt = fmt.lower()  # "Q4_0" as "q4_0", as the CLI and plan() take it
@@ -373,16 +386,18 @@ def _weights(w, fmt: str | None, on_device: bool, stream=None):
         fmt = {F.Q4_0.dtype: "q4_0", F.Q8_0.dtype: "q8_0"}.get(a.dtype)
         if fmt is None:
             came = F.block_format_of(a.dtype)
-            raise ValueError(f"matmul: weights must be Q4_0 or Q8_0 blocks (qgemm.quantize_q4_0/q8_0, or raw "
+            raise ValueError(f"{who}: weights must be Q4_0 or Q8_0 blocks (qgemm.quantize_q4_0/q8_0, or raw "
                              f"gguf bytes with fmt=), got {came + ' blocks' if came else a.dtype} {a.shape}")
     if fmt not in ("q4_0", "q8_0"):
-        raise ValueError(f"matmul: weights must be q4_0 or q8_0, got fmt={fmt!r}")
-    b = F.as_blocks(a, fmt, "matmul: weights")
+        raise ValueError(f"{who}: weights must be q4_0 or q8_0, got fmt={fmt!r}")
+    b = F.as_blocks(a, fmt, f"{who}: weights")
     if b.ndim != 2:
-        raise ValueError(f"matmul: weights must be 2-D [N, K/32] blocks, got shape {b.shape}")
+        raise ValueError(f"{who}: weights must be 2-D [N, K/32] blocks, got shape {b.shape}")
+    if 0 in b.shape:
+        raise ValueError(f"{who}: weights must have N >= 1 rows and K/32 >= 1 blocks, got shape {b.shape}")
     if not np.isfinite(b["d"]).all():  # a corrupt file: every output of its row would be inf / NaN
         row, blk = (int(i) for i in np.argwhere(~np.isfinite(b["d"]))[0])
-        raise ValueError(f"matmul: weight block scales must be finite; row {row}, block {blk} has d = {b['d'][row, blk]}")
+        raise ValueError(f"{who}: weight block scales must be finite; row {row}, block {blk} has d = {b['d'][row, blk]}")
     return np.ascontiguousarray(b), fmt
 
 
@@ -411,7 +426,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
                              "(or w a qgemm.pack_weights result)")
     dx = runtime.as_device_array(x, stream) if x_on_device else np.asarray(x)
     if dx.dtype not in (np.float32, np.float16):
-        raise ValueError(f"matmul: activations must be float32 or float16 [M, K], got {dx.dtype}")
+        raise ValueError(f"matmul: activations must be float32 or float16 [M, K], got {runtime.dtype_name(dx.dtype)}")
     if dx.ndim != 2:
         raise ValueError(f"matmul: activations must be 2-D [M, K], got shape {dx.shape}")
     wb, fmt = (packed.blocks, fmt) if packed is not None else _weights(w, fmt, w_on_device, stream)
@@ -420,6 +435,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if k != kw:
         raise ValueError(f"matmul: K mismatch: x has K={k}, weights have K={kw} ({wb.shape[1]} blocks of 32)")
     p = plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path, packed is not None)
+    p.check_launch()
     # what can be checked without the GPU is, first: a bad input says so on any machine
     if not x_on_device and not np.isfinite(dx).all():
         raise ValueError("matmul: activations must be finite")

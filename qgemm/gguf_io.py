@@ -264,7 +264,7 @@ class GGUFFile:
     no tensor data is read. Keep one GGUFFile to load many tensors without re-parsing."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = str(path)
+        self.path = _path_str(path)
         if Path(self.path).is_dir():
             raise IsADirectoryError(f"{self.path}: is a directory, expected a .gguf file")
         _scan(self.path)  # FileNotFoundError / PermissionError pass through as OSError
@@ -364,10 +364,21 @@ _CACHE_SIZE = 4
 _cache_lock = threading.Lock()
 
 
+def _path_str(path) -> str:
+    """A file path as str: str, os.PathLike or bytes (decoded as the OS does); a TypeError otherwise
+    (str(None) would have looked for a file named 'None', str(b'x') for one named "b'x'")."""
+    if isinstance(path, (str, bytes, os.PathLike)):
+        p = os.fsdecode(path)
+        if isinstance(p, str):
+            return p
+    raise TypeError(f"a GGUF path must be a str or os.PathLike, got {type(path).__name__}")
+
+
 def _cached(path: str | os.PathLike) -> GGUFFile:
     """The functions below parse a file's header once while it stays the same file (same inode,
     size, mtime, ctime and first MiB: timestamps can be too coarse to see a quick rewrite): on a
     real model, GGUFReader's parse of the vocabulary takes seconds."""
+    path = _path_str(path)
     p = os.path.realpath(path)
     try:
         st = os.stat(p)

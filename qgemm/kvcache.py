@@ -846,6 +846,14 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     measured faster. whole (value kernels): 16-warp CTAs over whole chunks (True) or not (False)
     instead of _whole_chunk_ctas's rule (tools/kv_probe.py's MF_WHOLE variants)."""
     b, s, d = shape
+    if kind not in ("key", "value") or bits not in (16, 4, 2) or d not in (64, 128, 256):
+        raise ValueError(f"plan_for: kind must be 'key' or 'value', bits 16 / 4 / 2 and D 64 / 128 / 256, got "
+                         f"kind={kind!r} bits={bits!r} D={d!r}")
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in (b, s, rows, sm_count)):
+        raise ValueError(f"plan_for: B, S, the query rows and sm_count must be positive ints, got shape {tuple(shape)}, "
+                         f"rows={rows!r}, sm_count={sm_count!r}")
+    if b > 65535:  # the kernels' grid.y: CUDA launches at most 65535
+        raise ValueError(f"a {kind} cache of B={b} (batch x kv heads) is beyond one launch (at most 65535): split it")
     if density is not None and (isinstance(density, bool) or not isinstance(density, (int, float, np.floating))
                                 or not 0.0 <= density <= 1.0):
         raise ValueError(f"density must be the stored fraction of the cache, a number in [0, 1], got {density!r}")
@@ -1001,7 +1009,7 @@ class MustafarRunner:
                 raise ValueError(f"{kernel.name}: {what} must be a numpy or device array, got {type(x).__name__}")
             dx, dtype, shape = x, x.dtype, x.shape
         if dtype != np.float16:
-            raise ValueError(f"{kernel.name}: {what} must be float16, got {dtype}")
+            raise ValueError(f"{kernel.name}: {what} must be float16, got {runtime.dtype_name(dtype)}")
         if len(shape) != 3 or shape[2] != last or shape[0] <= 0 or shape[1] <= 0:
             raise ValueError(f"{kernel.name}: {what} must be [B*groups, Lq, {'D' if self.kind == 'key' else 'S'}="
                              f"{last}] float16, got {tuple(shape)}")
@@ -1010,6 +1018,8 @@ class MustafarRunner:
                              "(B x num_key_value_groups expected)")
         if not device and not x.flags.c_contiguous:
             raise ValueError(f"{kernel.name}: {what} must be C-contiguous")
+        if not device and not np.isfinite(x).all():
+            raise ValueError(f"{kernel.name}: {what} must be finite; found inf or NaN")
         return dx, shape[0] // b, shape[1]
 
     def out_shape(self, dkv, bg: int, lq: int):

@@ -87,7 +87,7 @@ def _describe(x) -> str:
     if runtime.is_device_array(x) and not isinstance(x, np.ndarray):
         try:
             d = runtime.as_device_array(x)
-            return f"device array {d.dtype} {d.shape}"
+            return f"device array {runtime.dtype_name(d.dtype)} {d.shape}"
         except Exception:
             return f"device object {type(x).__name__}"
     a = np.asarray(x)
@@ -108,13 +108,21 @@ def _check_host(x, fmt: F.Format, role: str, op: Op) -> np.ndarray:
             raise ValueError(f"{op.name}: {role} must be 2-D [rows, K/32] {fmt.name} blocks, got shape {x.shape}")
         if not x.flags.c_contiguous:
             raise ValueError(f"{op.name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
-        return F.as_blocks(x, fmt, f"{op.name}: {role}")
+        b = F.as_blocks(x, fmt, f"{op.name}: {role}")
+        for field in ("d", "s"):  # a corrupt block scale or sum makes its whole row of outputs inf / NaN
+            if field in b.dtype.names and not np.isfinite(b[field]).all():
+                row, blk = (int(i) for i in np.argwhere(~np.isfinite(b[field]))[0])
+                raise ValueError(f"{op.name}: {role} block {field} values must be finite; row {row}, block {blk} has "
+                                 f"{field} = {b[field][row, blk]}")
+        return b
     if x.dtype != fmt.dtype:
         raise ValueError(f"{op.name}: {role} must be {fmt.dtype} [rows, K], got {_describe(x)}" + _format_hint(x, fmt))
     if x.ndim != 2:
         raise ValueError(f"{op.name}: {role} must be 2-D [rows, K], got shape {x.shape}")
     if not x.flags.c_contiguous:
         raise ValueError(f"{op.name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
+    if not np.isfinite(x).all():  # checked where it is cheap: host calls are synchronous anyway
+        raise ValueError(f"{op.name}: {role} must be finite; found inf or NaN")
     return x
 
 
@@ -160,6 +168,14 @@ class Launch:
     # launched with programmatic dependent launch when the kernel's spec supports it (KernelSpec.pdl)
     # and PDL is on: a configuration may turn it off where starting early costs more than it gives
     pdl: bool = True
+
+    def check(self, who: str, shape: str) -> None:
+        """ValueError when CUDA cannot launch this grid (x < 2^31, y and z <= 65535 CTAs): a kernel
+        whose grid grows with M along y handles at most 65535 of its row tiles in one call."""
+        limits = (2**31 - 1, 65535, 65535)
+        if any(not 0 < d <= lim for d, lim in zip(self.grid, limits)):
+            raise ValueError(f"{who}: {shape} needs a launch grid of {tuple(self.grid)} CTAs, beyond what CUDA launches "
+                             "(x < 2^31, y and z <= 65535): split the call along M")
 
 
 class Kernel:
@@ -331,6 +347,7 @@ class Kernel:
         device = not isinstance(a, np.ndarray)
         if not device and out is not None and isinstance(out, np.ndarray):
             raise ValueError(f"{self.name}: out= must be a device array; host calls return a new numpy array")
+        self.check_launch(m, n, k)
         self._module()  # no GPU, or a GPU too old: fail before allocating anything
         staged = not device or self.act_layout is not None or (self.packed and not isinstance(w, packing.PackedWeights))
         runtime.prepare_call(stream, self.name, None if not staged else (
@@ -351,6 +368,14 @@ class Kernel:
         if device:
             return out if out is not None else dc
         return dc.to_host()
+
+    def check_launch(self, m: int, n: int, k: int, defines: dict | None = None) -> None:
+        """ValueError, before anything launches, where the shape's grid is beyond CUDA's limits."""
+        if self.op.kind == "quantize":
+            g = self.spec.geometry(m, 0, k)
+        else:
+            g = self.geometry(m, n, k, defines if defines is not None else self.config_for(m, n, k))
+        g.check(self.name, f"M={m}" + ("" if self.op.kind == "quantize" else f" N={n}") + f" K={k}")
 
     def geometry(self, m: int, n: int, k: int, defines: dict) -> Launch:
         return self.spec.geometry(m, n, k, defines) if self.spec.config is not None else self.spec.geometry(m, n, k)
@@ -391,6 +416,7 @@ class Kernel:
             raise ValueError(f"{self.name}: K must be a positive multiple of {self.op.k_multiple}, got K={k}")
         if m <= 0:
             raise ValueError(f"{self.name}: M must be positive, got M={m}")
+        self.check_launch(m, 0, k)
         if not device:
             if not np.isfinite(x).all():
                 raise ValueError(f"{self.name}: input must be finite")

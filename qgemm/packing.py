@@ -165,13 +165,13 @@ def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     t0 = time.perf_counter()
     on_device = runtime.is_device_array(w) and not isinstance(w, np.ndarray)
     if not on_device:  # host blocks are checked before the GPU is: a bad input says so on any machine
-        blocks, fmt = _weights(w, fmt, False)
+        blocks, fmt = _weights(w, fmt, False, who="pack_weights")
     runtime.require_gpu("qgemm.pack_weights")
     runtime.prepare_call(stream, "pack_weights", "cannot run while a CUDA graph is being captured (it copies the "
                                                  "blocks to the host and uploads the packed ones); pack once, at load, "
                                                  "before capturing")
     if on_device:
-        blocks, fmt = _weights(w, fmt, True, stream)
+        blocks, fmt = _weights(w, fmt, True, stream, who="pack_weights")
     host = blocks.to_host() if on_device else blocks
     n, k = host.shape[0], host.shape[1] * F.QK
     packed = runtime.DeviceArray.from_host(pack(host, fmt))

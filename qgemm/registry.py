@@ -750,6 +750,8 @@ def spec(name: str) -> KernelSpec:
 
 def get(name: str) -> ops.Kernel:
     """The callable kernel `name` (memoized: a second get() returns the same object, no I/O)."""
+    if not isinstance(name, str):
+        spec(name)  # the same error as for an unknown name, not the cache's "unhashable type"
     k = _kernels.get(name)
     if k is None:
         s = spec(name)

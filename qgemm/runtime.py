@@ -109,6 +109,15 @@ def gpu_unavailable_reason() -> str:
     return _probe()[1]
 
 
+def dtype_name(dt) -> str:
+    """A dtype for messages: numpy's name, or what a device array's typestr means where numpy has
+    none (torch's bfloat16 arrives as the opaque 2-byte '|V2')."""
+    dt = np.dtype(dt)
+    if dt.kind == "V" and dt.names is None:
+        return f"an opaque {dt.itemsize}-byte type{' (bfloat16?)' if dt.itemsize == 2 else ''} ({dt.str})"
+    return dt.name
+
+
 def require_gpu(what: str = "this") -> None:
     ok, why = _probe()
     if not ok:

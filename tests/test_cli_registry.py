@@ -839,6 +839,71 @@ def test_plan_and_matmul_name_what_they_expected_before_any_gpu(rng):
         qgemm.quantize(np.ones((2, 64), np.float32), None)
 
 
+def test_bad_operands_say_so_before_any_gpu(rng, tmp_path):
+    """Audit of session 31: operands and arguments that reached numpy, the kernels or CUDA before
+    an error now get one that names what was expected -- non-finite host operands of a kernel call
+    (a NaN output otherwise), a corrupt block scale, a shape whose launch grid CUDA refuses (grid.y
+    > 65535), weights given as a list or with no rows, pack_weights' own name in its messages, a
+    non-bool `packed`, an unhashable kernel name, a GGUF path that is no path, bfloat16 named."""
+    from qgemm import dispatch, gguf_io, kvcache as kv
+
+    w = qgemm.quantize_q4_0(rng.standard_normal((8, 64), dtype=np.float32))
+    x = rng.standard_normal((4, 64), dtype=np.float32)
+    naive = qgemm.get("w4a16.naive")
+    for bad in (np.nan, np.inf):
+        xb = x.copy()
+        xb[1, 2] = bad
+        with pytest.raises(ValueError, match="A must be finite; found inf or NaN"):
+            naive(xb, w)
+    wb = w.copy()
+    wb["d"][3, 1] = np.inf
+    with pytest.raises(ValueError, match="W block d values must be finite; row 3, block 1 has d = inf"):
+        naive(x, wb)
+    q8 = qgemm.quantize_q8_1(x)
+    q8["s"][2, 0] = np.nan
+    with pytest.raises(ValueError, match="A block s values must be finite; row 2, block 0"):
+        qgemm.get("w4a8.mma")(q8, w)
+    with pytest.raises(ValueError, match=r"quantize.q8_1: M=70000 K=64 needs a launch grid of \(1, 70000, 1\) CTAs, "
+                                         r"beyond what CUDA launches .*split the call along M"):
+        qgemm.get("quantize.q8_1")(np.zeros((70000, 64), np.float32))
+    with pytest.raises(ValueError, match=r"fp32.naive: M=1100000 N=1 K=32 needs a launch grid of \(1, 68750, 1\)"):
+        qgemm.get("fp32.naive")(np.ones((1100000, 32), np.float32), np.ones((1, 32), np.float32))
+    with pytest.raises(ValueError, match="quantize.q8_1: M=70000 K=64 needs a launch grid"):
+        qgemm.matmul(np.zeros((70000, 64), np.float32), w, path="w4a8.mma")
+    dispatch.plan(65535, 4096, 4096, path="w4a8.mma", arch="sm_90").check_launch()  # the last M that launches
+    for who, call in (("matmul", lambda v: qgemm.matmul(x, v)), ("pack_weights", qgemm.pack_weights)):
+        with pytest.raises(ValueError, match=f"{who}: weights must be a numpy array of Q4_0 / Q8_0 blocks .*got list"):
+            call(w.tolist())
+        with pytest.raises(ValueError, match=rf"{who}: weights must have N >= 1 rows and K/32 >= 1 blocks, got shape \(0, 2\)"):
+            call(w[:0])
+    with pytest.raises(ValueError, match="^pack_weights: weights must be Q4_0 or Q8_0 blocks"):
+        qgemm.pack_weights(np.ones((8, 64), np.float32))
+    with pytest.raises(TypeError, match="plan: packed must be True or False .*got 'no'"):
+        qgemm.plan(1, 64, 64, packed="no")
+    for bad in (["w4a16.naive"], {}):
+        with pytest.raises(ValueError, match="a kernel name is a string"):
+            qgemm.get(bad)
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match=f"a GGUF path must be a str or os.PathLike, got {type(bad).__name__}"):
+            qgemm.load_gguf(bad, "w")
+    with pytest.raises(FileNotFoundError, match="no such file.*x.gguf|x.gguf"):  # bytes are decoded, not str(b'...')
+        gguf_io.open_gguf(os.fsencode(str(tmp_path / "x.gguf")))
+    assert runtime.dtype_name(np.dtype("|V2")) == "an opaque 2-byte type (bfloat16?) (|V2)"
+    assert runtime.dtype_name(np.float16) == "float16"
+    k = rng.standard_normal((2, 100, 64)).astype(np.float16)
+    ck = kv.compress_keys(kv.prune(k, 0.5), 2)
+    q = rng.standard_normal((2, 1, 64)).astype(np.float16)
+    q[1, 0, 3] = np.inf
+    with pytest.raises(ValueError, match="mustafar.key_q2: queries must be finite"):
+        kv.scores(q, ck)
+    with pytest.raises(ValueError, match=r"a key cache of B=70000 .*\(at most 65535\)"):
+        kv.plan_for("key", 2, (70000, 16, 128), 4)
+    for args in (("key", 4, (1, 10, 128), 0), ("query", 2, (1, 10, 128), 4), ("key", 8, (1, 10, 128), 4),
+                 ("key", 2, (1, 10, 96), 4), ("key", 2, (1, 10, 128), 4, 0)):
+        with pytest.raises(ValueError, match="plan_for: "):
+            kv.plan_for(*args)
+
+
 def test_unknown_kernel_and_family_names():
     """A name that does not exist is a ValueError (as every input error) that is also a KeyError
     (a lookup), with the close names; a family that does not exist lists the families."""
