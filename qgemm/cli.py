@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -74,6 +75,8 @@ def _shapes(text: Optional[str], gemm_default: str, runner_default: str):
 def _gguf_source(gguf, tensor, m_rows, mnk):
     """(M, weights, K, fmt) from --gguf/--tensor/--m, or None. Exits 2 with the reason on a bad file."""
     if gguf is None and tensor is None:
+        if m_rows is not None:
+            _fail("--m sets the activation rows of a --gguf tensor's GEMM; without --gguf, put M in --shape")
         return None
     if gguf is None or tensor is None:
         _fail("--gguf and --tensor go together (e.g. --gguf model.gguf --tensor blk.0.ffn_down.weight)")
@@ -284,6 +287,10 @@ def compile(
     for s in specs:
         if mnk and s.config is not None and s.op.kind == "gemm" and mnk[2] % 32:
             _fail(f"--shape: K must be a multiple of 32 for {s.name}, got K={mnk[2]}")
+        if mnk and s.max_m is not None and mnk[0] > s.max_m:  # its configurations stop there (tune refuses it too)
+            rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", f"skipped: handles at most M={s.max_m}", ""])
+            failed += s.name in named
+            continue
         k = registry.get(s.name)
         defines = dict(k.config_for(*mnk)) if mnk and s.config is not None else {}
         defines.update(extra)
@@ -445,6 +452,9 @@ def profile(
                                        "results": results, "peers": peer_rows}, indent=1))
 
 
+_TUTORIAL_MAX_VALUES = 1 << 28  # 2 GiB of float64 per operand set: the CPU references' footprint
+
+
 @app.command()
 def tutorial(
     steps: List[int] = typer.Argument(..., help="Step numbers 1-5 (e.g. `qgemm tutorial 4` or `qgemm tutorial 1 2 3`)."),
@@ -457,6 +467,13 @@ def tutorial(
     for st in steps:
         if st not in tut.STEPS:
             _fail(f"tutorial step must be 1..5, got {st}")
+    m, n, k = mnk
+    if k % 32:
+        _fail(f"--shape: K must be a multiple of 32 (the block size), got K={k}")
+    if m * k + n * k + m * n > _TUTORIAL_MAX_VALUES:
+        _fail(f"--shape {m}x{n}x{k} is too large for the tutorial: its CPU references hold M*K + N*K + M*N = "
+              f"{m * k + n * k + m * n:,} values in float64 (at most {_TUTORIAL_MAX_VALUES:,}; the default 512x4096x4096 holds "
+              "~21 million)")
     for st in steps:
         tut.run(st, typer.echo, mnk)
         typer.echo("")
@@ -480,7 +497,8 @@ def explain(
     try:
         typer.echo(mm.explain(*mnk, fmt=fmt, x_dtype="f16" if f16 else "f32", path=path, packed=packed, arch=arch))
     except (KeyError, ValueError, UnsupportedArchError) as e:
-        _fail(str(e.args[0] if e.args else e))
+        msg = str(e.args[0] if e.args else e)
+        _fail(msg + ("; here: --packed" if "pack_weights" in msg and not packed else ""))
 
 
 @app.command()
@@ -611,6 +629,14 @@ def bench(
     ks = ints(k_list, "K") if k_list else ((4096,) if quick else B.SWEEP_K)
     modes = (False,) if hot_only else (False, True)
     _need_gpu("bench")
+    # the largest row's operands, at least twice over (qgemm's float32 x, staging and C, the Q8_0 weights
+    # packed and as blocks; torch's fp16 copies): refused up front, not after an allocation runs for minutes
+    n = B.SWEEP_N
+    need = max(2 * (m * k * 4 + m * k * 2 + m * n * 4 + 2 * n * k * 34 // 32 + (m + n) * k * 2) for m in ms for k in ks)
+    have = runtime.device_info().total_mem
+    if need > have:
+        _fail(f"--m / --k: the largest row ({max(ms)} x {n} x {max(ks)}) needs about {need / 2**30:.1f} GiB of GPU memory; "
+              f"the GPU has {have / 2**30:.1f} GiB")
     total = len(ms) * len(ks) * 2 * len(modes)
     with typer.progressbar(length=total, label="qgemm bench") as bar:
         data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters, clocks=clocks,
@@ -712,6 +738,11 @@ def compare_llamacpp(
 
     if (test_backend_ops is None) == (from_file is None):
         _fail("pass exactly one of --test-backend-ops PATH (run your build) or --from-file TXT (a saved output)")
+    if not math.isfinite(timeout) or timeout <= 0:
+        _fail(f"--timeout must be a positive number of seconds, got {timeout}")
+    if types.strip().lower() != "all" and not [t for t in types.split(",") if t.strip()]:
+        _fail(f"--types must name ggml weight types (e.g. q4_0,q8_0) or be 'all', got {types!r}")
+    _writable_file(as_json, "--json")
     try:
         if from_file is not None:
             source = str(from_file)

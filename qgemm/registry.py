@@ -780,6 +780,8 @@ def list_kernels(family: str | None = None, op: str | None = None) -> list[Kerne
 def resolve(names_or_all: list[str] | None, all_: bool) -> list[KernelSpec]:
     """CLI helper: explicit names (or family names like 'w4a16') or --all."""
     if all_:
+        if names_or_all:
+            raise ValueError(f"pass kernel names or --all, not both (got --all and {' '.join(names_or_all)})")
         return list(REGISTRY.values())
     if not names_or_all:
         raise ValueError("name at least one kernel, or pass --all")

@@ -904,6 +904,43 @@ def test_bad_operands_say_so_before_any_gpu(rng, tmp_path):
             kv.plan_for(*args)
 
 
+def test_cli_options_that_were_ignored_or_unchecked(tmp_path):
+    """Audit of session 31: CLI arguments that were silently ignored or failed late -- --m without
+    --gguf, kernel names together with --all, a decode kernel compiled for an M past its max,
+    the tutorial's K and size, compare-llamacpp's --timeout / --types / --json, explain's hint."""
+    cases = [
+        (["validate", "w4a8.mma", "--m", "3"], 2, "--m sets the activation rows of a --gguf tensor"),
+        (["compile", "w4a8.mma", "--all", "--arch", "sm_90"], 2, "pass kernel names or --all, not both"),
+        (["compile", "w4a8.gemv", "--arch", "sm_90", "--shape", "9x64x64"], 1, "skipped: handles at most M=8"),
+        (["tutorial", "2", "--shape", "1x1x33"], 2, "K must be a multiple of 32"),
+        (["tutorial", "1", "--shape", "100000x100000x100000"], 2, "too large for the tutorial"),
+        (["compare-llamacpp", "--from-file", "/dev/null", "--timeout", "-5"], 2, "--timeout must be a positive number"),
+        (["compare-llamacpp", "--from-file", "/dev/null", "--timeout", "nan"], 2, "--timeout must be a positive number"),
+        (["compare-llamacpp", "--from-file", "/dev/null", "--types", ","], 2, "--types must name ggml weight types"),
+        (["compare-llamacpp", "--from-file", "/dev/null", "--json", str(tmp_path / "no" / "x.json")], 2,
+         "does not exist or is not writable"),
+        (["explain", "--path", "w4a16.skinny", "--shape", "8x64x64", "--arch", "sm_90"], 2, "pack_weights.*; here: --packed"),
+    ]
+    for args, code, message in cases:
+        r = runner.invoke(app, args)
+        assert r.exit_code == code and re.search(message, r.output), (args, r.exit_code, r.output)
+    r = runner.invoke(app, ["compile", "w4a8", "--arch", "sm_90", "--shape", "9x4096x4096"])  # a family: the GEMV only skips
+    assert r.exit_code == 0 and "skipped: handles at most M=8" in r.output and "w4a8.mma" in r.output, r.output
+
+
+def test_bench_refuses_rows_beyond_the_gpus_memory(monkeypatch, tmp_path):
+    """`qgemm bench --k 2147483616` once ran into a 35 TB allocation: the largest row's operands are
+    compared with the GPU's memory first (a stand-in GPU of 80 GiB here; nothing is timed)."""
+    import types
+
+    monkeypatch.setattr(runtime, "gpu_available", lambda: True)
+    monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(total_mem=80 << 30))
+    r = runner.invoke(app, ["bench", "--quick", "--m", "1", "--k", "2147483616", "--no-peers", "--hot-only",
+                            "--out", str(tmp_path / "b")])
+    assert r.exit_code == 2 and re.search(r"the largest row \(1 x 4096 x 2147483616\) needs about [\d.]+ GiB of GPU memory; "
+                                          r"the GPU has 80.0 GiB", r.output), r.output
+
+
 def test_unknown_kernel_and_family_names():
     """A name that does not exist is a ValueError (as every input error) that is also a KeyError
     (a lookup), with the close names; a family that does not exist lists the families."""
