@@ -1069,9 +1069,32 @@ def _pdl_chain(x, ws, n, monkeypatch, fmts=None):
     monkeypatch.setenv("QGEMM_PDL", "0")
     want = chain(sync_each=True)
     monkeypatch.setenv("QGEMM_PDL", "1")
+    launches = _count_pdl_launches(monkeypatch)
     got = chain(sync_each=False)
     assert np.isfinite(want).all() and np.abs(want).mean() > 0.1
+    _assert_pdl_was_used(launches)
     return want, got
+
+
+def _count_pdl_launches(monkeypatch) -> list:
+    """Records, for each kernel launch from now on, whether it asked for PDL and got a launch
+    configuration with it (runtime._pdl_config falls back to plain launches silently)."""
+    seen = []
+    real = qgemm.runtime.LoadedKernel.launch
+
+    def spy(self, entry, grid, block, shmem, args, stream=None, pdl=False):
+        geo = dict(grid=tuple(grid), block=tuple(block), shmem_size=shmem)
+        seen.append(bool(pdl) and qgemm.runtime._pdl_config(geo) is not None)
+        return real(self, entry, grid, block, shmem, args, stream=stream, pdl=pdl)
+
+    monkeypatch.setattr(qgemm.runtime.LoadedKernel, "launch", spy)
+    return seen
+
+
+def _assert_pdl_was_used(launches: list) -> None:
+    """On sm_90 a chain test is only a race test if some of its kernels were launched with PDL."""
+    if qgemm.runtime.device_info().cc >= 90:
+        assert any(launches), f"no kernel of the chain was launched with PDL ({len(launches)} launches)"
 
 
 @pytest.mark.parametrize("m", [1, 8, 33, 300])

@@ -82,6 +82,8 @@ def test_quantized_round_trip_within_half_a_step(rng, kind, bits, compact):
     has = nz.any(-1)
     got_mn = np.where(nz, t_d, np.inf).min(-1)
     assert np.allclose(got_mn[has], mn[has], rtol=5e-3, atol=5e-3 * plain.scales[has])
+    mx, got_mx = (np.where(nz, t, -np.inf).max(-1) for t in (t_x, t_d))
+    assert np.allclose(got_mx[has], mx[has], rtol=5e-3, atol=5e-3 * plain.scales[has])
 
 
 def test_compact_is_bit_identical_and_smaller(rng):
@@ -1030,6 +1032,14 @@ def test_attention_chain_with_pdl(bits, rng, monkeypatch):
     overwrites the scores the value kernel before it read. A missing wait shows up as NaN poison,
     stale scores or the sum of two launches; checked against the numpy references."""
     monkeypatch.setenv("QGEMM_PDL", "1")
+    used = []
+    real = runtime.LoadedKernel.launch
+
+    def spy(self, entry, grid, block, shmem, args, stream=None, pdl=False):  # a race test only if PDL was on
+        used.append(bool(pdl) and runtime._pdl_config(dict(grid=tuple(grid), block=tuple(block), shmem_size=shmem)) is not None)
+        return real(self, entry, grid, block, shmem, args, stream=stream, pdl=pdl)
+
+    monkeypatch.setattr(runtime.LoadedKernel, "launch", spy)
     b, s, d, g = 8, 8192, 128, 4
     ck = kv.compress_keys(cache(rng, b, s, d), bits, sparsity=0.7)
     cv = kv.compress_values(cache(rng, b, s, d), bits, sparsity=0.7)
@@ -1051,6 +1061,7 @@ def test_attention_chain_with_pdl(bits, rng, monkeypatch):
     assert kv.rel_error(got, kv.reference_scores(q, kv.decompress(ck))) < 5e-3
     assert kv.rel_error(o_sc.to_host(), kv.reference_output(got, kv.decompress(cv))) < 5e-3
     assert kv.rel_error(o.to_host(), kv.reference_output(ps[-1], kv.decompress(cv))) < 5e-3
+    assert runtime.device_info().cc < 90 or any(used), f"no launch of the chain used PDL ({len(used)} launches)"
 
 
 @pytest.mark.parametrize("s, should_pass", [(1, True), (4096, False)])

@@ -1,5 +1,7 @@
-"""The skinny weight layout (qgemm.packing) and a lane-by-lane emulation of the skinny kernels'
-fragment math (cuda_src/common/skinny_f16.cuh), so a wrong index fails here, without a GPU."""
+"""The skinny weight layout (qgemm.packing), checked against a lane-by-lane model of the fragment
+math the skinny and wgmma_rs kernels implement (cuda_src/common/skinny_f16.cuh, wgmma_rs_f16.cuh):
+a wrong index in the packing fails here, without a GPU. The model is Python written from the
+kernels' comments, not their code: the CUDA itself is checked on the GPU (tests/test_gpu_kernels.py)."""
 
 import numpy as np
 import pytest

@@ -32,6 +32,16 @@ TUNE_PAIRS=${QGEMM_TUNE_PAIRS:-"w4a16.skinny@8x4096x4096 w8a16.skinny@8x4096x409
 TUNE_SHAPES=${QGEMM_TUNE_SHAPES:-1x4096x4096,8x4096x4096,1x4096x14336,8x4096x14336,16x4096x4096,32x4096x4096,64x4096x4096}
 LOG="$OUT/gpu_check.log"
 rc=0
+# gguf (ggml's Python package: the GGUF tests and `--gguf`) is not on the device image and the device
+# has no network: a wheel carried under out/wheels (`pip download --no-deps gguf -d out/wheels`,
+# carry ["out"]) is installed into a private directory, so the GGUF GPU tests run instead of skipping
+if ! $PY -c "import gguf" 2>/dev/null; then
+  for whl in out/wheels/gguf-*.whl; do
+    [ -f "$whl" ] || continue
+    $PY -m pip install -q --no-deps --target /tmp/qgemm-gguf "$whl" >/dev/null 2>&1 \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/qgemm-gguf" && echo "gguf from $whl" | tee -a "$LOG"
+  done
+fi
 run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | tee -a "$LOG"; local r=${PIPESTATUS[0]}; [ "$r" = 0 ] || { echo "!! exit $r: $*" | tee -a "$LOG"; rc=1; }; }
 
 for step in $STEPS; do
