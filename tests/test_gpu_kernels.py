@@ -759,7 +759,8 @@ def test_validate_and_profile_on_gguf_weights(tmp_path):
     assert r.exit_code == 0, r.output
     assert r.output.count("PASS") == 3 and "33x96x512" in r.output
     r = CliRunner().invoke(app, ["validate", "w8a8.mma", "--gguf", str(path), "--tensor", "blk.0.ffn_down.weight"])
-    assert r.exit_code == 1 and "takes q8_0 weights; the GGUF tensor is q4_0" in r.output
+    # refused before anything runs (cli._precheck): a usage error, as every input error of validate
+    assert r.exit_code == 2 and "takes q8_0 weights; the GGUF tensor is q4_0" in r.output and "PASS" not in r.output
     r = CliRunner().invoke(app, ["profile", "w8a16.mma", "--gguf", str(path), "--tensor", "blk.0.attn_q.weight", "--m", "64",
                                  "--iters", "3", "--no-peers"])
     assert r.exit_code == 0 and "w8a16.mma" in r.output, r.output
