@@ -280,6 +280,8 @@ def nmse(x: np.ndarray, ref: np.ndarray) -> float:
     """Normalised mean squared error ||x - ref||^2 / ||ref||^2, in float64."""
     x = np.asarray(x, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
+    if x.shape != ref.shape:  # broadcasting would compare other elements than the caller meant
+        raise ValueError(f"nmse: x and ref must have the same shape, got {x.shape} and {ref.shape}")
     den = float(np.sum(ref * ref))
     num = float(np.sum((x - ref) ** 2))
     return num / den if den > 0 else (0.0 if num == 0 else float("inf"))

@@ -420,6 +420,7 @@ class Kernel:
         if not device:
             if not np.isfinite(x).all():
                 raise ValueError(f"{self.name}: input must be finite")
+            runtime.require_gpu(f"running {self.name}")  # named, before the upload asks for the runtime
             dx = runtime.DeviceArray.from_host(x)
         self._module()
         dy = self._out(out, (m, k // self.op.out.block), self.op.out.dtype)

@@ -902,6 +902,13 @@ def test_bad_operands_say_so_before_any_gpu(rng, tmp_path):
                  ("key", 2, (1, 10, 96), 4), ("key", 2, (1, 10, 128), 4, 0)):
         with pytest.raises(ValueError, match="plan_for: "):
             kv.plan_for(*args)
+    with pytest.raises(ValueError, match=r"nmse: x and ref must have the same shape, got \(3,\) and \(4,\)"):
+        qgemm.formats.nmse(np.ones(3), np.ones(4))
+    if not runtime.gpu_available():  # the no-GPU error names the call, as matmul's and the GEMM kernels' do
+        with pytest.raises(qgemm.NoGPUError, match="^running quantize.q8_1 needs an NVIDIA GPU"):
+            qgemm.get("quantize.q8_1")(x)
+        with pytest.raises(qgemm.NoGPUError, match="^running mustafar.key_q2 needs an NVIDIA GPU"):
+            kv.scores(np.ones((2, 1, 64), np.float16), ck)
 
 
 def test_cli_options_that_were_ignored_or_unchecked(tmp_path):
