@@ -28,3 +28,28 @@ def rng(request):
     seed = int(np.random.SeedSequence().entropy % (2**31))
     request.node.user_properties.append(("seed", seed))
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def pdl_launches(monkeypatch):
+    """A race test of programmatic dependent launch is one only if its kernels were launched with
+    it: runtime._pdl_config falls back to plain launches silently (an old cuda.core, QGEMM_PDL=0).
+    Records, for every kernel launch of the test, whether it asked for PDL and got a launch
+    configuration with it; `.check()` asserts that some did where the GPU has PDL (sm_90+)."""
+    from qgemm import runtime
+
+    class Launches(list):
+        def check(self):
+            if runtime.device_info().cc >= 90:
+                assert any(self), f"no kernel launch of the test used PDL ({len(self)} launches)"
+
+    seen = Launches()
+    real = runtime.LoadedKernel.launch
+
+    def spy(self, entry, grid, block, shmem, args, stream=None, pdl=False):
+        geo = dict(grid=tuple(grid), block=tuple(block), shmem_size=shmem)
+        seen.append(bool(pdl) and runtime._pdl_config(geo) is not None)
+        return real(self, entry, grid, block, shmem, args, stream=stream, pdl=pdl)
+
+    monkeypatch.setattr(runtime.LoadedKernel, "launch", spy)
+    return seen

@@ -1049,7 +1049,7 @@ def test_wgmma_rs_evict_first_weights(fmt, rng):
     assert qgemm.reference.relative_error(c, p.reference(x, w)) <= 1e-5
 
 
-def _pdl_chain(x, ws, n, monkeypatch, fmts=None):
+def _pdl_chain(x, ws, n, monkeypatch, pdl_launches, fmts=None):
     """x through the weights ws by qgemm.matmul, ping-pong between two device buffers (each op reads
     the previous one's output and overwrites what the op before it read; the second buffer starts
     NaN-poisoned): once one op at a time with PDL off, once queued without a sync with PDL on.
@@ -1070,36 +1070,15 @@ def _pdl_chain(x, ws, n, monkeypatch, fmts=None):
     monkeypatch.setenv("QGEMM_PDL", "0")
     want = chain(sync_each=True)
     monkeypatch.setenv("QGEMM_PDL", "1")
-    launches = _count_pdl_launches(monkeypatch)
+    del pdl_launches[:]  # the PDL-off chain's launches do not count
     got = chain(sync_each=False)
     assert np.isfinite(want).all() and np.abs(want).mean() > 0.1
-    _assert_pdl_was_used(launches)
+    pdl_launches.check()
     return want, got
 
 
-def _count_pdl_launches(monkeypatch) -> list:
-    """Records, for each kernel launch from now on, whether it asked for PDL and got a launch
-    configuration with it (runtime._pdl_config falls back to plain launches silently)."""
-    seen = []
-    real = qgemm.runtime.LoadedKernel.launch
-
-    def spy(self, entry, grid, block, shmem, args, stream=None, pdl=False):
-        geo = dict(grid=tuple(grid), block=tuple(block), shmem_size=shmem)
-        seen.append(bool(pdl) and qgemm.runtime._pdl_config(geo) is not None)
-        return real(self, entry, grid, block, shmem, args, stream=stream, pdl=pdl)
-
-    monkeypatch.setattr(qgemm.runtime.LoadedKernel, "launch", spy)
-    return seen
-
-
-def _assert_pdl_was_used(launches: list) -> None:
-    """On sm_90 a chain test is only a race test if some of its kernels were launched with PDL."""
-    if qgemm.runtime.device_info().cc >= 90:
-        assert any(launches), f"no kernel of the chain was launched with PDL ({len(launches)} launches)"
-
-
 @pytest.mark.parametrize("m", [1, 8, 33, 300])
-def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
+def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch, pdl_launches):
     """A chain of ops queued without a sync, each reading the previous one's output and writing
     the buffer the op before it read (ping-pong): with programmatic dependent launch (sm_90) a
     kernel starts while the previous one finishes, so a missing or misplaced pdl_wait() shows up
@@ -1111,7 +1090,7 @@ def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
         w_f = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))  # keeps |y| ~ |x|
         ws.append(qgemm.pack_weights(F.quantize(w_f, "q4_0" if i % 2 == 0 else "q8_0")))
     x = rng.standard_normal((m, k), dtype=np.float32)
-    want, got = _pdl_chain(x, ws, n, monkeypatch)
+    want, got = _pdl_chain(x, ws, n, monkeypatch, pdl_launches)
     plans = [qgemm.plan(m, n, k, pw.fmt, packed=True) for pw in ws[:2]]
     split_k = any(registry.get(p.kernel).geometry(m, n, k, p.defines or registry.get(p.kernel).config_for(m, n, k)).zero_output
                   for p in plans)
@@ -1145,7 +1124,7 @@ def test_gemv_defaults_every_token_count(name, rng):
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8])
-def test_gemv_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
+def test_gemv_chain_with_programmatic_dependent_launch(m, rng, monkeypatch, pdl_launches):
     """The decode path on ggml blocks (quantize.q8_1 + w4a8/w8a8.gemv) in a ping-pong chain queued
     without a sync: up to 4 tokens the GEMV is launched with PDL (GEMV_PDL) and requests its first
     weights before waiting for the quantizer (GEMV_EARLY), so a wait placed after the staging
@@ -1159,7 +1138,7 @@ def test_gemv_chain_with_programmatic_dependent_launch(m, rng, monkeypatch):
         p = qgemm.plan(m, n, k, fmt)
         assert p.kernel.endswith(".gemv") and p.quantizer == "quantize.q8_1", p
         assert p.defines["GEMV_PDL"] == p.defines["GEMV_EARLY"] == (1 if m <= 4 else 0), p.defines
-    want, got = _pdl_chain(rng.standard_normal((m, k), dtype=np.float32), ws, n, monkeypatch, fmts)
+    want, got = _pdl_chain(rng.standard_normal((m, k), dtype=np.float32), ws, n, monkeypatch, pdl_launches, fmts)
     np.testing.assert_array_equal(got, want)
 
 
