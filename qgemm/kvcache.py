@@ -1042,7 +1042,8 @@ class MustafarRunner:
                    if isinstance(ck, CompressedKV) and not ck.on_device else None)
             runtime.prepare_call(stream, kernel.name, why and f"this call cannot be captured into a CUDA graph: {why}")
             stream = runtime.as_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
-        runtime.require_gpu(f"running {kernel.name}")  # named, before the cache's upload asks for the runtime
+        if not runtime.gpu_available():  # named, before the cache's upload asks for the runtime
+            runtime.require_gpu(f"running {kernel.name}")
         dkv = ck.to_device() if isinstance(ck, CompressedKV) else ck
         oshape, odt = self.out_shape(dkv, dx.shape[0], lq)
         if not device:
