@@ -468,8 +468,8 @@ def tutorial(
         if st not in tut.STEPS:
             _fail(f"tutorial step must be 1..5, got {st}")
     m, n, k = mnk
-    if k % 32 and any(st != 1 for st in steps):  # step 1 is FP32; the others quantize in blocks of 32
-        _fail(f"--shape: K must be a multiple of 32 (the block size) for steps 2-5, got K={k}")
+    if k % 32 and any(st in (2, 3, 4) for st in steps):  # 1 is FP32, 5 uses llama.cpp's shapes; 2-4 quantize
+        _fail(f"--shape: K must be a multiple of 32 (the block size) for steps 2-4, got K={k}")
     if m * k + n * k + m * n > _TUTORIAL_MAX_VALUES:
         _fail(f"--shape {m}x{n}x{k} is too large for the tutorial: its CPU references hold M*K + N*K + M*N = "
               f"{m * k + n * k + m * n:,} values in float64 (at most {_TUTORIAL_MAX_VALUES:,}; the default 512x4096x4096 holds "

@@ -3,9 +3,11 @@
     c = qgemm.matmul(x, w)                       # x float32/float16 [M, K]; w Q4_0/Q8_0 [N, K/32]
     print(qgemm.explain(512, 4096, 4096, "q4_0"))  # which kernels, which configuration, and why
 
-With weights from `qgemm.pack_weights` (repacked once, at load) and float32 activations:
-- M >= 17 on sm_90: `convert.f16k` + `w4a16.wgmma_rs` / `w8a16.wgmma_rs` (asynchronous warpgroup
-  MMA, the weights dequantized into registers as its A operand);
+With weights from `qgemm.pack_weights` (repacked once, at load):
+- M >= 17 on sm_90: `convert.f16k` (float16 activations: `convert.f16k_f16`) + `w4a16.wgmma_rs` /
+  `w8a16.wgmma_rs` (asynchronous warpgroup MMA, the weights dequantized into registers as its A
+  operand);
+and with float32 activations on sm_80+, no prologue kernel:
 - M = 1: `w4a8.skinny` / `w8a8.skinny` alone -- int8 tensor cores with the token on the MMA's N side,
   the weight words used as fragments (Q4_0 after one mask), the activations quantized per block by
   the kernel;

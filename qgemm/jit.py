@@ -522,8 +522,9 @@ def compile_kernel(
     check_arch_supported(arch)
     options = build_options(arch, defines)
     memo_key = (source_rel, arch, tuple(options), tuple(entries))
+    fresh = use_cache is False  # asked for a new compile (`qgemm compile --no-cache`): not this process's memo either
     with _memo_lock:
-        hit = _memo.get(memo_key)
+        hit = None if fresh else _memo.get(memo_key)
     if hit is not None:
         return hit
 
@@ -551,8 +552,9 @@ def compile_kernel(
             result = from_meta(*got)
     else:
         result = _compile_and_store(name, source_rel, source, headers, entries, arch, options, key, None)
-    with _memo_lock:
-        _memo[memo_key] = result
+    if not fresh:
+        with _memo_lock:
+            _memo[memo_key] = result
     return result
 
 

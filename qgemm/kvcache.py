@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 TILE = 64
-GROUP = 16  # tiles per warp step / per compact group offset
+GROUP = 16  # tiles per compact group offset (a warp step is STEP_LANES tiles)
 BITS = (16, 4, 2)
 HEAD_DIMS = (64, 128, 256)
 KINDS = ("key", "value")
@@ -648,7 +648,8 @@ class DeviceKV:
         self.kind, self.bits, self.shape, self.compact, self.layout = ck.kind, ck.bits, tuple(ck.shape), ck.compact, ck.layout
         self.nbytes = ck.nbytes  # the compressed form's bytes (what a launch reads, plus padding)
         self.max_step = step_bytes_max(ck)  # sizes the kernels' windows
-        self.max_step2 = step_bytes_max(ck, 2) if ck.kind == "value" else None
+        # 2-tile value steps' window (a second popcount pass over the cache) only where they are used
+        self.max_step2 = step_bytes_max(ck, 2) if ck.kind == "value" and any(value_tiles_per_lane(ck.bits, mr) == 2 for mr in (4, 8)) else None
         self.density = density(ck)  # picks version 2's fp16 value walk (plan_for)
         self.arrays = arrays
 
@@ -1229,7 +1230,8 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
     sets = cold_sets(moved) if cold else 1
     info = runtime.device_info()
     p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, step_bytes_max(ck),
-                          step_bytes_max(ck, 2) if ck.kind == "value" else None, cc=info.cc, density=density(ck))
+                          step_bytes_max(ck, 2) if ck.kind == "value" and value_tiles_per_lane(ck.bits, 4 if rows <= 4 else 8) == 2
+                          else None, cc=info.cc, density=density(ck))
     kernel._module(p.defines)
     dkvs = [DeviceKV.upload(ck) for _ in range(sets)]
     dxs = [runtime.DeviceArray.from_host(x) for _ in range(sets)]

@@ -24,11 +24,11 @@ class Op:
 
     name: str  # "fp32", "w4a16", "w4a8", "quantize_q8_1", ...
     title: str
-    kind: str  # "gemm" or "quantize"
+    kind: str  # "gemm", "quantize" or "attention" (AttentionOp)
     a: F.Format  # activations [M, K]
     w: F.Format | None  # weights [N, K] (None for a quantizer)
     out: F.Format
-    unit: str  # "fp32" (FFMA), "dp4a", "imma"
+    unit: str  # "fp32" (FFMA), "dp4a", "imma", "hmma" or "memory"
     exact_tol: float  # max relative error vs the exact-math reference
     nmse_tol: float  # max NMSE vs float64 ground truth (quantization level)
     exact: Callable | None = None
@@ -178,6 +178,11 @@ class Launch:
                              "(x < 2^31, y and z <= 65535): split the call along M")
 
 
+# configuration keys that shape only the launch (registry geometry), never the code: not passed to
+# NVRTC, so configurations that differ only in them share one compile and one cache entry
+LAUNCH_ONLY = frozenset({"SK_GSPLIT"})  # the skinny kernels' K split across CTAs: gridDim.y
+
+
 class Kernel:
     """A registered kernel, ready to call: `c = k(a, w)`.
 
@@ -204,18 +209,15 @@ class Kernel:
         kernel's default configuration or `defines`. Needs no GPU when `arch` is given."""
         arch = jit.normalize_arch(arch or self._arch or runtime.device_arch())
         cc, _ = jit.parse_arch(arch)
-        if cc < self.spec.min_arch:
-            raise UnsupportedArchError(f"{self.name} needs sm_{self.spec.min_arch} or newer; {arch} was requested")
+        if not self.spec.runs_on(cc):  # sm_90a features (wgmma) exist on sm_90 only, not on later archs
+            raise UnsupportedArchError(f"{self.name} needs {self.spec.arch_needed}; {arch} was requested")
         if self.spec.arch_suffix and not arch.endswith(self.spec.arch_suffix):
-            if cc != self.spec.min_arch:  # sm_90a features (wgmma) exist on sm_90 only, not on later archs
-                raise UnsupportedArchError(f"{self.name} uses sm_{self.spec.min_arch}{self.spec.arch_suffix} features and runs "
-                                           f"only on sm_{self.spec.min_arch} GPUs; {arch} was requested")
             arch = arch + self.spec.arch_suffix
-        full = {**self.spec.defines, **(defines or {})}
+        full = {k: v for k, v in {**self.spec.defines, **(defines or {})}.items() if k not in LAUNCH_ONLY}
         return jit.compile_kernel(self.name, self.spec.source, [self.spec.entry, *self.spec.helpers], arch, full, **kw)
 
     def _module(self, defines: dict | None = None) -> runtime.LoadedKernel:
-        key = tuple(sorted((defines or {}).items()))
+        key = tuple(sorted((k, v) for k, v in (defines or {}).items() if k not in LAUNCH_ONLY))
         mod = self._loaded.get(key)
         if mod is None:
             with self._lock:
@@ -250,7 +252,7 @@ class Kernel:
             return self.spec.runner(self, a, w, out=out, stream=stream)
         if self.op.kind == "quantize":
             if w is not None:
-                raise ValueError(f"{self.name} takes one operand (the float32 activations), got two")
+                raise ValueError(f"{self.name} takes one operand (the {self.op.a.dtype} activations), got two")
             return self._call_quantize(a, out=out, stream=stream)
         if w is None:
             raise ValueError(f"{self.name} takes two operands: A ({self.op.a}) and W ({self.op.w})")
@@ -409,17 +411,13 @@ class Kernel:
         else:
             dx = None
             _check_host(x, fmt, "X", self.op)
-        m, k = dx.shape if device else x.shape
-        if not device and x.ndim != 2:
-            raise ValueError(f"{self.name}: X must be 2-D [M, K], got shape {x.shape}")
+        m, k = dx.shape if device else x.shape  # 2-D: _check_device / _check_host said so
         if k <= 0 or k % self.op.k_multiple:
             raise ValueError(f"{self.name}: K must be a positive multiple of {self.op.k_multiple}, got K={k}")
         if m <= 0:
             raise ValueError(f"{self.name}: M must be positive, got M={m}")
         self.check_launch(m, 0, k)
-        if not device:
-            if not np.isfinite(x).all():
-                raise ValueError(f"{self.name}: input must be finite")
+        if not device:  # finite: _check_host said so
             if not runtime.gpu_available():  # named, before the upload asks for the runtime
                 runtime.require_gpu(f"running {self.name}")
             dx = runtime.DeviceArray.from_host(x)

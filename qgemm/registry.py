@@ -22,7 +22,7 @@ def cdiv(a: int, b: int) -> int:
 class KernelSpec:
     name: str  # "family.variant"
     op: ops.Op
-    step: int  # tutorial step that introduces it
+    step: int  # tutorial step that introduces it (1-5); 6: production kernels, 7: Mustafar
     source: str  # path under cuda_src/
     entry: str  # extern "C" symbol
     geometry: Callable[[int, int, int], Launch]  # (M, N, K) -> grid, block, dynamic smem
@@ -280,8 +280,9 @@ def _skinny_config(wfmt: str):
         if cdiv(cdiv(n, 16), r) >= 4 * sm_count:  # plenty of CTAs already
             split = 1
         # two accumulator sets (two independent MMA chains) for Q4_0 at 9-16 tokens: 9.1 -> 7.9 us at
-        # 16x4096x4096 on the H100; no gain at M = 1, a loss at M = 8, for Q8_0, and at long K with
-        # the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8)
+        # 16x4096x4096 on the H100; for Q4_0 no gain at M = 1 and a loss at M = 8, and a loss at long K
+        # with the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8);
+        # Q8_0 at 2-8 tokens below K = 8192 gains (next line)
         acc = 2 if wfmt == "q4_0" and mt == 2 and not long_k else 1
         if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k:
             acc = 2  # Q8_0 8x4096x4096: 6.68 against 6.80 us (session 8), 6.3 against 6.4 (session 10)
@@ -333,7 +334,7 @@ def _skinny_i8_config(wfmt: str):
         # The untuned default follows measurement on the H100 (docs/perf/NOTES.md). qgemm.matmul runs
         # this kernel at M = 1 only (M > 1 measured slower than the fp16 kernel; path= for the rest).
         # M = 1 (session 13): one 16-row tile per CTA, 8 warps splitting K, compiled for two resident
-        # CTAs per SM (SK_MINB = 2, common/skinny_common.cuh), which changes ptxas's schedule more
+        # CTAs per SM (SK_MINB = 2, common/skinny_common.cuh; not Q8_0 at K >= 8192), which changes ptxas's schedule more
         # than the occupancy (a group's four MMAs stay independent); Q4_0 with two groups in flight
         # per lane, Q8_0 with one below K = 8192 and two above (DRAM-bound there). probe_defines,
         # kernel alone, 3 repetitions, against the session-9/11 defaults (Q4_0 two tiles x 16 warps

@@ -56,7 +56,6 @@ def _wrap(call: str, fn, *args, **kwargs):
 # the device
 
 
-_state_lock = threading.Lock()
 
 
 @lru_cache(maxsize=None)
@@ -715,7 +714,7 @@ class DeviceArray:
             check(driver.cuMemcpyHtoD(self.ptr, a.ctypes.data, a.nbytes), "cuMemcpyHtoD")
 
     def to_host(self) -> np.ndarray:
-        """Synchronous copy back (waits for the work queued before it on the default stream)."""
+        """Synchronous copy back (waits for all work in qgemm's context first: cuCtxSynchronize)."""
         from cuda.bindings import driver
 
         out = np.empty(self.shape, dtype=self.dtype)

@@ -2,12 +2,14 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import qgemm
@@ -44,7 +46,7 @@ def src_copy(tmp_path, monkeypatch):
 def test_every_kernel_compiles(name, arch, cache):
     spec = registry.spec(name)
     if int(arch[3:]) < spec.min_arch:
-        with pytest.raises(UnsupportedArchError, match=f"sm_{spec.min_arch} or newer"):
+        with pytest.raises(UnsupportedArchError, match=re.escape(f"needs {spec.arch_needed}; {arch} was requested")):
             qgemm.get(name).compile(arch)
         return
     ck = qgemm.get(name).compile(arch)
@@ -91,6 +93,26 @@ def _elf_section(elf: bytes, name: str) -> bytes:
         if names[h[0]:names.index(b"\0", h[0])].decode() == name:
             return elf[h[4]:h[4] + h[5]]
     return b""
+
+
+def test_launch_only_keys_no_cache_and_arch_messages(cache):
+    """Audit of session 31: SK_GSPLIT (the skinny kernels' K split across CTAs: gridDim.y only) was
+    passed to NVRTC, so configurations differing only in it compiled and cached the same cubin
+    again; `use_cache=False` (`qgemm compile --no-cache`) returned this process's memo instead of a
+    fresh compile; an sm_90a-only kernel asked for sm_80 said "needs sm_90 or newer"."""
+    k = qgemm.get("w4a16.skinny")
+    d = k.spec.config(8, 4096, 4096, 132)
+    one, two = (k.compile("sm_90", {**d, "SK_GSPLIT": s}) for s in (1, 2))
+    assert one.key == two.key and not any("SK_GSPLIT" in o for o in one.options)
+    fresh = [jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80", use_cache=False) for _ in range(2)]
+    assert fresh[0] is not fresh[1] and not fresh[1].from_cache
+    memo = jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80")
+    assert jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80") is memo  # the memo otherwise
+    for arch in ("sm_80", "sm_100"):
+        with pytest.raises(qgemm.UnsupportedArchError, match=rf"w4a16.wgmma_rs needs sm_90a \(only\); {arch} was requested"):
+            qgemm.get("w4a16.wgmma_rs").compile(arch)
+    with pytest.raises(ValueError, match=r"convert.f16k_f16 takes one operand \(the float16 activations\), got two"):
+        qgemm.get("convert.f16k_f16")(np.ones((2, 32), np.float16), np.ones((2, 32), np.float16))
 
 
 def test_cache_miss_then_hit_then_memo(cache):

@@ -50,7 +50,7 @@ static __device__ __forceinline__ void dt_stage_q8_1(DTShared& sh, const block_q
 struct DTQ4_0 {
     typedef block_q4_0 block_w;
     static constexpr bool offset8 = true;
-    // 4 threads per row; DT_BLOCKS * 4 packed ints per row -> 2 packed ints per thread
+    // 4 threads per row; DT_BLOCKS * 4 packed ints per row -> DT_BLOCKS packed ints per thread
     static __device__ __forceinline__ void stage(DTShared& sh, const block_q4_0* __restrict__ W, int N, int nb,
                                                  int r0, int b0, int tid) {
         const int r = tid / 4, part = tid % 4;

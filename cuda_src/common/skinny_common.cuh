@@ -1,4 +1,5 @@
-// What the two skinny decode kernels (common/skinny_f16.cuh, common/skinny_i8.cuh) share: the
+// What the skinny decode kernels (common/skinny_f16.cuh, common/skinny_i8.cuh and, through it,
+// common/skinny_q8_1.cuh) share: the
 // addressing of the packed "skinny" weight layout (qgemm.packing), the split of a CTA's K groups
 // among its warps and of K among CTAs (gridDim.y), the software-pipelined weight loads, and the
 // cross-warp reduction and store of the C fragments. Include it after SK_R, SK_WARPS, SK_UNROLL

@@ -47,7 +47,7 @@
 #define WG_SPLITK 1  // K split across CTAs (blockIdx.z) when the tile grid would leave SMs idle; atomics into a zeroed C
 #endif
 #ifndef WG_SPEC
-#define WG_SPEC 0  // 1: warp-specialized -- a producer warpgroup fills the stages, two consumer warpgroups only MMA
+#define WG_SPEC 0  // 1: warp-specialized -- two producer warpgroups fill the stages, two consumer warpgroups only MMA
 #endif
 #define WG_THREADS (WG_SPEC ? 512 : 256)
 #define WG_PRODUCERS 256  // threads that fill a stage (WG_SPEC: warpgroups 0 and 1)

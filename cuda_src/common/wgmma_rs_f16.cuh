@@ -45,7 +45,7 @@
 // with one CTA barrier per stage, and the fragment registers are double-buffered per half.
 //
 // RS_WS = 1 (the default on the H100): warp specialization. A third warpgroup does all the copying
-// (what the 256 MMA threads copied above, each producer thread standing in for two), and the MMA
+// (what the MMA threads copied above, each producer thread standing in for RS_WGS of them), and the MMA
 // warpgroups never copy and never meet at a CTA barrier: per buffer, an mbarrier `full` completes
 // when every producer thread's copies into it have landed (cp.async.mbarrier.arrive.noinc), and
 // `empty` when each MMA warp has seen the buffer's wgmma retire. A buffer is refilled as soon as it

@@ -4,7 +4,8 @@
 // Hopper prefill kernels read (k deinterleaved inside every 16: common/convert.cuh).
 // `status` bit 0: a non-finite input; bit 1: a finite value beyond half's range (it would become inf).
 // Programmatic dependent launch (common/pdl.cuh): the GEMM queued behind this kernel may start
-// its weight copies at once (it waits for this grid before reading Y), and this kernel itself may
+// its weight copies at once unless it splits K (it waits for this grid before reading Y; see
+// convert_begin), and this kernel itself may
 // be launched while the previous op finishes: it waits for that before it reads X (the previous
 // op's output) or writes Y (a staging buffer the previous op's GEMM may still be reading).
 #include "common/convert.cuh"
