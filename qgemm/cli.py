@@ -241,6 +241,8 @@ def info():
         which = f"device {d.ordinal} of {d.device_count} (QGEMM_DEVICE picks): " if d.device_count > 1 or d.ordinal else ""
         lines.insert(0, f"GPU:              {which}{d.name} ({d.arch}, {d.sm_count} SMs, {d.total_mem / 2**30:.1f} GiB, L2 {d.l2_bytes / 2**20:.0f} MiB)")
         lines.insert(1, f"driver:           {d.driver_version} (CUDA {d.driver_cuda_version[0]}.{d.driver_cuda_version[1]} driver API)")
+        lines.insert(2, f"memory:           {d.nominal_bandwidth / 1e9:.0f} GB/s nominal ({d.bus_width_bits}-bit bus, "
+                        f"{d.mem_clock_khz / 1e3:.0f} MHz); the roofline uses the copy bandwidth qgemm bench measures")
     else:
         lines.insert(0, f"No NVIDIA GPU is usable on this machine ({runtime.gpu_unavailable_reason()}). "
                         "Kernels can still be listed and compiled: qgemm compile --all --arch sm_90")

@@ -123,6 +123,17 @@ def test_cli_info_runs_with_or_without_gpu():
         assert "No NVIDIA GPU is usable" in r.output
 
 
+def test_cli_info_names_the_nominal_memory_bandwidth(monkeypatch):
+    """`qgemm info` on a (stand-in) H100: the datasheet bandwidth from the memory clock and bus
+    width (DDR), next to the note that the roofline uses the measured copy bandwidth."""
+    h100 = runtime.DeviceInfo("NVIDIA H100 80GB HBM3", 90, 132, 1980000, 2619000, 5120, 50 << 20, 232448, 80 << 30,
+                              (13, 0), "580.00")
+    monkeypatch.setattr(runtime, "gpu_available", lambda: True)
+    monkeypatch.setattr(runtime, "device_info", lambda: h100)
+    r = runner.invoke(app, ["info"])
+    assert r.exit_code == 0 and "memory:           3352 GB/s nominal (5120-bit bus, 2619 MHz)" in r.output, r.output
+
+
 def test_cli_compile_all_for_sm90(tmp_path, monkeypatch):
     monkeypatch.setenv("QGEMM_CACHE_DIR", str(tmp_path))
     jit.clear_memo()
