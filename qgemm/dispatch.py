@@ -397,9 +397,10 @@ def _weights(w, fmt: str | None, on_device: bool, stream=None, who: str = "matmu
         raise ValueError(f"{who}: weights must be 2-D [N, K/32] blocks, got shape {b.shape}")
     if 0 in b.shape:
         raise ValueError(f"{who}: weights must have N >= 1 rows and K/32 >= 1 blocks, got shape {b.shape}")
-    if not np.isfinite(b["d"]).all():  # a corrupt file: every output of its row would be inf / NaN
-        row, blk = (int(i) for i in np.argwhere(~np.isfinite(b["d"]))[0])
-        raise ValueError(f"{who}: weight block scales must be finite; row {row}, block {blk} has d = {b['d'][row, blk]}")
+    bad = F.nonfinite_block(b, ("d",))  # a corrupt file
+    if bad is not None:
+        _, (row, blk), value = bad
+        raise ValueError(f"{who}: weight block scales must be finite; row {row}, block {blk} has d = {value}")
     return np.ascontiguousarray(b), fmt
 
 

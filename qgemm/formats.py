@@ -276,6 +276,18 @@ def dequantize(blocks: np.ndarray, fmt: str | Format) -> np.ndarray:
     return DEQUANTIZERS[f.name](blocks)
 
 
+def nonfinite_block(blocks: np.ndarray, fields=("d", "s")):
+    """(field, (row, block), value) of the first 2-D block whose scale d (or, for Q8_1, sum s) is
+    inf or NaN -- a corrupt block makes its whole row of outputs inf / NaN -- else None."""
+    for f in fields:
+        if f in blocks.dtype.names:
+            bad = ~np.isfinite(blocks[f])
+            if bad.any():
+                at = tuple(int(i) for i in np.argwhere(bad)[0])
+                return f, at, blocks[f][at]
+    return None
+
+
 def nmse(x: np.ndarray, ref: np.ndarray) -> float:
     """Normalised mean squared error ||x - ref||^2 / ||ref||^2, in float64."""
     x = np.asarray(x, dtype=np.float64)

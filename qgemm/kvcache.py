@@ -648,8 +648,7 @@ class DeviceKV:
         self.kind, self.bits, self.shape, self.compact, self.layout = ck.kind, ck.bits, tuple(ck.shape), ck.compact, ck.layout
         self.nbytes = ck.nbytes  # the compressed form's bytes (what a launch reads, plus padding)
         self.max_step = step_bytes_max(ck)  # sizes the kernels' windows
-        # 2-tile value steps' window (a second popcount pass over the cache) only where they are used
-        self.max_step2 = step_bytes_max(ck, 2) if ck.kind == "value" and any(value_tiles_per_lane(ck.bits, mr) == 2 for mr in (4, 8)) else None
+        self.max_step2 = _max_step2(ck)
         self.density = density(ck)  # picks version 2's fp16 value walk (plan_for)
         self.arrays = arrays
 
@@ -757,6 +756,14 @@ def value_tiles_per_lane(bits: int, rows_per_cta: int) -> int:
     """Value kernels: tiles per lane. 1: two per lane (64-tile steps, 16-warp CTAs sharing twice
     the staged probabilities) measured 10-15% slower on the H100 (docs/perf/NOTES.md)."""
     return 1
+
+
+def _max_step2(ck: "CompressedKV") -> int | None:
+    """plan_for's max_step2: the largest 2-tile value step, where value_tiles_per_lane takes 2-tile
+    steps at all (a second popcount pass over the cache); None otherwise (plan_for then needs none)."""
+    if ck.kind == "value" and any(value_tiles_per_lane(ck.bits, mr) == 2 for mr in (4, 8)):
+        return step_bytes_max(ck, 2)
+    return None
 
 
 SMEM_SM = 228 * 1024   # shared memory of an SM (each resident CTA also reserves 1 KiB)
@@ -1229,9 +1236,8 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
 
     sets = cold_sets(moved) if cold else 1
     info = runtime.device_info()
-    p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, step_bytes_max(ck),
-                          step_bytes_max(ck, 2) if ck.kind == "value" and value_tiles_per_lane(ck.bits, 4 if rows <= 4 else 8) == 2
-                          else None, cc=info.cc, density=density(ck))
+    p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, step_bytes_max(ck), _max_step2(ck),
+                          cc=info.cc, density=density(ck))
     kernel._module(p.defines)
     dkvs = [DeviceKV.upload(ck) for _ in range(sets)]
     dxs = [runtime.DeviceArray.from_host(x) for _ in range(sets)]

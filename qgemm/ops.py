@@ -109,11 +109,11 @@ def _check_host(x, fmt: F.Format, role: str, op: Op) -> np.ndarray:
         if not x.flags.c_contiguous:
             raise ValueError(f"{op.name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
         b = F.as_blocks(x, fmt, f"{op.name}: {role}")
-        for field in ("d", "s"):  # a corrupt block scale or sum makes its whole row of outputs inf / NaN
-            if field in b.dtype.names and not np.isfinite(b[field]).all():
-                row, blk = (int(i) for i in np.argwhere(~np.isfinite(b[field]))[0])
-                raise ValueError(f"{op.name}: {role} block {field} values must be finite; row {row}, block {blk} has "
-                                 f"{field} = {b[field][row, blk]}")
+        bad = F.nonfinite_block(b)
+        if bad is not None:
+            field, (row, blk), value = bad
+            raise ValueError(f"{op.name}: {role} block {field} values must be finite; row {row}, block {blk} has "
+                             f"{field} = {value}")
         return b
     if x.dtype != fmt.dtype:
         raise ValueError(f"{op.name}: {role} must be {fmt.dtype} [rows, K], got {_describe(x)}" + _format_hint(x, fmt))

@@ -56,8 +56,6 @@ def _wrap(call: str, fn, *args, **kwargs):
 # the device
 
 
-
-
 @lru_cache(maxsize=None)
 def device_ordinal() -> int:
     """The GPU qgemm runs on: `QGEMM_DEVICE`, an ordinal among the devices the driver shows
