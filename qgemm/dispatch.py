@@ -407,6 +407,8 @@ def _weights(w, fmt: str | None, on_device: bool, stream=None, who: str = "matmu
 def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, stream=None):
     """C[M, N] = x[M, K] . dequant(W)[N, K]^T with W pre-quantized (ggml Q4_0 or Q8_0 blocks).
 
+    x may carry leading dimensions, as torch's F.linear: a C-contiguous [..., K] runs as one GEMM
+    of M = their product rows and returns [..., N] (a 1-D x [K] returns [N]).
     Host numpy in -> numpy float32 out. Device arrays (torch, CuPy, qgemm.DeviceArray) in ->
     device float32 out (`out=` to write into your own), queued on `stream`, no host copies.
     `w` may be a `qgemm.pack_weights(w)` result (weights repacked once at load): then decode and
@@ -429,14 +431,24 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
                              "(or w a qgemm.pack_weights result)")
     dx = runtime.as_device_array(x, stream) if x_on_device else np.asarray(x)
     if dx.dtype not in (np.float32, np.float16):
-        raise ValueError(f"matmul: activations must be float32 or float16 [M, K], got {runtime.dtype_name(dx.dtype)}")
-    if dx.ndim != 2:
-        raise ValueError(f"matmul: activations must be 2-D [M, K], got shape {dx.shape}")
+        raise ValueError(f"matmul: activations must be float32 or float16 [..., K], got {runtime.dtype_name(dx.dtype)}")
+    if dx.ndim < 1:
+        raise ValueError(f"matmul: activations must be [..., K] (at least 1-D), got shape {dx.shape}")
     wb, fmt = (packed.blocks, fmt) if packed is not None else _weights(w, fmt, w_on_device, stream)
+    # leading dimensions (batch, sequence, ...) are rows of one GEMM, as in torch's F.linear: a
+    # C-contiguous [..., K] is [M, K] with M their product, and the result [..., N] is [M, N]
+    lead = dx.shape[:-1]
+    if dx.ndim != 2:
+        rows = int(np.prod(lead, dtype=np.int64))
+        if rows == 0:
+            raise ValueError(f"matmul: activations of shape {dx.shape} have no rows (M = product of the leading "
+                             f"dimensions = 0)")
+        dx = dx.reshape(rows, dx.shape[-1])
     m, k = dx.shape
     n, kw = wb.shape[0], wb.shape[1] * F.QK
     if k != kw:
         raise ValueError(f"matmul: K mismatch: x has K={k}, weights have K={kw} ({wb.shape[1]} blocks of 32)")
+    shape_c = tuple(lead) + (n,)
     p = plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path, packed is not None)
     if m > 65535:  # only then can a grid pass CUDA's limits (grid.y <= 65535 row tiles); not on the hot path
         p.check_launch()
@@ -444,7 +456,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if not x_on_device and not np.isfinite(dx).all():
         raise ValueError("matmul: activations must be finite")
     if out is not None and (isinstance(out, np.ndarray) or not runtime.is_device_array(out)):
-        raise ValueError(f"matmul: out= must be a float32 device array ({m}, {n}) (torch, CuPy, qgemm.DeviceArray); "
+        raise ValueError(f"matmul: out= must be a float32 device array {shape_c} (torch, CuPy, qgemm.DeviceArray); "
                          f"a host call returns a new numpy array, got {type(out).__name__}")
     runtime.require_gpu("qgemm.matmul")
     runtime.prepare_call(stream, "matmul", None if x_on_device else (
@@ -466,11 +478,12 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         if dx.ptr % 16 and p.quantizer is None:  # read by the kernel itself (float4 / 16-byte loads)
             raise ValueError(f"matmul: {p.kernel} needs the activations on a 16-byte boundary, got address {dx.ptr:#x}")
     if out is not None:
-        dc = runtime.as_device_array(out)
-        if dc.shape != (m, n) or dc.dtype != np.float32:
-            raise ValueError(f"matmul: out must be float32 ({m}, {n}), got {dc.dtype} {dc.shape}")
+        result = runtime.as_device_array(out)
+        if result.shape != shape_c or result.dtype != np.float32:
+            raise ValueError(f"matmul: out must be float32 {shape_c}, got {result.dtype} {result.shape}")
     else:
-        dc = runtime.DeviceArray.empty((m, n), np.float32)
+        result = runtime.DeviceArray.empty(shape_c, np.float32)
+    dc = result if len(shape_c) == 2 else result.reshape(m, n)
     staged = p.staged_format
     with _queue_lock(stream):
         cid = runtime.capture_id(stream)  # one driver query for both buffers
@@ -484,5 +497,5 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         if flag:
             raise ValueError("matmul: the activations overflow the GPU format of this path: a value (float16) or a Q8_1 "
                              "block scale or sum beyond half's range (65504); scale them down")
-        return dc.to_host()
-    return out if out is not None else dc
+        return result.to_host()
+    return out if out is not None else result

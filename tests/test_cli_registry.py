@@ -473,6 +473,17 @@ def test_matmul_bad_inputs(rng):
         qgemm.matmul(np.ones((2, 64), np.float32), np.ones((8, 64), np.float32))
     with pytest.raises(ValueError, match="q4_0 or q8_0"):
         qgemm.matmul(np.ones((2, 64), np.float32), w.view(np.uint8).reshape(8, -1), fmt="q5_0")
+    # leading dimensions are rows (as torch's F.linear); what cannot be a GEMM says so before any GPU
+    with pytest.raises(ValueError, match=r"at least 1-D\), got shape \(\)"):
+        qgemm.matmul(np.float32(1.0), w)
+    with pytest.raises(ValueError, match=r"shape \(2, 0, 64\) have no rows"):
+        qgemm.matmul(np.ones((2, 0, 64), np.float32), w)
+    with pytest.raises(ValueError, match="K mismatch: x has K=96"):
+        qgemm.matmul(np.ones((2, 3, 96), np.float32), w)
+    with pytest.raises(ValueError, match=r"out= must be a float32 device array \(2, 3, 8\)"):
+        qgemm.matmul(np.ones((2, 3, 64), np.float32), w, out=np.empty((2, 3, 8), np.float32))
+    with pytest.raises(ValueError, match="activations must be finite"):
+        qgemm.matmul(np.full((4, 1, 64), np.inf, np.float32), w)
 
 
 def test_tuning_file_corrupt_is_ignored_with_warning(tmp_path, monkeypatch):

@@ -652,6 +652,43 @@ def test_matmul_device_tensors_torch(rng):
         np.testing.assert_allclose(out.cpu().numpy(), exact, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_matmul_leading_dimensions(fmt, rng):
+    """x [..., K] runs as one GEMM of M = the product of its leading dimensions and returns
+    [..., N], host and device (torch), with out= of that shape; 1-D x returns [N]."""
+    n, k = 70, 256
+    wq = F.quantize(rng.standard_normal((n, k), dtype=np.float32), fmt)
+    for lead in ((3, 5, 7), (2, 300), (1,), ()):
+        x = rng.standard_normal(lead + (k,), dtype=np.float32)
+        m = int(np.prod(lead))
+        exact = qgemm.plan(m, n, k, fmt).reference(x.reshape(m, k), wq).reshape(lead + (n,))
+        c = qgemm.matmul(x, wq)
+        assert c.shape == lead + (n,) and c.dtype == np.float32, lead
+        np.testing.assert_allclose(c, exact, rtol=1e-5, atol=1e-3, err_msg=str(lead))
+        dx, dw = qgemm.DeviceArray.from_host(x), qgemm.DeviceArray.from_host(wq)
+        dc = qgemm.matmul(dx, dw)
+        assert dc.shape == lead + (n,), lead
+        np.testing.assert_allclose(dc.to_host(), exact, rtol=1e-5, atol=1e-3, err_msg=str(lead))
+        out = qgemm.DeviceArray.empty(lead + (n,), np.float32)
+        out.fill_bytes(0xFF)  # NaN: every element must be written
+        assert qgemm.matmul(dx, dw, out=out) is out
+        np.testing.assert_allclose(out.to_host(), exact, rtol=1e-5, atol=1e-3, err_msg=str(lead))
+        with pytest.raises(ValueError, match="out must be float32"):
+            qgemm.matmul(dx, dw, out=qgemm.DeviceArray.empty((m, n + 1), np.float32))
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    x = torch.randn(2, 9, k, device="cuda")
+    w = torch.from_numpy(wq.view(np.uint8).reshape(n, -1).copy()).cuda()
+    out = torch.full((2, 9, n), float("nan"), device="cuda")
+    assert qgemm.matmul(x, w, fmt=fmt, out=out) is out
+    torch.cuda.synchronize()
+    exact = qgemm.plan(18, n, k, fmt).reference(x.cpu().numpy().reshape(18, k), wq).reshape(2, 9, n)
+    np.testing.assert_allclose(out.cpu().numpy(), exact, rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match=r"out must be float32 \(2, 9, 70\)"):
+        qgemm.matmul(x, w, fmt=fmt, out=torch.empty(18, n, device="cuda"))
+
+
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", ["w4a8.mma", "w8a8.mma"])
 def test_mma_configurations(name, split, rng):
