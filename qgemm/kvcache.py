@@ -648,7 +648,6 @@ class DeviceKV:
         self.kind, self.bits, self.shape, self.compact, self.layout = ck.kind, ck.bits, tuple(ck.shape), ck.compact, ck.layout
         self.nbytes = ck.nbytes  # the compressed form's bytes (what a launch reads, plus padding)
         self.max_step = step_bytes_max(ck)  # sizes the kernels' windows
-        self.max_step2 = _max_step2(ck)
         self.density = density(ck)  # picks version 2's fp16 value walk (plan_for)
         self.arrays = arrays
 
@@ -709,9 +708,9 @@ STEP_LANES = 32     # a warp step = 32 lanes (keys: 32 tokens; values: 32 tiles 
 SMEM_MAX = 227 * 1024
 
 
-def step_bytes_max(ck: "CompressedKV", tiles_per_lane: int = 1) -> int:
+def step_bytes_max(ck: "CompressedKV") -> int:
     """Bytes of the largest warp step of a compressed cache (its window): 32 tokens (keys) or
-    32 * tiles_per_lane tiles of one channel from a multiple of that (values)."""
+    32 tiles of one channel from a multiple of 32 (values)."""
     b, s, d = ck.shape
     n = popcount(ck.bitmaps)
     nb = 2 * n if ck.bits == 16 else tile_nbytes(n, ck.bits)
@@ -721,7 +720,7 @@ def step_bytes_max(ck: "CompressedKV", tiles_per_lane: int = 1) -> int:
         pad = np.zeros((b, -(-t // per) * per), dtype=np.int64)
         pad[:, :t] = nb
         return int(pad.reshape(b, -1, per).sum(-1).max()) if pad.size else 0
-    lanes = STEP_LANES * tiles_per_lane
+    lanes = STEP_LANES
     nst = -(-s // TILE)
     rows = nb.reshape(b, d, nst)
     pad = np.zeros((b, d, -(-nst // lanes) * lanes), dtype=np.int64)
@@ -729,13 +728,13 @@ def step_bytes_max(ck: "CompressedKV", tiles_per_lane: int = 1) -> int:
     return int(pad.reshape(b, d, -1, lanes).sum(-1).max())
 
 
-def window_bytes(kind: str, bits: int, d: int, max_step: int | None, tiles_per_lane: int = 1) -> int:
+def window_bytes(kind: str, bits: int, d: int, max_step: int | None) -> int:
     """One window stage: the largest step's bytes + 16 (alignment of its start) + 32
     (lanes read whole words around their codes), rounded up to 512 or 1024 bytes and to a multiple
     of 512 above (few compiled variants); without max_step, the worst case (every element
     non-zero)."""
     if max_step is None:
-        u = d // TILE if kind == "key" else tiles_per_lane
+        u = d // TILE if kind == "key" else 1  # tiles per lane
         max_step = STEP_LANES * u * TILE * (2 if bits == 16 else bits / 8)
     need = int(max_step) + 48
     if need <= 1024:
@@ -752,34 +751,17 @@ PAD = 64  # zero bytes below each window stage (cuda_src/common/mustafar.cuh MF_
 VMASK_DENSITY = 0.475
 
 
-def value_tiles_per_lane(bits: int, rows_per_cta: int) -> int:
-    """Value kernels: tiles per lane. 1: two per lane (64-tile steps, 16-warp CTAs sharing twice
-    the staged probabilities) measured 10-15% slower on the H100 (docs/perf/NOTES.md)."""
-    return 1
-
-
-def _max_step2(ck: "CompressedKV") -> int | None:
-    """plan_for's max_step2: the largest 2-tile value step, where value_tiles_per_lane takes 2-tile
-    steps at all (a second popcount pass over the cache); None otherwise (plan_for then needs none)."""
-    if ck.kind == "value" and any(value_tiles_per_lane(ck.bits, mr) == 2 for mr in (4, 8)):
-        return step_bytes_max(ck, 2)
-    return None
-
-
 SMEM_SM = 228 * 1024   # shared memory of an SM (each resident CTA also reserves 1 KiB)
 MF4_LUT_BYTES = 128    # version 4's decoding table (cuda_src/common/mustafar.cuh MF4_LUT_BYTES)
 
 
-def min_ctas(mr: int, d: int, u: int = 1) -> int:
+def min_ctas(mr: int, d: int) -> int:
     """Resident CTAs per SM the kernels' registers are bounded for (MF_MIN_CTAS in
-    cuda_src/common/mustafar.cuh): 4 CTAs of 8 warps, 3 with 8 rows or D = 256, 2 with both;
-    2 CTAs of 16 warps for 2-tile value steps."""
-    if u == 2:
-        return 2
+    cuda_src/common/mustafar.cuh): 4 CTAs of 8 warps, 3 with 8 rows or D = 256, 2 with both."""
     return 4 if (mr == 4 and d <= 128) else (2 if (mr == 8 and d == 256) else 3)
 
 
-def _whole_chunk_ctas(ctas: int, shmem: int, u: int, mr: int, cc: int, sm_count: int) -> bool:
+def _whole_chunk_ctas(ctas: int, shmem: int, mr: int, cc: int, sm_count: int) -> bool:
     """Value kernels: whether a CTA takes a whole chunk (all D channels) with 16 warps, two CTAs per
     SM, instead of 8 warps and part of the channels. Each CTA stages its chunk's probabilities once
     (loads, transposing stores, a barrier before any walk): 16 warps halve that work and its waits
@@ -791,7 +773,7 @@ def _whole_chunk_ctas(ctas: int, shmem: int, u: int, mr: int, cc: int, sm_count:
     CTA (8 rows would need more than the 64 registers a thread then has), on sm_90 (where it was
     measured) and if two fit in shared memory."""
     waves = ctas / (2 * sm_count)
-    return (u == 1 and mr == 4 and cc >= 90 and waves >= 0.9 and (waves % 1 == 0 or waves % 1 >= 0.9)
+    return (mr == 4 and cc >= 90 and waves >= 0.9 and (waves % 1 == 0 or waves % 1 >= 0.9)
             and 2 * (shmem + 1024) <= SMEM_SM)
 
 
@@ -834,14 +816,14 @@ def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
 
 
 def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_step: int | None = None,
-             max_step2: int | None = None, mma: bool | None = None, cc: int = 90,
+             mma: bool | None = None, cc: int = 90,
              ctas_per_sm: int | None = None, steps_per_cta: int | None = None, v3: bool | None = None,
              density: float | None = None, whole: bool | None = None) -> LaunchPlan:
-    """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or 1-2 whole tiles
+    """The launch of a `mustafar.*` kernel: a lane walks a whole token (keys) or a whole tile
     (values), except where `use_mma` (or mma=True) picks version 4 (cc: compute capability); rows
     in blocks of 4 or 8 (grid.x: row block fastest, so that a chunk's row blocks read its
     compressed bytes from L2); windows sized from the cache's largest step (max_step,
-    `step_bytes_max`, and for 2-tile value steps max_step2; None: the worst case); the grid about
+    `step_bytes_max`; None: the worst case); the grid about
     one wave of the CTAs an SM holds (registers and shared memory); value kernels take 16-warp CTAs
     over whole chunks where those make nearly full waves (_whole_chunk_ctas). ctas_per_sm: the resident CTAs
     per SM the kernel's registers are bounded for (MF_MIN_CTAS) and the grid is sized by, instead
@@ -888,31 +870,26 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         raise ValueError(f"v3 must be True (version 3 of the walk), False (version 2) or None, got {v3!r}")
     mr = 4 if rows <= 4 else 8
     rb = -(-rows // mr)
-    u = 1
-    if kind == "value":
-        u = value_tiles_per_lane(bits, mr) if v3 else 1
-        if u == 2:
-            max_step = max_step2 if max_step2 is not None else (None if max_step is None else 2 * max_step)
-    win = window_bytes(kind, bits, d, max_step, u)
-    nw = 2 * (d // TILE if kind == "key" else u)  # bitmap words per lane
+    win = window_bytes(kind, bits, d, max_step)
+    nw = 2 * (d // TILE if kind == "key" else 1)  # bitmap words per lane
     if kind == "key":
         rep = 16 if mr == 4 else 8           # conflict-free 8-byte (half-warp) / 16-byte (quarter-warp) gathers
         xs = (d // 32) * 33 * rep * mr * 2
     else:
-        xs = 33 * 64 * u * mr * 2
+        xs = 33 * 64 * mr * 2
     # windows (each above a zeroed pad, except version 2's keys) and version 3's word records
     if v3:
         per_warp = lambda w: 2 * (PAD + w) + 2 * nw * STEP_LANES * 8  # noqa: E731
     else:
         per_warp = (lambda w: 2 * w) if kind == "key" else (lambda w: 2 * (PAD + w))  # noqa: E731
-    warps = 2 * NUM_WARPS if u == 2 else NUM_WARPS  # 2-tile value steps: 16 warps share the staged probabilities
+    warps = NUM_WARPS
     while warps > 1 and xs + warps * per_warp(win) > SMEM_MAX:
         warps //= 2
     if xs + warps * per_warp(win) > SMEM_MAX:
         raise ValueError(f"compressed {kind} cache: a warp step of {max_step} bytes does not fit in shared memory")
     shmem = xs + warps * per_warp(win)
-    mc = ctas_per_sm or min_ctas(mr, d, u)
-    resident = max(1, min(mc * NUM_WARPS // warps if u == 1 else mc, SMEM_SM // (shmem + 1024)))
+    mc = ctas_per_sm or min_ctas(mr, d)
+    resident = max(1, min(mc * NUM_WARPS // warps, SMEM_SM // (shmem + 1024)))
     if not v3 and not ctas_per_sm:  # version 2's own grid (as measured): ~4 CTAs per SM (keys), >= ~2 per SM (values)
         resident = 4 if kind == "key" else 20 / 9
     if kind == "key":
@@ -935,22 +912,20 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
         defines = {"MF_R": mr, "MF_D": d, "MF_REP": rep, "MF_WARPS": warps, "MF_WIN2": win}
     else:
         nst = -(-s // TILE)
-        chunks = -(-nst // (STEP_LANES * u))
+        chunks = -(-nst // STEP_LANES)
         per = d                                                # channels per CTA
         shmem16 = xs + 2 * NUM_WARPS * per_warp(win)
         if whole is None:
-            whole = not ctas_per_sm and _whole_chunk_ctas(chunks * b * rb, shmem16, u, mr, cc, sm_count)
-        elif whole and (u != 1 or mr != 4 or 2 * (shmem16 + 1024) > SMEM_SM):
-            raise ValueError("whole=True needs one tile per lane, 4 rows per CTA and two 16-warp CTAs' shared memory per SM")
+            whole = not ctas_per_sm and _whole_chunk_ctas(chunks * b * rb, shmem16, mr, cc, sm_count)
+        elif whole and (mr != 4 or 2 * (shmem16 + 1024) > SMEM_SM):
+            raise ValueError("whole=True needs 4 rows per CTA and two 16-warp CTAs' shared memory per SM")
         if whole:
             warps, shmem, mc = 2 * NUM_WARPS, shmem16, 2
         while not whole and per // 2 >= warps and 10 * chunks * b * rb * (d // per) < 9 * resident * sm_count:  # ~one wave
             per //= 2
         grid = (chunks * (d // per) * rb, b, 1)
         defines = {"MF_R": mr, "MF_D": d, "MF_WARPS": warps, "MF_WIN2": win}
-        if u != 1:
-            defines["MF_U"] = u
-    if u != 1 or ctas_per_sm or warps > NUM_WARPS:
+    if ctas_per_sm or warps > NUM_WARPS:
         defines["MF_MIN_CTAS"] = mc
     if not v3:
         defines["MF_V3"] = 0
@@ -1082,7 +1057,7 @@ class MustafarRunner:
         if plan_ is None:
             info = runtime.device_info() if runtime.gpu_available() else None
             plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, info.sm_count if info else 132, dkv.max_step,
-                             dkv.max_step2, cc=info.cc if info else 90, density=dkv.density)
+                             cc=info.cc if info else 90, density=dkv.density)
         mod = kernel._module(plan_.defines)
         n = dout.nbytes // 4
         if self.kind == "value" and n:
@@ -1236,7 +1211,7 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
 
     sets = cold_sets(moved) if cold else 1
     info = runtime.device_info()
-    p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, step_bytes_max(ck), _max_step2(ck),
+    p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, step_bytes_max(ck),
                           cc=info.cc, density=density(ck))
     kernel._module(p.defines)
     dkvs = [DeviceKV.upload(ck) for _ in range(sets)]

@@ -420,14 +420,12 @@ def test_launch_plans(kind, rows):
                     per_warp = 2 * (kv.PAD + win) + 2 * 2 * (d // 64) * 32 * 8 if v3 else 2 * win  # windows, word records
                     assert p.shmem == (d // 32) * 33 * p.defines["MF_REP"] * mr * 2 + w * per_warp
                 else:
-                    u = p.defines.get("MF_U", 1)
-                    assert u == kv.value_tiles_per_lane(bits, mr)
-                    chunks = -(-(-(-s // 64)) // (32 * u))
+                    chunks = -(-(-(-s // 64)) // 32)
                     assert d % p.per_cta == 0 and p.per_cta % w == 0
                     assert p.grid[0] == chunks * (d // p.per_cta) * rb
                     v3 = p.defines.get("MF_V3", 1)
                     assert v3 == (bits != 16)
-                    assert p.shmem == 33 * 64 * u * mr * 2 + w * (2 * (kv.PAD + win) + (2 * 2 * u * 32 * 8 if v3 else 0))
+                    assert p.shmem == 33 * 64 * mr * 2 + w * (2 * (kv.PAD + win) + (2 * 2 * 32 * 8 if v3 else 0))
 
 
 def _check_mma_plan(p, shape, rows):
@@ -487,7 +485,7 @@ def test_value_plans_take_whole_chunks_where_they_fill_waves():
     sm_90, and two fit in shared memory; 8-warp CTAs over part of the channels everywhere else.
     plan_for(whole=) overrides the rule (tools/kv_probe.py's MF_WHOLE), where it can."""
     def plan(bits, shape, rows=4, cc=90, max_step=1400, sm=132, **kw):
-        return kv.plan_for("value", bits, shape, rows, sm, max_step, None, cc=cc, density=0.3, **kw)
+        return kv.plan_for("value", bits, shape, rows, sm, max_step, cc=cc, density=0.3, **kw)
 
     for bits in (16, 4, 2):
         for shape, chunks in (((32, 16384, 128), 8),    # 256 CTAs: 97% of 264 slots
@@ -654,11 +652,9 @@ def test_step_bytes_max(rng):
             nb = 2 * n if bits == 16 else kv.tile_nbytes(n, bits)
             if kind == "key":  # 32 tokens of 2 tiles
                 want = max(int(nb[bb, t:t + 64].sum()) for bb in range(2) for t in range(0, nb.shape[1], 64))
-            else:  # 32 (64) tiles of one channel, from multiples of 32 (64)
+            else:  # 32 tiles of one channel, from multiples of 32
                 r = nb.reshape(2, 128, -1)
                 want = max(int(r[bb, dd, u:u + 32].sum()) for bb in range(2) for dd in range(128) for u in range(0, r.shape[2], 32))
-                want2 = max(int(r[bb, dd, u:u + 64].sum()) for bb in range(2) for dd in range(128) for u in range(0, r.shape[2], 64))
-                assert kv.step_bytes_max(ck, 2) == want2
             assert kv.step_bytes_max(ck) == want
 
 
@@ -812,7 +808,7 @@ def test_version2_fp16_value_walk_replayed(rng, d, s, sparsity):
     tv = kv.tile_values(ck)[0]
     bm = ck.bitmaps.view(np.uint64)[0]
     nst = -(-s // 64)
-    win2 = kv.window_bytes("value", 16, d, kv.step_bytes_max(ck, 1), 1)
+    win2 = kv.window_bytes("value", 16, d, kv.step_bytes_max(ck))
     data = kv._pad16(ck.values)
     n_t = kv.popcount(ck.bitmaps)[0]
     off = int(ck.counts[0, 0]) + np.concatenate([[0], np.cumsum(n_t)])
@@ -845,8 +841,8 @@ def test_version3_walk_replayed(rng, kind, bits, compact, d, s, sparsity):
     tv = kv.tile_values(ck)[0]
     bm = ck.bitmaps.view(np.uint64)[0]
     nst = -(-s // 64)
-    u = d // 64 if kind == "key" else kv.value_tiles_per_lane(bits, 4)
-    win2 = kv.window_bytes(kind, bits, d, kv.step_bytes_max(ck, u if kind == "value" else 1), u)
+    u = d // 64 if kind == "key" else 1  # tiles per lane
+    win2 = kv.window_bytes(kind, bits, d, kv.step_bytes_max(ck))
     data = kv._pad16(ck.values if bits == 16 else ck.packed)
     if bits != 16:
         dqw = np.ascontiguousarray(ck.dq if compact else kv.dequant_constants(ck.scales, ck.zeros, bits)).view(np.uint32).reshape(ck.bitmaps.shape)[0]
@@ -985,7 +981,7 @@ def test_whole_chunk_value_ctas(name):
         ctas = -(-(-(-shape[1] // 64)) // 32) * shape[0]  # chunks x heads: sm_count = ctas / 2 makes one wave
         for v3 in (False, True):
             p = kv.plan_for(runner.kind, runner.bits, shape, lq * groups, -(-ctas // 2), kv.step_bytes_max(ck),
-                            kv.step_bytes_max(ck, 2), cc=90, v3=v3, density=kv.density(ck))
+                            cc=90, v3=v3, density=kv.density(ck))
             if p.defines["MF_WARPS"] != 16:  # fp16 windows too large for two 16-warp CTAs per SM
                 xs = 33 * 64 * 4 * 2  # the staged probabilities; the rest is 8 warps' windows (and records)
                 assert runner.bits == 16 and 2 * (xs + 2 * (p.shmem - xs) + 1024) > kv.SMEM_SM, p

@@ -36,7 +36,7 @@ for b, s, d, sp, rows in cases:
     for name in qgemm.list("mustafar"):
         runner = qgemm.get(name).spec.runner
         ck = kv._compress(x, runner.kind, runner.bits, None, runner.compact)
-        p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, 132, kv.step_bytes_max(ck), kv.step_bytes_max(ck, 2) if runner.kind == "value" else None,
+        p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, 132, kv.step_bytes_max(ck),
                        density=kv.density(ck))
         jobs.add((name, tuple(sorted(p.defines.items()))))
 def go(j):

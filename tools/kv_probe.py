@@ -36,7 +36,7 @@ def plan(runner, ck, rows: int, overrides: dict) -> tuple:
     pdl = overrides.pop("QGEMM_PDL", None)  # 0: plain launches (runtime.pdl_enabled), read while this variant is timed
     info = runtime.device_info()
     p = kv.plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, kv.step_bytes_max(ck),
-                    kv.step_bytes_max(ck, 2) if ck.kind == "value" else None, mma=None if mma is None else bool(mma),
+                    mma=None if mma is None else bool(mma),
                     cc=info.cc, ctas_per_sm=mc, steps_per_cta=spc, v3=None if v3 is None else bool(v3),
                     density=kv.density(ck), whole=None if whole is None else bool(whole))
     p = dataclasses.replace(p, defines={**p.defines, **overrides}) if overrides else p

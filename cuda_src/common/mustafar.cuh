@@ -29,7 +29,6 @@
 //   MF_V3     1: version 3 (below; the 4/2-bit layouts), 0: version 2 (fp16)
 //   MF_VMASK  version 2's fp16 values: 1 zeroes the values a lane reads past its own (mf_half_tile),
 //             0 relies on the window's zeroed pad and finite data below (plan_for: by density)
-//   MF_U      value kernels, version 3: tiles per lane (1; 2 is supported, measured slower)
 //   MF_VTRIG  value kernels: when they release the next kernel (programmatic dependent launch):
 //             1 at entry, 2 after their own wait, 0 at exit. H100, µs 1 / 2 / 0: 32x16384x128
 //             value q2 24.0 / 24.1 / 25.6, 32x4096 value fp16 10.6 / 11.0 / 11.0, 32x1024 value q2
@@ -388,7 +387,7 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
 // =============================================================================================
 // The kernels: a lane walks whole tokens (keys: the D/32 words of one token) or a whole tile
 // (values: both words of one 64-token tile), so a warp step is 32 lanes x U tiles of consecutive
-// tiles (keys U = D/64, values U = MF_U):
+// tiles (keys U = D/64, values U = MF_VALUE_U):
 //   - the per-step work (metadata loads, window bounds, the cp.async of the window) is amortized
 //     over 2-4x more non-zeros than half-tile lanes (the first version of these kernels);
 //   - keys need no reduction across lanes (a lane holds its token's R scores) and store them
@@ -402,9 +401,10 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
 //     the same compressed bytes from L2).
 // The sparse dot product of a word is mf_half_tile.
 
-#ifndef MF_U
-#define MF_U 1  // value kernels: tiles per lane
-#endif
+// value kernels: one tile per lane. Two (64-tile steps, 16-warp CTAs sharing twice the staged
+// probabilities) measured 10-15% slower on the H100 (docs/perf/NOTES.md, the version 3 session)
+// and were removed from the plans; the walks stay generic in U, which the keys use.
+#define MF_VALUE_U 1
 #ifndef MF_VMASK
 #define MF_VMASK 0  // version 2's fp16 values: 1 zeroes the values read past a lane's count (mf_half_tile)
 #endif
@@ -693,9 +693,9 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// value kernel v2: a lane = MF_U consecutive tiles of one channel (64 tokens each); a warp step =
-// 32 * MF_U tiles of one channel. A CTA takes a chunk of 32 * MF_U tiles (2048 * MF_U tokens) for
-// per_cta channels; its warps take the channels round-robin, one step each.
+// value kernel v2: a lane = one tile of one channel (64 tokens); a warp step = 32 tiles of one
+// channel. A CTA takes a chunk of 32 tiles (2048 tokens) for per_cta channels; its warps take the
+// channels round-robin, one step each.
 // grid = (chunks * channel groups * row blocks, B, 1), row block fastest, then channel group.
 
 // The value kernels' probabilities of the chunk, staged once per CTA (rows past nr and tokens past S
@@ -840,8 +840,7 @@ template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     if (MF_VTRIG == 1) pdl_launch_dependents();
     static_assert(MF_R == 4 || MF_R == 8, "version 2: MF_R must be 4 or 8");
-    static_assert(BITS < 0 || MF_U == 1, "version 2 value kernels: one tile per lane (a lane's tiles must all be inside the channel)");
-    constexpr int U = MF_U;
+    constexpr int U = MF_VALUE_U;
     constexpr int NCOL = 64 * U;              // half-tiles of a step
     extern __shared__ __align__(16) uint8_t mf_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1417,14 +1416,12 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// value kernel v3: as version 2, MF_U (1 or 2) consecutive tiles per lane (the lane's tiles past
-// the end of the channel are empty)
+// value kernel v3: as version 2, one tile per lane (a lane past the end of the channel has none)
 
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf3_value(MF_PARAMS) {
     if (MF_VTRIG == 1) pdl_launch_dependents();
-    constexpr int U = MF_U;
-    static_assert(U == 1 || U == 2, "MF_U must be 1 or 2");
+    constexpr int U = MF_VALUE_U;
     constexpr int NW = 2 * U;
     constexpr int NCOL = 64 * U;              // half-tiles of a step
     extern __shared__ __align__(16) uint8_t mf_smem[];
