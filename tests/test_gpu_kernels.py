@@ -657,7 +657,9 @@ def test_matmul_leading_dimensions(fmt, rng):
     """x [..., K] runs as one GEMM of M = the product of its leading dimensions and returns
     [..., N], host and device (torch), with out= of that shape; 1-D x returns [N]."""
     n, k = 70, 256
-    wq = F.quantize(rng.standard_normal((n, k), dtype=np.float32), fmt)
+    w_f = rng.standard_normal((n, k), dtype=np.float32)
+    wq = F.quantize(w_f, fmt)
+    pw = qgemm.pack_weights(wq)
     for lead in ((3, 5, 7), (2, 300), (1,), ()):
         x = rng.standard_normal(lead + (k,), dtype=np.float32)
         m = int(np.prod(lead))
@@ -665,6 +667,12 @@ def test_matmul_leading_dimensions(fmt, rng):
         c = qgemm.matmul(x, wq)
         assert c.shape == lead + (n,) and c.dtype == np.float32, lead
         np.testing.assert_allclose(c, exact, rtol=1e-5, atol=1e-3, err_msg=str(lead))
+        p = qgemm.plan(m, n, k, fmt, packed=True)  # the packed paths (skinny, wgmma_rs), host in and out
+        cp = qgemm.matmul(x, pw)
+        assert cp.shape == lead + (n,), lead
+        x2 = x.reshape(m, k)
+        r = check.compare("matmul", p.op, (m, n, k), 0, cp.reshape(m, n), p.reference(x2, wq), qgemm.reference.truth(x2, w_f), x2, w_f)
+        assert r.passed, (lead, p.kernel, r)
         dx, dw = qgemm.DeviceArray.from_host(x), qgemm.DeviceArray.from_host(wq)
         dc = qgemm.matmul(dx, dw)
         assert dc.shape == lead + (n,), lead
