@@ -171,8 +171,8 @@ def _precheck(specs, shape_of, all_: bool, sparsity: float, gg) -> None:
             why = runner.shape_problem(mnk)
             if why is not None and not all_:
                 _fail(f"{s.name}: {why}")
-        elif s.op.kind == "gemm" and gg is None and mnk[2] % 32:
-            _fail(f"--shape: K must be a multiple of 32 for {s.name}, got K={mnk[2]}")
+        elif gg is None and mnk[2] % s.op.k_multiple:  # GEMMs on quantized operands and the quantizers
+            _fail(f"--shape: K must be a multiple of {s.op.k_multiple} for {s.name}, got K={mnk[2]}")
         if gg is not None and runner is None:
             try:
                 _check_gguf_format(s, gg[3])
@@ -287,8 +287,8 @@ def compile(
     configured = bool(mnk or extra)
     named = set(names or []) & set(registry.names())  # kernels asked for by name, not through a family or --all
     for s in specs:
-        if mnk and s.config is not None and s.op.kind == "gemm" and mnk[2] % 32:
-            _fail(f"--shape: K must be a multiple of 32 for {s.name}, got K={mnk[2]}")
+        if mnk and s.config is not None and s.op.kind == "gemm" and mnk[2] % s.op.k_multiple:
+            _fail(f"--shape: K must be a multiple of {s.op.k_multiple} for {s.name}, got K={mnk[2]}")
         if mnk and s.max_m is not None and mnk[0] > s.max_m:  # its configurations stop there (tune refuses it too)
             rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", f"skipped: handles at most M={s.max_m}", ""])
             failed += s.name in named
@@ -298,7 +298,7 @@ def compile(
         defines.update(extra)
         try:
             t0 = time.perf_counter()
-            ck = k.compile(arch, defines or None, use_cache=not no_cache)
+            ck = k.compile(arch, defines or None, use_cache=False if no_cache else None)  # None: QGEMM_DISABLE_CACHE decides
             wall = time.perf_counter() - t0
         except CompileError as e:
             failed += 1
@@ -484,8 +484,8 @@ def tutorial(
 @app.command()
 def explain(
     shape: str = typer.Option("512x4096x4096", "--shape", help="MxNxK."),
-    fmt: str = typer.Option("q4_0", "--type", "-t", help="Weight format: q4_0 or q8_0."),
-    f16: bool = typer.Option(False, "--f16", help="float16 activations."),
+    fmt: str = typer.Option("q4_0", "--type", "--fmt", "-t", help="Weight format: q4_0 or q8_0 (fmt= in Python)."),
+    f16: bool = typer.Option(False, "--f16", help="float16 activations (x_dtype=\"f16\" in Python)."),
     path: Optional[str] = typer.Option(None, "--path", help="Override the GEMM kernel."),
     packed: bool = typer.Option(False, "--packed", help="Weights made by qgemm.pack_weights (the skinny kernels may run)."),
     arch: Optional[str] = typer.Option(None, "--arch", help="Plan for this architecture (e.g. sm_90) instead of this "
@@ -533,14 +533,21 @@ def tune(
         cands = [d for d in cands if all(d.get(a) == b for a, b in want.items())]
         if not cands:
             _fail(f"no configuration of {name} at {m}x{n}x{kk} has {only}")
-    if kk % 32:
-        _fail(f"--shape: K must be a multiple of 32, got K={kk}")
+    if kk % spec.op.k_multiple:
+        _fail(f"--shape: K must be a multiple of {spec.op.k_multiple} for {name}, got K={kk}")
     k = registry.get(name)
     try:
         k._check_m(m)
     except ValueError as e:
         _fail(str(e))
     _need_gpu("tune")
+    info = runtime.device_info()
+    if not spec.runs_on(info.cc):  # else every configuration fails to launch and it reads as a wrong result
+        _fail(f"{name} needs {spec.arch_needed}, but the GPU ({info.name}) is {info.arch}; nothing to tune")
+    if not dry_run:  # find out before minutes of timing, not when storing the winner
+        why = tuning.unwritable()
+        if why:
+            _fail(f"cannot store tuning results: {why}; set QGEMM_CACHE_DIR to a writable directory, or pass --dry-run")
     rng = np.random.default_rng(0)
     inp = check.make_inputs(k.op, m, n, kk, rng)
     exact = k.op.exact(inp.a, inp.w)

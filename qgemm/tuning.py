@@ -82,6 +82,21 @@ def lookup(name: str, m: int, n: int, k: int) -> dict | None:
     return dict(defines)
 
 
+def unwritable() -> str | None:
+    """Why this GPU's tuning file cannot be written (its directory cannot be made or written),
+    or None. The cubin cache falls back to a temporary directory; tuning results there would
+    be lost, so `qgemm tune` asks before it times anything."""
+    d = path().parent
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".tuning-probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        return f"{d} is not writable ({e.strerror or e})"
+    return None
+
+
 def store(name: str, m: int, n: int, k: int, defines: dict, median_us: float) -> Path:
     p = path()
     with _lock:

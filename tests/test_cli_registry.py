@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import qgemm
-from qgemm import jit, registry, runtime
+from qgemm import check, jit, registry, runtime
 from qgemm.cli import app
 
 runner = CliRunner()
@@ -1297,3 +1297,49 @@ def test_capture_and_thread_guards_without_a_gpu(monkeypatch, rng):
     refuse.clear()
     runtime.DeviceArray(0x3000, (4,), np.uint8, owns=True).free()
     assert freed == [0x1000, 0x2000, 0x3000] and runtime._deferred_frees == []
+
+
+def test_cli_workflow_audit_findings(monkeypatch, tmp_path):
+    """Session 32's workflow audit: `compile` honours QGEMM_DISABLE_CACHE (it wrote and read the disk
+    cache anyway); `validate` / `profile` check K against the kernel's own multiple (fp32 takes any
+    K; a quantizer's K = 4100 reached the GPU); `tune` refuses, before timing anything, a GPU below
+    the kernel's arch (every configuration failed and it read as a wrong result) and a tuning file
+    it cannot write (the winner was lost to a traceback after all the timing); `explain --fmt`
+    spells the option as Python does."""
+    import types
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(cache))
+    monkeypatch.setenv("QGEMM_DISABLE_CACHE", "1")
+    for _ in range(2):
+        r = runner.invoke(app, ["compile", "w4a8.naive", "--arch", "sm_80"])
+        assert r.exit_code == 0 and "compiled" in r.output and " cache" not in r.output, r.output
+    assert not any(p.is_file() for p in cache.rglob("*.cubin")), list(cache.rglob("*"))
+    monkeypatch.delenv("QGEMM_DISABLE_CACHE")
+    runner.invoke(app, ["compile", "w4a8.naive", "--arch", "sm_86"])  # (sm_80 is in this process's memo)
+    assert any(p.is_file() for p in cache.rglob("*.cubin"))  # the cache itself works
+
+    r = runner.invoke(app, ["validate", "fp32.naive", "--shape", "7x9x33"])
+    assert "K must be a multiple" not in r.output, r.output  # fp32 takes any K: on to the GPU check
+    r = runner.invoke(app, ["validate", "quantize.q8_1", "--shape", "512x1x4100"])
+    assert r.exit_code == 2 and "K must be a multiple of 32 for quantize.q8_1, got K=4100" in r.output, r.output
+    r = runner.invoke(app, ["profile", "convert.f16k", "--shape", "8x1x40"])
+    assert r.exit_code == 2 and "K must be a multiple of" in r.output, r.output
+
+    r = runner.invoke(app, ["explain", "--shape", "8x4096x4096", "--fmt", "q8_0", "--arch", "sm_90"])
+    assert r.exit_code == 0 and "q8_0 weights" in r.output, r.output
+
+    def no_timing(*a, **kw):
+        raise AssertionError("tune timed something before its checks")
+
+    monkeypatch.setattr(check, "make_inputs", no_timing)
+    monkeypatch.setattr(runtime, "gpu_available", lambda: True)
+    a100 = types.SimpleNamespace(name="NVIDIA A100-SXM4-80GB", arch="sm_80", cc=80, sm_count=108)
+    monkeypatch.setattr(runtime, "device_info", lambda: a100)
+    r = runner.invoke(app, ["tune", "w4a16.wgmma_rs", "--shape", "512x4096x4096"])
+    assert r.exit_code == 2 and "w4a16.wgmma_rs needs sm_90a" in r.output and "is sm_80" in r.output, r.output
+    ro = tmp_path / "ro"
+    ro.write_text("a file, so no directory can be made under it")
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(ro))
+    r = runner.invoke(app, ["tune", "w4a8.mma", "--shape", "512x4096x4096"])
+    assert r.exit_code == 2 and "cannot store tuning results" in r.output and "--dry-run" in r.output, r.output

@@ -604,6 +604,21 @@ def test_wrong_weight_format_names_the_expected_one(name, rng):
         qgemm.get(name)(rng.standard_normal((2, 64), dtype=np.float32), wrong(rng.standard_normal((3, 64), dtype=np.float32)))
 
 
+@pytest.mark.parametrize("name", ["fp32.naive", "fp32.tiled"])
+def test_fp32_kernels_take_any_k(name):
+    """The FP32 rung has no blocks: any K (its stagers zero-fill past K), through check.validate
+    and the CLI (whose K check once refused K = 33 for it)."""
+    for shape in ((7, 9, 33), (65, 70, 1001), (1, 1, 1)):
+        r = check.validate(qgemm.get(name), shape)
+        assert r.passed, r
+    from typer.testing import CliRunner
+
+    from qgemm.cli import app
+
+    res = CliRunner().invoke(app, ["validate", name, "--shape", "7x9x33"])
+    assert res.exit_code == 0 and "PASS" in res.output, res.output
+
+
 def test_vec_dp4a_misaligned_fallback(rng):
     """K = 96 (3 blocks: rows not 16-byte aligned) and K = 4128 (tail stage) use the fallback."""
     for k in (96, 4128):
