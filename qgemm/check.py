@@ -24,15 +24,17 @@ from . import reference, runtime
 from .ops import Kernel, Op
 
 
-def parse_shape(text: str, dims: int = 3) -> tuple[int, ...]:
-    """'512x4096x4096' -> (512, 4096, 4096). ValueError names the expected form."""
+def parse_shape(text: str, dims: int = 3, form: str | None = None) -> tuple[int, ...]:
+    """'512x4096x4096' -> (512, 4096, 4096). ValueError names the expected form (`form`, default
+    MxNxK)."""
     parts = str(text).lower().replace("×", "x").replace("*", "x").split("x")
     try:
         vals = tuple(int(p) for p in parts)
     except ValueError:
         vals = ()
     if len(vals) != dims or any(v <= 0 for v in vals):
-        raise ValueError(f"shape must be {'x'.join('MNK'[:dims])} with positive integers (e.g. 512x4096x4096), got {text!r}")
+        raise ValueError(f"shape must be {form or 'x'.join('MNK'[:dims])} with positive integers (e.g. "
+                         f"{'32x16384x128' if form == 'BxSxD' else '512x4096x4096'}), got {text!r}")
     return vals
 
 

@@ -54,21 +54,23 @@ def _need_gpu(what: str) -> None:
               "`qgemm list`, `qgemm info` and `qgemm compile --arch sm_XX` work without one.", code=2)
 
 
-def _shape(text: str) -> tuple[int, int, int]:
+def _shape(text: str, form: str | None = None) -> tuple[int, int, int]:
     from .check import parse_shape
 
     try:
-        return parse_shape(text)
+        return parse_shape(text, form=form)
     except ValueError as e:
         _fail(str(e))
 
 
-def _shapes(text: Optional[str], gemm_default: str, runner_default: str):
+def _shapes(text: Optional[str], gemm_default: str, runner_default: str, specs=()):
     """(the GEMM shape, shape_of(spec)): --shape for every kernel when given; otherwise each kind
     its own default, so `validate mustafar.key_q2` or `--all` needs no --shape (a GEMM's MxNxK is
-    no BxSxD: D = 4096 is not a head dim)."""
-    mnk = _shape(gemm_default if text is None else text)
-    kv = _shape(runner_default if text is None else text)
+    no BxSxD: D = 4096 is not a head dim). A bad --shape names the form the kernels take."""
+    runners = [getattr(s, "runner", None) is not None for s in specs]
+    form = "BxSxD" if runners and all(runners) else ("MxNxK (BxSxD for mustafar.*)" if any(runners) else None)
+    mnk = _shape(gemm_default if text is None else text, form)
+    kv = _shape(runner_default if text is None else text, form)
     return mnk, (lambda spec: kv if getattr(spec, "runner", None) is not None else mnk)
 
 
@@ -343,7 +345,7 @@ def validate(
     from .check import validate as run_validate
 
     specs = _specs(names, all_)
-    mnk, shape_of = _shapes(shape, "257x1031x4096", "5x1031x128")
+    mnk, shape_of = _shapes(shape, "257x1031x4096", "5x1031x128", specs)
     _writable_file(as_json, "--json")
     gg = _gguf_source(gguf, tensor, m_rows, mnk)
     _precheck(specs, shape_of, all_, sparsity, gg)
@@ -399,7 +401,7 @@ def profile(
     from . import bench
 
     specs = _specs(names, all_)
-    mnk, shape_of = _shapes(shape, "512x4096x4096", "32x16384x128")
+    mnk, shape_of = _shapes(shape, "512x4096x4096", "32x16384x128", specs)
     _writable_file(as_json, "--json")
     gg = _gguf_source(gguf, tensor, m_rows, mnk)
     _precheck(specs, shape_of, all_, sparsity, gg)

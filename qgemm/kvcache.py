@@ -108,8 +108,14 @@ def prune(x: np.ndarray, sparsity: float) -> np.ndarray:
     for i in range(0, rows.shape[0], step):
         r = rows[i:i + step]
         mag = np.abs(r.astype(np.float32))
-        idx = np.argpartition(-mag, keep - 1, axis=1)[:, :keep]
-        np.put_along_axis(out[i:i + step], idx, np.take_along_axis(r, idx, axis=1), axis=1)
+        # the keep-th largest magnitude; all above it stay, and of those equal to it the first by
+        # position (argpartition alone breaks ties in no defined order)
+        thr = -np.partition(-mag, keep - 1, axis=1)[:, keep - 1:keep]
+        above = mag > thr
+        tie = mag == thr
+        room = keep - above.sum(axis=1, keepdims=True)
+        kept = above | (tie & (np.cumsum(tie, axis=1) <= room))
+        out[i:i + step] = np.where(kept, r, np.float16(0))
     return out.reshape(b, s, d)
 
 
@@ -185,9 +191,11 @@ def group_starts(kind: str, s: int, d: int) -> np.ndarray:
 # the compressed form
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: a field-wise == would compare arrays (ambiguous truth value)
 class CompressedKV:
-    """A compressed key or value cache (see the module docstring for the layout)."""
+    """A compressed key or value cache (see the module docstring for the layout). Its device copy
+    (to_device) belongs to this object alone: dataclasses.replace(), copy and pickle leave it
+    behind (a copy that changed a part would otherwise launch on the old upload)."""
 
     kind: str
     bits: int
@@ -201,7 +209,12 @@ class CompressedKV:
     zeros: np.ndarray | None = None
     dq: np.ndarray | None = None
     group_offsets: np.ndarray | None = None
-    _device: object = field(default=None, repr=False, compare=False)
+    _device: object = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:  # copy.copy / deepcopy / pickle: the host parts only
+        state = dict(self.__dict__)
+        state["_device"] = None
+        return state
 
     @property
     def compact(self) -> bool:
@@ -306,6 +319,16 @@ def dequant_constants(scales: np.ndarray, zeros: np.ndarray, bits: int) -> np.nd
     return out
 
 
+def _decode_overflows(dq: np.ndarray, bits: int, nonempty: np.ndarray) -> np.ndarray:
+    """Tiles [..] (of those with non-zeros) whose dequantization is not finite in float16: the
+    constants themselves, or codes 0 and 2^bits - 1 decoded (h x mult + add is monotonic in the
+    code, as mult >= 0, so these are the extremes)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        ends = dequantize_codes(np.array([0, (1 << bits) - 1]), dq[..., None, :], bits)  # [.., 1, 2]
+    ok = np.isfinite(dq.astype(np.float32)).all(axis=-1) & np.isfinite(ends.astype(np.float32)).all(axis=(-2, -1))
+    return nonempty & ~ok
+
+
 def dequantize_codes(codes: np.ndarray, dq: np.ndarray, bits: int) -> np.ndarray:
     """codes [..., n] with dq [..., 2] (broadcast over n) -> float16: fp16(h * mult + add),
     h = 1 + q / 2**bits, with one rounding (float64 holds the exact sum)."""
@@ -358,10 +381,11 @@ def _compress(x: np.ndarray, kind: str, bits, sparsity=None, compact: bool = Fal
         return CompressedKV(kind, 16, (b, s, d), bm, counts=counts.astype(np.int32), values=np.ascontiguousarray(vals))
     q, scale, zero = _quantize_tiles(tiles, bits)
     dq = dequant_constants(scale, zero, bits)
-    if not np.isfinite(dq.astype(np.float32)).all():
-        raise ValueError(f"{kind} cache: a tile's fp16 dequantization constants overflow: mult = {1 << bits} x scale and "
-                         f"add = (the tile's minimum) - mult must stay within +-{_FP16_MAX:g}, so values (or a tile's "
-                         f"range) must stay below about {_FP16_MAX * 15 / 16:.0f} in magnitude at {bits} bits; scale the cache down")
+    if _decode_overflows(dq, bits, n > 0).any():
+        raise ValueError(f"{kind} cache: a tile does not decode within float16 at {bits} bits: its two fp16 constants "
+                         f"mult = {1 << bits} x scale and add = -zero x scale - mult, or the value the largest code "
+                         f"decodes to (h x mult + add), pass +-{_FP16_MAX:g} (tiles with large values and a wide range "
+                         f"do); scale the cache down")
     # codes in non-zero order: rank of each non-zero within its tile
     rank = np.cumsum(nz, axis=-1) - 1
     comp = np.zeros_like(q)
@@ -455,14 +479,16 @@ def validate_compressed(ck) -> None:
         if np.any(last & pad):
             raise ValueError(f"{what}: bitmap bits set for tokens >= S={s} (padding of each channel's last tile)")
     if ck.bits == 16:
-        if ck.compact or ck.offsets is not None or ck.packed is not None:
-            raise ValueError(f"{what}: an fp16 layout has counts and values, not offsets/packed/dq")
+        if (ck.compact or ck.offsets is not None or ck.packed is not None or ck.scales is not None
+                or ck.zeros is not None or ck.group_offsets is not None):
+            raise ValueError(f"{what}: an fp16 layout has counts and values, not offsets/packed/scales/zeros/dq/"
+                             "group_offsets")
         c = _arr(ck, "counts", (np.int32, np.int64), (b, t + 1), what).astype(np.int64)
         v = _arr(ck, "values", (np.float16,), None, what)
         if v.ndim != 1:
             raise ValueError(f"{what}: values must be 1-D float16, got shape {v.shape}")
-        if c[0, 0] < 0:
-            raise ValueError(f"{what}: counts must start at >= 0, got {c[0, 0]}")
+        if not 0 <= c[0, 0] < 2**31:  # (bounded first: the sums below must not wrap)
+            raise ValueError(f"{what}: counts must start in [0, 2^31), got {c[0, 0]}")
         if np.any(np.diff(c, axis=1) != n):
             bad = np.argwhere(np.diff(c, axis=1) != n)[0]
             raise ValueError(f"{what}: counts disagree with the bitmap popcounts (batch {bad[0]}, tile {bad[1]}: "
@@ -493,9 +519,11 @@ def validate_compressed(ck) -> None:
             raise ValueError(f"{what}: dq must be finite")
         if np.any(dq[..., 0] < 0):  # mult = 2^bits x scale: the quantizer never makes a negative scale
             raise ValueError(f"{what}: dq's multipliers (2^bits x scale) must be >= 0")
+        if _decode_overflows(dq, ck.bits, n > 0).any():
+            raise ValueError(f"{what}: a tile's codes decode past float16's range (dq too large)")
         start = go[0, 0]
-        if start < 0:
-            raise ValueError(f"{what}: offsets must be >= 0, got {start}")
+        if not 0 <= start < 2**31:  # (bounded first: the sums below must not wrap)
+            raise ValueError(f"{what}: offsets must be in [0, 2^31), got {start}")
         flat = start + np.concatenate([[0], np.cumsum(nb.ravel())])
         tile_start = flat[:-1].reshape(b, t)
         want = np.empty((b, g + 1), dtype=np.int64)
@@ -518,9 +546,11 @@ def validate_compressed(ck) -> None:
             raise ValueError(f"{what}: scales must be >= 0")
         if not np.isfinite(dequant_constants(sc, ze, ck.bits).astype(np.float32)).all():
             raise ValueError(f"{what}: a scale or zero overflows the fp16 dequantization constants")
+        if _decode_overflows(dequant_constants(sc, ze, ck.bits), ck.bits, n > 0).any():
+            raise ValueError(f"{what}: a tile's codes decode past float16's range (scale / zero too large)")
         start = off[0, 0]
-        if start < 0:
-            raise ValueError(f"{what}: offsets must be >= 0, got {start}")
+        if not 0 <= start < 2**31:  # (bounded first: the sums below must not wrap)
+            raise ValueError(f"{what}: offsets must be in [0, 2^31), got {start}")
         want = start + np.concatenate([[0], np.cumsum(nb.ravel())[:-1]]).reshape(b, t)
         if np.any(off != want):
             bad = np.argwhere(off != want)[0]
@@ -966,7 +996,8 @@ class MustafarRunner:
     def _check_cache(self, kernel, w):
         """The compressed cache, validated (host) and of this kernel's kind and layout; not uploaded."""
         if isinstance(w, CompressedKV):
-            validate_compressed(w)
+            if not w.on_device:  # its upload was validated, and it is what runs (34 ms a call at 32x16384x128)
+                validate_compressed(w)
             dkv = w
         elif isinstance(w, DeviceKV):
             dkv = w
@@ -1028,6 +1059,9 @@ class MustafarRunner:
         if not runtime.gpu_available():  # named, before the cache's upload asks for the runtime
             runtime.require_gpu(f"running {kernel.name}")
         dkv = ck.to_device() if isinstance(ck, CompressedKV) else ck
+        if tuple(dkv.shape) != tuple(ck.shape) or dkv.layout != ck.layout:  # a part or the shape changed after to_device()
+            raise ValueError(f"{kernel.name}: the cache's device copy ({dkv.layout} {tuple(dkv.shape)}) no longer matches it "
+                             f"({ck.layout} {tuple(ck.shape)}); free it (ck.to_device().free()) and upload again")
         oshape, odt = self.out_shape(dkv, dx.shape[0], lq)
         if not device:
             if out is not None:
@@ -1053,6 +1087,9 @@ class MustafarRunner:
         kernel before it and the zeroing."""
         from . import runtime
 
+        if dkv.freed:  # before the value kernels' zeroing, which would clear the caller's out= first
+            raise ValueError(f"this {dkv.kind} cache's device copy was freed (DeviceKV.free()); upload it again "
+                             "with CompressedKV.to_device()")
         b, s, d = dkv.shape
         if plan_ is None:
             info = runtime.device_info() if runtime.gpu_available() else None

@@ -1326,6 +1326,11 @@ def test_cli_workflow_audit_findings(monkeypatch, tmp_path):
     r = runner.invoke(app, ["profile", "convert.f16k", "--shape", "8x1x40"])
     assert r.exit_code == 2 and "K must be a multiple of" in r.output, r.output
 
+    r = runner.invoke(app, ["validate", "mustafar.key_q2", "--shape", "2x100"])  # a KV kernel's shape is BxSxD
+    assert r.exit_code == 2 and "shape must be BxSxD" in r.output, r.output
+    r = runner.invoke(app, ["validate", "--all", "--shape", "2x100"])
+    assert r.exit_code == 2 and "MxNxK (BxSxD for mustafar.*)" in r.output, r.output
+
     r = runner.invoke(app, ["explain", "--shape", "8x4096x4096", "--fmt", "q8_0", "--arch", "sm_90"])
     assert r.exit_code == 0 and "q8_0 weights" in r.output, r.output
 

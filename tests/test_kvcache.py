@@ -212,7 +212,7 @@ def test_non_finite_cache(rng):
 
 
 def _damaged(ck, how):
-    c = dataclasses.replace(ck, _device=None)
+    c = dataclasses.replace(ck)
     if how == "truncate":
         c.packed = c.packed[:-3] if c.bits != 16 else None
         if c.bits == 16:
@@ -263,7 +263,7 @@ def _damaged(ck, how):
 
 @pytest.mark.parametrize("how,match", [
     ("truncate", "past the packed buffer|values holds"), ("popcount", "popcount"), ("offsets", "popcount|continue"),
-    ("negative", ">= 0"), ("dtype", "bitmaps must be"), ("shape", "shape"), ("scale", "finite|overflow"),
+    ("negative", r"in \[0, 2\^31\)"), ("dtype", "bitmaps must be"), ("shape", "shape"), ("scale", "finite|overflow"),
 ])
 @pytest.mark.parametrize("bits,compact", LAYOUTS)
 def test_inconsistent_compressed_objects_are_rejected(rng, bits, compact, how, match):
@@ -331,6 +331,9 @@ def test_freed_device_copy_is_refused_then_uploaded_again(rng, monkeypatch):
     for name in ("bmp", "data"):
         with pytest.raises(ValueError, match="freed"):
             dkv.ptr(name)
+    k = qgemm.get("mustafar.key_q2")  # the launch path refuses it before any kernel (a value op's zeroing first cleared out=)
+    with pytest.raises(ValueError, match="device copy was freed"):
+        k.spec.runner.launch(k, dkv, None, None, 4)
     uploads = []
     monkeypatch.setattr(kv.DeviceKV, "upload", classmethod(lambda cls, c: uploads.append(c) or kv.DeviceKV(c, {})))
     again = ck.to_device()
@@ -915,6 +918,30 @@ def test_kernel_matches_reference(name, d, lq, groups):
 
 
 @pytest.mark.gpu
+def test_uploaded_cache_is_not_revalidated_and_must_still_match(rng):
+    """A cache already on the device is not validated again on every host call (34 ms a call at
+    32x16384x128: its upload was validated, and it is what runs); a host object whose shape was
+    changed after to_device() is refused instead of launching on the old upload; a freed device
+    copy leaves out= untouched."""
+    cv = kv.compress_values(kv.prune(cache(rng, 2, 100, 64), 0.7), 2)
+    p = rng.random((8, 1, 100)).astype(np.float16)
+    want = kv.attend(p, cv)
+    dkv = cv.to_device()
+    cv.bitmaps = cv.bitmaps.copy()
+    cv.bitmaps[0, 0] ^= 1  # inconsistent host parts: not looked at while the upload stands
+    np.testing.assert_array_equal(kv.attend(p, cv), want)
+    cv.shape = (2, 50, 64)
+    with pytest.raises(ValueError, match="no longer matches"):
+        kv.attend(p[:, :, :50].copy(), cv)
+    dp = runtime.DeviceArray.from_host(p)
+    out = runtime.DeviceArray.from_host(np.full((8, 1, 64), 7.0, np.float32))
+    dkv.free()
+    with pytest.raises(ValueError, match="device copy was freed"):
+        kv.attend(dp, dkv, out=out)
+    assert (out.to_host() == 7.0).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("s", [1, 64, 65, 4097])
 @pytest.mark.parametrize("name", ["mustafar.key_q2", "mustafar.value_q2", "mustafar.key_fp16", "mustafar.value_fp16"])
 def test_kernel_edge_lengths_and_big_groups(name, s):
@@ -1113,16 +1140,16 @@ def test_negative_scales_and_non_integer_shapes_are_rejected(rng, bits, compact)
     if compact:
         dq = ck.dq.copy()
         dq[0, 1, 0] = -dq[0, 1, 0] - 1
-        bad = dataclasses.replace(ck, dq=dq, _device=None)
+        bad = dataclasses.replace(ck, dq=dq)
     else:
         sc = ck.scales.copy()
         sc[0, 1] = -1.0
-        bad = dataclasses.replace(ck, scales=sc, _device=None)
+        bad = dataclasses.replace(ck, scales=sc)
     with pytest.raises(ValueError, match=">= 0"):
         kv.decompress(bad)
     for shape in ((2.5, 40, 128), (2, 40), None, (2, 40, True)):
         with pytest.raises(ValueError, match="three integers"):
-            kv.decompress(dataclasses.replace(ck, shape=shape, _device=None))
+            kv.decompress(dataclasses.replace(ck, shape=shape))
     for f in (kv.decompress, kv.density, kv.validate_compressed):
         with pytest.raises(ValueError, match="expected a CompressedKV"):
             f(None)
@@ -1132,7 +1159,7 @@ def test_fp16_constant_overflow_names_the_magnitude_limit():
     """A constant tile of 65000 has no range at all; what overflows is the fp16 dequantization
     constant built from its value: the message says so (it used to blame the range)."""
     x = np.full((1, 64, 64), 65000, np.float16)
-    with pytest.raises(ValueError, match="must stay below about 61410 in magnitude at 4 bits"):
+    with pytest.raises(ValueError, match="does not decode within float16 at 4 bits: its two fp16 constants"):
         kv.compress_keys(x, 4)
 
 
@@ -1175,3 +1202,56 @@ def test_score_counts_unwritten_outputs_and_wrong_values():
     off[0, 0, 3] += 0.1 * np.sqrt(np.mean(exact ** 2)) * 100
     r = kv.score("mustafar.key_q2", "key", (2, 100, 128), 0, off, q, ck, cache, 5e-3)
     assert r.unwritten == 0 and not r.passed and "rel err" in r.note
+
+
+def test_kvcache_audit_findings(rng):
+    """Session 32's audit of the KV-cache workflow: offsets / counts near 2^63 wrapped the
+    consistency sums and were then truncated to negative int32 offsets on upload; the device copy
+    rode along into dataclasses.replace() / copy / pickle (a changed copy launched on the old
+    upload); tiles that decode past float16 (from the quantizer itself, or tampered) were accepted;
+    prune broke ties in no defined order; the fp16 layout ignored stray parts; == raised."""
+    import copy
+    import pickle
+
+    x = kv.prune(cache(rng, 2, 100, 64), 0.7)
+    huge = 2**63 - 1
+    ck = kv.compress_keys(x, 2)
+    with pytest.raises(ValueError, match=r"offsets must be in \[0, 2\^31\)"):
+        kv.validate_compressed(dataclasses.replace(ck, offsets=ck.offsets.astype(np.int64) + (huge - ck.packed.size + 2)))
+    cc = kv.compress_keys(x, 2, compact=True)
+    with pytest.raises(ValueError, match=r"offsets must be in \[0, 2\^31\)"):
+        kv.validate_compressed(dataclasses.replace(cc, group_offsets=cc.group_offsets.astype(np.int64) + (huge - cc.packed.size + 2)))
+    c16 = kv.compress_keys(x, 16)
+    with pytest.raises(ValueError, match=r"counts must start in \[0, 2\^31\)"):
+        kv.validate_compressed(dataclasses.replace(c16, counts=c16.counts.astype(np.int64) + (huge - c16.values.size + 2)))
+    with pytest.raises(ValueError, match="an fp16 layout has counts and values, not"):
+        kv.validate_compressed(dataclasses.replace(c16, scales=np.ones(c16.bitmaps.shape, np.float32)))
+
+    sc, ze = ck.scales.copy(), ck.zeros.copy()
+    sc[0, 0], ze[0, 0] = 16000, -4  # finite constants, but code 3 decodes to inf
+    with pytest.raises(ValueError, match="decode past float16's range"):
+        kv.validate_compressed(dataclasses.replace(ck, scales=sc, zeros=ze))
+    dq = cc.dq.copy()
+    dq[0, 0] = 60000
+    with pytest.raises(ValueError, match="decode past float16's range"):
+        kv.validate_compressed(dataclasses.replace(cc, dq=dq))
+    wide = np.zeros((1, 1, 64), np.float16)
+    wide[0, 0] = np.linspace(16913, 65504, 64)  # honest values whose rounded constants decode to inf
+    for bits in (2, 4):
+        with pytest.raises(ValueError, match=f"does not decode within float16 at {bits} bits"):
+            kv.compress_keys(wide, bits)
+
+    ck._device = object()  # a stand-in upload (no GPU here)
+    for other in (dataclasses.replace(ck), copy.copy(ck), copy.deepcopy(ck), pickle.loads(pickle.dumps(ck))):
+        assert other._device is None and not other.on_device
+        np.testing.assert_array_equal(other.packed, ck.packed)
+    assert ck._device is not None
+    ck._device = None
+    assert ck == ck and ck != copy.copy(ck)  # identity, no array comparison
+
+    ones = np.ones((1, 2, 64), np.float16)  # all ties: the first positions are kept
+    keep = kv.kept_per_token(64, 0.7)
+    p = kv.prune(ones, 0.7)
+    assert (np.nonzero(p[0, 0])[0] == np.arange(keep)).all() and (np.nonzero(p[0, 1])[0] == np.arange(keep)).all()
+    y = np.array([[[3, -3, 1, 3, 2] + [0] * 59]], np.float16)  # keep 19 of 64: the zeros tie at the end
+    assert (kv.prune(y, 0.7) == y).all()
