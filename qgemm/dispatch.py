@@ -478,7 +478,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         if dx.ptr % 16 and p.quantizer is None:  # read by the kernel itself (float4 / 16-byte loads)
             raise ValueError(f"matmul: {p.kernel} needs the activations on a 16-byte boundary, got address {dx.ptr:#x}")
     if out is not None:
-        result = runtime.as_device_array(out)
+        result = runtime.as_output_array(out, "matmul")
         if result.shape != shape_c or result.dtype != np.float32:
             raise ValueError(f"matmul: out must be float32 {shape_c}, got {result.dtype} {result.shape}")
     else:

@@ -213,16 +213,48 @@ def project_headers(rel: str, text: str | None = None) -> dict[str, str]:
     return seen
 
 
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+
+
 @lru_cache(maxsize=None)
 def system_header_digest() -> str:
-    """Digest of the CUDA half headers the kernels include (a toolkit update changes the key)."""
+    """Digest of the CUDA headers the kernels include -- cuda_fp16.h and every header of that
+    directory it pulls in, transitively (vector_types.h, nv/target, ...): a toolkit update
+    changes the key."""
     h = hashlib.sha256()
     hdir = Path(cuda_header_dir())
-    for name in ("cuda_fp16.h", "cuda_fp16.hpp"):
+    todo, seen = ["cuda_fp16.h", "cuda_fp16.hpp"], set()
+    while todo:
+        name = todo.pop()
         p = hdir / name
-        if p.is_file():
-            h.update(name.encode() + b"\0" + p.read_bytes())
+        if name in seen or not p.is_file():
+            continue
+        seen.add(name)
+        text = p.read_bytes()
+        h.update(name.encode() + b"\0" + text)
+        todo.extend(_INCLUDE_RE.findall(text.decode("latin-1")))
     return h.hexdigest()
+
+
+@lru_cache(maxsize=None)
+def nvrtc_build() -> str:
+    """What identifies the NVRTC library beyond nvrtcVersion's major.minor (a patch release
+    changes the generated code): the nvidia-cuda-nvrtc wheel's version, or the loaded library's
+    path, size and modification time."""
+    try:
+        from importlib.metadata import version
+
+        return "wheel " + version("nvidia-cuda-nvrtc")
+    except Exception:
+        pass
+    try:
+        import cuda.pathfinder as pf
+
+        path = pf.load_nvidia_dynamic_lib("nvrtc").abs_path
+        st = os.stat(path)
+        return f"{path} {st.st_size} {st.st_mtime_ns}"
+    except Exception:
+        return ""
 
 
 def cache_key(source_rel: str, source: str, headers: dict[str, str], arch: str, options: list[str]) -> str:
@@ -233,6 +265,7 @@ def cache_key(source_rel: str, source: str, headers: dict[str, str], arch: str, 
         "arch": arch,
         "options": list(options),
         "nvrtc": list(nvrtc_version()),
+        "nvrtc_build": nvrtc_build(),
         "system_headers": system_header_digest(),
     }
     h.update(json.dumps(parts, sort_keys=True).encode())
@@ -333,14 +366,28 @@ class DiskCache:
         self.requested = Path(root) if root is not None else cache_dir()
         self.root: Path | None = self.requested / CACHE_LAYOUT_VERSION
         self._checked = False
+        self._check_lock = threading.Lock()
 
     def _usable_root(self) -> Path | None:
         if self._checked:
             return self.root
-        self._checked = True
-        candidates = [self.root, Path(tempfile.gettempdir()) / f"qgemm-cache-{os.getuid()}" / CACHE_LAYOUT_VERSION]
+        with self._check_lock:  # one thread probes; the others wait for its answer
+            if not self._checked:
+                self.root = self._probe_root()
+                self._checked = True
+        return self.root
+
+    def _probe_root(self) -> Path | None:
+        fallback = Path(tempfile.gettempdir()) / f"qgemm-cache-{os.getuid()}"
+        candidates = [self.root, fallback / CACHE_LAYOUT_VERSION]
         for i, cand in enumerate(candidates):
             try:
+                if i > 0:  # in a shared temporary directory: ours, writable by us alone, or another user could plant cubins
+                    fallback.mkdir(mode=0o700, exist_ok=True)
+                    st = fallback.stat()
+                    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+                        raise OSError(f"{fallback} belongs to uid {st.st_uid} with mode {oct(st.st_mode & 0o777)}: "
+                                      "not this user's alone to write")
                 cand.mkdir(parents=True, exist_ok=True)
                 probe = cand / f".probe-{os.getpid()}-{threading.get_ident()}"
                 probe.write_bytes(b"")
@@ -348,15 +395,13 @@ class DiskCache:
             except OSError as e:
                 if i == 0:
                     warnings.warn(
-                        f"qgemm: cache directory {cand} is not writable ({e}); falling back", RuntimeWarning, stacklevel=4
+                        f"qgemm: cache directory {cand} is not writable ({e}); falling back", RuntimeWarning, stacklevel=5
                     )
                 continue
             if i > 0:
-                warnings.warn(f"qgemm: using fallback cache directory {cand}", RuntimeWarning, stacklevel=4)
-            self.root = cand
+                warnings.warn(f"qgemm: using fallback cache directory {cand}", RuntimeWarning, stacklevel=5)
             return cand
-        warnings.warn("qgemm: no writable cache directory; kernels are compiled in every process", RuntimeWarning, stacklevel=4)
-        self.root = None
+        warnings.warn("qgemm: no writable cache directory; kernels are compiled in every process", RuntimeWarning, stacklevel=5)
         return None
 
     # -- reading ------------------------------------------------------------------------------
@@ -540,16 +585,22 @@ def compile_kernel(
         return CompiledKernel(name, source_rel, arch, options, list(entries), cubin, key, res,
                               float(meta.get("compile_seconds", 0.0)), True, nvrtc_version(), meta.get("log", ""))
 
-    result: CompiledKernel | None = None
-    if use_cache:
+    def cached() -> CompiledKernel | None:  # None: absent, or an entry this qgemm cannot read (then rebuilt)
         got = cache.load(key)
         if got is None:
-            with cache.lock(key):
-                got = cache.load(key)  # another process may have finished while we waited
-                if got is None:
-                    result = _compile_and_store(name, source_rel, source, headers, entries, arch, options, key, cache)
+            return None
+        try:
+            return from_meta(*got)
+        except (TypeError, ValueError, AttributeError, KeyError):  # e.g. a newer layout's extra field
+            return None
+
+    if use_cache:
+        result = cached()
         if result is None:
-            result = from_meta(*got)
+            with cache.lock(key):
+                result = cached()  # another process may have finished while we waited
+                if result is None:
+                    result = _compile_and_store(name, source_rel, source, headers, entries, arch, options, key, cache)
     else:
         result = _compile_and_store(name, source_rel, source, headers, entries, arch, options, key, None)
     if not fresh:

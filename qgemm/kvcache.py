@@ -1070,7 +1070,7 @@ class MustafarRunner:
         if out is None:
             dout = runtime.DeviceArray.empty(oshape, odt)
         else:
-            dout = runtime.as_device_array(out)
+            dout = runtime.as_output_array(out, kernel.name)
             if dout.shape != oshape or dout.dtype != np.dtype(odt):
                 raise ValueError(f"{kernel.name}: out must be {np.dtype(odt)} {oshape}, got {dout.dtype} {dout.shape}")
         self.launch(kernel, dkv, dx, dout, groups * lq, stream=stream)

@@ -337,7 +337,7 @@ class Kernel:
     def _out(self, out, shape, dtype):
         if out is None:
             return runtime.DeviceArray.empty(shape, dtype)
-        o = runtime.as_device_array(out)
+        o = runtime.as_output_array(out, self.name)
         if o.shape != tuple(shape) or o.dtype != np.dtype(dtype):
             if not (o.dtype == np.uint8 and o.nbytes == int(np.prod(shape)) * np.dtype(dtype).itemsize):
                 raise ValueError(f"{self.name}: out must be {np.dtype(dtype)} {tuple(shape)}, got {_describe(o)}")

@@ -112,6 +112,8 @@ def dtype_name(dt) -> str:
     dt = np.dtype(dt)
     if dt.kind == "V" and dt.names is None:
         return f"an opaque {dt.itemsize}-byte type{' (bfloat16?)' if dt.itemsize == 2 else ''} ({dt.str})"
+    if not dt.isnative:
+        return f"{dt.name} in non-native byte order ({dt.str})"
     return dt.name
 
 
@@ -405,7 +407,13 @@ class Graph:
             cid = capture_id(stream)
             record()
         except BaseException:
-            driver.cuStreamEndCapture(h)
+            res = driver.cuStreamEndCapture(h)
+            try:  # the partial graph, if the driver returned one, is not kept
+                g = res[1] if isinstance(res, tuple) and len(res) > 1 else None
+                if g is not None and int(g):
+                    driver.cuGraphDestroy(g)
+            except Exception:
+                pass
             if cid is not None:
                 _take_capture_buffers(cid)  # dropped: no graph will replay them
             raise
@@ -527,6 +535,8 @@ class DeviceArray:
     them can view the bytes through `.bytes_view()` (uint8).
     """
 
+    readonly = False  # a wrapped producer's read-only flag (CUDA array interface data[1], DLPack): never an out=
+
     def __init__(self, ptr: int, shape: tuple[int, ...], dtype, owner=None, owns: bool = False):
         self._ptr = int(ptr)
         self._freed = False
@@ -582,14 +592,24 @@ class DeviceArray:
         if missing:
             raise ValueError(f"{what} lacks {', '.join(repr(m) for m in missing)} (the CUDA array interface needs "
                              "shape, typestr and data)")
+        if cai.get("mask") is not None:  # the interface asks a consumer that cannot honour a mask to refuse it
+            raise ValueError(f"{what} has a mask; masked device arrays are not supported")
         try:
             shape = tuple(int(v) for v in cai["shape"])
             ptr = int(cai["data"][0])
+            readonly = bool(cai["data"][1]) if len(cai["data"]) > 1 else False
             typestr = cai["typestr"]
             if typestr.startswith("|V") and "descr" in cai and len(cai["descr"]) > 1:
                 dtype = np.dtype([tuple(f) for f in cai["descr"]])
+                if dtype.itemsize != np.dtype(typestr).itemsize:
+                    raise ValueError(f"its descr describes {dtype.itemsize} bytes, its typestr {typestr} "
+                                     f"{np.dtype(typestr).itemsize}")
             else:
                 dtype = np.dtype(typestr)
+            if any(v < 0 for v in shape):
+                raise ValueError("negative dimension")
+            if dtype.hasobject:
+                raise ValueError("Python objects have no device representation")
         except (TypeError, ValueError, IndexError, AttributeError) as e:
             raise ValueError(f"{what} is malformed (shape {cai.get('shape')!r}, typestr {cai.get('typestr')!r}, "
                              f"data {cai.get('data')!r}): {e}") from None
@@ -609,7 +629,9 @@ class DeviceArray:
             raise ValueError("device array has a null data pointer")
         if int(np.prod(shape)) > 0:
             _check_pointer_device(ptr, type(obj).__name__)
-        return cls(ptr, shape, dtype, owner=obj)
+        arr = cls(ptr, shape, dtype, owner=obj)
+        arr.readonly = readonly
+        return arr
 
     @classmethod
     def from_dlpack(cls, obj, stream=None) -> "DeviceArray":
@@ -625,11 +647,12 @@ class DeviceArray:
             raise ValueError(f"expected a CUDA device array, got a DLPack tensor on device type {dev_type}")
         if dev_id is not None and dev_type == _DL_CUDA and dev_id != device_ordinal():
             raise ValueError(_other_device_message(type(obj).__name__, dev_id))
-        # -1: no extra ordering. Right for the legacy default stream (handle 0), which already
-        # orders itself after other blocking streams; a real stream gets the producer's event.
+        # The consumer stream the producer orders its pending work before: the caller's, or (no
+        # stream: the kernels go on the legacy default stream, handle 0) DLPack's 1, the legacy
+        # default stream -- a producer on a non-blocking stream is not ordered before it otherwise.
         handle = int(as_stream(stream).handle) if stream is not None else 0
         make = getattr(StridedMemoryView, "from_dlpack", None) or StridedMemoryView  # older cuda.core: the constructor
-        view = _wrap("StridedMemoryView.from_dlpack", make, obj, handle if handle else -1)
+        view = _wrap("StridedMemoryView.from_dlpack", make, obj, handle if handle else 1)
         if not view.is_device_accessible:
             raise ValueError(f"expected a device array, got host memory from {type(obj).__name__}")
         shape = tuple(view.shape)
@@ -641,7 +664,9 @@ class DeviceArray:
                 acc *= d
             if tuple(strides) != tuple(reversed(expected)) and int(np.prod(shape)) > 1:
                 raise ValueError(f"device array must be C-contiguous: shape {shape}, strides {tuple(strides)} (elements)")
-        return cls(int(view.ptr), shape, np.dtype(view.dtype), owner=(view, obj))
+        arr = cls(int(view.ptr), shape, np.dtype(view.dtype), owner=(view, obj))
+        arr.readonly = bool(getattr(view, "readonly", False))
+        return arr
 
     # -- DLPack export -------------------------------------------------------------------------
     def __dlpack_device__(self):
@@ -655,6 +680,11 @@ class DeviceArray:
             raise BufferError(f"{self.dtype} blocks have no DLPack dtype; export arr.bytes_view() (uint8) instead")
         from cuda.core.utils import StridedMemoryView
 
+        if dl_device is not None:  # the protocol: the producer's own device is always acceptable
+            if tuple(int(v) for v in dl_device) != self.__dlpack_device__():
+                raise BufferError(f"a qgemm DeviceArray lives on {self.__dlpack_device__()}; cannot export it to "
+                                  f"dl_device={tuple(dl_device)} without a copy")
+            dl_device = None
         view = StridedMemoryView.from_cuda_array_interface(self, stream_ptr=-1)
         kw = {k: v for k, v in (("stream", stream), ("max_version", max_version), ("dl_device", dl_device), ("copy", copy)) if v is not None}
         return view.__dlpack__(**kw)
@@ -710,6 +740,11 @@ class DeviceArray:
         if a.nbytes:
             ensure_current()
             check(driver.cuMemcpyHtoD(self.ptr, a.ctypes.data, a.nbytes), "cuMemcpyHtoD")
+            # From pageable memory the copy returns once the data is staged; its DMA runs on the
+            # legacy stream, which a kernel on a non-blocking stream (a torch side stream, a
+            # cuda.core stream) is not ordered after: wait for it here, or that kernel could read
+            # the allocation before the upload lands.
+            check(driver.cuStreamSynchronize(driver.CUstream(0)), "cuStreamSynchronize (the upload)")
 
     def to_host(self) -> np.ndarray:
         """Synchronous copy back (waits for all work in qgemm's context first: cuCtxSynchronize)."""
@@ -742,6 +777,20 @@ class DeviceArray:
             ensure_current()
             s = as_stream(stream)
             check(driver.cuMemcpyDtoDAsync(other.ptr, self.ptr, self.nbytes, s.handle), "cuMemcpyDtoDAsync")
+
+    # -- copies of the Python object ------------------------------------------------------------
+    def __copy__(self) -> "DeviceArray":
+        """A view (the same memory, not owning it): two owners of one allocation would free it twice."""
+        return DeviceArray(self.ptr, self.shape, self.dtype, owner=self)
+
+    def __deepcopy__(self, memo) -> "DeviceArray":
+        """A new allocation holding a copy of the data (queued on the legacy default stream)."""
+        out = DeviceArray.empty(self.shape, self.dtype)
+        self.copy_to(out)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a DeviceArray is GPU memory and cannot be pickled; pickle its .to_host() instead")
 
     # -- lifetime ------------------------------------------------------------------------------
     def free(self) -> None:
@@ -780,7 +829,8 @@ def _release(ptr: int) -> None:
     todo = todo[::-1] + [ptr]  # the waiting ones first, oldest first
     try:
         ensure_current()
-    except Exception:  # no usable GPU any more (interpreter shutdown): nothing to free into
+    except Exception:  # no usable GPU now (interpreter shutdown): kept for a later release, not dropped
+        _deferred_frees.extend(todo)
         return
     with relaxed_capture():
         for p in todo:
@@ -804,6 +854,14 @@ def is_device_array(obj) -> bool:
         return obj.__dlpack_device__()[0] != _DL_CPU
     except Exception:
         return False
+
+
+def as_output_array(obj, who: str) -> DeviceArray:
+    """as_device_array for an out= operand: a producer's read-only array is refused."""
+    arr = as_device_array(obj)
+    if arr.readonly:
+        raise ValueError(f"{who}: out= is read-only ({type(obj).__name__} exports it so); pass a writable device array")
+    return arr
 
 
 def as_device_array(obj, stream=None) -> DeviceArray:

@@ -1348,3 +1348,41 @@ def test_cli_workflow_audit_findings(monkeypatch, tmp_path):
     monkeypatch.setenv("QGEMM_CACHE_DIR", str(ro))
     r = runner.invoke(app, ["tune", "w4a8.mma", "--shape", "512x4096x4096"])
     assert r.exit_code == 2 and "cannot store tuning results" in r.output and "--dry-run" in r.output, r.output
+
+
+def test_runtime_audit_findings():
+    """Session 32's runtime audit: the CUDA array interface's mask, negative dimensions, object
+    dtypes and a descr of another size were taken silently; a read-only array was accepted as
+    out=; a byte-swapped float32 was refused as "float32"; copy.copy of an owning DeviceArray made
+    a second owner (a double free) and pickling one copied a bare address."""
+    import copy
+    import pickle
+
+    class Cai:
+        def __init__(self, **kw):
+            self.__cuda_array_interface__ = {"shape": (0, 4), "typestr": "<f4", "data": (0, False), "version": 3, **kw}
+
+    runtime.DeviceArray.from_cai(Cai())  # the baseline is fine (a zero-size array: no pointer check)
+    for kw, match in (({"mask": object()}, "has a mask"), ({"shape": (-1, 4)}, "negative dimension"),
+                      ({"typestr": "|O"}, "Python objects"),
+                      ({"typestr": "|V40", "descr": [("d", "<f2"), ("qs", "|u1", (16,))]}, "descr describes 18 bytes")):
+        with pytest.raises(ValueError, match=match):
+            runtime.DeviceArray.from_cai(Cai(**kw))
+    ro = Cai(data=(0, True))
+    assert runtime.DeviceArray.from_cai(ro).readonly
+    with pytest.raises(ValueError, match="matmul: out= is read-only"):
+        runtime.as_output_array(ro, "matmul")
+    assert not runtime.as_output_array(Cai(), "matmul").readonly
+
+    assert runtime.dtype_name(np.dtype(">f4")) == "float32 in non-native byte order (>f4)"
+    w = qgemm.quantize_q4_0(np.ones((8, 64), np.float32))
+    with pytest.raises(ValueError, match=r"got float32 in non-native byte order \(>f4\)"):
+        qgemm.matmul(np.ones((2, 64), ">f4"), w)
+
+    a = runtime.DeviceArray(0x1000, (4,), np.float32)  # a stand-in address: nothing is dereferenced
+    a._owns = True
+    b = copy.copy(a)
+    assert b.ptr == a.ptr and not b._owns and b._owner is a  # a view, not a second owner
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(a)
+    a._owns = False  # (the stand-in address is not ours to free)

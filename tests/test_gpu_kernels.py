@@ -111,6 +111,26 @@ def test_device_arrays_in_and_out(rng):
     np.testing.assert_array_equal(out.to_host(), dc.to_host())
 
 
+def test_device_array_copies_and_dlpack_device(rng):
+    """copy.deepcopy of a DeviceArray is a new allocation with the data; copy.copy a view; the
+    DLPack export accepts its own device as dl_device (the protocol) and refuses another."""
+    import copy
+
+    a = rng.standard_normal((5, 7), dtype=np.float32)
+    d = qgemm.DeviceArray.from_host(a)
+    deep, shallow = copy.deepcopy(d), copy.copy(d)
+    assert deep.ptr != d.ptr and shallow.ptr == d.ptr
+    np.testing.assert_array_equal(deep.to_host(), a)
+    d.free()
+    np.testing.assert_array_equal(deep.to_host(), a)  # its own memory
+    with pytest.raises(ValueError, match="freed"):
+        shallow.ptr
+    d2 = qgemm.DeviceArray.from_host(a)
+    d2.__dlpack__(dl_device=d2.__dlpack_device__())
+    with pytest.raises(BufferError, match="without a copy"):
+        d2.__dlpack__(dl_device=(1, 0))
+
+
 def test_torch_tensors_without_copy(rng):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

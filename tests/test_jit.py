@@ -399,3 +399,56 @@ def test_programmatic_dependent_launch_config(monkeypatch):
     assert runtime._pdl_config(geo) == dict(geo, programmatic_stream_serialization=True)
     monkeypatch.setenv("QGEMM_PDL", "0")  # the switch for debugging and for timing both ways
     assert runtime._pdl_config(geo) is None and not runtime.pdl_enabled()
+
+
+def test_cache_audit_findings(cache, tmp_path, monkeypatch):
+    """Session 32's runtime audit: an entry whose meta.json this qgemm cannot read (a newer
+    layout's extra field, a null) crashed instead of being rebuilt; the key missed the headers
+    cuda_fp16.h pulls in and NVRTC's patch release; the shared fallback directory was trusted
+    whoever could write to it."""
+    ck = jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80")
+    meta_path = cache.root / ck.key / "meta.json"
+    for damage in ({"resources": {"fp32_naive": {"registers": 1, "a_newer_field": 2}}}, {"compile_seconds": None},
+                   {"resources": []}):
+        meta = json.loads(meta_path.read_text())
+        meta_path.write_text(json.dumps({**meta, **damage}))
+        jit.clear_memo()
+        again = jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80")
+        assert not again.from_cache and again.cubin == ck.cubin, damage  # rebuilt and stored again
+        jit.clear_memo()
+        assert jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80").from_cache
+
+    # every header cuda_fp16.h includes, transitively, is in the key
+    hdir = tmp_path / "include"
+    (hdir / "nv").mkdir(parents=True)
+    (hdir / "cuda_fp16.h").write_text('#include "vector_types.h"\n')
+    (hdir / "vector_types.h").write_text("#include <nv/target>\n")
+    (hdir / "nv" / "target").write_text("// 1\n")
+    real_dir = jit.cuda_header_dir
+    monkeypatch.setattr(jit, "cuda_header_dir", lambda: str(hdir))
+    jit.system_header_digest.cache_clear()
+    d1 = jit.system_header_digest()
+    (hdir / "nv" / "target").write_text("// 2\n")
+    jit.system_header_digest.cache_clear()
+    assert jit.system_header_digest() != d1
+    monkeypatch.setattr(jit, "cuda_header_dir", real_dir)
+    jit.system_header_digest.cache_clear()
+    build = jit.nvrtc_build()
+    assert build  # the wheel's version (or the library's identity)
+    key = jit.cache_key("fp32/naive.cu", "x", {}, "sm_80", [])
+    monkeypatch.setattr(jit, "nvrtc_build", lambda: build + ".1")
+    assert jit.cache_key("fp32/naive.cu", "x", {}, "sm_80", []) != key
+
+    # a fallback directory other users can write to is not used
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    shared = tmp_path / "tmp"
+    (shared / f"qgemm-cache-{os.getuid()}").mkdir(parents=True)
+    (shared / f"qgemm-cache-{os.getuid()}").chmod(0o777)
+    monkeypatch.setattr(jit.tempfile, "gettempdir", lambda: str(shared))
+    with pytest.warns(RuntimeWarning) as caught:
+        assert jit.DiskCache(blocker / "cache")._usable_root() is None
+    assert any("no writable cache directory" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    (shared / f"qgemm-cache-{os.getuid()}").chmod(0o700)
+    with pytest.warns(RuntimeWarning, match="using fallback cache directory"):
+        assert jit.DiskCache(blocker / "cache")._usable_root() == shared / f"qgemm-cache-{os.getuid()}" / jit.CACHE_LAYOUT_VERSION
