@@ -717,7 +717,13 @@ class DeviceArray:
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         if int(np.prod(shape)) != self.size:
             raise ValueError(f"cannot reshape {self.shape} into {tuple(shape)}")
-        return DeviceArray(self.ptr, tuple(shape), self.dtype, owner=self)
+        return self._derived(tuple(shape), self.dtype)
+
+    def _derived(self, shape, dtype) -> "DeviceArray":
+        """A view of this array's memory (not owning it, read-only if this is)."""
+        out = DeviceArray(self.ptr, shape, dtype, owner=self)
+        out.readonly = self.readonly
+        return out
 
     def view(self, dtype) -> "DeviceArray":
         """Reinterpret the last dimension's bytes as `dtype` (as numpy's view)."""
@@ -725,7 +731,7 @@ class DeviceArray:
         last = self.shape[-1] * self.dtype.itemsize if self.shape else self.dtype.itemsize
         if last % dtype.itemsize:
             raise ValueError(f"cannot view {self.dtype} [..., {self.shape[-1]}] as {dtype}")
-        return DeviceArray(self.ptr, self.shape[:-1] + (last // dtype.itemsize,), dtype, owner=self)
+        return self._derived(self.shape[:-1] + (last // dtype.itemsize,), dtype)
 
     def bytes_view(self) -> "DeviceArray":
         return self.view(np.uint8)
@@ -781,7 +787,7 @@ class DeviceArray:
     # -- copies of the Python object ------------------------------------------------------------
     def __copy__(self) -> "DeviceArray":
         """A view (the same memory, not owning it): two owners of one allocation would free it twice."""
-        return DeviceArray(self.ptr, self.shape, self.dtype, owner=self)
+        return self._derived(self.shape, self.dtype)
 
     def __deepcopy__(self, memo) -> "DeviceArray":
         """A new allocation holding a copy of the data (queued on the legacy default stream)."""
