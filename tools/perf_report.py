@@ -3,7 +3,8 @@
 
     bash tools/gpu_check.sh            # on the GPU machine: writes $OUT/profile-*.json
     python tools/perf_report.py docs/perf/profile-*-hot.json docs/perf/profile-*-cold.json \
-        --bench docs/perf/bench-h100.json --notes docs/performance-notes.md -o docs/performance.md
+        --bench docs/perf/bench-h100.json --sustained-bench docs/perf/bench-sustained-h100.json \
+        --notes docs/performance-notes.md -o docs/performance.md
 """
 
 from __future__ import annotations
