@@ -74,7 +74,7 @@ def step2(echo: Echo, shape) -> None:
              f"{16 / fmt.bits_per_value():.2f}x than float16")
     q = F.quantize_q8_1(x[:1, :32])[0, 0]
     echo(f"  one Q8_1 block: d = {float(q['d']):.5f}, s = {float(q['s']):.4f} (sum of the floats: {float(x[0, :32].sum()):.4f}), "
-         f"sum(q)*d = {float(q['qs'].astype(np.int64).sum() * q['d']):.4f}  <- s keeps the exact sum Step 4 needs")
+         f"sum(q)*d = {float(q['qs'].astype(np.int64).sum() * q['d']):.4f}  <- Step 4 needs d*sum(q); s stands in for it")
     if runtime.gpu_available():
         got = registry.get("quantize.q8_1")(x)
         same = got.tobytes() == F.quantize_q8_1(x).tobytes()
