@@ -83,7 +83,7 @@ class Plan:
         step1 = (f"  1. {self.quantizer}: x -> {pro.out.name}{layout} on the GPU\n" if pro
                  else "  1. (x is already in the kernel's format)\n")
         if self.quantizer is None and self.packed:
-            step1 = "  1. (none: the kernel reads the float32 activations itself)\n"
+            step1 = f"  1. (none: the kernel reads the {'float32' if self.x_dtype == 'f32' else 'float16'} activations itself)\n"
         return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights{' (packed)' if self.packed else ''}, "
                 f"{self.x_dtype} activations:\n" + step1 +
                 f"  2. {self.kernel}{' (' + cfg + ')' if cfg else ''} [{self.source}]\n"
@@ -213,7 +213,7 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         reason = f"M={m} <= {GEMV_MAX_M}: decode is bound by reading the weights once; a GEMV streams them"
     elif cc is None or cc >= 80:
         name, source = choice["mma"], "default"
-        reason = ("M > 8: fp16 tensor cores with the block scales folded into the dequantized weights "
+        reason = (f"M={m}: fp16 tensor cores with the block scales folded into the dequantized weights "
                   "(no per-block epilogue)" + ("" if cc else " (no GPU here: assuming sm_80+)"))
     else:
         name, source = choice["dp4a"], "default"
@@ -235,8 +235,8 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         tuned = tuning.lookup(name, m, n, k) if arch is None else None
         if tuned is not None:
             defines, source = tuned, "tuned" if source == "default" else source
-        elif arch is not None:
-            defines = k_obj.spec.config(m, n, k, 132)
+        elif arch is not None:  # that architecture's untuned defaults, within its shared memory per block
+            defines = k_obj.default_config(m, n, k, 132, jit.smem_per_block_optin(cc) if cc is not None else None)
         else:
             defines = k_obj.config_for(m, n, k)
     if defines.get("GEMV_PDL") and cc is not None and cc >= 90:  # PDL is a no-op before sm_90

@@ -134,6 +134,15 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# Shared memory one block may opt in to, by compute capability (CUDA's tables; a GPU reports its
+# own, DeviceInfo.smem_per_block_optin): for planning for an architecture without its GPU.
+_SMEM_OPTIN_KB = {75: 64, 80: 163, 86: 99, 87: 163, 88: 99, 89: 99, 90: 227, 100: 227, 103: 227, 110: 227, 120: 99, 121: 99}
+
+
+def smem_per_block_optin(cc: int) -> int:
+    return _SMEM_OPTIN_KB.get(int(cc), 99) * 1024
+
+
 @lru_cache(maxsize=None)
 def supported_archs() -> tuple[int, ...]:
     err, archs = _nvrtc_call("nvrtcGetSupportedArchs")

@@ -236,7 +236,8 @@ class Kernel:
 
     def config_for(self, m: int, n: int, k: int) -> dict:
         """The #defines a launch of this shape uses: a tuned entry if `qgemm tune` stored one for
-        this GPU and shape bucket, else the kernel's default heuristic."""
+        this GPU and shape bucket (and it fits this shape), else the kernel's default heuristic,
+        within the GPU's shared memory per block."""
         if self.spec.config is None:
             return {}
         from . import tuning
@@ -244,7 +245,21 @@ class Kernel:
         tuned = tuning.lookup(self.name, m, n, k)
         if tuned is not None:
             return tuned
-        return self.spec.config(m, n, k, runtime.device_info().sm_count if runtime.gpu_available() else 132)
+        if not runtime.gpu_available():
+            return self.spec.config(m, n, k, 132)
+        info = runtime.device_info()
+        return self.default_config(m, n, k, info.sm_count, info.smem_per_block_optin)
+
+    def default_config(self, m: int, n: int, k: int, sm_count: int = 132, smem_limit: int | None = None) -> dict:
+        """The kernel's default heuristic for a shape; where its tiles need more shared memory per
+        block than `smem_limit` (sm_86 / sm_89 / sm_120 allow 99 KB, the heuristics are tuned on
+        227 KB parts), the candidate configuration that uses the most of it instead."""
+        d = self.spec.config(m, n, k, sm_count)
+        if smem_limit is None or self.spec.candidates is None or self.geometry(m, n, k, d).shmem <= smem_limit:
+            return d
+        fits = [(self.geometry(m, n, k, c).shmem, i, c) for i, c in enumerate(self.spec.candidates(m, n, k))]
+        fits = [f for f in fits if f[0] <= smem_limit]
+        return max(fits, key=lambda f: (f[0], -f[1]))[2] if fits else d
 
     # -- calling -------------------------------------------------------------------------------
     def __call__(self, a, w=None, *, out=None, stream=None):

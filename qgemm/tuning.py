@@ -79,7 +79,35 @@ def lookup(name: str, m: int, n: int, k: int) -> dict | None:
         warnings.warn(f"qgemm: ignoring a tuning entry for {name} {bucket(m, n, k)} that is not a configuration of the "
                       f"kernel as it is now (malformed or stale); run `qgemm tune {name}` again", RuntimeWarning, stacklevel=3)
         return None
-    return dict(defines)
+    return fit(name, m, n, k, defines)
+
+
+_fit_cache: dict = {}
+
+
+def fit(name: str, m: int, n: int, k: int, defines: dict) -> dict | None:
+    """A stored configuration as it applies to this exact shape, or None where it cannot. A
+    bucket spans several M (20 and 32 share bucket 32), and some defines follow the shape, not
+    the tuning: the token tiles a skinny kernel is compiled for (SK_MT = ceil(M / 8)), a per-shape
+    cache policy. Those take this shape's values (the ones every candidate here shares); the
+    result must then be one of the kernel's candidates for this shape -- else a configuration
+    tuned at M = 20 (SK_MT = 3) would run at M = 32 and leave rows 24-31 unwritten, and a
+    malformed entry (a 0 tile) would reach the launch."""
+    from .registry import spec
+
+    key = (name, m, n, k, tuple(sorted(defines.items())))
+    if key in _fit_cache:
+        return dict(_fit_cache[key]) if _fit_cache[key] is not None else None
+    cands = spec(name).candidates(m, n, k) if spec(name).candidates is not None else []
+    got = None
+    if cands:
+        fixed = {a: v for a, v in cands[0].items() if all(c.get(a) == v for c in cands)}
+        d = {**defines, **fixed}
+        got = d if d in cands else None
+    if len(_fit_cache) > 4096:
+        _fit_cache.clear()
+    _fit_cache[key] = got
+    return dict(got) if got is not None else None
 
 
 def unwritable() -> str | None:

@@ -1386,3 +1386,43 @@ def test_runtime_audit_findings():
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(a)
     a._owns = False  # (the stand-in address is not ours to free)
+
+
+def test_dispatch_audit_findings(monkeypatch, tmp_path):
+    """Session 32's audit of the production path's logic: a configuration tuned at M = 20 (SK_MT = 3)
+    ran at M = 32 from the same bucket and left rows 24-31 unwritten; a malformed tuned entry (a 0
+    tile) reached the launch; the untuned prefill tiles needed more shared memory per block than
+    sm_86 / sm_89 / sm_120 allow (99 KB)."""
+    import types
+
+    from qgemm import tuning
+
+    def shmem(p):
+        return registry.get(p.kernel).geometry(p.m, p.n, p.k, p.defines).shmem
+
+    for arch, fmt, m in (("sm_86", "q4_0", 512), ("sm_89", "q8_0", 40), ("sm_120", "q8_0", 2048)):
+        p = qgemm.plan(m, 4096, 4096, fmt, arch=arch)
+        assert shmem(p) <= 99 * 1024, (arch, p)
+    p90 = qgemm.plan(512, 4096, 4096, "q4_0", arch="sm_90")
+    assert p90.defines == registry.spec(p90.kernel).config(512, 4096, 4096, 132)  # 227 KB parts: unchanged
+
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(runtime, "gpu_available", lambda: True)
+    a100 = types.SimpleNamespace(name="NVIDIA A100-SXM4-80GB", arch="sm_80", cc=80, sm_count=108,
+                                 smem_per_block_optin=163 * 1024)
+    monkeypatch.setattr(runtime, "device_info", lambda: a100)
+    tuning.forget_cache()
+    try:
+        at20 = registry.spec("w4a16.skinny").config(20, 4096, 4096, 108)
+        assert at20["SK_MT"] == 3
+        tuning.store("w4a16.skinny", 20, 4096, 4096, at20, 9.0)
+        p20 = qgemm.plan(20, 4096, 4096, "q4_0", packed=True)
+        assert p20.kernel == "w4a16.skinny" and p20.source == "tuned" and p20.defines == at20
+        p32 = qgemm.plan(32, 4096, 4096, "q4_0", packed=True)
+        assert p32.kernel == "w4a16.skinny" and 8 * p32.defines["SK_MT"] >= 32, p32  # every token tile compiled in
+        bad = {**registry.spec("w4a16.mma").config(512, 4096, 4096, 108), "MMA_BM": 0}
+        tuning.store("w4a16.mma", 512, 4096, 4096, bad, 50.0)
+        p = qgemm.plan(512, 4096, 4096, "q4_0")
+        assert p.kernel == "w4a16.mma" and p.source == "default" and p.defines["MMA_BM"] > 0, p
+    finally:
+        tuning.forget_cache()
