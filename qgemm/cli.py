@@ -96,7 +96,9 @@ def _gguf_source(gguf, tensor, m_rows, mnk):
 
 def _check_gguf_format(spec, fmt: str) -> None:
     """The GGUF tensor's format must be the kernel's W format (f32 and f16 convert to each other)."""
-    want = spec.op.w.name if spec.op.w is not None else None
+    if spec.op.w is None:
+        raise ValueError(f"{spec.name} takes no weight matrix (it converts the activations): --gguf does not apply")
+    want = spec.op.w.name
     if want != fmt and not (want in ("f32", "f16") and fmt in ("f32", "f16")):
         raise ValueError(f"{spec.name} takes {want} weights; the GGUF tensor is {fmt}")
 
@@ -123,14 +125,23 @@ def _clamp_m(spec, mnk):
     return mnk
 
 
-def _skip_runner(spec, mnk, all_: bool, rows: list, ncols: int, gguf: bool = False) -> bool:
+def _skip_runner(spec, mnk, all_: bool, rows: list, ncols: int, gg=None) -> bool:
     """--all with a shape a runner kernel (mustafar.*: BxSxD, D in 64/128/256) cannot take, or
-    with --gguf (GEMM weights): a 'skipped' row, not a failure. Named explicitly, _precheck
-    refuses it."""
+    with --gguf (GEMM weights) for a runner kernel or a kernel of another weight format: a
+    'skipped' row, not a failure. Named explicitly, _precheck refuses it."""
     runner = getattr(spec, "runner", None)
-    if runner is None or not all_:
+    if not all_:
         return False
-    why = "--gguf gives GEMM weights; this kernel takes a compressed KV cache" if gguf else runner.shape_problem(mnk)
+    if runner is None:
+        if gg is None:
+            return False
+        try:  # --all --gguf: the kernels of another weight format are not failures
+            _check_gguf_format(spec, gg[3])
+            return False
+        except ValueError as e:
+            rows.append([spec.name] + ["-"] * (ncols - 2) + [f"skipped: {e}"])
+            return True
+    why = "--gguf gives GEMM weights; this kernel takes a compressed KV cache" if gg is not None else runner.shape_problem(mnk)
     if why is None:
         return False
     rows.append([spec.name] + ["-"] * (ncols - 2) + [f"skipped: {why}"])
@@ -353,7 +364,7 @@ def validate(
     rows, results, details, failed = [], [], [], 0
     opts = {"lq": lq, "groups": groups, "sparsity": sparsity}
     for s in specs:
-        if _skip_runner(s, shape_of(s), all_, rows, 7, gg is not None):
+        if _skip_runner(s, shape_of(s), all_, rows, 7, gg):
             continue
         try:
             shp, wts = _with_gguf(s, gg, shape_of(s))
@@ -412,7 +423,7 @@ def profile(
     rows, results = [], []
     opts = {"lq": lq, "groups": groups, "sparsity": sparsity}
     for s in specs:
-        if _skip_runner(s, shape_of(s), all_, rows, 9, gg is not None):
+        if _skip_runner(s, shape_of(s), all_, rows, 9, gg):
             continue
         try:
             shp, wts = _with_gguf(s, gg, shape_of(s) if gg is None else mnk)
@@ -592,7 +603,8 @@ def tune(
 
 @app.command()
 def bench(
-    quick: bool = typer.Option(False, "--quick", help="A few M values and K=4096 only."),
+    quick: bool = typer.Option(False, "--quick", help="gemm suite: a few M values and K=4096 only; kvcache suite: S = 4k "
+                                                       "and 16k, Lq = 1, 70% sparsity only."),
     out_dir: Path = typer.Option(Path("bench-out"), "--out", help="Where bench.json, bench.md and the plots go "
                                                                  "(--suite kvcache: kvcache.json and kvcache.md)."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="gemm suite: time torch (cuBLAS fp16/bf16, cuBLASLt int8) "
@@ -621,6 +633,8 @@ def bench(
             _fail("--m and --k choose the GEMM sweep's shapes; --suite kvcache has its own (S, Lq, sparsity, bits)")
         if sustain:
             _fail("--sustain is for the gemm suite; --suite kvcache times --iters samples")
+        if clocks:
+            _fail("--clocks is for the gemm suite (--suite kvcache records no clocks)")
         _need_gpu("bench")
         from . import kvcache_bench
 
@@ -714,7 +728,13 @@ def gguf_cmd(
                                             "bytes": t.nbytes, "offset": t.offset, "qgemm_format": t.fmt}
                                            for t in f.tensors]}, indent=1))
         return
-    named = [f"{k} = {f.metadata(k)}" for k in ("general.architecture", "general.name") if f.metadata(k) is not None]
+    def meta(key):  # a name that is not valid UTF-8 is shown as such, not a traceback
+        try:
+            return f.metadata(key)
+        except ValueError as e:
+            return f"<unreadable: {e}>"
+
+    named = [f"{k} = {v}" for k in ("general.architecture", "general.name") if (v := meta(k)) is not None]
     total = sum(t.nbytes for t in f.tensors)
     typer.echo(f"{file}: GGUF v{f.version}, {len(keys)} metadata keys" + (f" ({', '.join(named)})" if named else "")
                + f", {len(f.tensors)} tensors, {_bytes_str(total)} of tensor data")
@@ -796,13 +816,20 @@ def compare_llamacpp(
     typer.echo(f"llama.cpp: {llama_dev} ({source}); qgemm.matmul: {info.name} ({info.arch}), "
                f"median of {iters} CUDA-graph samples of back-to-back calls per shape"
                + (f", sampled back to back for >= {sustain:g} s" if sustain else ""))
-    if llama_dev != "unknown device" and llama_dev != info.name:
-        typer.echo(f"warning: the llama.cpp figures come from {llama_dev}, qgemm runs on {info.name}: "
-                   "the ratio compares different GPUs")
+    others = sorted({r["device"] for r in res if r["device"] and r["device"] != info.name})
+    if others:
+        typer.echo(f"warning: llama.cpp figures from {', '.join(others)}, qgemm runs on {info.name}: those rows' "
+                   "ratios compare different GPUs (their note says so)")
+        for r in res:
+            if r["device"] and r["device"] != info.name:
+                r["note"] = "; ".join(x for x in (r["note"], f"llama.cpp on {r['device']} ({r['backend']})") if x)
     typer.echo("ratio = llama.cpp us / qgemm us (> 1: qgemm is faster); MxNxK is qgemm's (ggml's n x m x k)\n")
-    typer.echo(_table(["type", "MxNxK", "llama.cpp us", "qgemm us", "ratio", "note"],
-                      [[r["type"], shape(r), f"{r['us']:.2f}", f"{r['qgemm_us']:.2f}" if r["qgemm_us"] is not None else "-",
-                        f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-", r["note"]] for r in res], right={2, 3, 4}))
+    several = len({r["backend"] for r in res}) > 1  # a multi-GPU output: each shape once per backend
+    typer.echo(_table(["type", "MxNxK"] + (["backend"] if several else []) + ["llama.cpp us", "qgemm us", "ratio", "note"],
+                      [[r["type"], shape(r)] + ([str(r["backend"])] if several else [])
+                       + [f"{r['us']:.2f}", f"{r['qgemm_us']:.2f}" if r["qgemm_us"] is not None else "-",
+                          f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-", r["note"]] for r in res],
+                      right={3, 4, 5} if several else {2, 3, 4}))
     if as_json:
         as_json.write_text(json.dumps({"command": _command_line(), "llamacpp_device": llama_dev, "qgemm_device": info.name,
                                        "rows": res}, indent=1))

@@ -28,14 +28,14 @@ from .errors import QgemmError
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _PERF = re.compile(
     r"^\s*(?P<op>MUL_MAT)\((?P<params>.*)\):\s+(?P<runs>\d+)\s+runs\s+-\s+(?P<us>[\d.]+)\s+us/run\s+-\s+"
-    r"(?:(?P<flop>[\d.]+)\s+(?P<flop_unit>[kMGTP]?)FLOP/run\s+-\s+(?P<rate>[\d.]+)\s+(?P<rate_unit>[kMGTP]?)FLOPS"
+    r"(?:(?P<flop>[\d.]+)\s+(?P<flop_unit>[kKMGTP]?)FLOP/run\s+-\s+(?P<rate>[\d.]+)\s+(?P<rate_unit>[kKMGTP]?)FLOPS"
     r"|(?P<kb>\d+)\s+kB/run\s+-\s+(?P<gbs>[\d.]+)\s+GB/s)\s*$"
 )
 _PARAM = re.compile(r"(\w+)=(\[[^\]]*\]|[^,]*)")
 _BACKEND = re.compile(r"^Backend \d+/\d+:\s*(?P<name>\S+)")
 _DESCRIPTION = re.compile(r"^\s*Device description:\s*(?P<name>.+?)\s*$")
 _DEVICE0 = re.compile(r"^\s*Device (?P<i>\d+):\s*(?P<name>[^,]+)")
-_SCALE = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_SCALE = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 
 
 def _param_value(v: str):
@@ -58,7 +58,9 @@ def parse_test_backend_ops(text: str) -> list[dict]:
         tflops  the line's rate in TFLOPS (None on a line that reports GB/s instead)
         device  the GPU's name ('Device description:' of the current backend, else 'Device 0:')
         backend ggml backend name ("CUDA0"), or None before any 'Backend i/n:' header
-        batched True when bs or nr is not [1,1] (a batch of matrices: not one qgemm GEMM)
+        batched True when the line is not one plain GEMM: bs or nr not [1,1] (a batch of matrices),
+                o > 1 (o matmuls summed in one graph), per not [0,1,2,3] or k_v > 0 (permuted or
+                strided operands)
         params  every key=value of the line; raw: the line itself (ANSI codes removed)
 
     Lines that are not timed MUL_MAT results (headers, 'not supported', other ops) are skipped.
@@ -97,7 +99,9 @@ def parse_test_backend_ops(text: str) -> list[dict]:
             "tflops": rate,
             "device": description or device0,
             "backend": backend,
-            "batched": params.get("bs", [1, 1]) != [1, 1] or params.get("nr", [1, 1]) != [1, 1],
+            "batched": (params.get("bs", [1, 1]) != [1, 1] or params.get("nr", [1, 1]) != [1, 1]
+                        or params.get("o", 1) != 1 or params.get("per", [0, 1, 2, 3]) != [0, 1, 2, 3]
+                        or params.get("k_v", 0) != 0),
             "params": params,
             "raw": line.strip(),
         })
@@ -147,7 +151,7 @@ def compare(rows: list[dict], matmul_timer: Timer, types: Iterable[str] | None =
             continue
         r = dict(r, qgemm_us=None, ratio=None, note="")
         if r["batched"]:
-            r["note"] = "batched (bs/nr != [1,1]): not a single GEMM"
+            r["note"] = "batched or not a single plain GEMM (bs/nr != [1,1], o > 1, permuted or strided operands)"
         elif r["type_b"] != "f32":
             r["note"] = f"activations {r['type_b']}: qgemm compares f32 activations only"
         else:

@@ -1426,3 +1426,30 @@ def test_dispatch_audit_findings(monkeypatch, tmp_path):
         assert p.kernel == "w4a16.mma" and p.source == "default" and p.defines["MMA_BM"] > 0, p
     finally:
         tuning.forget_cache()
+
+
+def test_gguf_llamacpp_bench_audit_findings(tmp_path):
+    """Session 32's audit of the GGUF, llama.cpp-comparison and bench CLI paths: `validate --all
+    --gguf` counted every kernel of another weight format as a failure (it could never pass); a
+    quantizer given --gguf said it "takes None weights"; MUL_MAT lines with o > 1 (o matmuls in one
+    graph) or permuted / strided operands were compared as one GEMM, and old ggml's "KFLOP" lines
+    were dropped; --clocks was silently ignored by --suite kvcache."""
+    from qgemm import cli, llamacpp
+
+    gg = (1, np.zeros((1, 1)), 64, "q4_0")
+    for name, skipped in (("w4a8.naive", False), ("w8a8.naive", True), ("fp32.naive", True), ("quantize.q8_1", True)):
+        rows = []
+        assert cli._skip_runner(registry.spec(name), (1, 1, 64), True, rows, 7, gg) == skipped, name
+        assert not skipped or rows[0][-1].startswith("skipped: "), rows
+    with pytest.raises(ValueError, match="takes no weight matrix .*--gguf does not apply"):
+        cli._check_gguf_format(registry.spec("quantize.q8_1"), "q4_0")
+
+    base = "  MUL_MAT(type_a=q4_0,type_b=f32,m=64,n=1,k=512,bs=[1,1],nr=[1,1],per=[0,1,2,3],k_v=0,o={o}): 100 runs - 1.00 us/run - 65.54 {u}FLOP/run - 32.77 {u}FLOPS"
+    plain, four = (llamacpp.parse_test_backend_ops(base.format(o=o, u="G"))[0] for o in (1, 4))
+    assert not plain["batched"] and four["batched"]
+    assert llamacpp.parse_test_backend_ops(base.replace("per=[0,1,2,3]", "per=[0,2,1,3]").format(o=1, u="G"))[0]["batched"]
+    old = llamacpp.parse_test_backend_ops(base.format(o=1, u="K"))
+    assert len(old) == 1 and abs(old[0]["tflops"] - 32.77e3 / 1e12) < 1e-15
+
+    r = runner.invoke(app, ["bench", "--suite", "kvcache", "--clocks", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 2 and "--clocks is for the gemm suite" in r.output, r.output

@@ -398,3 +398,14 @@ def test_repeated_loads_parse_once_and_see_a_rewritten_file(model, tmp_path, rng
     c = qgemm.load_gguf(path, "blk.0.ffn_down.weight")
     assert c.dtype == qgemm.block_q8_0 and c.tobytes() == qgemm.quantize_q8_0(x).tobytes()
     assert gguf_io.list_tensors(path)[0].type == "Q8_0" and len(gguf_io.list_tensors(path)) == 1
+
+
+def test_gguf_cli_survives_a_name_that_is_not_utf8(model, tmp_path):
+    """`qgemm gguf FILE` printed a traceback (exit 1) when general.name was not valid UTF-8; the
+    tensors are still listed, the name shown as unreadable."""
+    path, _, _ = model
+    data = path.read_bytes()
+    bad = tmp_path / "bad-name.gguf"
+    bad.write_bytes(data.replace(b"tiny test model", b"\xff\xfeny test model", 1))
+    r = CliRunner().invoke(app, ["gguf", str(bad)])
+    assert r.exit_code == 0 and "general.name = <unreadable:" in r.output and "blk.0.ffn_down.weight" in r.output, r.output
