@@ -358,9 +358,9 @@ def test_cli_gguf_weights_are_not_for_the_kv_cache_kernels(model, monkeypatch):
     assert r.exit_code == 2 and "takes a compressed KV cache" in r.output, r.output
     rows = []
     spec = qgemm.registry.spec("mustafar.key_q2")
-    assert cli._skip_runner(spec, (5, 1031, 128), True, rows, 7, gguf=True)
+    assert cli._skip_runner(spec, (5, 1031, 128), True, rows, 7, gg=(5, None, 128, "f16"))
     assert "takes a compressed KV cache" in rows[0][-1]
-    assert not cli._skip_runner(spec, (5, 1031, 128), True, [], 7, gguf=False)
+    assert not cli._skip_runner(spec, (5, 1031, 128), True, [], 7, gg=None)
 
 
 # ---------------------------------------------------------------------------------------------
