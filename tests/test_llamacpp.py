@@ -244,9 +244,9 @@ def test_cli_side_by_side_on_gpu(tmp_path):
     out = tmp_path / "rows.json"
     r = runner.invoke(app, ["compare-llamacpp", "--from-file", str(p), "--iters", "3", "--json", str(out)])
     assert r.exit_code == 0, r.output
-    assert "the ratio compares different GPUs" in r.output  # "some GPU" is not this one
+    assert "ratios compare different GPUs" in r.output  # "some GPU" is not this one
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2
+    assert len(rows) == 2 and all(row["note"] == "llama.cpp on some GPU (CUDA0)" for row in rows), rows
     for row in rows:
         assert row["qgemm_us"] > 0 and row["ratio"] == pytest.approx(row["us"] / row["qgemm_us"]), row
     # timed the way test-backend-ops times its own rows: back to back for a while (0.05 s here)
