@@ -328,6 +328,8 @@ def _scratch(tag: str, shape, dtype, stream=None, cid=_ASK) -> runtime.DeviceArr
             same_tag = [k for k in _workspace if k[0] == tag]
             for old in same_tag[:-_WORKSPACE_STREAMS]:
                 del _workspace[old]  # freed once no view holds it (cuMemFree waits for the GPU)
+                if not any(k[1] == old[1] for k in _workspace):  # that stream's last buffer: its lock goes too
+                    _queue_locks.pop(old[1], None)  # (a later op there makes a new one; a holder keeps its own)
         _workspace.move_to_end(key)
     return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
 
@@ -478,7 +480,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         if dx.ptr % 16 and p.quantizer is None:  # read by the kernel itself (float4 / 16-byte loads)
             raise ValueError(f"matmul: {p.kernel} needs the activations on a 16-byte boundary, got address {dx.ptr:#x}")
     if out is not None:
-        result = runtime.as_output_array(out, "matmul")
+        result = runtime.as_output_array(out, "matmul", stream)
         if result.shape != shape_c or result.dtype != np.float32:
             raise ValueError(f"matmul: out must be float32 {shape_c}, got {result.dtype} {result.shape}")
     else:

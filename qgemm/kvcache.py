@@ -1009,14 +1009,14 @@ class MustafarRunner:
                              f"{dkv.kind} cache in the {dkv.layout} layout (use mustafar.{dkv.kind}_{dkv.layout})")
         return dkv
 
-    def _check_x(self, kernel, x, dkv, device: bool):
+    def _check_x(self, kernel, x, dkv, device: bool, stream=None):
         from . import runtime
 
         b, s, d = dkv.shape
         what = "queries" if self.kind == "key" else "probabilities"
         last = d if self.kind == "key" else s
         if device:
-            dx = runtime.as_device_array(x)
+            dx = runtime.as_device_array(x, stream)  # (DLPack: the producer's pending work ordered before `stream`)
             dtype, shape = dx.dtype, dx.shape
         else:
             if not isinstance(x, np.ndarray):
@@ -1049,7 +1049,7 @@ class MustafarRunner:
 
         ck = self._check_cache(kernel, w)
         device = _is_device(x)
-        dx, groups, lq = self._check_x(kernel, x, ck, device)
+        dx, groups, lq = self._check_x(kernel, x, ck, device, stream)
         if runtime.gpu_available():
             why = ("host operands are uploaded and the result read back synchronously; capture device arrays"
                    if not device else "the compressed cache is uploaded first; call ck.to_device() before capturing"
@@ -1070,7 +1070,7 @@ class MustafarRunner:
         if out is None:
             dout = runtime.DeviceArray.empty(oshape, odt)
         else:
-            dout = runtime.as_output_array(out, kernel.name)
+            dout = runtime.as_output_array(out, kernel.name, stream)
             if dout.shape != oshape or dout.dtype != np.dtype(odt):
                 raise ValueError(f"{kernel.name}: out must be {np.dtype(odt)} {oshape}, got {dout.dtype} {dout.shape}")
         self.launch(kernel, dkv, dx, dout, groups * lq, stream=stream)
@@ -1096,13 +1096,15 @@ class MustafarRunner:
             plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, info.sm_count if info else 132, dkv.max_step,
                              cc=info.cc if info else 90, density=dkv.density)
         mod = kernel._module(plan_.defines)
+        # every address read before anything is queued: a free() in another thread then fails here,
+        # not between the value op's zeroing (which would have cleared out=) and its kernel
+        args = (np.uint64(dkv.ptr("bmp")), np.uint64(dkv.ptr("offs")), np.uint64(dkv.ptr("scl")), np.uint64(dkv.ptr("zer")),
+                np.uint64(dkv.ptr("data")), np.uint64(dx.ptr), np.uint64(dout.ptr), np.int32(s), np.int32(rows),
+                np.int32(plan_.per_cta))
         n = dout.nbytes // 4
         if self.kind == "value" and n:
             mod.launch(ZERO_ENTRY, (min(-(-n // ZERO_THREADS), 1024), 1, 1), (ZERO_THREADS, 1, 1), 0,
                        (np.uint64(dout.ptr), np.int32(n)), stream=stream, pdl=kernel.spec.pdl)
-        args = (np.uint64(dkv.ptr("bmp")), np.uint64(dkv.ptr("offs")), np.uint64(dkv.ptr("scl")), np.uint64(dkv.ptr("zer")),
-                np.uint64(dkv.ptr("data")), np.uint64(dx.ptr), np.uint64(dout.ptr), np.int32(s), np.int32(rows),
-                np.int32(plan_.per_cta))
         mod.launch(kernel.spec.entry, plan_.grid, plan_.block, plan_.shmem, args, stream=stream, pdl=kernel.spec.pdl)
 
     # -- validation ------------------------------------------------------------------------------

@@ -133,8 +133,8 @@ def _format_hint(x, fmt: F.Format) -> str:
     return ""
 
 
-def _check_device(x, fmt: F.Format, role: str, op: Op) -> runtime.DeviceArray:
-    d = runtime.as_device_array(x)
+def _check_device(x, fmt: F.Format, role: str, op: Op, stream=None) -> runtime.DeviceArray:
+    d = runtime.as_device_array(x, stream)  # (DLPack: the producer's pending work ordered before `stream`)
     if fmt.quantized:
         if d.dtype == np.uint8:  # raw bytes from torch/CuPy: [rows, nb * itemsize]
             if d.ndim != 2 or d.shape[1] % fmt.dtype.itemsize:
@@ -314,13 +314,13 @@ class Kernel:
         perm.launch_quantize(da, dq, m, k, status, stream=stream)
         return dq
 
-    def _device_weights(self, w) -> runtime.DeviceArray:
+    def _device_weights(self, w, stream=None) -> runtime.DeviceArray:
         """Device weights as this kernel reads them: a PackedWeights' skinny buffer, or ggml
         blocks (repacked through the host when the kernel needs its layout). `shape_of` has
         checked the format."""
         if isinstance(w, packing.PackedWeights):
             return w.packed if self.packed else w.blocks
-        d = _check_device(w, self.op.w, "W", self.op)
+        d = _check_device(w, self.op.w, "W", self.op, stream)
         if self.packed:
             return self.upload_weights(d.to_host())
         return d
@@ -349,10 +349,10 @@ class Kernel:
         self._check_m(m)
         return m, n, ka
 
-    def _out(self, out, shape, dtype):
+    def _out(self, out, shape, dtype, stream=None):
         if out is None:
             return runtime.DeviceArray.empty(shape, dtype)
-        o = runtime.as_output_array(out, self.name)
+        o = runtime.as_output_array(out, self.name, stream)
         if o.shape != tuple(shape) or o.dtype != np.dtype(dtype):
             if not (o.dtype == np.uint8 and o.nbytes == int(np.prod(shape)) * np.dtype(dtype).itemsize):
                 raise ValueError(f"{self.name}: out must be {np.dtype(dtype)} {tuple(shape)}, got {_describe(o)}")
@@ -372,15 +372,15 @@ class Kernel:
             "capture qgemm.matmul, or this kernel on device arrays in its own formats"))
         stream = runtime.as_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
         if device:
-            da = _check_device(a, self.op.a, "A", self.op)
-            dw = self._device_weights(w)
+            da = _check_device(a, self.op.a, "A", self.op, stream)
+            dw = self._device_weights(w, stream)
             if self.packed and da.ptr % 16 and self.act_layout is None:
                 raise ValueError(f"{self.name}: A must start on a 16-byte boundary (float4 loads), got address {da.ptr:#x}")
             da = self._device_activations(da, m, k, stream)
         else:
             da = self.upload_activations(_check_host(a, self.op.a, "A", self.op))
             dw = self.upload_weights(_check_host(w, self.op.w, "W", self.op))
-        dc = self._out(out, (m, n), np.float32)
+        dc = self._out(out, (m, n), np.float32, stream)
         self.launch(da, dw, dc, m, n, k, stream=stream)
         if device:
             return out if out is not None else dc
@@ -422,7 +422,7 @@ class Kernel:
                                                     "CUDA graph capture cannot; qgemm.matmul captures its own quantization")
         fmt = self.op.a
         if device:
-            dx = _check_device(x, fmt, "X", self.op)
+            dx = _check_device(x, fmt, "X", self.op, stream)
         else:
             dx = None
             _check_host(x, fmt, "X", self.op)
@@ -437,7 +437,7 @@ class Kernel:
                 runtime.require_gpu(f"running {self.name}")
             dx = runtime.DeviceArray.from_host(x)
         self._module()
-        dy = self._out(out, (m, k // self.op.out.block), self.op.out.dtype)
+        dy = self._out(out, (m, k // self.op.out.block), self.op.out.dtype, stream)
         status = runtime.DeviceArray.from_host(np.zeros(1, dtype=np.int32))
         self.launch_quantize(dx, dy, m, k, status, stream=stream)
         flag = int(status.to_host()[0])  # one int: the price of turning bad data into an exception

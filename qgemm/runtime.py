@@ -543,7 +543,7 @@ class DeviceArray:
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self._owner = owner  # keeps a foreign array alive while we point into it
-        self._owns = owns
+        self._owned = [self._ptr] if owns and self._ptr else []  # claimed by one list.pop(): see free()
 
     @property
     def freed(self) -> bool:
@@ -784,6 +784,14 @@ class DeviceArray:
             s = as_stream(stream)
             check(driver.cuMemcpyDtoDAsync(other.ptr, self.ptr, self.nbytes, s.handle), "cuMemcpyDtoDAsync")
 
+    @property
+    def _owns(self) -> bool:
+        return bool(self._owned)
+
+    @_owns.setter
+    def _owns(self, value: bool) -> None:
+        self._owned = [self._ptr] if value and self._ptr else []
+
     # -- copies of the Python object ------------------------------------------------------------
     def __copy__(self) -> "DeviceArray":
         """A view (the same memory, not owning it): two owners of one allocation would free it twice."""
@@ -802,10 +810,12 @@ class DeviceArray:
     def free(self) -> None:
         """Release the allocation now (an owned array; on a view or a wrapped foreign array it only
         marks this object unusable). Afterwards .ptr raises, and so does every launch given it."""
-        if self._owns and self._ptr:
-            _release(self._ptr)
-            self._owns = False
         self._freed = True
+        try:  # one pop hands the allocation to exactly one caller: two threads freeing at once
+            ptr = self._owned.pop()  # (or __del__ beside free()) would otherwise both cuMemFree it
+        except IndexError:
+            return
+        _release(ptr)
 
     def __del__(self):
         try:
@@ -834,19 +844,28 @@ def _release(ptr: int) -> None:
             break
     todo = todo[::-1] + [ptr]  # the waiting ones first, oldest first
     try:
+        # the thread's current context, put back afterwards: the garbage collector may free in a
+        # thread that never called qgemm, or inside another library's context push / pop
+        saved = driver.cuCtxGetCurrent()[1]
         ensure_current()
     except Exception:  # no usable GPU now (interpreter shutdown): kept for a later release, not dropped
         _deferred_frees.extend(todo)
         return
-    with relaxed_capture():
-        for p in todo:
-            try:
-                res = driver.cuMemFree(p)
-            except Exception:
-                continue
-            err = res[0] if isinstance(res, tuple) else res
-            if getattr(err, "name", "").startswith("CUDA_ERROR_STREAM_CAPTURE"):
-                _deferred_frees.append(p)
+    try:
+        with relaxed_capture():
+            for p in todo:
+                try:
+                    res = driver.cuMemFree(p)
+                except Exception:
+                    continue
+                err = res[0] if isinstance(res, tuple) else res
+                if getattr(err, "name", "").startswith("CUDA_ERROR_STREAM_CAPTURE"):
+                    _deferred_frees.append(p)
+    finally:
+        try:
+            driver.cuCtxSetCurrent(saved)
+        except Exception:
+            pass
 
 
 def is_device_array(obj) -> bool:
@@ -862,9 +881,9 @@ def is_device_array(obj) -> bool:
         return False
 
 
-def as_output_array(obj, who: str) -> DeviceArray:
+def as_output_array(obj, who: str, stream=None) -> DeviceArray:
     """as_device_array for an out= operand: a producer's read-only array is refused."""
-    arr = as_device_array(obj)
+    arr = as_device_array(obj, stream)
     if arr.readonly:
         raise ValueError(f"{who}: out= is read-only ({type(obj).__name__} exports it so); pass a writable device array")
     return arr
@@ -896,6 +915,7 @@ class LoadedKernel:
         self.object_code = _wrap(f"ObjectCode.from_cubin({label})", ObjectCode.from_cubin, cubin, name=label)
         self.kernels = {e: _wrap(f"get_kernel({e})", self.object_code.get_kernel, e) for e in entries}
         self._smem_ok: dict[str, int] = {}
+        self._smem_lock = threading.Lock()
 
     def _static_smem(self, entry: str) -> int:
         """The kernel's static shared memory (a property in cuda.core 1.x, a method in older releases)."""
@@ -909,18 +929,21 @@ class LoadedKernel:
 
         if shmem <= self._smem_ok.get(entry, 0):
             return
-        if entry not in self._smem_ok:  # what fits without opting in
-            self._smem_ok[entry] = max(0, 48 * 1024 - self._static_smem(entry))
-            if shmem <= self._smem_ok[entry]:
+        with self._smem_lock:  # threads share the module: the attribute only ever grows, set once per size
+            if shmem <= self._smem_ok.get(entry, 0):
                 return
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        handle = self.kernels[entry].handle
-        if isinstance(handle, driver.CUkernel):
-            dev = check(driver.cuDeviceGet(device_ordinal()), "cuDeviceGet")
-            check(driver.cuKernelSetAttribute(attr, int(shmem), handle, dev), f"cuKernelSetAttribute({entry}, {shmem} B smem)")
-        else:
-            check(driver.cuFuncSetAttribute(handle, attr, int(shmem)), f"cuFuncSetAttribute({entry}, {shmem} B smem)")
-        self._smem_ok[entry] = int(shmem)
+            if entry not in self._smem_ok:  # what fits without opting in
+                self._smem_ok[entry] = max(0, 48 * 1024 - self._static_smem(entry))
+                if shmem <= self._smem_ok[entry]:
+                    return
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            handle = self.kernels[entry].handle
+            if isinstance(handle, driver.CUkernel):
+                dev = check(driver.cuDeviceGet(device_ordinal()), "cuDeviceGet")
+                check(driver.cuKernelSetAttribute(attr, int(shmem), handle, dev), f"cuKernelSetAttribute({entry}, {shmem} B smem)")
+            else:
+                check(driver.cuFuncSetAttribute(handle, attr, int(shmem)), f"cuFuncSetAttribute({entry}, {shmem} B smem)")
+            self._smem_ok[entry] = int(shmem)
 
     def launch(self, entry: str, grid, block, shmem: int, args, stream=None, pdl: bool = False) -> None:
         """pdl: programmatic dependent launch -- the kernel may start while the previous kernel

@@ -96,8 +96,9 @@ def fit(name: str, m: int, n: int, k: int, defines: dict) -> dict | None:
     from .registry import spec
 
     key = (name, m, n, k, tuple(sorted(defines.items())))
-    if key in _fit_cache:
-        return dict(_fit_cache[key]) if _fit_cache[key] is not None else None
+    hit = _fit_cache.get(key, _fit_cache)  # one read: another thread may clear the table in between
+    if hit is not _fit_cache:
+        return dict(hit) if hit is not None else None
     cands = spec(name).candidates(m, n, k) if spec(name).candidates is not None else []
     got = None
     if cands:

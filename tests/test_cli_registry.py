@@ -1265,7 +1265,7 @@ def test_capture_and_thread_guards_without_a_gpu(monkeypatch, rng):
     with pytest.raises(ValueError, match="mustafar.key_q2: this call cannot be captured .*host operands"):
         qgemm.get("mustafar.key_q2")(q, ck)
     monkeypatch.setattr(kv, "_is_device", lambda x: True)
-    monkeypatch.setattr(kv.MustafarRunner, "_check_x", lambda self, kernel, x, ck, device: (x, 4, 1))
+    monkeypatch.setattr(kv.MustafarRunner, "_check_x", lambda self, kernel, x, ck, device, stream=None: (x, 4, 1))
     with pytest.raises(ValueError, match=r"the compressed cache is uploaded first; call ck.to_device\(\) before"):
         qgemm.get("mustafar.key_q2")(q, ck)
 
@@ -1290,6 +1290,10 @@ def test_capture_and_thread_guards_without_a_gpu(monkeypatch, rng):
     monkeypatch.setattr(runtime, "relaxed_capture", fake_relaxed)
     monkeypatch.setattr(driver, "cuMemFree", fake_free)
     monkeypatch.setattr(runtime, "_deferred_frees", [])
+    # the freeing thread's own current context (here another library's) is put back afterwards
+    restored = []
+    monkeypatch.setattr(driver, "cuCtxGetCurrent", lambda: (driver.CUresult.CUDA_SUCCESS, "their context"))
+    monkeypatch.setattr(driver, "cuCtxSetCurrent", lambda c: restored.append(c) or (driver.CUresult.CUDA_SUCCESS,))
     calls.clear()
     runtime.DeviceArray(0x1000, (4,), np.uint8, owns=True).free()
     runtime.DeviceArray(0x2000, (4,), np.uint8, owns=True).free()  # refused: waits
@@ -1297,6 +1301,7 @@ def test_capture_and_thread_guards_without_a_gpu(monkeypatch, rng):
     refuse.clear()
     runtime.DeviceArray(0x3000, (4,), np.uint8, owns=True).free()
     assert freed == [0x1000, 0x2000, 0x3000] and runtime._deferred_frees == []
+    assert restored == ["their context"] * 3
 
 
 def test_cli_workflow_audit_findings(monkeypatch, tmp_path):
@@ -1453,3 +1458,46 @@ def test_gguf_llamacpp_bench_audit_findings(tmp_path):
 
     r = runner.invoke(app, ["bench", "--suite", "kvcache", "--clocks", "--out", str(tmp_path / "b")])
     assert r.exit_code == 2 and "--clocks is for the gemm suite" in r.output, r.output
+
+
+def test_concurrency_audit_findings(monkeypatch):
+    """Session 32's audit of threads and lifetimes: two threads freeing one DeviceArray (or free()
+    beside __del__) could both pass the ownership check and cuMemFree it twice; the per-stream
+    queue locks grew by one per stream handle forever (now dropped with the stream's last
+    scratch buffer)."""
+    import threading
+    import types
+
+    from qgemm import dispatch
+
+    import time
+
+    released = []
+    # the driver call lets other threads run: stood in for by a sleep inside the release
+    monkeypatch.setattr(runtime, "_release", lambda ptr: (released.append(ptr), time.sleep(0.002)))
+    def free_from_threads(arr):
+        start = threading.Barrier(4)
+
+        def free():
+            start.wait()
+            arr.free()
+
+        ts = [threading.Thread(target=free) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    for _ in range(20):
+        free_from_threads(runtime.DeviceArray(0x1000, (4,), np.float32, owns=True))
+    assert released == [0x1000] * 20  # exactly one release per allocation
+
+    made = iter(range(0x10000, 0x20000, 0x100))
+    monkeypatch.setattr(runtime.DeviceArray, "empty", classmethod(lambda cls, shape, dtype: cls(next(made), shape, dtype)))
+    monkeypatch.setattr(runtime, "as_stream", lambda s: types.SimpleNamespace(handle=s))
+    monkeypatch.setattr(dispatch, "_workspace", type(dispatch._workspace)())
+    monkeypatch.setattr(dispatch, "_queue_locks", {})
+    for handle in range(100, 140):  # a new stream per request
+        dispatch._queue_lock(handle)
+        dispatch._scratch("prologue", (64,), np.uint8, stream=handle, cid=None)
+    assert len(dispatch._queue_locks) <= dispatch._WORKSPACE_STREAMS, len(dispatch._queue_locks)
