@@ -222,7 +222,7 @@ def project_headers(rel: str, text: str | None = None) -> dict[str, str]:
     return seen
 
 
-_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+_ANY_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)  # system headers: <...> too
 
 
 @lru_cache(maxsize=None)
@@ -241,7 +241,7 @@ def system_header_digest() -> str:
         seen.add(name)
         text = p.read_bytes()
         h.update(name.encode() + b"\0" + text)
-        todo.extend(_INCLUDE_RE.findall(text.decode("latin-1")))
+        todo.extend(_ANY_INCLUDE_RE.findall(text.decode("latin-1")))
     return h.hexdigest()
 
 

@@ -544,9 +544,10 @@ def validate_compressed(ck) -> None:
             raise ValueError(f"{what}: scales and zeros must be finite")
         if np.any(sc < 0):  # min-max quantization never makes one; a negative scale would flip the values
             raise ValueError(f"{what}: scales must be >= 0")
-        if not np.isfinite(dequant_constants(sc, ze, ck.bits).astype(np.float32)).all():
+        dqc = dequant_constants(sc, ze, ck.bits)
+        if not np.isfinite(dqc.astype(np.float32)).all():
             raise ValueError(f"{what}: a scale or zero overflows the fp16 dequantization constants")
-        if _decode_overflows(dequant_constants(sc, ze, ck.bits), ck.bits, n > 0).any():
+        if _decode_overflows(dqc, ck.bits, n > 0).any():
             raise ValueError(f"{what}: a tile's codes decode past float16's range (scale / zero too large)")
         start = off[0, 0]
         if not 0 <= start < 2**31:  # (bounded first: the sums below must not wrap)
@@ -1087,20 +1088,17 @@ class MustafarRunner:
         kernel before it and the zeroing."""
         from . import runtime
 
-        if dkv.freed:  # before the value kernels' zeroing, which would clear the caller's out= first
-            raise ValueError(f"this {dkv.kind} cache's device copy was freed (DeviceKV.free()); upload it again "
-                             "with CompressedKV.to_device()")
         b, s, d = dkv.shape
         if plan_ is None:
             info = runtime.device_info() if runtime.gpu_available() else None
             plan_ = plan_for(self.kind, self.bits, dkv.shape, rows, info.sm_count if info else 132, dkv.max_step,
                              cc=info.cc if info else 90, density=dkv.density)
-        mod = kernel._module(plan_.defines)
-        # every address read before anything is queued: a free() in another thread then fails here,
-        # not between the value op's zeroing (which would have cleared out=) and its kernel
+        # every address read before anything is queued (DeviceKV.ptr refuses a freed copy): a free()
+        # fails here, not between the value op's zeroing (which would have cleared out=) and its kernel
         args = (np.uint64(dkv.ptr("bmp")), np.uint64(dkv.ptr("offs")), np.uint64(dkv.ptr("scl")), np.uint64(dkv.ptr("zer")),
                 np.uint64(dkv.ptr("data")), np.uint64(dx.ptr), np.uint64(dout.ptr), np.int32(s), np.int32(rows),
                 np.int32(plan_.per_cta))
+        mod = kernel._module(plan_.defines)
         n = dout.nbytes // 4
         if self.kind == "value" and n:
             mod.launch(ZERO_ENTRY, (min(-(-n // ZERO_THREADS), 1024), 1, 1), (ZERO_THREADS, 1, 1), 0,

@@ -364,7 +364,8 @@ class Kernel:
         device = not isinstance(a, np.ndarray)
         if not device and out is not None and isinstance(out, np.ndarray):
             raise ValueError(f"{self.name}: out= must be a device array; host calls return a new numpy array")
-        self.check_launch(m, n, k)
+        defines = self.config_for(m, n, k)  # once, for the grid check and the launch
+        self.check_launch(m, n, k, defines)
         self._module()  # no GPU, or a GPU too old: fail before allocating anything
         staged = not device or self.act_layout is not None or (self.packed and not isinstance(w, packing.PackedWeights))
         runtime.prepare_call(stream, self.name, None if not staged else (
@@ -381,7 +382,7 @@ class Kernel:
             da = self.upload_activations(_check_host(a, self.op.a, "A", self.op))
             dw = self.upload_weights(_check_host(w, self.op.w, "W", self.op))
         dc = self._out(out, (m, n), np.float32, stream)
-        self.launch(da, dw, dc, m, n, k, stream=stream)
+        self.launch(da, dw, dc, m, n, k, stream=stream, defines=defines)
         if device:
             return out if out is not None else dc
         return dc.to_host()
