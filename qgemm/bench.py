@@ -192,6 +192,71 @@ def clear_l2(stream=None) -> bool:
     return True
 
 
+# ---- read ceilings (cuda_src/bench/stream_read.cu) ------------------------------------------------
+READ_CEILING_CTAS_PER_SM = (1, 2, 4)
+READ_CEILING_THREADS = (256, 512)
+_STREAM_READ: dict = {}  # (arch, dependent) -> LoadedKernel
+
+
+def _stream_read(dependent: bool):
+    from . import jit
+
+    arch = runtime.device_arch()
+    key = (arch, dependent)
+    if key not in _STREAM_READ:
+        ck = jit.compile_kernel("bench.stream_read", "bench/stream_read.cu", ["stream_read"], arch,
+                                {"RD_DEPENDENT": int(dependent)})
+        _STREAM_READ[key] = runtime.LoadedKernel(ck.cubin, ["stream_read"], "bench.stream_read")
+    return _STREAM_READ[key]
+
+
+def read_ceiling(nbytes: int, cold: bool, iters: int = 20, sustain_s: float = 0.0) -> dict:
+    """What a kernel that only reads `nbytes` once achieves here, launched back to back and timed as
+    the bench times an op (graph-batched; cold: buffer sets rotated through > 2x L2): the fastest of
+    a few grid shapes, as two ceilings (cuda_src/bench/stream_read.cu says why two) --
+    `independent_us`, the reads free to overlap the previous launch (programmatic dependent launch
+    with no wait before them: the bound for any op), and `dependent_us`, the reads after the wait
+    for the previous launch (the bound for an op whose every byte depends on the one before). A
+    decode op's time between them says how much of its weight stream it starts early. sustain_s:
+    the grid shapes are compared on short samples, then the two fastest are timed again back to
+    back for at least that long (`_samples`), as the sustained bench's rows are."""
+    info = runtime.device_info()
+    n16 = max(1, -(-nbytes // 16))
+    sets = cold_sets(n16 * 16) if cold else 1
+    bufs = [runtime.DeviceArray.empty((n16 * 16,), np.uint8) for _ in range(sets)]
+    out = runtime.DeviceArray.empty((max(READ_CEILING_CTAS_PER_SM) * info.sm_count,), np.uint32)
+    result = {"bytes": n16 * 16, "cold": cold, "buffer_sets": sets,
+              "pdl": runtime.pdl_enabled() and info.cc >= 90}
+    try:
+        for b in bufs:
+            b.fill_bytes(0x5A)
+        for dependent in (False, True):
+            mod = _stream_read(dependent)
+            best = None
+            for per_sm in READ_CEILING_CTAS_PER_SM:
+                for threads in READ_CEILING_THREADS:
+                    grid = per_sm * info.sm_count
+
+                    def launch(i, stream=None, grid=grid, threads=threads):
+                        mod.launch("stream_read", (grid, 1, 1), (threads, 1, 1), 0,
+                                   (np.uint64(bufs[i].ptr), np.uint64(n16), np.uint64(out.ptr)), stream=stream, pdl=True)
+
+                    times, _ = _time_launches(launch, sets, 3, iters)
+                    med = statistics.median(times)
+                    if best is None or med < best[0]:
+                        best = (med, per_sm, threads, launch)
+            if sustain_s > 0:
+                best = (statistics.median(_time_launches(best[3], sets, 3, iters, sustain_s)[0]),) + best[1:]
+            name = "dependent" if dependent else "independent"
+            result[f"{name}_us"] = best[0]
+            result[f"{name}_config"] = f"{best[1]} CTA(s) per SM x {best[2]} threads"
+        runtime.check_last_error("bench.stream_read")
+    finally:
+        for b in bufs + [out]:
+            b.free()
+    return result
+
+
 def _samples(replay_timed, iters: int, sustain_s: float) -> list[float]:
     """Sample times in ms: `replay_timed()` queues one timed replay and returns a function that
     reads its time. Without sustain_s, `iters` samples, each read before the next is queued. With
@@ -645,10 +710,16 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     finally:  # the nvidia-smi child must not outlive a failed sweep
         if sampler is not None:
             sampler.close()
+    # the read ceilings at the decode rows' weight bytes, in the same run (`read_ceiling`)
+    ceilings = []
+    if 1 in ms:
+        for cold in modes:
+            for (fmt, nn, k), wq in weights.items():
+                ceilings.append({"fmt": fmt, "N": nn, "K": k, **read_ceiling(wq.nbytes, cold, iters=iters, sustain_s=sustain_s)})
     # the higher of the two measurements: a row's share of the copy bandwidth is never flattered by a slow copy
     copies = [copy_start / 1e9, measure_copy_bandwidth() / 1e9]
     return {"environment": environment(), "copy_bandwidth_gbps": max(copies), "copy_bandwidth_runs_gbps": copies,
-            "pack_ms": pack_ms, "rows": rows, "l2_reset": l2_mode(), "sustain_s": sustain_s}
+            "pack_ms": pack_ms, "rows": rows, "read_ceilings": ceilings, "l2_reset": l2_mode(), "sustain_s": sustain_s}
 
 
 def sweep_markdown(data: dict, command: str) -> str:
@@ -700,7 +771,35 @@ def sweep_markdown(data: dict, command: str) -> str:
                        f"`{r['kernel']}` | {r['tflops']:.1f} | {r['weight_gbps']:.0f} | {blocks} | {f('torch_fp16_us')} | "
                        f"{f('torch_bf16_us')} | {f('torch_int_mm_us')} |" + clk)
         out.append("")
+    out += read_ceiling_table(data)
     return "\n".join(out)
+
+
+def read_ceiling_table(data: dict) -> list[str]:
+    """The decode rows (M = 1) beside the read ceilings measured at their weight bytes in the same
+    run (`read_ceiling`); empty for a bench without them."""
+    ceilings = data.get("read_ceilings") or []
+    rows = {(r["fmt"], r["N"], r["K"], r["cold"]): r for r in data["rows"] if r["M"] == 1}
+    if not ceilings:
+        return []
+    out = ["### Read ceilings at the decode rows' weight bytes\n",
+           "What a kernel that only reads the M = 1 row's weight bytes achieves, launched back to back as the row is "
+           "timed (`qgemm.bench.read_ceiling`, cuda_src/bench/stream_read.cu): *independent*, its reads free to "
+           "overlap the previous launch; *dependent*, its reads after the programmatic-dependent-launch wait for the "
+           "previous launch. A decode op reads its weights before that wait only as far as it can hold them."
+           + ("" if all(c.get("pdl") for c in ceilings) else
+              " (Here launches were plain -- PDL off or before sm_90 -- so the two ceilings measure the same thing.)")
+           + "\n",
+           "| type | weights | MB | cache | qgemm.matmul µs | independent µs (GB/s) | dependent µs (GB/s) |",
+           "|---|---|---:|---|---:|---:|---:|"]
+    for c in sorted(ceilings, key=lambda c: (c["cold"], c["K"], c["fmt"])):
+        r = rows.get((c["fmt"], c["N"], c["K"], c["cold"]))
+        op = f"{r['matmul_us']:.2f}" if r else "-"
+        gbps = lambda us: c["bytes"] / us / 1e3  # noqa: E731
+        out.append(f"| {c['fmt']} | {c['N']}x{c['K']} | {c['bytes'] / 1e6:.2f} | {'cold' if c['cold'] else 'hot'} | {op} | "
+                   f"{c['independent_us']:.2f} ({gbps(c['independent_us']):.0f}) | "
+                   f"{c['dependent_us']:.2f} ({gbps(c['dependent_us']):.0f}) |")
+    return out + [""]
 
 
 def sweep_plots(data: dict, directory) -> list[str]:

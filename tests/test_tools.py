@@ -186,8 +186,10 @@ def test_sustained_timing_runs_for_the_time_asked(monkeypatch):
 
     monkeypatch.setattr(bench, "time_matmul", time_matmul)
     monkeypatch.setattr(bench, "torch_peer_times", peers)
+    monkeypatch.setattr(bench, "read_ceiling", lambda nbytes, cold, iters=20, sustain_s=0.0: asked.append(("ceiling", sustain_s))
+                        or {"bytes": nbytes, "cold": cold, "independent_us": 0.5, "dependent_us": 0.8, "pdl": True})
     data = bench.sweep(ms=(1,), ks=(64,), n=32, fmts=("q4_0",), modes=(False,), sustain_s=1.5)
-    assert asked == [("qgemm", 1.5), ("qgemm", 1.5), ("torch", 1.5)] and data["sustain_s"] == 1.5
+    assert asked == [("qgemm", 1.5), ("qgemm", 1.5), ("torch", 1.5), ("ceiling", 1.5)] and data["sustain_s"] == 1.5
     assert "back to back for at least 1.5 s (`--sustain`)" in bench.sweep_markdown(data, "qgemm bench --sustain 1.5")
     assert "--sustain" not in bench.sweep_markdown({**data, "sustain_s": 0.0}, "qgemm bench")
 
@@ -241,6 +243,118 @@ def test_clear_l2_modes(monkeypatch, mode):
     else:
         assert made == [(100 << 20,), (1,)] and fills == [(0, None)]  # the buffer zeroed once, then only read
         assert launches == [("l2_read", (4 * 132, 1, 1), (100 << 20) // 16, "s1"), ("l2_read", (4 * 132, 1, 1), (100 << 20) // 16, "s2")]
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
+@pytest.mark.parametrize("dependent", [0, 1])
+def test_stream_read_kernel_compiles(arch, dependent):
+    from qgemm import jit
+
+    ck = jit.compile_kernel("bench.stream_read", "bench/stream_read.cu", ["stream_read"], arch,
+                            {"RD_DEPENDENT": dependent}, use_cache=False)
+    assert ck.cubin and ck.resources["stream_read"].spill_stores == 0
+
+
+def test_read_ceiling_keeps_the_fastest_grid_of_each_ceiling(monkeypatch):
+    """bench.read_ceiling times every grid shape of both stream_read variants over the same
+    buffers (rotated for cold: more than 2x L2), keeps the fastest of each, says which, and frees
+    what it allocated."""
+    from types import SimpleNamespace
+
+    from qgemm import bench
+
+    made, freed, launched = [], [], []
+
+    class FakeArray:
+        def __init__(self, shape):
+            made.append(self)
+            self.nbytes, self.ptr = shape[0], 1000 + len(made)
+
+        def fill_bytes(self, value, stream=None):
+            assert value == 0x5A
+
+        def free(self):
+            freed.append(self)
+
+    class FakeKernel:
+        def __init__(self, dependent):
+            self.dependent = dependent
+
+        def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
+            launched.append((self.dependent, grid[0], block[0], int(args[1]), pdl))
+
+    fake_rt = SimpleNamespace(device_info=lambda: SimpleNamespace(l2_bytes=50 << 20, sm_count=132, cc=90),
+                              DeviceArray=SimpleNamespace(empty=lambda shape, dtype: FakeArray(shape)),
+                              pdl_enabled=lambda: True, check_last_error=lambda what: None)
+    monkeypatch.setattr(bench, "runtime", fake_rt)
+    monkeypatch.setattr(bench, "_stream_read", FakeKernel)
+
+    retimed = []
+
+    def time_launches(launch, sets, warmup, iters, sustain_s=0.0):
+        for i in range(sets):
+            launch(i)
+        dep, grid, threads = launched[-1][:3]
+        if sustain_s:
+            retimed.append((dep, grid, threads, sustain_s))
+            return [7.0], {}
+        # the dependent variant is slower; each has its own best grid
+        us = (4.0 if dep else 3.0) + abs(grid - (264 if dep else 132)) / 1000 + (0.1 if threads == 512 else 0.0)
+        return [us, us + 1, us - 0.5 + 0.5], {}
+
+    monkeypatch.setattr(bench, "_time_launches", time_launches)
+    r = bench.read_ceiling(9437184, cold=True)
+    assert r["bytes"] == 9437184 and r["cold"] and r["pdl"] and r["buffer_sets"] == 13
+    assert r["independent_us"] == 3.0 and r["independent_config"] == "1 CTA(s) per SM x 256 threads"
+    assert r["dependent_us"] == 4.0 and r["dependent_config"] == "2 CTA(s) per SM x 256 threads"
+    assert {(d, g, t) for d, g, t, _, _ in launched} == {(d, g * 132, t) for d in (False, True) for g in (1, 2, 4)
+                                                          for t in (256, 512)}
+    assert all(n16 == 9437184 // 16 and pdl for _, _, _, n16, pdl in launched)
+    assert len(made) == 14 and set(map(id, freed)) == set(map(id, made))  # 13 sets and the output
+    made.clear(), freed.clear()
+    assert retimed == []
+    r = bench.read_ceiling(1000, cold=False)  # not a multiple of 16: rounded up; hot is one buffer
+    assert r["bytes"] == 1008 and r["buffer_sets"] == 1 and len(made) == 2 and len(freed) == 2
+    r = bench.read_ceiling(1000, cold=False, sustain_s=0.5)  # the two winners timed again, back to back
+    assert retimed == [(False, 132, 256, 0.5), (True, 264, 256, 0.5)] and r["independent_us"] == r["dependent_us"] == 7.0
+
+
+def test_sweep_measures_read_ceilings_at_the_decode_weights(monkeypatch):
+    """The bench measures the read ceilings at each M = 1 row's weight bytes, hot and cold as its
+    rows are, in the same run, and its markdown puts them beside the decode rows; without an
+    M = 1 row it measures none."""
+    import types
+
+    from qgemm import bench, packing
+
+    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a: 2800e9)
+    monkeypatch.setattr(bench, "environment", lambda: {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"})
+    fake = types.SimpleNamespace(free=lambda: None)
+    monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=fake, blocks=fake))
+    monkeypatch.setattr(bench, "time_matmul", lambda fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0: {
+        "fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": False, "matmul_us": 4.07 if cold else 3.5,
+        "kernel_us": 1.0, "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0})
+    asked = []
+
+    def read_ceiling(nbytes, cold, iters=20, sustain_s=0.0):
+        asked.append((nbytes, cold))
+        return {"bytes": nbytes, "cold": cold, "buffer_sets": 1, "pdl": True, "independent_us": 3.0 if cold else 1.3,
+                "dependent_us": 4.8 if cold else 2.0, "independent_config": "a", "dependent_config": "b"}
+
+    monkeypatch.setattr(bench, "read_ceiling", read_ceiling)
+    data = bench.sweep(ms=(1, 8), ks=(64, 128), n=32, fmts=("q4_0", "q8_0"), peers=False)
+    sizes = {("q4_0", 64): 36, ("q4_0", 128): 72, ("q8_0", 64): 68, ("q8_0", 128): 136}  # 32 rows x blocks x bytes/block
+    assert sorted(asked) == sorted((32 * b, cold) for b in sizes.values() for cold in (False, True))
+    assert len(data["read_ceilings"]) == 8
+    md = bench.sweep_markdown(data, "qgemm bench")
+    assert "### Read ceilings at the decode rows' weight bytes" in md and "plain" not in md
+    assert "| q4_0 | 32x64 | 0.00 | cold | 4.07 | 3.00 (0) | 4.80 (0) |" in md
+    assert "| q8_0 | 32x128 | 0.00 | hot | 3.50 | 1.30 (3) | 2.00 (2) |" in md  # 4352 B in 1.3 and 2.0 us
+    asked.clear()
+    data = bench.sweep(ms=(8,), ks=(64,), n=32, fmts=("q4_0",), peers=False)
+    assert asked == [] and data["read_ceilings"] == [] and "Read ceilings" not in bench.sweep_markdown(data, "qgemm bench")
+    data["read_ceilings"] = [{**read_ceiling(36 * 32, True), "fmt": "q4_0", "N": 32, "K": 64, "pdl": False}]
+    assert "Here launches were plain" in bench.sweep_markdown(data, "qgemm bench")
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
@@ -352,6 +466,8 @@ def test_sweep_measures_the_copy_bandwidth_before_and_after(monkeypatch):
                 "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}
 
     monkeypatch.setattr(bench, "time_matmul", time_matmul)
+    monkeypatch.setattr(bench, "read_ceiling", lambda nbytes, cold, iters=20, sustain_s=0.0: {
+        "bytes": nbytes, "cold": cold, "independent_us": 0.5, "dependent_us": 0.8, "pdl": True})
     data = bench.sweep(ms=(1, 2), ks=(64,), n=32, fmts=("q4_0",), peers=False)
     assert next(copies, None) is None and len(timed) == 4  # both measured, every row timed
     assert data["copy_bandwidth_runs_gbps"] == [2583.0, 2749.0] and data["copy_bandwidth_gbps"] == 2749.0
@@ -446,3 +562,30 @@ def test_perf_report_compares_with_naive_at_the_same_m_and_marks_l2_hot_rows():
     cold["results"][0].setdefault("extra", {})["rotation_bytes"] = 10**6
     text = pr.section(cold)
     assert f"`{cold['results'][0]['kernel']}` †" in text and "not fully cold" in text and "(memory, L2-hot)" not in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dependent", [False, True])
+def test_stream_read_reads_every_byte(rng, dependent):
+    """The read-ceiling kernel on the GPU: each CTA's XOR of its slice matches the host's, for
+    sizes that split unevenly across CTAs and threads (so no byte is skipped or read twice), and
+    read_ceiling gives finite times whose GB/s a 4 MB buffer can physically reach."""
+    import numpy as np
+
+    from qgemm import bench, runtime
+
+    mod = bench._stream_read(dependent)
+    for nbytes, grid, threads in ((16 * 1000003, 132, 256), (16 * 777, 7, 512), (16, 3, 256), (16 * 4096, 264, 512)):
+        host = rng.integers(0, 2**32, nbytes // 4, dtype=np.uint32)
+        buf = runtime.DeviceArray.from_host(host)
+        out = runtime.DeviceArray.from_host(np.full(grid, 0xDEADBEEF, np.uint32))
+        mod.launch("stream_read", (grid, 1, 1), (threads, 1, 1), 0, (np.uint64(buf.ptr), np.uint64(nbytes // 16),
+                                                                      np.uint64(out.ptr)), pdl=True)
+        got = out.to_host()
+        per = -(-(nbytes // 16) // grid) * 4  # uint32 words per CTA
+        want = [np.bitwise_xor.reduce(host[b * per:(b + 1) * per]) if b * per < host.size else 0 for b in range(grid)]
+        assert got.tolist() == [int(w) for w in want], (nbytes, grid, threads)
+        buf.free(), out.free()
+    r = bench.read_ceiling(4 << 20, cold=False, iters=5)
+    for key in ("independent_us", "dependent_us"):
+        assert 0 < r[key] < 1e4 and (4 << 20) / r[key] / 1e3 < 50_000, r  # under 50 TB/s: the bytes were read
