@@ -668,7 +668,8 @@ def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters:
 
 def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes=(False, True), peers: bool = True,
           progress=None, iters: int = 30, clocks: bool = False, sustain_s: float = 0.0) -> dict:
-    """Everything `qgemm bench` reports, as a dict (environment, copy bandwidth, rows). clocks: each
+    """Everything `qgemm bench` reports, as a dict (environment, copy bandwidth, rows, and with an
+    M = 1 row the read ceilings at its weight bytes; `progress` is called after each). clocks: each
     row also gets the SM clock and power during its qgemm.matmul / kernel timings (`ClockSampler`).
     sustain_s: every timing (qgemm's and the peers') runs back to back for at least that long."""
     rng = np.random.default_rng(0)
@@ -716,6 +717,8 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
         for cold in modes:
             for (fmt, nn, k), wq in weights.items():
                 ceilings.append({"fmt": fmt, "N": nn, "K": k, **read_ceiling(wq.nbytes, cold, iters=iters, sustain_s=sustain_s)})
+                if progress:
+                    progress(ceilings[-1])
     # the higher of the two measurements: a row's share of the copy bandwidth is never flattered by a slow copy
     copies = [copy_start / 1e9, measure_copy_bandwidth() / 1e9]
     return {"environment": environment(), "copy_bandwidth_gbps": max(copies), "copy_bandwidth_runs_gbps": copies,

@@ -662,7 +662,7 @@ def bench(
     if need > have:
         _fail(f"--m / --k: the largest row ({max(ms)} x {n} x {max(ks)}) needs about {need / 2**30:.1f} GiB of GPU memory; "
               f"the GPU has {have / 2**30:.1f} GiB")
-    total = len(ms) * len(ks) * 2 * len(modes)
+    total = len(ms) * len(ks) * 2 * len(modes) + (len(ks) * 2 * len(modes) if 1 in ms else 0)  # rows, read ceilings
     with typer.progressbar(length=total, label="qgemm bench") as bar:
         data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters, clocks=clocks,
                        sustain_s=sustain)

@@ -342,7 +342,9 @@ def test_sweep_measures_read_ceilings_at_the_decode_weights(monkeypatch):
                 "dependent_us": 4.8 if cold else 2.0, "independent_config": "a", "dependent_config": "b"}
 
     monkeypatch.setattr(bench, "read_ceiling", read_ceiling)
-    data = bench.sweep(ms=(1, 8), ks=(64, 128), n=32, fmts=("q4_0", "q8_0"), peers=False)
+    seen = []
+    data = bench.sweep(ms=(1, 8), ks=(64, 128), n=32, fmts=("q4_0", "q8_0"), peers=False, progress=seen.append)
+    assert len(seen) == 16 + 8  # every row, then every ceiling
     sizes = {("q4_0", 64): 36, ("q4_0", 128): 72, ("q8_0", 64): 68, ("q8_0", 128): 136}  # 32 rows x blocks x bytes/block
     assert sorted(asked) == sorted((32 * b, cold) for b in sizes.values() for cold in (False, True))
     assert len(data["read_ceilings"]) == 8
