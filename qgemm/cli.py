@@ -621,8 +621,9 @@ def bench(
                                        "(llama.cpp's perf mode runs each op >= 1 s), --iters samples of ~1 ms at least; "
                                        "0: off."),
 ):
-    """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold.
-    --suite kvcache: the mustafar.* kernels over S, Lq, sparsity and bits against dense torch attention."""
+    """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold;
+    with M = 1 in the sweep, also the read ceilings at the decode rows' weight bytes (what a kernel
+    that only reads them achieves back to back). --suite kvcache: the mustafar.* kernels over S, Lq, sparsity and bits against dense torch attention."""
     from . import bench as B
 
     if suite not in ("gemm", "kvcache"):
