@@ -61,13 +61,20 @@ def verbose() -> bool:
 
 @lru_cache(maxsize=None)
 def cuda_src_dir() -> Path:
-    """The kernel sources: QGEMM_CUDA_SRC, the checkout's cuda_src/, or the copy in the wheel."""
+    """The kernel sources: QGEMM_CUDA_SRC, else the copy in the wheel (qgemm/cuda_src), else the
+    checkout's cuda_src/ beside qgemm/. The wheel's copy comes first: in an installed qgemm the
+    directory beside the package is site-packages, where a cuda_src/ would be another package's."""
     env = os.environ.get("QGEMM_CUDA_SRC")
+    if env:
+        if not (Path(env) / "common").is_dir():
+            raise FileNotFoundError(f"qgemm: QGEMM_CUDA_SRC={env!r} is not a kernel source tree (no common/ directory "
+                                    "in it); unset it to use qgemm's own cuda_src/")
+        return Path(env)
     here = Path(__file__).resolve().parent
-    for cand in ([Path(env)] if env else []) + [here.parent / "cuda_src", here / "cuda_src"]:
+    for cand in (here / "cuda_src", here.parent / "cuda_src"):
         if (cand / "common").is_dir():
             return cand
-    raise FileNotFoundError(f"qgemm: cannot find the cuda_src/ kernel sources (looked beside {here})")
+    raise FileNotFoundError(f"qgemm: cannot find the cuda_src/ kernel sources (looked in and beside {here})")
 
 
 @lru_cache(maxsize=None)
@@ -78,7 +85,9 @@ def cuda_header_dir() -> str:
     try:
         import cuda.pathfinder as pf
 
-        loc = pf.locate_nvidia_header_directory("cudart")
+        # locate_* (cuda-pathfinder >= 1.3.4) returns an object with abs_path; find_* (older) a path
+        find = getattr(pf, "locate_nvidia_header_directory", None) or pf.find_nvidia_header_directory
+        loc = find("cudart")
         if loc is not None:
             path = getattr(loc, "abs_path", loc)
             if path and Path(path, "cuda_fp16.h").is_file():
@@ -438,7 +447,11 @@ class DiskCache:
         if root is None:
             yield
             return
-        import fcntl
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock; store() still publishes an entry by one rename
+            yield
+            return
 
         lock_path = root / f"{key}.lock"
         try:
@@ -544,7 +557,10 @@ def _nvrtc_compile(name: str, source_rel: str, source: str, arch: str, options: 
         prog = Program(source, "c++", options=popts)
         obj = prog.compile("cubin", logs=log)
     except Exception as e:  # cuda.core raises NVRTCError with the log in its message
-        failed = log.getvalue() or str(e)
+        # the log alone when the error repeats it; else both (an error after a clean NVRTC run,
+        # e.g. a driver library cuda.core could not load, must not read as a compile failure)
+        text, err = log.getvalue().replace("\x00", ""), f"{type(e).__name__}: {e}"
+        failed = text if text.strip() and text.strip() in str(e) else (text.rstrip() + "\n" + err).lstrip()
     finally:
         # Closed and dropped here: a CompileError's traceback (kept by a caller, e.g. in a
         # reference cycle with its frame) reaches this frame, and a Program freed by the cycle
@@ -556,7 +572,7 @@ def _nvrtc_compile(name: str, source_rel: str, source: str, arch: str, options: 
     if failed is not None:
         files = {source_rel: source, **headers}
         raise CompileError(name, arch, options, failed, numbered_listing(failed, files))
-    text = log.getvalue()
+    text = log.getvalue().replace("\x00", "")  # NVRTC's log ends in NUL bytes
     if verbose() and text.strip():
         print(text, file=sys.stderr)
     return bytes(obj.code), text

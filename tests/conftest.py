@@ -6,9 +6,12 @@ import pytest
 # Each test session gets its own kernel cache unless the caller chose one, so tests never
 # depend on (or pollute) the user's cache.
 if "QGEMM_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["QGEMM_CACHE_DIR"] = tempfile.mkdtemp(prefix="qgemm-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["QGEMM_CACHE_DIR"], True)  # ~1 MB per kernel variant compiled
 
 
 def pytest_collection_modifyitems(config, items):

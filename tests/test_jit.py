@@ -453,3 +453,68 @@ def test_cache_audit_findings(cache, tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning) as caught:
         assert jit.DiskCache(blocker / "cache")._usable_root() == shared / f"qgemm-cache-{os.getuid()}" / jit.CACHE_LAYOUT_VERSION
     assert any("using fallback cache directory" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def test_packaging_audit_findings(monkeypatch, tmp_path):
+    """Session 33's packaging audit: QGEMM_CUDA_SRC naming no kernel tree is an error (it used to
+    fall back silently to qgemm's own sources); an installed qgemm takes the wheel's cuda_src/
+    before a cuda_src/ in the directory that holds the package (site-packages); an older
+    cuda-pathfinder without locate_nvidia_header_directory is asked through
+    find_nvidia_header_directory; an error raised after a clean NVRTC run is reported with its
+    type, not as the empty-looking compile log alone."""
+    import cuda.pathfinder as pf
+
+    monkeypatch.setenv("QGEMM_CUDA_SRC", str(tmp_path / "nowhere"))
+    jit.cuda_src_dir.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError, match="QGEMM_CUDA_SRC=.*nowhere.*not a kernel source tree"):
+            jit.cuda_src_dir()
+    finally:
+        monkeypatch.delenv("QGEMM_CUDA_SRC")
+        jit.cuda_src_dir.cache_clear()
+
+    site = tmp_path / "site-packages"
+    for d in (site / "qgemm" / "cuda_src" / "common", site / "cuda_src" / "common"):
+        d.mkdir(parents=True)
+    (site / "qgemm" / "jit.py").write_text("")
+    monkeypatch.setattr(jit, "__file__", str(site / "qgemm" / "jit.py"))
+    jit.cuda_src_dir.cache_clear()
+    try:
+        assert jit.cuda_src_dir() == (site / "qgemm" / "cuda_src").resolve()
+    finally:
+        monkeypatch.undo()
+        jit.cuda_src_dir.cache_clear()
+
+    headers = jit.cuda_header_dir()
+    monkeypatch.delattr(pf, "locate_nvidia_header_directory", raising=False)
+    monkeypatch.setattr(pf, "find_nvidia_header_directory", lambda lib: headers, raising=False)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    asked = []
+    real_is_file = Path.is_file
+    monkeypatch.setattr(Path, "is_file", lambda p: asked.append(p) or (str(p).startswith(headers) and real_is_file(p)))
+    jit.cuda_header_dir.cache_clear()
+    try:
+        assert jit.cuda_header_dir() == headers and asked == [Path(headers, "cuda_fp16.h")]
+    finally:
+        monkeypatch.undo()
+        jit.cuda_header_dir.cache_clear()
+
+    import cuda.core
+
+    class DriverMissing(RuntimeError):
+        pass
+
+    class FakeProgram:
+        def __init__(self, source, code_type, options=None):
+            pass
+
+        def compile(self, target, logs=None):
+            logs.write("ptxas info    : Used 10 registers\x00\x00")
+            raise DriverMissing("Failed to dlopen libcuda.so.1")
+
+    monkeypatch.setattr(cuda.core, "Program", FakeProgram)
+    with pytest.raises(CompileError) as ei:
+        jit._nvrtc_compile("fp32.naive", "fp32/naive.cu", "", "sm_90", [], {})
+    assert "Used 10 registers" in ei.value.log and "DriverMissing: Failed to dlopen libcuda.so.1" in ei.value.log
+    assert "\x00" not in ei.value.log
