@@ -17,7 +17,7 @@ import numpy as np
 import typer
 
 from . import jit, registry, runtime
-from .errors import CompileError, NoGPUError, QgemmError
+from .errors import CompileError, NoGPUError, QgemmError, SetupError
 
 app = typer.Typer(
     add_completion=False,
@@ -637,7 +637,8 @@ def bench(
 ):
     """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold;
     with M = 1 in the sweep, also the read ceilings at the decode rows' weight bytes (what a kernel
-    that only reads them achieves back to back). --suite kvcache: the mustafar.* kernels over S, Lq, sparsity and bits against dense torch attention."""
+    that only reads them achieves back to back). --suite kvcache: the mustafar.* kernels over S,
+    Lq, sparsity and bits against dense torch attention."""
     from . import bench as B
 
     if suite not in ("gemm", "kvcache"):
@@ -853,7 +854,7 @@ def compare_llamacpp(
 def main() -> None:
     try:
         app()
-    except NoGPUError as e:
+    except (NoGPUError, SetupError, jit.NVRTCNotFoundError) as e:  # this machine, not the command line
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
 

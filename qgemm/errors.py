@@ -43,5 +43,10 @@ class CudaError(QgemmError):
         super().__init__(f"{call} failed: {code + ': ' if code else ''}{message}")
 
 
+class SetupError(QgemmError, FileNotFoundError):
+    """What qgemm needs on this machine is missing or misconfigured: the kernel sources
+    (QGEMM_CUDA_SRC), the CUDA headers NVRTC compiles against. A FileNotFoundError too."""
+
+
 class NoGPUError(QgemmError):
     """No usable NVIDIA GPU/driver. Raised by anything that must run on the GPU."""

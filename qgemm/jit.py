@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import CompileError, UnsupportedArchError
+from .errors import CompileError, SetupError, UnsupportedArchError
 
 CACHE_LAYOUT_VERSION = "v1"
 BASE_OPTIONS = ("-std=c++17",)
@@ -67,14 +67,14 @@ def cuda_src_dir() -> Path:
     env = os.environ.get("QGEMM_CUDA_SRC")
     if env:
         if not (Path(env) / "common").is_dir():
-            raise FileNotFoundError(f"qgemm: QGEMM_CUDA_SRC={env!r} is not a kernel source tree (no common/ directory "
+            raise SetupError(f"qgemm: QGEMM_CUDA_SRC={env!r} is not a kernel source tree (no common/ directory "
                                     "in it); unset it to use qgemm's own cuda_src/")
         return Path(env)
     here = Path(__file__).resolve().parent
     for cand in (here / "cuda_src", here.parent / "cuda_src"):
         if (cand / "common").is_dir():
             return cand
-    raise FileNotFoundError(f"qgemm: cannot find the cuda_src/ kernel sources (looked in and beside {here})")
+    raise SetupError(f"qgemm: cannot find the cuda_src/ kernel sources (looked in and beside {here})")
 
 
 @lru_cache(maxsize=None)
@@ -100,7 +100,7 @@ def cuda_header_dir() -> str:
             return str(Path(root, "include"))
     if Path("/usr/local/cuda/include/cuda_fp16.h").is_file():
         return "/usr/local/cuda/include"
-    raise FileNotFoundError(
+    raise SetupError(
         "qgemm: cannot find cuda_fp16.h, which every kernel includes. Install the CUDA runtime "
         "headers wheel (pip install 'nvidia-cuda-runtime>=13') or set CUDA_HOME to a CUDA toolkit. "
         + "; ".join(errors)

@@ -464,11 +464,15 @@ def test_packaging_audit_findings(monkeypatch, tmp_path):
     type, not as the empty-looking compile log alone."""
     import cuda.pathfinder as pf
 
+    from qgemm import errors as qgemm_errors
+
     monkeypatch.setenv("QGEMM_CUDA_SRC", str(tmp_path / "nowhere"))
     jit.cuda_src_dir.cache_clear()
     try:
-        with pytest.raises(FileNotFoundError, match="QGEMM_CUDA_SRC=.*nowhere.*not a kernel source tree"):
+        with pytest.raises(qgemm_errors.SetupError, match="QGEMM_CUDA_SRC=.*nowhere.*not a kernel source tree"):
             jit.cuda_src_dir()
+        cli = subprocess.run([sys.executable, "-m", "qgemm", "info"], capture_output=True, text=True)
+        assert cli.returncode == 2 and cli.stderr.startswith("error: qgemm: QGEMM_CUDA_SRC=") and "Traceback" not in cli.stderr
     finally:
         monkeypatch.delenv("QGEMM_CUDA_SRC")
         jit.cuda_src_dir.cache_clear()
