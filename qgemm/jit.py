@@ -552,15 +552,12 @@ def _nvrtc_compile(name: str, source_rel: str, source: str, arch: str, options: 
         print(f"[qgemm.jit] nvrtc {'.'.join(map(str, nvrtc_version()))}: {source_rel} {' '.join(options)} "
               f"-I{cuda_src_dir()} -I{cuda_header_dir()}", file=sys.stderr)
     log = io.StringIO()
-    prog, failed = None, None
+    prog, error = None, None
     try:
         prog = Program(source, "c++", options=popts)
         obj = prog.compile("cubin", logs=log)
     except Exception as e:  # cuda.core raises NVRTCError with the log in its message
-        # the log alone when the error repeats it; else both (an error after a clean NVRTC run,
-        # e.g. a driver library cuda.core could not load, must not read as a compile failure)
-        text, err = log.getvalue().replace("\x00", ""), f"{type(e).__name__}: {e}"
-        failed = text if text.strip() and text.strip() in str(e) else (text.rstrip() + "\n" + err).lstrip()
+        error = e.with_traceback(None)  # only its type and message are used: no frame cycle kept
     finally:
         # Closed and dropped here: a CompileError's traceback (kept by a caller, e.g. in a
         # reference cycle with its frame) reaches this frame, and a Program freed by the cycle
@@ -569,10 +566,14 @@ def _nvrtc_compile(name: str, source_rel: str, source: str, arch: str, options: 
         if prog is not None and hasattr(prog, "close"):
             prog.close()
         prog = None
-    if failed is not None:
+    text = log.getvalue().replace("\x00", "")  # NVRTC's log ends in NUL bytes
+    if error is not None:
+        # the log alone when the error repeats it; else both (an error after a clean NVRTC run,
+        # e.g. a driver library cuda.core could not load, must not read as a compile failure)
+        err = f"{type(error).__name__}: {error}"
+        failed = text if text.strip() and text.strip() in str(error) else (text.rstrip() + "\n" + err).lstrip()
         files = {source_rel: source, **headers}
         raise CompileError(name, arch, options, failed, numbered_listing(failed, files))
-    text = log.getvalue().replace("\x00", "")  # NVRTC's log ends in NUL bytes
     if verbose() and text.strip():
         print(text, file=sys.stderr)
     return bytes(obj.code), text
