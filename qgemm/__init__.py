@@ -36,7 +36,8 @@ __version__ = "0.1.0"
 
 
 def list(family: str | None = None):  # noqa: A001 - the card's API is qgemm.list()
-    """Names of the registered kernels (optionally of one family, e.g. 'w4a16')."""
+    """Names of the registered kernels (optionally of one family, e.g. 'w4a16'), in registry order.
+    An unknown family raises UnknownNameError (a KeyError and a ValueError) naming the families."""
     from .registry import list_kernels
 
     return [s.name for s in list_kernels(family=family)]

@@ -63,6 +63,11 @@ _F16_INF_FROM = 65520.0  # float32 values of this magnitude and above round to f
 
 @dataclass
 class Plan:
+    """What `matmul` runs for one shape (made by `plan`): the prologue kernel that prepares the
+    activations (`quantizer`; None when the GEMM reads x itself), the GEMM `kernel` and its
+    configuration (`defines`), where that came from (`source`: "default", "tuned" or "override")
+    and why (`reason`). `str(plan)` is what `explain` prints."""
+
     m: int
     n: int
     k: int
@@ -113,6 +118,7 @@ class Plan:
 
     @property
     def op(self):
+        """The GEMM kernel's Op (its operand formats)."""
         return registry.get(self.kernel).op
 
     def check_launch(self) -> None:
@@ -151,9 +157,19 @@ def _np_dtype_name(dt) -> str | None:
 
 def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
          packed: bool = False, arch: str | None = None) -> Plan:
-    """packed: the weights are a qgemm.PackedWeights (the skinny kernels may be used).
+    """The Plan `matmul` follows for x [M, K] (`x_dtype` "f32" or "f16", or a numpy dtype) times
+    `fmt` weights [N, K] ("q4_0" or "q8_0"); nothing is launched.
+
+    packed: the weights are a qgemm.PackedWeights (the skinny kernels may be used).
+    path: a registered GEMM kernel to run instead of the default choice (`explain` lists them).
     arch: plan for this architecture (e.g. "sm_90") instead of the GPU's -- the untuned defaults,
-    so a plan for an H100 can be read on a machine without one."""
+    so a plan for an H100 can be read on a machine without one. With neither a GPU nor `arch`,
+    sm_80 or newer is assumed.
+
+    ValueError for another format or x dtype, M, N or K not a positive int below 2^31, K not a
+    multiple of 32, or a `path` that does not compute this product (UnknownNameError, a
+    ValueError, for no such kernel); UnsupportedArchError for an `arch` NVRTC cannot target or a
+    `path` the architecture cannot run; TypeError for a `packed` that is not a bool."""
     if not isinstance(packed, (bool, np.bool_)):
         raise TypeError(f"plan: packed must be True or False (the weights are a qgemm.PackedWeights), got {packed!r}")
     fmt = F.get_format(fmt).name
@@ -252,7 +268,8 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
 def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
             packed: bool = False, arch: str | None = None) -> str:
     """Which kernels `matmul` runs for this shape on this GPU (or `arch`, e.g. "sm_90"), with
-    which configuration, and why (packed=True: for weights made by qgemm.pack_weights)."""
+    which configuration, and why (packed=True: for weights made by qgemm.pack_weights), as text.
+    The arguments and errors are `plan`'s."""
     if arch is not None:
         from . import jit
 
@@ -416,6 +433,16 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     `w` may be a `qgemm.pack_weights(w)` result (weights repacked once at load): then decode and
     small batches (M <= 32, float32 x; M <= 16 on sm_90, where wgmma_rs takes over) run the skinny
     kernels; the result follows x (host or device). `qgemm.explain` shows the path for a shape.
+
+    fmt: "q4_0" or "q8_0", needed when w is raw uint8 bytes [N, (K/32) * block bytes] (as gguf
+    stores them); otherwise read from w's block dtype. path: a GEMM kernel to run instead of the
+    default (as `plan`). stream: any stream `qgemm.runtime.as_stream` takes (None: the default).
+
+    ValueError, before any launch, for operands of the wrong dtype, shape or format, mismatched
+    K, one host and one device operand, non-finite host activations or weight scales, a bad
+    `out=` or `path`, and host activations that overflow the GPU path's float16 / Q8_1 format.
+    NoGPUError without a GPU, UnsupportedArchError for a `path` this GPU
+    cannot run, CompileError / CudaError when NVRTC or the driver fails.
     """
     from .packing import PackedWeights
 

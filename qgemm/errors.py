@@ -4,11 +4,13 @@ from __future__ import annotations
 
 
 class QgemmError(Exception):
-    """Base class of qgemm's own errors (input errors are plain ValueError)."""
+    """Base class of qgemm's own errors. Input errors are ValueError instead (UnsupportedArchError
+    is both)."""
 
 
 class CompileError(QgemmError):
-    """NVRTC rejected a kernel. Carries the kernel name, the options and the NVRTC log."""
+    """NVRTC rejected a kernel. Carries the kernel name, the arch, the options, the NVRTC log and
+    the offending source lines (.kernel, .arch, .options, .log, .listing)."""
 
     def __init__(self, kernel: str, arch: str, options: list[str], log: str, listing: str = ""):
         self.kernel = kernel

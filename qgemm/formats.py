@@ -42,12 +42,15 @@ class Format:
 
     @property
     def quantized(self) -> bool:
+        """Blocks of values (a block dtype), not plain floats."""
         return self.block > 1
 
     def nbytes(self, rows: int, k: int) -> int:
+        """Bytes of a [rows, K] matrix in this format."""
         return rows * (k // self.block) * self.dtype.itemsize
 
     def bits_per_value(self) -> float:
+        """Bits stored per value, the block's scales included (Q4_0: 4.5)."""
         return 8.0 * self.dtype.itemsize / self.block
 
     def __str__(self) -> str:
@@ -64,6 +67,8 @@ FORMATS = {f.name: f for f in (F32, F16, Q4_0, Q8_0, Q8_1)}
 
 
 def get_format(name: str | Format) -> Format:
+    """The Format named `name` ("f32", "f16", "q4_0", "q8_0", "q8_1", in any case); a Format is
+    returned as it is. ValueError for another name or a non-string."""
     if isinstance(name, Format):
         return name
     if not isinstance(name, str):
@@ -133,6 +138,9 @@ def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     ggml takes the value of largest magnitude *with its sign* (`max`) and sets d = max / -8, so
     that value maps to exactly -8 (stored nibble 0) and the opposite side gets the range up to +7.
     The seeds' simplified quantizer (d = amax/7) differs: docs/formats.md shows how.
+
+    ValueError for a non-float or non-finite input, K (the last dimension) not a positive
+    multiple of 32, or a scale d that overflows half.
     """
     blocks, out_shape = _as_blocks(x, "quantize_q4_0")
     # first index of the largest |x| (ggml's loop uses a strict '<', so the first one wins)
@@ -151,7 +159,10 @@ def quantize_q4_0(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """float [..., K] -> Q8_0 blocks [..., K/32], byte-identical to ggml's quantize_row_q8_0_ref."""
+    """float [..., K] -> Q8_0 blocks [..., K/32], byte-identical to ggml's quantize_row_q8_0_ref.
+
+    ValueError for a non-float or non-finite input, K (the last dimension) not a positive
+    multiple of 32, or a scale d that overflows half."""
     blocks, out_shape = _as_blocks(x, "quantize_q8_0")
     amax = np.abs(blocks).max(axis=1)
     d = amax / np.float32(127)
@@ -184,6 +195,9 @@ def quantize_q8_1(x: np.ndarray) -> np.ndarray:
 
     d = amax / 127, q = roundf(x / d) (a true division, as the kernel does), s = sum of the 32
     original float values (not of q*d): the W4A8 compensation d_w*(d_a*sumi - 8*s_a) uses it.
+
+    ValueError for a non-float or non-finite input, K (the last dimension) not a positive
+    multiple of 32, or a scale d or sum s that overflows half.
     """
     blocks, out_shape = _as_blocks(x, "quantize_q8_1")
     amax = np.abs(blocks).max(axis=1)
@@ -202,7 +216,8 @@ QUANTIZERS = {"q4_0": quantize_q4_0, "q8_0": quantize_q8_0, "q8_1": quantize_q8_
 
 
 def quantize(x: np.ndarray, fmt: str | Format) -> np.ndarray:
-    """Quantize float [..., K] into `fmt` ("q4_0", "q8_0", "q8_1")."""
+    """Quantize float [..., K] into `fmt` ("q4_0", "q8_0", "q8_1"): quantize_q4_0, quantize_q8_0 or
+    quantize_q8_1, and their ValueErrors; ValueError too for another format."""
     f = get_format(fmt)
     if f.name not in QUANTIZERS:
         raise ValueError(f"quantize: {f.name} is not a quantized format; expected one of {', '.join(QUANTIZERS)}")
@@ -248,6 +263,8 @@ def unpack_q4_0(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
+    """Q4_0 blocks [..., K/32] (block_q4_0, or their raw uint8 bytes) -> float32 [..., K]:
+    d * (q - 8), q the stored nibble. ValueError for anything else."""
     b = as_blocks(blocks, Q4_0, "dequantize_q4_0")
     q = np.concatenate([b["qs"] & 0x0F, b["qs"] >> 4], axis=-1).astype(np.int8) - np.int8(8)
     x = b["d"].astype(np.float32)[..., None] * q.astype(np.float32)
@@ -255,12 +272,16 @@ def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks [..., K/32] (block_q8_0, or their raw uint8 bytes) -> float32 [..., K]: d * q.
+    ValueError for anything else."""
     b = as_blocks(blocks, Q8_0, "dequantize_q8_0")
     x = b["d"].astype(np.float32)[..., None] * b["qs"].astype(np.float32)
     return x.reshape(b.shape[:-1] + (-1,))
 
 
 def dequantize_q8_1(blocks: np.ndarray) -> np.ndarray:
+    """Q8_1 blocks [..., K/32] (block_q8_1, or their raw uint8 bytes) -> float32 [..., K]: d * q
+    (the block sum s is not needed). ValueError for anything else."""
     b = as_blocks(blocks, Q8_1, "dequantize_q8_1")
     x = b["d"].astype(np.float32)[..., None] * b["qs"].astype(np.float32)
     return x.reshape(b.shape[:-1] + (-1,))
@@ -270,6 +291,8 @@ DEQUANTIZERS = {"q4_0": dequantize_q4_0, "q8_0": dequantize_q8_0, "q8_1": dequan
 
 
 def dequantize(blocks: np.ndarray, fmt: str | Format) -> np.ndarray:
+    """Blocks of `fmt` ("q4_0", "q8_0", "q8_1") [..., K/32] -> float32 [..., K]: dequantize_q4_0,
+    dequantize_q8_0 or dequantize_q8_1. ValueError for another format or operand."""
     f = get_format(fmt)
     if f.name not in DEQUANTIZERS:
         raise ValueError(f"dequantize: {f.name} is not a quantized format")

@@ -82,10 +82,12 @@ class TensorInfo:
 
     @property
     def supported(self) -> bool:
+        """Whether qgemm loads this ggml type (Q4_0, Q8_0, F16, F32)."""
         return self.type in SUPPORTED
 
     @property
     def shape_str(self) -> str:
+        """The shape for listings: "N x K"."""
         return " x ".join(str(d) for d in self.shape)
 
     def loads_as(self) -> str:
@@ -302,9 +304,12 @@ class GGUFFile:
 
     # -- tensors -------------------------------------------------------------------------------
     def names(self) -> list[str]:
+        """The tensors' names, in file order."""
         return [t.name for t in self.tensors]
 
     def info(self, name: str) -> TensorInfo:
+        """The TensorInfo of tensor `name`; UnknownNameError (a KeyError and a ValueError) naming
+        close names if the file has none."""
         if not isinstance(name, str):
             raise UnknownNameError(f"{self.path}: a tensor name is a string (`qgemm gguf {self.path}` lists them), got {name!r}")
         i = self._by_name.get(name)
@@ -355,7 +360,8 @@ class GGUFFile:
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Open (check and parse the header of) a GGUF file. Reuse it to load several tensors."""
+    """Open (check and parse the header of) a GGUF file. Reuse it to load several tensors.
+    The errors for a bad or missing file are load_gguf's."""
     return GGUFFile(path)
 
 
@@ -407,10 +413,14 @@ def list_tensors(path: str | os.PathLike) -> list[TensorInfo]:
 
 def load_gguf(path: str | os.PathLike, name: str) -> np.ndarray:
     """One tensor of a GGUF file as qgemm weights, memory-mapped (read-only, no copy):
-    Q4_0 -> qgemm.block_q4_0 [N, K/32], Q8_0 -> qgemm.block_q8_0 [N, K/32], F16/F32 -> [N, K].
+    Q4_0 -> qgemm.block_q4_0 [N, K/32], Q8_0 -> qgemm.block_q8_0 [N, K/32], F16/F32 -> [N, K]
+    (a tensor of more dimensions keeps its leading ones: [..., N, K/32]).
 
-    Raises KeyError (with close names) for a missing tensor, ValueError for another ggml type or a
-    bad file. Loading many tensors: `f = qgemm.gguf_io.open_gguf(path)` then `f.load(name)`."""
+    Raises UnknownNameError (a KeyError and a ValueError, naming close names) for a missing
+    tensor, ValueError for another ggml type or a bad file, OSError (FileNotFoundError, ...) for a
+    file that cannot be read, TypeError for a path that is not str, bytes or os.PathLike,
+    ImportError without the `gguf` package. Loading many tensors: `f = qgemm.gguf_io.open_gguf(path)`
+    then `f.load(name)`."""
     return _cached(path).load(name)
 
 

@@ -95,7 +95,9 @@ def kept_per_token(d: int, sparsity: float) -> int:
 
 def prune(x: np.ndarray, sparsity: float) -> np.ndarray:
     """Per-token magnitude pruning: in every [b, s, :] keep the D - round(sparsity * D) entries of
-    largest magnitude, zero the rest (ties broken by position). float16 in, float16 out."""
+    largest magnitude, zero the rest (ties broken by position). float16 in, float16 out.
+    ValueError for a cache that is not finite float16 [B, S, D] with D in 64 / 128 / 256, or a
+    sparsity not in [0, 1)."""
     x = _check_cache(x)
     sparsity = _check_sparsity(sparsity)
     b, s, d = x.shape
@@ -193,7 +195,8 @@ def group_starts(kind: str, s: int, d: int) -> np.ndarray:
 
 @dataclass(eq=False)  # identity equality: a field-wise == would compare arrays (ambiguous truth value)
 class CompressedKV:
-    """A compressed key or value cache (see the module docstring for the layout). Its device copy
+    """A compressed key or value cache (the layout: qgemm/kvcache.py's module docstring and
+    docs/mustafar.md; made by compress_keys / compress_values). Its device copy
     (to_device) belongs to this object alone: dataclasses.replace(), copy and pickle leave it
     behind (a copy that changed a part would otherwise launch on the old upload)."""
 
@@ -218,13 +221,17 @@ class CompressedKV:
 
     @property
     def compact(self) -> bool:
+        """Whether this is the compact 4/2-bit layout (dq and group_offsets instead of scales,
+        zeros and offsets)."""
         return self.dq is not None
 
     @property
     def tiles(self) -> int:
+        """T, the number of 64-element tiles per kv head (a row of `bitmaps`)."""
         return int(self.bitmaps.shape[1])
 
     def parts(self) -> dict:
+        """The layout's arrays by name (the ones `nbytes` counts and the kernels read)."""
         names = ["bitmaps"] + (["counts", "values"] if self.bits == 16 else
                                (["group_offsets", "packed", "dq"] if self.compact else ["offsets", "packed", "scales", "zeros"]))
         return {n: getattr(self, n) for n in names}
@@ -240,6 +247,7 @@ class CompressedKV:
 
     @property
     def dense_nbytes(self) -> int:
+        """Bytes of the dense float16 cache [B, S, D]."""
         b, s, d = self.shape
         return b * s * d * 2
 
@@ -250,10 +258,13 @@ class CompressedKV:
 
     @property
     def nnz(self) -> int:
+        """Number of stored (non-zero) elements."""
         return int(popcount(self.bitmaps).sum())
 
     @property
     def layout(self) -> str:
+        """The layout's name, "fp16", "q4", "q2", "q4c" or "q2c": the suffix of the `mustafar.*`
+        kernels that take it."""
         return "fp16" if self.bits == 16 else f"q{self.bits}" + ("c" if self.compact else "")
 
     def __repr__(self) -> str:
@@ -262,6 +273,7 @@ class CompressedKV:
                 f"({100 * self.ratio:.1f}% of dense fp16), {self.nnz} non-zeros>")
 
     def validate(self) -> "CompressedKV":
+        """validate_compressed(self) (ValueError unless the parts agree), then self."""
         validate_compressed(self)
         return self
 
@@ -411,18 +423,25 @@ def _compress(x: np.ndarray, kind: str, bits, sparsity=None, compact: bool = Fal
 
 def compress_keys(k: np.ndarray, bits: int = 16, sparsity: float | None = None, compact: bool = False) -> CompressedKV:
     """Compress a (pruned) key cache [B, S, D] float16: tiles along each token's D (K^T column-major).
-    Zeros are the pruned entries; pass `sparsity` to prune first."""
+    Zeros are the pruned entries; pass `sparsity` to prune first. bits: 16 (the non-zeros as
+    fp16), 4 or 2 (min-max codes per tile); compact=True (4/2-bit only): the compact layout.
+
+    ValueError for a cache that is not finite float16 [B, S, D] with D in 64 / 128 / 256, bits
+    not in (16, 4, 2), sparsity not in [0, 1), compact=True with 16 bits, or a tile whose values
+    do not decode within float16 at these bits."""
     return _compress(k, "key", bits, sparsity, compact)
 
 
 def compress_values(v: np.ndarray, bits: int = 16, sparsity: float | None = None, compact: bool = False) -> CompressedKV:
-    """Compress a (pruned) value cache [B, S, D] float16: tiles along S for each channel (V^T row-major)."""
+    """Compress a (pruned) value cache [B, S, D] float16: tiles along S for each channel (V^T row-major).
+    The arguments and errors are compress_keys'."""
     return _compress(v, "value", bits, sparsity, compact)
 
 
 def compact(ck: CompressedKV) -> CompressedKV:
     """The compact layout of a 4/2-bit CompressedKV: same bitmaps and packed codes, fp16 dequant
-    constants instead of float32 scale + zero, one int32 offset per 16 tiles. Bit-identical values."""
+    constants instead of float32 scale + zero, one int32 offset per 16 tiles. Bit-identical values.
+    ValueError for an fp16 or already compact cache, or one whose parts disagree."""
     validate_compressed(ck)
     if ck.bits == 16 or ck.compact:
         raise ValueError(f"compact() takes a 4/2-bit CompressedKV in the plain layout, got {ck.layout}")
@@ -684,6 +703,8 @@ class DeviceKV:
 
     @classmethod
     def upload(cls, ck: CompressedKV) -> "DeviceKV":
+        """Validate `ck` (ValueError) and copy its parts to the GPU: a new upload at every call
+        (CompressedKV.to_device() keeps one per cache)."""
         from . import runtime
 
         validate_compressed(ck)
@@ -708,9 +729,12 @@ class DeviceKV:
 
     @property
     def freed(self) -> bool:
+        """True once free() ran (on any of its buffers)."""
         return any(a.freed for a in self.arrays.values())
 
     def ptr(self, name: str) -> int:
+        """The device address of part `name` ("bmp", "offs", "scl", "zer" or "data"), 0 for a part
+        this layout lacks; ValueError once freed."""
         a = self.arrays.get(name)
         if a is not None and a.freed:
             raise ValueError(f"this {self.kind} cache's device copy was freed (DeviceKV.free()); upload it again "
@@ -725,6 +749,10 @@ class DeviceKV:
 
 @dataclass
 class LaunchPlan:
+    """One `mustafar.*` launch (plan_for): the #defines to compile with, grid, block, dynamic
+    shared memory, `per_cta` (key kernels: warp steps of 32 tokens per CTA; value kernels: channels
+    per CTA, or 64-token tiles per CTA with version 4) and `rows` (R = groups x Lq)."""
+
     defines: dict
     grid: tuple
     block: tuple
@@ -865,7 +893,10 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     stored fraction of the cache, `density()`; None: unknown): version 2's fp16 value walk zeroes
     the values it reads past a lane's count (MF_VMASK=1) only from VMASK_DENSITY up, where that
     measured faster. whole (value kernels): 16-warp CTAs over whole chunks (True) or not (False)
-    instead of _whole_chunk_ctas's rule (tools/kv_probe.py's MF_WHOLE variants)."""
+    instead of _whole_chunk_ctas's rule (tools/kv_probe.py's MF_WHOLE variants).
+    ValueError for another kind, bits or D, B, S, rows or sm_count not positive ints, B above
+    65535, an option given to the wrong kind or out of its range, or a step that does not fit in
+    shared memory."""
     b, s, d = shape
     if kind not in ("key", "value") or bits not in (16, 4, 2) or d not in (64, 128, 256):
         raise ValueError(f"plan_for: kind must be 'key' or 'value', bits 16 / 4 / 2 and D 64 / 128 / 256, got "
@@ -1279,7 +1310,12 @@ def kernel_name(kind: str, ck) -> str:
 
 def scores(q, ck, *, out=None, stream=None):
     """q . K^T on the compressed key cache: q [B*groups, Lq, D] float16 -> [B*groups, Lq, S] float16
-    (grouped-query attention: query head h reads kv head h // groups)."""
+    (grouped-query attention: query head h reads kv head h // groups), by the `mustafar.key_*`
+    kernel of the cache's layout. `ck`: a CompressedKV or its to_device(). Host q -> numpy result;
+    device q -> device result (or `out=`), queued on `stream`.
+
+    ValueError for a cache that is not a compressed key cache, or queries that are not float16
+    [B*groups, Lq, D] for it (host queries: also non-finite ones); NoGPUError without a GPU."""
     from . import registry
 
     if not isinstance(ck, (CompressedKV, DeviceKV)) or ck.kind != "key":
@@ -1288,7 +1324,9 @@ def scores(q, ck, *, out=None, stream=None):
 
 
 def attend(p, cv, *, out=None, stream=None):
-    """p . V on the compressed value cache: p [B*groups, Lq, S] float16 -> [B*groups, Lq, D] float32."""
+    """p . V on the compressed value cache: p [B*groups, Lq, S] float16 -> [B*groups, Lq, D] float32,
+    by the `mustafar.value_*` kernel of the cache's layout; otherwise as `scores` (a compressed
+    value cache, probabilities in place of queries)."""
     from . import registry
 
     if not isinstance(cv, (CompressedKV, DeviceKV)) or cv.kind != "value":

@@ -45,6 +45,8 @@ class Op:
 
     @property
     def k_multiple(self) -> int:
+        """What K must be a multiple of: 32 with any quantized operand, and the chunk of the op's
+        activation layout (`k_align`)."""
         return max(self.a.block, self.w.block if self.w else 1, self.out.block if self.kind == "quantize" else 1, self.k_align)
 
 
@@ -186,7 +188,7 @@ LAUNCH_ONLY = frozenset({"SK_GSPLIT"})  # the skinny kernels' K split across CTA
 class Kernel:
     """A registered kernel, ready to call: `c = k(a, w)`.
 
-    Host numpy operands -> host float32 result (the call is synchronous). Device operands (any
+    Host numpy operands -> host (numpy) result (the call is synchronous). Device operands (any
     object exposing __cuda_array_interface__, e.g. torch or CuPy tensors, or qgemm.DeviceArray) ->
     the result stays on the device as a DeviceArray (or is written into `out=`), queued on
     `stream`; nothing is copied through the host.
@@ -206,7 +208,8 @@ class Kernel:
     # -- compilation ---------------------------------------------------------------------------
     def compile(self, arch: str | None = None, defines: dict | None = None, **kw) -> jit.CompiledKernel:
         """NVRTC-compile (or fetch from the cache) for `arch`, default the GPU's, with the
-        kernel's default configuration or `defines`. Needs no GPU when `arch` is given."""
+        kernel's default configuration or `defines`. Needs no GPU when `arch` is given.
+        UnsupportedArchError where the kernel cannot target `arch`; CompileError when NVRTC fails."""
         arch = jit.normalize_arch(arch or self._arch or runtime.device_arch())
         cc, _ = jit.parse_arch(arch)
         if not self.spec.runs_on(cc):  # sm_90a features (wgmma) exist on sm_90 only, not on later archs
@@ -263,6 +266,14 @@ class Kernel:
 
     # -- calling -------------------------------------------------------------------------------
     def __call__(self, a, w=None, *, out=None, stream=None):
+        """GEMM kernels: `k(a, w)` -> C = A . W^T, A and W in the op's formats (both numpy or both
+        device arrays; W may be a PackedWeights). Quantize / convert kernels: `k(x)`. `mustafar.*`
+        kernels: `k(q_or_p, compressed_cache)` (qgemm.kvcache.scores / attend). Host operands ->
+        numpy result; device operands -> device result (or `out=`), queued on `stream`.
+
+        ValueError for operands of the wrong number, format, shape or K (host operands: also
+        non-finite values), or M beyond a decode kernel's max_m; NoGPUError without a GPU;
+        UnsupportedArchError where the GPU cannot run the kernel."""
         if getattr(self.spec, "runner", None) is not None:  # e.g. mustafar.*: (queries, compressed cache)
             return self.spec.runner(self, a, w, out=out, stream=stream)
         if self.op.kind == "quantize":
@@ -280,6 +291,8 @@ class Kernel:
     # -- weights in a kernel-specific layout (KernelSpec.weight_layout, qgemm.packing) ------------
     @property
     def packed(self) -> bool:
+        """Whether the kernel reads its weights in a layout of its own (qgemm.packing's skinny
+        layout), made from the ggml blocks by upload_weights or qgemm.pack_weights."""
         return getattr(self.spec, "weight_layout", None) is not None
 
     def upload_weights(self, w: np.ndarray) -> runtime.DeviceArray:
@@ -292,6 +305,7 @@ class Kernel:
     # -- activations in a kernel-specific layout (KernelSpec.act_layout: "kperm16") ----------------
     @property
     def act_layout(self) -> str | None:
+        """The kernel's own activation layout ("kperm16", qgemm.packing.kperm16), or None."""
         return getattr(self.spec, "act_layout", None)
 
     def upload_activations(self, a: np.ndarray) -> runtime.DeviceArray:
@@ -396,6 +410,8 @@ class Kernel:
         g.check(self.name, f"M={m}" + ("" if self.op.kind == "quantize" else f" N={n}") + f" K={k}")
 
     def geometry(self, m: int, n: int, k: int, defines: dict) -> Launch:
+        """The launch (grid, block, dynamic shared memory, split-K zeroing) of a shape in the
+        configuration `defines`."""
         return self.spec.geometry(m, n, k, defines) if self.spec.config is not None else self.spec.geometry(m, n, k)
 
     def launch(self, da, dw, dc, m: int, n: int, k: int, stream=None, defines: dict | None = None,
@@ -451,8 +467,11 @@ class Kernel:
         return dy.to_host()
 
     def launch_quantize(self, dx, dy, m: int, k: int, status, stream=None, zero=None) -> None:
-        """zero: a device array the GEMM behind this prologue accumulates into (split-K): zeroed
-        by the prologue kernel itself where it can (KernelSpec.zeroes), else by a memset first."""
+        """Launch a quantize / convert kernel on device arrays already checked (the hot path):
+        x [M, K] -> y; it ORs into the int32 `status` word 1 for a non-finite input, 2 for a
+        value (or a Q8_1 scale d or sum s) beyond half's range. zero: a device array the GEMM
+        behind this prologue accumulates into (split-K): zeroed by the prologue kernel itself
+        where it can (KernelSpec.zeroes), else by a memset first."""
         mod = self._module()
         g = self.spec.geometry(m, 0, k)
         args = (np.uint64(dx.ptr), np.uint64(dy.ptr), np.int32(m), np.int32(k), np.uint64(status.ptr))

@@ -85,7 +85,9 @@ def _fmt(fmt) -> str:
 
 
 def pack(blocks: np.ndarray, fmt: str) -> np.ndarray:
-    """ggml blocks [N, K/32] -> the skinny layout as one uint8 buffer (see the module docstring)."""
+    """ggml blocks [N, K/32] -> the skinny layout as one uint8 buffer (drawn in the module
+    docstring and docs/formats.md). ValueError unless `fmt` is q4_0 or q8_0 and the blocks are
+    2-D blocks of it (or their raw uint8 bytes)."""
     fmt = _fmt(fmt)
     b = F.as_blocks(np.asarray(blocks), fmt, "pack: weights")
     if b.ndim != 2:
@@ -145,10 +147,12 @@ class PackedWeights:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """(N, K/32): the shape of the ggml blocks they were made from."""
         return (self.n, self.k // F.QK)
 
     @property
     def nbytes(self) -> int:
+        """Device bytes of both copies (skinny layout and ggml blocks)."""
         return self.packed.nbytes + self.blocks.nbytes
 
     def __repr__(self) -> str:
@@ -159,7 +163,9 @@ class PackedWeights:
 def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     """ggml Q4_0 / Q8_0 blocks [N, K/32] (numpy, or a device array: torch, CuPy, DeviceArray) ->
     `PackedWeights` on the GPU. Device input is copied to the host, repacked and uploaded: a
-    one-time cost at load (`.pack_seconds`), never paid per matmul."""
+    one-time cost at load (`.pack_seconds`), never paid per matmul. `fmt` as for `matmul` (raw
+    uint8 bytes need it). ValueError for weights `matmul` would refuse, and during a CUDA graph
+    capture; NoGPUError without a GPU (host weights are checked first)."""
     from .dispatch import _weights
 
     t0 = time.perf_counter()

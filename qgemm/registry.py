@@ -20,6 +20,13 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class KernelSpec:
+    """One registered kernel (`qgemm.spec(name)`): its name "family.variant", the Op it computes,
+    the tutorial step that introduces it, its .cu source under cuda_src/ and extern "C" entry,
+    launch geometry, minimum arch, #defines, and for tunable kernels the default configuration
+    and the candidates `qgemm tune` tries. The other fields say how it is launched (decode
+    kernels' max_m, weight / activation layouts, programmatic dependent launch, helper entries,
+    a runner for kernels outside the GEMM convention)."""
+
     name: str  # "family.variant"
     op: ops.Op
     step: int  # tutorial step that introduces it (1-5); 6: production kernels, 7: Mustafar
@@ -60,6 +67,7 @@ class KernelSpec:
 
     @property
     def family(self) -> str:
+        """The name's part before the dot: "w4a16" of "w4a16.tiled"."""
         return self.name.split(".", 1)[0]
 
     def runs_on(self, cc: int) -> bool:
@@ -74,6 +82,7 @@ class KernelSpec:
 
     @property
     def variant(self) -> str:
+        """The name's part after the dot: "tiled" of "w4a16.tiled"."""
         return self.name.split(".", 1)[1]
 
 
@@ -738,6 +747,8 @@ def names() -> list[str]:
 
 
 def spec(name: str) -> KernelSpec:
+    """The registry entry of kernel `name` (e.g. "w4a8.mma"). UnknownNameError (a KeyError and a
+    ValueError) naming the closest names if there is no such kernel."""
     if not isinstance(name, str):
         raise UnknownNameError(f"a kernel name is a string such as 'w4a8.mma' (qgemm list shows all {len(REGISTRY)}), "
                                f"got {name!r}")
@@ -750,7 +761,8 @@ def spec(name: str) -> KernelSpec:
 
 
 def get(name: str) -> ops.Kernel:
-    """The callable kernel `name` (memoized: a second get() returns the same object, no I/O)."""
+    """The callable kernel `name` (memoized: a second get() returns the same object, no I/O).
+    UnknownNameError (a KeyError and a ValueError) naming the closest names if there is none."""
     if not isinstance(name, str):
         spec(name)  # the same error as for an unknown name, not the cache's "unhashable type"
     k = _kernels.get(name)

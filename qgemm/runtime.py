@@ -99,6 +99,8 @@ def _probe() -> tuple[bool, str]:
 
 
 def gpu_available() -> bool:
+    """Whether a usable NVIDIA GPU and driver are here (and QGEMM_DEVICE names one). Probed once
+    per process; never raises (`qgemm.runtime.gpu_unavailable_reason()` says why not)."""
     return _probe()[0]
 
 
@@ -237,7 +239,8 @@ def default_stream():
 
 def as_stream(stream=None):
     """None -> the device's default stream; a cuda.core Stream; an int handle; or an object with
-    `cuda_stream` (torch.cuda.Stream, cupy.cuda.Stream) or `__cuda_stream__`."""
+    `cuda_stream` (torch.cuda.Stream, cupy.cuda.Stream) or `__cuda_stream__`. ValueError for
+    anything else, and for a stream of another GPU than qgemm's."""
     if stream is None:
         return default_stream()
     from cuda.core import Stream
@@ -438,6 +441,7 @@ class Graph:
 
 
 def synchronize(stream=None) -> None:
+    """Wait until the work queued on `stream` (None: the default stream) has finished."""
     _wrap("Stream.sync", as_stream(stream).sync)
 
 
@@ -532,7 +536,7 @@ class DeviceArray:
 
     Exposes __cuda_array_interface__ (v3), so torch.as_tensor / cupy.asarray wrap it without a
     copy. Structured block dtypes are described with `descr`; libraries that do not understand
-    them can view the bytes through `.bytes_view()` (uint8).
+    them can view the bytes through `.bytes_view()` (uint8). `.shape` and `.dtype` are numpy's.
     """
 
     readonly = False  # a wrapped producer's read-only flag (CUDA array interface data[1], DLPack): never an out=
@@ -576,6 +580,8 @@ class DeviceArray:
 
     @classmethod
     def from_host(cls, a: np.ndarray) -> "DeviceArray":
+        """A new device array holding a copy of the host array (made C-contiguous); the upload
+        has finished when this returns."""
         a = np.ascontiguousarray(a)
         out = cls.empty(a.shape, a.dtype)
         out.copy_from_host(a)
@@ -670,6 +676,7 @@ class DeviceArray:
 
     # -- DLPack export -------------------------------------------------------------------------
     def __dlpack_device__(self):
+        """(kDLCUDA, qgemm's device ordinal), for the DLPack protocol."""
         return (_DL_CUDA, device_ordinal())
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
@@ -692,18 +699,23 @@ class DeviceArray:
     # -- properties ----------------------------------------------------------------------------
     @property
     def size(self) -> int:
+        """Number of elements (blocks, for a block dtype)."""
         return int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the data."""
         return self.size * self.dtype.itemsize
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions."""
         return len(self.shape)
 
     @property
     def __cuda_array_interface__(self) -> dict:
+        """The CUDA array interface (version 3), block dtypes with their `descr`. ValueError once
+        the array is freed."""
         d = {"shape": self.shape, "typestr": _typestr(self.dtype), "data": (self.ptr, False), "strides": None, "version": 3}
         if self.dtype.fields is not None:
             d["descr"] = self.dtype.descr
@@ -714,6 +726,8 @@ class DeviceArray:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, {where})"
 
     def reshape(self, *shape) -> "DeviceArray":
+        """A view of the same memory in another shape (a tuple or separate ints) of as many
+        elements; ValueError otherwise."""
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         if int(np.prod(shape)) != self.size:
             raise ValueError(f"cannot reshape {self.shape} into {tuple(shape)}")
@@ -734,10 +748,14 @@ class DeviceArray:
         return self._derived(self.shape[:-1] + (last // dtype.itemsize,), dtype)
 
     def bytes_view(self) -> "DeviceArray":
+        """The same memory as uint8, the last dimension in bytes: what libraries without the block
+        dtypes take (torch, DLPack)."""
         return self.view(np.uint8)
 
     # -- copies --------------------------------------------------------------------------------
     def copy_from_host(self, a: np.ndarray) -> None:
+        """Overwrite the array with a host array of the same byte size (ValueError otherwise); the
+        upload has finished when this returns."""
         from cuda.bindings import driver
 
         a = np.ascontiguousarray(a)
@@ -775,6 +793,8 @@ class DeviceArray:
             check(driver.cuMemsetD8Async(self.ptr, int(value) & 0xFF, self.nbytes, s.handle), "cuMemsetD8Async")
 
     def copy_to(self, other: "DeviceArray", stream=None) -> None:
+        """Queue a copy of the whole array into `other`, a device array of the same byte size
+        (ValueError otherwise), on `stream`."""
         from cuda.bindings import driver
 
         if other.nbytes != self.nbytes:

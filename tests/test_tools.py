@@ -591,3 +591,62 @@ def test_stream_read_reads_every_byte(rng, dependent):
     r = bench.read_ceiling(4 << 20, cold=False, iters=5)
     for key in ("independent_us", "dependent_us"):
         assert 0 < r[key] < 1e4 and (4 << 20) / r[key] / 1e3 < 50_000, r  # under 50 TB/s: the bytes were read
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/api_doc.py: docs/api.md, the API reference generated from the code
+
+_API_PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md"
+
+
+def test_api_doc_matches_the_code():
+    """The committed docs/api.md is what tools/api_doc.py generates from the code as it is."""
+    import difflib
+
+    ad = _load("api_doc")
+    want, have = ad.render(), _API_PAGE.read_text(encoding="utf-8")
+    diff = "".join(list(difflib.unified_diff(have.splitlines(True), want.splitlines(True), "docs/api.md", "generated"))[:60])
+    assert have == want, f"docs/api.md is stale: run `python tools/api_doc.py -o docs/api.md`\n{diff}"
+
+
+def test_api_doc_covers_the_public_api(monkeypatch):
+    """Every name of qgemm.__all__ has an entry, every documented function, class, method and
+    property has a docstring of its own, and a public name the page does not cover (in
+    qgemm.__all__, or defined in qgemm.kvcache and not listed as a helper) stops the generator."""
+    import qgemm
+
+    ad = _load("api_doc")
+    text = ad.render()
+    assert [n for n in qgemm.__all__ if f"\n### `qgemm.{n}`\n" not in text] == []
+    documented = [name for name, _, _ in ad.build().documented]
+    for name in ("qgemm.matmul", "qgemm.Kernel.__call__", "qgemm.DeviceArray.to_host", "qgemm.kvcache.scores",
+                 "qgemm.kvcache.CompressedKV.to_device", "qgemm.reference.exact_w4a8", "qgemm.errors.UnknownNameError"):
+        assert name in documented, name
+    assert ad.missing_docstrings() == [], "write a docstring for these (then regenerate docs/api.md)"
+    assert "*(no docstring)*" not in text
+
+    monkeypatch.setattr(qgemm, "undocumented_probe", lambda: None, raising=False)
+    monkeypatch.setattr(qgemm, "__all__", [*qgemm.__all__, "undocumented_probe"])
+    with pytest.raises(SystemExit, match=r"qgemm\.undocumented_probe \(in qgemm\.__all__\)"):
+        ad.render()
+    monkeypatch.undo()
+    monkeypatch.setattr(ad, "KVCACHE_HELPERS", tuple(n for n in ad.KVCACHE_HELPERS if n != "to_tiles"))
+    with pytest.raises(SystemExit, match=r"qgemm\.kvcache\.to_tiles"):
+        ad.render()
+
+
+def test_api_doc_check_fails_on_a_stale_page(tmp_path):
+    """`--check FILE` exits 0 on the page `-o` writes and 1, with a unified diff, on a stale one."""
+    tool = [sys.executable, str(TOOLS / "api_doc.py")]
+    fresh = tmp_path / "api.md"
+    subprocess.run([*tool, "-o", str(fresh)], check=True, capture_output=True)
+    assert subprocess.run([*tool, "--check", str(fresh)], capture_output=True, text=True).returncode == 0
+    stale = tmp_path / "stale.md"
+    stale.write_text(fresh.read_text(encoding="utf-8").replace("### `qgemm.matmul`\n", "### `qgemm.matmul_v0`\n", 1),
+                     encoding="utf-8")
+    r = subprocess.run([*tool, "--check", str(stale)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "\n-### `qgemm.matmul_v0`\n+### `qgemm.matmul`\n" in r.stdout and r.stdout.startswith(f"--- {stale}")
+    assert "python tools/api_doc.py -o" in r.stderr
+    r = subprocess.run([*tool, "--check", str(tmp_path / "missing.md")], capture_output=True, text=True)
+    assert r.returncode == 1 and "+# API reference" in r.stdout
