@@ -41,6 +41,8 @@ _DEFAULTS = {
     "q8_0": {"gemv": "w8a8.gemv", "mma": "w8a16.mma", "dp4a": "w8a8.tiled_dp4a", "skinny": "w8a16.skinny",
              "skinny_i8": "w8a8.skinny", "wgmma": "w8a16.wgmma_rs"},
 }
+# the int8 tensor-core GEMMs: ggml blocks, float32 scales (what takes weights the fp16 paths cannot)
+_INT8_MMA = {"q4_0": "w4a8.mma", "q8_0": "w8a8.mma"}
 GEMV_MAX_M = 8
 # packed weights, float32 activations: the skinny kernels up to this M (H100: 2.5x faster than
 # w4a16.mma at M = 16, 1.35x at 32, slower at 64 where every CTA re-reads 64 rows of activations)
@@ -58,7 +60,6 @@ WGMMA_MIN_M = 17
 # session-9 bench). From two tokens on they are slower (the quantization is per token, the
 # dequantization it saves per weight): 2x4096x4096 Q8_0 9.8 vs 6.2.
 SKINNY_I8_MAX_M = 1
-_F16_INF_FROM = 65520.0  # float32 values of this magnitude and above round to float16 inf (max finite 65504)
 
 
 @dataclass
@@ -474,6 +475,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
                              f"dimensions = 0)")
         dx = dx.reshape(rows, dx.shape[-1])
     m, k = dx.shape
+    if m == 0:
+        raise ValueError(f"matmul: activations of shape {dx.shape} have no rows (M = 0)")
     n, kw = wb.shape[0], wb.shape[1] * F.QK
     if k != kw:
         raise ValueError(f"matmul: K mismatch: x has K={k}, weights have K={kw} ({wb.shape[1]} blocks of 32)")
@@ -484,6 +487,15 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     # what can be checked without the GPU is, first: a bad input says so on any machine
     if not x_on_device and not np.isfinite(dx).all():
         raise ValueError("matmul: activations must be finite")
+    if p.op.unit == "hmma":  # the weights are dequantized by one float16 multiply each
+        bad = packed.f16_overflow if packed is not None else (None if w_on_device else F.f16_dequant_overflow(wb, fmt))
+        if bad is not None:
+            row, blk, d = bad
+            c = _DEFAULTS[fmt]
+            safe = (repr(c["gemv"]) if m <= GEMV_MAX_M else f"{_INT8_MMA[fmt]!r} ({c['dp4a']!r} below sm_80)")
+            raise ValueError(f"matmul: {p.kernel} dequantizes the weights to float16, and row {row}, block {blk} "
+                             f"(d = {d:g}) holds a weight d x q beyond half's range (65504); pass path={safe} "
+                             f"(Q8_1 activations, integer dot products, float32 scales) for these weights")
     if out is not None and (isinstance(out, np.ndarray) or not runtime.is_device_array(out)):
         raise ValueError(f"matmul: out= must be a float32 device array {shape_c} (torch, CuPy, qgemm.DeviceArray); "
                          f"a host call returns a new numpy array, got {type(out).__name__}")
@@ -496,7 +508,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size:
             # these kernels round x to float16 themselves, with no prologue to flag what overflows
             amax = float(np.abs(dx).max())
-            if amax >= _F16_INF_FROM:
+            if amax >= F.F16_INF_FROM:
                 raise ValueError(f"matmul: the activations overflow the GPU format of this path ({p.kernel} rounds them "
                                  f"to float16): |x| max {amax:g} is beyond half's range (65504); scale them down")
         dx = runtime.DeviceArray.from_host(np.ascontiguousarray(dx))

@@ -147,10 +147,12 @@ def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     imax = np.abs(blocks).argmax(axis=1)
     vmax = blocks[np.arange(blocks.shape[0]), imax]
     d = vmax / np.float32(-8.0)
-    with np.errstate(divide="ignore"):
+    # |max| below ~2.4e-38: 1/d overflows to inf and the products reach the integer cast as inf / NaN,
+    # as in ggml (and gguf's numpy quantizer, whose bytes these stay: tested); d is half 0 there
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    # (int8_t)(x*id + 8.5f) truncates toward zero; then MIN(15, .)
-    q = np.trunc(blocks * inv_d[:, None] + np.float32(8.5)).astype(np.int32)
+        # (int8_t)(x*id + 8.5f) truncates toward zero; then MIN(15, .)
+        q = np.trunc(blocks * inv_d[:, None] + np.float32(8.5)).astype(np.int32)
     q = np.clip(q, 0, 15).astype(np.uint8)
     out = np.empty(blocks.shape[0], dtype=block_q4_0)
     out["d"] = _to_half(d, "quantize_q4_0", "d")
@@ -166,9 +168,9 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     blocks, out_shape = _as_blocks(x, "quantize_q8_0")
     amax = np.abs(blocks).max(axis=1)
     d = amax / np.float32(127)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # tiny amax: as in quantize_q4_0
         inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    q = _roundf(blocks * inv_d[:, None]).astype(np.int8)
+        q = _roundf(blocks * inv_d[:, None]).astype(np.int8)
     out = np.empty(blocks.shape[0], dtype=block_q8_0)
     out["d"] = _to_half(d, "quantize_q8_0", "d")
     out["qs"] = q
@@ -203,8 +205,12 @@ def quantize_q8_1(x: np.ndarray) -> np.ndarray:
     amax = np.abs(blocks).max(axis=1)
     s = warp_sum_32(blocks)
     d = amax / np.float32(127)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(amax[:, None] == 0, np.float32(0), _roundf(blocks / d[:, None]))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        r = blocks / d[:, None]
+        q = np.where(amax[:, None] == 0, np.float32(0), np.where(np.isinf(r), r, _roundf(r)))  # C roundf(inf) = inf
+    # amax below ~8.9e-44 makes d = 0 in float32 and x / d infinite (NaN for x = 0); the kernel's
+    # float -> int8 conversion (PTX cvt) saturates and sends NaN to 0, so the bytes do here too
+    q = np.where(np.isnan(q), np.float32(0), np.clip(q, -128, 127))
     out = np.empty(blocks.shape[0], dtype=block_q8_1)
     out["d"] = _to_half(d, "quantize_q8_1", "d")
     out["s"] = _to_half(s, "quantize_q8_1", "s (the block sum)")
@@ -259,7 +265,7 @@ def unpack_q4_0(blocks: np.ndarray) -> np.ndarray:
     blocks = as_blocks(blocks, Q4_0, "unpack_q4_0")
     qs = blocks["qs"]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # low nibbles are 0..15, high are 16..31
-    return q.reshape(blocks.shape[:-1] + (-1,))
+    return q.reshape(blocks.shape[:-1] + (blocks.shape[-1] * QK,))
 
 
 def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
@@ -268,7 +274,7 @@ def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
     b = as_blocks(blocks, Q4_0, "dequantize_q4_0")
     q = np.concatenate([b["qs"] & 0x0F, b["qs"] >> 4], axis=-1).astype(np.int8) - np.int8(8)
     x = b["d"].astype(np.float32)[..., None] * q.astype(np.float32)
-    return x.reshape(b.shape[:-1] + (-1,))
+    return x.reshape(b.shape[:-1] + (b.shape[-1] * QK,))  # explicit: -1 cannot be inferred with zero rows
 
 
 def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -276,7 +282,7 @@ def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     ValueError for anything else."""
     b = as_blocks(blocks, Q8_0, "dequantize_q8_0")
     x = b["d"].astype(np.float32)[..., None] * b["qs"].astype(np.float32)
-    return x.reshape(b.shape[:-1] + (-1,))
+    return x.reshape(b.shape[:-1] + (b.shape[-1] * QK,))
 
 
 def dequantize_q8_1(blocks: np.ndarray) -> np.ndarray:
@@ -284,7 +290,7 @@ def dequantize_q8_1(blocks: np.ndarray) -> np.ndarray:
     (the block sum s is not needed). ValueError for anything else."""
     b = as_blocks(blocks, Q8_1, "dequantize_q8_1")
     x = b["d"].astype(np.float32)[..., None] * b["qs"].astype(np.float32)
-    return x.reshape(b.shape[:-1] + (-1,))
+    return x.reshape(b.shape[:-1] + (b.shape[-1] * QK,))
 
 
 DEQUANTIZERS = {"q4_0": dequantize_q4_0, "q8_0": dequantize_q8_0, "q8_1": dequantize_q8_1}
@@ -308,6 +314,37 @@ def nonfinite_block(blocks: np.ndarray, fields=("d", "s")):
             if bad.any():
                 at = tuple(int(i) for i in np.argwhere(bad)[0])
                 return f, at, blocks[f][at]
+    return None
+
+
+# float32 products of this magnitude or more round to float16 inf (max finite 65504)
+F16_INF_FROM = 65520.0
+
+
+def f16_dequant_overflow(blocks: np.ndarray, fmt: str):
+    """(row, block, d) of the first 2-D Q4_0 / Q8_0 block whose dequantized weights d * q do not fit
+    float16, else None.
+
+    The fp16 tensor-core kernels (ops of unit "hmma": w4a16/w8a16 .mma, .skinny, .wgmma, .wgmma_rs)
+    dequantize each weight with one float16 multiply, d x (q - 8) or d x q, so a block with
+    |d x q| >= 65520 turns into inf there (the products are exact in float32: an 11-bit d times
+    an 8-bit q). ggml's quantizers make such blocks only from weights beyond half's range (|d| >
+    8190 for Q4_0, > 515.9 for Q8_0); the int8 and fp32 paths take them."""
+    f = get_format(fmt)
+    b = as_blocks(blocks, f, "f16_dequant_overflow")
+    d = np.abs(b["d"].astype(np.float32))
+    qmax = np.float32(8 if f.name == "q4_0" else 128)  # the largest |q - 8| / |q| a block can hold
+    cand = np.argwhere(d * qmax >= np.float32(F16_INF_FROM))  # few or none: only these are unpacked
+    if cand.size == 0:
+        return None
+    for at in cand:
+        blk = b[tuple(at)]
+        if f.name == "q4_0":
+            q = np.concatenate([blk["qs"] & 0x0F, blk["qs"] >> 4]).astype(np.float32) - np.float32(8)
+        else:
+            q = blk["qs"].astype(np.float32)
+        if np.abs(d[tuple(at)] * q).max() >= np.float32(F16_INF_FROM):
+            return int(at[0]), int(at[-1]), float(blk["d"])
     return None
 
 

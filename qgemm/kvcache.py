@@ -307,7 +307,11 @@ def _quantize_tiles(tiles: np.ndarray, bits: int):
     mn = np.where(has, mn, 0).astype(np.float32)
     mx = np.where(has, mx, 0).astype(np.float32)
     rng = mx - mn
-    scale = np.where(rng > 0, rng / np.float32(levels), np.maximum(np.abs(mn), np.float32(2.0 ** -24)) / np.float32(levels))
+    # A tile whose non-zeros are all one value v (a single non-zero, say: the last tile of a value
+    # channel when S % 64 is small) has no range. Scale 2^-60 makes its float16 multiplier 0 and its
+    # addend exactly v (mult = 2^bits x scale underflows; -zero x scale = v exactly: powers of two),
+    # so every code decodes to v: exact, and finite for any v float16 holds.
+    scale = np.where(rng > 0, rng / np.float32(levels), np.float32(2.0 ** -60))
     scale = np.where(has, scale, 0).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1))
     zero = np.where(has, -mn / safe, 0).astype(np.float32)
@@ -331,14 +335,16 @@ def dequant_constants(scales: np.ndarray, zeros: np.ndarray, bits: int) -> np.nd
     return out
 
 
-def _decode_overflows(dq: np.ndarray, bits: int, nonempty: np.ndarray) -> np.ndarray:
-    """Tiles [..] (of those with non-zeros) whose dequantization is not finite in float16: the
-    constants themselves, or codes 0 and 2^bits - 1 decoded (h x mult + add is monotonic in the
-    code, as mult >= 0, so these are the extremes)."""
+def _decode_overflows(dq: np.ndarray, bits: int) -> np.ndarray:
+    """Tiles [..] whose dequantization is not finite in float16: the constants themselves, or codes
+    0 and 2^bits - 1 decoded (h x mult + add is monotonic in the code, as mult >= 0, so these are
+    the extremes). Empty tiles too: a warp walks every lane to its fullest lane's count, decoding
+    codes past a lane's own with that lane's tile constants and multiplying them by a zero row, and
+    0 x inf is NaN."""
     with np.errstate(over="ignore", invalid="ignore"):
         ends = dequantize_codes(np.array([0, (1 << bits) - 1]), dq[..., None, :], bits)  # [.., 1, 2]
     ok = np.isfinite(dq.astype(np.float32)).all(axis=-1) & np.isfinite(ends.astype(np.float32)).all(axis=(-2, -1))
-    return nonempty & ~ok
+    return ~ok
 
 
 def dequantize_codes(codes: np.ndarray, dq: np.ndarray, bits: int) -> np.ndarray:
@@ -393,7 +399,7 @@ def _compress(x: np.ndarray, kind: str, bits, sparsity=None, compact: bool = Fal
         return CompressedKV(kind, 16, (b, s, d), bm, counts=counts.astype(np.int32), values=np.ascontiguousarray(vals))
     q, scale, zero = _quantize_tiles(tiles, bits)
     dq = dequant_constants(scale, zero, bits)
-    if _decode_overflows(dq, bits, n > 0).any():
+    if _decode_overflows(dq, bits).any():
         raise ValueError(f"{kind} cache: a tile does not decode within float16 at {bits} bits: its two fp16 constants "
                          f"mult = {1 << bits} x scale and add = -zero x scale - mult, or the value the largest code "
                          f"decodes to (h x mult + add), pass +-{_FP16_MAX:g} (tiles with large values and a wide range "
@@ -538,7 +544,7 @@ def validate_compressed(ck) -> None:
             raise ValueError(f"{what}: dq must be finite")
         if np.any(dq[..., 0] < 0):  # mult = 2^bits x scale: the quantizer never makes a negative scale
             raise ValueError(f"{what}: dq's multipliers (2^bits x scale) must be >= 0")
-        if _decode_overflows(dq, ck.bits, n > 0).any():
+        if _decode_overflows(dq, ck.bits).any():
             raise ValueError(f"{what}: a tile's codes decode past float16's range (dq too large)")
         start = go[0, 0]
         if not 0 <= start < 2**31:  # (bounded first: the sums below must not wrap)
@@ -566,7 +572,7 @@ def validate_compressed(ck) -> None:
         dqc = dequant_constants(sc, ze, ck.bits)
         if not np.isfinite(dqc.astype(np.float32)).all():
             raise ValueError(f"{what}: a scale or zero overflows the fp16 dequantization constants")
-        if _decode_overflows(dqc, ck.bits, n > 0).any():
+        if _decode_overflows(dqc, ck.bits).any():
             raise ValueError(f"{what}: a tile's codes decode past float16's range (scale / zero too large)")
         start = off[0, 0]
         if not 0 <= start < 2**31:  # (bounded first: the sums below must not wrap)
@@ -1002,6 +1008,17 @@ def _is_device(x) -> bool:
     return runtime.is_device_array(x) and not isinstance(x, np.ndarray)
 
 
+# Why a result of finite operands can still come back inf / NaN. The kernels sum the products of one
+# 32-position bitmap word in half2 (fp32 across words: docs/mustafar.md), so a partial sum past 65504
+# overflows even where the whole dot product fits; key scores are float16 besides.
+_OVERFLOW_WHY = {
+    "key": ("a score, or the half2 partial sum of the <= 32 products q x k of one bitmap word, passed 65504; scale "
+            "the queries down (e.g. fold 1/sqrt(D) into them) and rescale the scores"),
+    "value": ("the half2 partial sum of the <= 32 products p x v of one bitmap word passed 65504; the kernels "
+              "expect attention probabilities (each row summing to <= 1) or the value cache scaled down"),
+}
+
+
 class MustafarRunner:
     """Launch, validation and timing of one `mustafar.*` kernel (the registry's `runner` hook)."""
 
@@ -1108,7 +1125,10 @@ class MustafarRunner:
         self.launch(kernel, dkv, dx, dout, groups * lq, stream=stream)
         if device:
             return out if out is not None else dout
-        return dout.to_host()
+        res = dout.to_host()
+        if not np.isfinite(res).all():  # finite operands: only an overflow makes inf / NaN (see _OVERFLOW_WHY)
+            raise ValueError(f"{kernel.name}: the result overflowed float16: {_OVERFLOW_WHY[self.kind]}")
+        return res
 
     def launch(self, kernel, dkv: DeviceKV, dx, dout, rows: int, stream=None, plan_: LaunchPlan | None = None) -> None:
         """Launch on device operands already checked (the hot path). Value kernels accumulate:
@@ -1339,6 +1359,16 @@ def error_report(k: np.ndarray, v: np.ndarray, q: np.ndarray, sparsity: float, b
     the numpy references: scores q.K^T, p.V with the dense probabilities, and the attention output
     softmax(q.K^T / sqrt(D)).V; split into pruning (fp16 sparse vs dense) and quantization
     (bits vs fp16 sparse)."""
+    for name, a in (("k", k), ("v", v), ("q", q)):
+        if not isinstance(a, np.ndarray):
+            raise ValueError(f"error_report: {name} must be a numpy array, got {type(a).__name__}")
+        if a.ndim != 3:
+            raise ValueError(f"error_report: {name} must be 3-D ({'[B*groups, Lq, D]' if name == 'q' else '[B, S, D]'}), "
+                             f"got shape {a.shape}")
+        if not np.isfinite(a).all():  # a NaN would read as an infinite error, not as the bad input it is
+            raise ValueError(f"error_report: {name} must be finite; found inf or NaN")
+    if k.shape != v.shape:
+        raise ValueError(f"error_report: k and v must be caches of one shape [B, S, D], got {k.shape} and {v.shape}")
     d = k.shape[2]
     kp, vp = prune(k, sparsity), prune(v, sparsity)
     kd = decompress(compress_keys(kp, bits, compact=compact))

@@ -116,6 +116,13 @@ def _check_host(x, fmt: F.Format, role: str, op: Op) -> np.ndarray:
             field, (row, blk), value = bad
             raise ValueError(f"{op.name}: {role} block {field} values must be finite; row {row}, block {blk} has "
                              f"{field} = {value}")
+        if op.unit == "hmma" and fmt.name in ("q4_0", "q8_0"):  # dequantized by one float16 multiply per weight
+            over = F.f16_dequant_overflow(b, fmt.name)
+            if over is not None:
+                row, blk, d = over
+                raise ValueError(f"{op.name}: {role} row {row}, block {blk} (d = {d:g}) holds a weight d x q beyond "
+                                 f"float16's range (65504), which this fp16 tensor-core kernel would turn into inf; "
+                                 f"the int8 kernels (w4a8.* / w8a8.*) take such weights")
         return b
     if x.dtype != fmt.dtype:
         raise ValueError(f"{op.name}: {role} must be {fmt.dtype} [rows, K], got {_describe(x)}" + _format_hint(x, fmt))

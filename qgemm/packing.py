@@ -114,7 +114,15 @@ def pack(blocks: np.ndarray, fmt: str) -> np.ndarray:
 def unpack(buf: np.ndarray, fmt: str, n: int, k: int) -> np.ndarray:
     """The inverse of `pack`: the skinny buffer of an [N, K] matrix -> ggml blocks [N, K/32]."""
     fmt = _fmt(fmt)
-    buf = np.asarray(buf, dtype=np.uint8).reshape(-1)
+    for what, v in (("n", n), ("k", k)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"unpack: {what} must be a positive integer, got {v!r}")
+    if k % F.QK:  # the padded size would match K rounded up to 128: the blocks past K would be made up
+        raise ValueError(f"unpack: k must be a multiple of {F.QK} (the block size), got {k}")
+    buf = np.asarray(buf)
+    if buf.dtype != np.uint8:  # a cast would reinterpret the values, not the bytes
+        raise ValueError(f"unpack: the packed buffer must be uint8 bytes (as pack returns), got {buf.dtype}")
+    buf = buf.reshape(-1)
     if buf.size != packed_nbytes(fmt, n, k):
         raise ValueError(f"unpack: a {n}x{k} {fmt} matrix packs to {packed_nbytes(fmt, n, k)} bytes, got {buf.size}")
     n16, nb4 = padded(n, k)
@@ -140,10 +148,13 @@ class PackedWeights:
     separately from the matmul time; `.nbytes` counts both copies."""
 
     def __init__(self, fmt: str, n: int, k: int, packed: runtime.DeviceArray, blocks: runtime.DeviceArray,
-                 pack_seconds: float = 0.0):
+                 pack_seconds: float = 0.0, f16_overflow=None):
         self.fmt, self.n, self.k = fmt, n, k
         self.packed, self.blocks = packed, blocks
         self.pack_seconds = pack_seconds
+        # (row, block, d) of a block whose weights overflow float16 (formats.f16_dequant_overflow),
+        # found once at packing: matmul then refuses the fp16 tensor-core paths for these weights
+        self.f16_overflow = f16_overflow
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -182,4 +193,5 @@ def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     n, k = host.shape[0], host.shape[1] * F.QK
     packed = runtime.DeviceArray.from_host(pack(host, fmt))
     dblocks = blocks if on_device else runtime.DeviceArray.from_host(np.ascontiguousarray(host))
-    return PackedWeights(fmt, n, k, packed, dblocks, time.perf_counter() - t0)
+    return PackedWeights(fmt, n, k, packed, dblocks, time.perf_counter() - t0,
+                         f16_overflow=F.f16_dequant_overflow(host, fmt))

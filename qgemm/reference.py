@@ -78,6 +78,14 @@ def exact_w8a16s(a_f32: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
     return exact_w8a16h(np.asarray(a_f32, dtype=np.float32).astype(np.float16), w_q8_0)
 
 
+def _blocks_2d(a, fmt: F.Format, role: str, what: str) -> np.ndarray:
+    """Blocks [rows, K/32]: a 1-D array of blocks would pass as one row of K and misalign the sums."""
+    b = F.as_blocks(a, fmt, role)
+    if b.ndim != 2:
+        raise ValueError(f"{what}: {role} must be 2-D [rows, K/32] {fmt.name} blocks, got shape {b.shape}")
+    return b
+
+
 def block_sumi(qa: np.ndarray, qw: np.ndarray) -> np.ndarray:
     """Per-block integer dot products: qa [M, nb, 32] x qw [N, nb, 32] -> int64 [M, N, nb].
 
@@ -103,8 +111,8 @@ def exact_w4a8(a_q8_1: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
     The -8 offset of Q4_0 is folded into one correction per block using s_a (the sum of the
     original activations) instead of sum(q_a) * d_a; docs/compensation.md derives it.
     """
-    a = F.as_blocks(a_q8_1, F.Q8_1, "A")
-    w = F.as_blocks(w_q4_0, F.Q4_0, "W")
+    a = _blocks_2d(a_q8_1, F.Q8_1, "A", "exact_w4a8")
+    w = _blocks_2d(w_q4_0, F.Q4_0, "W", "exact_w4a8")
     qa = a["qs"]  # [M, nb, 32]
     qw = np.concatenate([w["qs"] & 0x0F, w["qs"] >> 4], axis=-1)  # [N, nb, 32] in [0, 15]
     sumi = block_sumi(qa, qw).astype(np.float64)
@@ -116,8 +124,8 @@ def exact_w4a8(a_q8_1: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
 
 def exact_w8a8(a_q8_1: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
     """W8A8 (Q8_1 x Q8_0): per block d_w * d_a * sumi (s_a is not needed: Q8_0 has no offset)."""
-    a = F.as_blocks(a_q8_1, F.Q8_1, "A")
-    w = F.as_blocks(w_q8_0, F.Q8_0, "W")
+    a = _blocks_2d(a_q8_1, F.Q8_1, "A", "exact_w8a8")
+    w = _blocks_2d(w_q8_0, F.Q8_0, "W", "exact_w8a8")
     sumi = block_sumi(a["qs"], w["qs"]).astype(np.float64)
     da = a["d"].astype(np.float64)[:, None, :]
     dw = w["d"].astype(np.float64)[None, :, :]
@@ -134,9 +142,13 @@ def quantize_rows_i8(a_f32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     q = rint(x * (127 / amax)) (IEEE division; round half to even), d = amax * fl(1/127) (one
     rounding); q = 0 where amax < 2^-118. -> (q int8 [M, K/32, 32], d float32 [M, K/32]).
     Unlike Q8_1, d is not rounded to half (and no float sum is kept: the kernels sum q exactly)."""
-    x = np.asarray(a_f32, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] % F.QK:
-        raise ValueError(f"reference: activations must be 2-D [M, K] with K a multiple of {F.QK}, got shape {x.shape}")
+    x0 = np.asarray(a_f32)
+    if x0.ndim != 2 or x0.shape[1] % F.QK:
+        raise ValueError(f"reference: activations must be 2-D [M, K] with K a multiple of {F.QK}, got shape {x0.shape}")
+    with np.errstate(over="ignore", invalid="ignore"):  # judged below: what float32 cannot hold is refused
+        x = x0.astype(np.float32)
+    if not np.isfinite(x).all():  # a NaN / inf (or a float64 past float32) would reach the int8 cast as garbage
+        raise ValueError("reference: activations must be finite in float32; found inf or NaN")
     m, k = x.shape
     xb = x.reshape(m, k // F.QK, F.QK)
     amax = np.abs(xb).max(axis=-1)
@@ -168,8 +180,8 @@ def exact_w8a8s(a_f32: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
 def exact_w4a8_uncompensated(a_q8_1: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
     """What you get if you forget the -8: d_w * d_a * sumi on the stored nibbles (wrong on purpose,
     for the tutorial and the tests that show why the compensation exists)."""
-    a = F.as_blocks(a_q8_1, F.Q8_1, "A")
-    w = F.as_blocks(w_q4_0, F.Q4_0, "W")
+    a = _blocks_2d(a_q8_1, F.Q8_1, "A", "exact_w4a8_uncompensated")
+    w = _blocks_2d(w_q4_0, F.Q4_0, "W", "exact_w4a8_uncompensated")
     qw = np.concatenate([w["qs"] & 0x0F, w["qs"] >> 4], axis=-1)
     sumi = block_sumi(a["qs"], qw).astype(np.float64)
     return np.sum(w["d"].astype(np.float64)[None] * a["d"].astype(np.float64)[:, None] * sumi, axis=-1)

@@ -487,3 +487,81 @@ def test_blocks_given_as_a_list_are_refused_by_name():
     w = F.quantize_q4_0(np.ones((2, 64), np.float32))
     with pytest.raises(ValueError, match="expected a numpy array of q4_0 blocks .*got list"):
         F.dequantize(w.tolist(), "q4_0")
+
+
+def test_numeric_edge_audit_findings():
+    """Session 34's audit of numerical edge cases (each assertion fails on the code before it)."""
+    import warnings
+
+    from qgemm import packing, reference as R
+
+    rng = np.random.default_rng(fresh_seed())
+    # Weights whose d x q passes half's range: the fp16 tensor-core paths would make them inf.
+    w = rng.standard_normal((4, 64)).astype(F32)
+    w[:, 0] = 70000
+    wq8 = F.quantize_q8_0(w)
+    assert F.f16_dequant_overflow(wq8, "q8_0") == (0, 0, float(wq8["d"][0, 0]))
+    w4 = w.copy()
+    w4[2, 40] = -70000  # row 2's second block
+    w4[:, 0] = 1.0
+    wq4 = F.quantize_q4_0(w4)
+    assert F.f16_dequant_overflow(wq4, "q4_0")[:2] == (2, 1)
+    assert F.f16_dequant_overflow(F.quantize_q8_0(rng.standard_normal((8, 256)).astype(F32)), "q8_0") is None
+    big_d = F.quantize_q8_0(rng.standard_normal((1, 32)).astype(F32))
+    big_d["d"] = 600.0
+    big_d["qs"] = 100  # d x q = 60000: a large d whose weights still fit
+    assert F.f16_dequant_overflow(big_d, "q8_0") is None
+    big_d["qs"][0, 0, 7] = -110  # 66000
+    assert F.f16_dequant_overflow(big_d, "q8_0") == (0, 0, 600.0)
+    import qgemm
+
+    x = np.ones((64, 64), F32)
+    with pytest.raises(ValueError, match=r"w8a16\.mma dequantizes the weights to float16.*row 0, block 0.*'w8a8\.mma'"):
+        qgemm.matmul(x, wq8)  # planned for fp16 MMA with or without a GPU: refused before anything launches
+    with pytest.raises(ValueError, match=r"row 0, block 0.*float16's range.*int8 kernels"):
+        qgemm.get("w8a16.mma")(x.astype(np.float16), wq8)
+    with pytest.raises(ValueError, match=r"row 2, block 1"):
+        qgemm.get("w4a16.mma")(x.astype(np.float16), wq4)
+    if not qgemm.gpu_available():  # the GEMV and int8 kernels take them: past the check, to the GPU check
+        with pytest.raises(qgemm.NoGPUError):
+            qgemm.matmul(x[:4], wq8)
+        with pytest.raises(qgemm.NoGPUError):
+            qgemm.matmul(x, wq8, path="w8a8.mma")
+    # dequantizers of zero rows (the quantizers already returned them)
+    for fmt in ("q4_0", "q8_0", "q8_1"):
+        assert F.dequantize(F.quantize(np.zeros((0, 64), F32), fmt), fmt).shape == (0, 64)
+    assert F.unpack_q4_0(F.quantize_q4_0(np.zeros((0, 64), F32))).shape == (0, 64)
+    # blocks too small for float32's 1/d: no numpy warnings, the bytes gguf's quantizers give
+    tiny = np.zeros((4, 32), F32)
+    tiny[0, 3], tiny[1, 5], tiny[2, 1], tiny[2, 2], tiny[3, 9] = 1e-38, -2e-39, 3e-44, -1e-45, 2.5e-38
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = {fmt: OURS_Q[fmt](tiny) for fmt in OURS_Q}
+        q81 = F.quantize_q8_1(tiny)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fmt in OURS_Q:
+            assert raw(ours[fmt]).tobytes() == gguf.quants.quantize(tiny, GGUF_T[fmt]).tobytes()
+    # Q8_1 with d = 0 in float32 (amax < ~8.9e-44): x / d is +-inf (NaN for 0), converted as the
+    # kernel's cvt does -- saturated, NaN to 0
+    assert q81["d"][2, 0] == 0 and list(q81["qs"][2, 0, :4]) == [0, 127, -128, 0]
+    # the references refuse what would reach their integer casts as garbage
+    with pytest.raises(ValueError, match="finite"):
+        R.exact_w4a8s(np.full((1, 64), np.nan, F32), wq4)
+    with pytest.raises(ValueError, match="finite"):
+        R.quantize_rows_i8(np.full((1, 32), 1e300))
+    with pytest.raises(ValueError, match=r"exact_w4a8: A must be 2-D"):
+        R.exact_w4a8(F.quantize_q8_1(np.ones(64, F32)), wq4)
+    with pytest.raises(ValueError, match=r"exact_w8a8: W must be 2-D"):
+        R.exact_w8a8(F.quantize_q8_1(np.ones((1, 64), F32)), wq8[0])
+    # packing.unpack: K a multiple of 32, uint8 bytes, positive sizes
+    buf = packing.pack(F.quantize_q4_0(rng.standard_normal((16, 128)).astype(F32)), "q4_0")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        packing.unpack(buf, "q4_0", 16, 100)  # pads to the same 128: the size alone passed
+    with pytest.raises(ValueError, match="uint8"):
+        packing.unpack(buf.astype(np.int32), "q4_0", 16, 128)
+    with pytest.raises(ValueError, match="positive integer"):
+        packing.unpack(buf, "q4_0", -16, 128)
+    # matmul: a 2-D x without rows says so, as a 3-D one does
+    with pytest.raises(ValueError, match="no rows"):
+        qgemm.matmul(np.zeros((0, 64), F32), wq8)

@@ -1273,3 +1273,40 @@ def test_tutorial_gpu_parts_run():
     assert r.exit_code == 0, r.output
     assert "w4a8.vec_dp4a" in r.output and "w8a8.tiled_dp4a" in r.output and "llama.cpp" in r.output, r.output
     assert "w4a8.gemv" not in r.output
+
+
+def test_quantize_q8_1_blocks_below_float32_division(rng):
+    """amax below ~8.9e-44 makes d = 0 in float32: the kernel's x / d is +-inf (NaN for 0) and its
+    float -> int8 conversion saturates (NaN to 0); formats.quantize_q8_1 gives those bytes too."""
+    x = np.zeros((3, 64), np.float32)
+    x[0, 1], x[0, 2], x[0, 40] = 3e-44, -1e-45, 5e-39  # one tiny block, one merely small
+    x[1, 7] = -4e-44
+    x[2] = rng.standard_normal(64).astype(np.float32)
+    got = qgemm.get("quantize.q8_1")(x)
+    assert got.tobytes() == F.quantize_q8_1(x).tobytes()
+    assert list(F.quantize_q8_1(x)["qs"][0, 0, :3]) == [0, 127, -128]
+
+
+def test_weights_beyond_half_take_the_int8_paths(rng):
+    """Q8_0 weights with |d x q| past 65504: refused by the fp16 tensor-core paths (they would be inf
+    there), computed by the int8 ones, packed or not."""
+    n, k = 96, 256
+    w_f = rng.standard_normal((n, k)).astype(np.float32)
+    w_f[5, 70] = 80000.0  # row 5, block 2: d = 630
+    w = F.quantize_q8_0(w_f)
+    assert F.f16_dequant_overflow(w, "q8_0") == (5, 2, float(w["d"][5, 2]))
+    pw = qgemm.pack_weights(w)
+    assert pw.f16_overflow == (5, 2, float(w["d"][5, 2]))
+    x = rng.standard_normal((64, k)).astype(np.float32)
+    with pytest.raises(ValueError, match="dequantizes the weights to float16"):
+        qgemm.matmul(x, w)  # w8a16.mma
+    with pytest.raises(ValueError, match="dequantizes the weights to float16"):
+        qgemm.matmul(x, pw)  # w8a16.wgmma_rs on sm_90, w8a16.skinny / .mma elsewhere
+    for xs, ww, path in ((x, w, "w8a8.mma"), (x[:3], w, None), (x[:1], pw, None)):
+        p = qgemm.plan(xs.shape[0], n, k, "q8_0", path=path, packed=ww is pw)
+        assert p.op.unit != "hmma", p
+        c = qgemm.matmul(xs, ww, path=path)
+        assert np.isfinite(c).all(), p.kernel
+        r = check.compare("matmul", p.op, (xs.shape[0], n, k), 0, c, p.reference(xs, w),
+                          qgemm.reference.truth(xs, w_f), xs, w_f)
+        assert r.passed, (p.kernel, r)

@@ -1156,11 +1156,15 @@ def test_negative_scales_and_non_integer_shapes_are_rejected(rng, bits, compact)
 
 
 def test_fp16_constant_overflow_names_the_magnitude_limit():
-    """A constant tile of 65000 has no range at all; what overflows is the fp16 dequantization
-    constant built from its value: the message says so (it used to blame the range)."""
+    """A tile spanning -65000 .. 65000 needs a multiplier 2^bits x range / (2^bits - 1) past
+    float16's range: the message names the two fp16 constants (it used to blame the range alone).
+    (A tile of one value, 65000 everywhere, decodes exactly since session 34: test_numeric_edge_audit_findings.)"""
     x = np.full((1, 64, 64), 65000, np.float16)
+    x[..., ::2] = -65000
     with pytest.raises(ValueError, match="does not decode within float16 at 4 bits: its two fp16 constants"):
         kv.compress_keys(x, 4)
+    assert np.array_equal(kv.decompress(kv.compress_keys(np.full((1, 64, 64), 65000, np.float16), 4)),
+                          np.full((1, 64, 64), 65000, np.float16))
 
 
 def test_sparsity_and_compact_take_no_look_alikes(rng):
@@ -1255,3 +1259,95 @@ def test_kvcache_audit_findings(rng):
     assert (np.nonzero(p[0, 0])[0] == np.arange(keep)).all() and (np.nonzero(p[0, 1])[0] == np.arange(keep)).all()
     y = np.array([[[3, -3, 1, 3, 2] + [0] * 59]], np.float16)  # keep 19 of 64: the zeros tie at the end
     assert (kv.prune(y, 0.7) == y).all()
+
+
+def test_numeric_edge_audit_findings(rng):
+    """Session 34's audit of numerical edge cases in qgemm.kvcache (each fails on the code before)."""
+    # An empty tile's constants must decode within float16 too: a warp decodes codes past a lane's
+    # count with that lane's tile constants (times a zero row: 0 x inf = NaN).
+    k = rng.standard_normal((1, 64, 64)).astype(np.float16)
+    k[0, 5] = 0  # token 5: an empty tile
+    ck = kv.compress_keys(k, 4, compact=True)
+    dq = ck.dq.copy()
+    dq[0, 5] = [40000, 40000]
+    with pytest.raises(ValueError, match="decode past float16"):
+        kv.validate_compressed(dataclasses.replace(ck, dq=dq))
+    cp = kv.compress_keys(k, 4)  # finite constants (mult 40000, add 40000), code 0 decoding to 80000
+    sc, ze = cp.scales.copy(), cp.zeros.copy()
+    sc[0, 5], ze[0, 5] = 2500.0, -32.0
+    with pytest.raises(ValueError, match="decode past float16"):
+        kv.validate_compressed(dataclasses.replace(cp, scales=sc, zeros=ze))
+    # Tiles of one value (a single token in a value channel's last tile) decode exactly, at any
+    # float16 magnitude: they had been refused from 32768 up and decoded 2 ulps off below.
+    for bits in (4, 2):
+        for v in (-1000.0, 3.0, 6e-8, 40000.0, -65504.0, 65504.0):
+            vv = np.zeros((1, 65, 64), np.float16)
+            vv[0, 64, :] = v
+            for compact in (False, True):
+                c = kv.compress_values(vv, bits, compact=compact)
+                assert np.array_equal(kv.decompress(c), vv), (bits, v, compact)
+            kk = np.zeros((1, 3, 64), np.float16)
+            kk[0, 1, :] = v
+            assert np.array_equal(kv.decompress(kv.compress_keys(kk, bits)), kk), (bits, v)
+    # error_report names bad arguments instead of returning inf or failing inside numpy
+    q = rng.standard_normal((4, 1, 64)).astype(np.float16)
+    v = rng.standard_normal((1, 64, 64)).astype(np.float16)
+    with pytest.raises(ValueError, match="q must be finite"):
+        kv.error_report(k, v, np.full_like(q, np.nan), 0.5, 4)
+    with pytest.raises(ValueError, match="k must be a numpy array"):
+        kv.error_report(k.tolist(), v, q, 0.5, 4)
+    with pytest.raises(ValueError, match=r"k and v must be caches of one shape"):
+        kv.error_report(k, v[:, :63], q, 0.5, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mustafar.key_q4", "mustafar.key_q2c", "mustafar.value_q4", "mustafar.value_q2",
+                                  "mustafar.value_q2c"])
+def test_one_value_tiles_decode_exactly_on_the_gpu(name, rng):
+    """Tiles whose non-zeros are one value (a value channel's last tile holding one token; a key
+    token of one value) decode to it exactly on the GPU as in decompress, at any float16 magnitude."""
+    kind = "key" if "key" in name else "value"
+    x = (rng.standard_normal((2, 65, 64)) * 0.1).astype(np.float16)
+    x[0, 64, :] = 60000.0  # values: every channel's last tile of batch 0 is this one token; keys: a token
+    x[1, 64, :] = -3.0  # of one value
+    if kind == "key":
+        x[0, 3, :] = -65504.0  # (in a value tile it would stand beside small values: a range past float16)
+    x = kv.prune(x, 0.5)
+    bits = 4 if "q4" in name else 2
+    compress = kv.compress_keys if kind == "key" else kv.compress_values
+    c = compress(x, bits, compact=name.endswith("c"))
+    xd = kv.decompress(c)
+    assert (xd[0, 64][x[0, 64] != 0] == 60000.0).all() and (xd[1, 64][x[1, 64] != 0] == -3.0).all()
+    if kind == "key":
+        assert (xd[0, 3][x[0, 3] != 0] == -65504.0).all()
+    if kind == "key":
+        q = (rng.standard_normal((2, 1, 64)) * 1e-3).astype(np.float16)  # scores stay inside float16
+        got, want = qgemm.get(name)(q, c), kv.reference_scores(q, xd)
+    else:
+        p = (rng.random((2, 1, 65)) / 65).astype(np.float16)
+        got, want = qgemm.get(name)(p, c), kv.reference_output(p, xd)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=5e-3, atol=5e-3 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mustafar.key_fp16", "mustafar.key_q4", "mustafar.value_fp16", "mustafar.value_q2"])
+def test_half2_word_sums_that_overflow_are_reported(name):
+    """A word's half2 partial sum past 65504 is inf even where the dot product fits (+100 x 25 on
+    the 32 positions of one word, -100 x 25 on the next: the score is 0, the kernel's NaN); a host
+    call raises instead of returning it."""
+    if "key" in name:
+        k = np.zeros((1, 4, 64), np.float16)
+        k[0, :, :32], k[0, :, 32:] = 100.0, -100.0
+        q = np.full((1, 1, 64), 25.0, np.float16)
+        assert np.isfinite(kv.reference_scores(q, k)).all()
+        c = kv.compress_keys(k, 16 if "fp16" in name else 4)
+        op = lambda: qgemm.get(name)(q, c)  # noqa: E731
+    else:
+        v = np.zeros((1, 64, 64), np.float16)
+        v[0, :32], v[0, 32:] = 3000.0, -3000.0  # tokens 0-31 / 32-63 of every channel: one word each
+        p = np.ones((1, 1, 64), np.float16)
+        c = kv.compress_values(v, 16 if "fp16" in name else 2)
+        op = lambda: qgemm.get(name)(p, c)  # noqa: E731
+    with pytest.raises(ValueError, match="overflowed float16"):
+        op()
