@@ -208,9 +208,11 @@ def quantize_q8_1(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         r = blocks / d[:, None]
         q = np.where(amax[:, None] == 0, np.float32(0), np.where(np.isinf(r), r, _roundf(r)))  # C roundf(inf) = inf
-    # amax below ~8.9e-44 makes d = 0 in float32 and x / d infinite (NaN for x = 0); the kernel's
-    # float -> int8 conversion (PTX cvt) saturates and sends NaN to 0, so the bytes do here too
-    q = np.where(np.isnan(q), np.float32(0), np.clip(q, -128, 127))
+    # amax below ~8.9e-44 makes d = 0 in float32 and x / d infinite (NaN for x = 0). The kernel's
+    # (int8_t) conversion of that is a saturating float -> int32 conversion (NaN -> 0) keeping the low
+    # byte: +inf -> 0x7FFFFFFF -> -1, -inf -> 0x80000000 -> 0 (H100, NVRTC 13.0: tested). The same here.
+    q = np.where(np.isnan(q), 0.0, np.clip(q.astype(np.float64), -2.0**31, 2.0**31 - 1))
+    q = (q.astype(np.int64) & 0xFF).astype(np.uint8).view(np.int8)
     out = np.empty(blocks.shape[0], dtype=block_q8_1)
     out["d"] = _to_half(d, "quantize_q8_1", "d")
     out["s"] = _to_half(s, "quantize_q8_1", "s (the block sum)")

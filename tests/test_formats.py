@@ -543,8 +543,8 @@ def test_numeric_edge_audit_findings():
         for fmt in OURS_Q:
             assert raw(ours[fmt]).tobytes() == gguf.quants.quantize(tiny, GGUF_T[fmt]).tobytes()
     # Q8_1 with d = 0 in float32 (amax < ~8.9e-44): x / d is +-inf (NaN for 0), converted as the
-    # kernel's cvt does -- saturated, NaN to 0
-    assert q81["d"][2, 0] == 0 and list(q81["qs"][2, 0, :4]) == [0, 127, -128, 0]
+    # kernel's (int8_t) does -- to int32, saturated, NaN to 0, then the low byte
+    assert q81["d"][2, 0] == 0 and list(q81["qs"][2, 0, :4]) == [0, -1, 0, 0]
     # the references refuse what would reach their integer casts as garbage
     with pytest.raises(ValueError, match="finite"):
         R.exact_w4a8s(np.full((1, 64), np.nan, F32), wq4)
