@@ -10,7 +10,7 @@ sm_XX (cached on disk) and launched through the CUDA driver API.
 """
 
 from . import formats, reference
-from .errors import CompileError, CudaError, NoGPUError, QgemmError, SetupError, UnsupportedArchError
+from .errors import CompileError, CudaError, NoGPUError, QgemmError, SetupError, UnknownNameError, UnsupportedArchError
 from .formats import (
     QK,
     block_q4_0,
@@ -48,5 +48,5 @@ __all__ = [
     "quantize_q8_0", "quantize_q8_1", "dequantize_q4_0", "dequantize_q8_0", "dequantize_q8_1",
     "formats", "reference", "get", "spec", "list", "Kernel", "Op", "DeviceArray", "gpu_available",
     "matmul", "explain", "plan", "load_gguf", "pack_weights", "PackedWeights",
-    "CompileError", "CudaError", "NoGPUError", "QgemmError", "SetupError", "UnsupportedArchError",
+    "CompileError", "CudaError", "NoGPUError", "QgemmError", "SetupError", "UnknownNameError", "UnsupportedArchError",
 ]

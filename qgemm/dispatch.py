@@ -46,7 +46,7 @@ _INT8_MMA = {"q4_0": "w4a8.mma", "q8_0": "w8a8.mma"}
 GEMV_MAX_M = 8
 # packed weights, float32 activations: the skinny kernels up to this M (H100: 2.5x faster than
 # w4a16.mma at M = 16, 1.35x at 32, slower at 64 where every CTA re-reads 64 rows of activations)
-SKINNY_MAX_M = 32
+SKINNY_MAX_M = 32  # (the kernels themselves take up to registry.SKINNY_MAX_M = 64 with path=)
 # packed weights on sm_90: the register-A wgmma kernels from this M (H100, kernel alone: 512x4096x4096
 # 30 us vs 48 for the shared-memory w4a16.wgmma and 80 for w4a16.mma; 32x4096x4096 9.8 vs 12.1 for
 # the skinny kernel, 32x4096x14336 24.8 vs 44.4; at M = 16 the skinny kernel is faster, 8.7 vs 9.4)

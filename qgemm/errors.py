@@ -5,7 +5,7 @@ from __future__ import annotations
 
 class QgemmError(Exception):
     """Base class of qgemm's own errors. Input errors are ValueError instead (UnsupportedArchError
-    is both)."""
+    and UnknownNameError are both)."""
 
 
 class CompileError(QgemmError):
@@ -28,9 +28,10 @@ class UnsupportedArchError(ValueError, QgemmError):
     """An architecture that the installed NVRTC or the kernel cannot target."""
 
 
-class UnknownNameError(KeyError, ValueError):
-    """A kernel or GGUF tensor name that does not exist. A KeyError (a lookup by name) and a
-    ValueError (bad input, like every other input error); the message lists the close names."""
+class UnknownNameError(KeyError, ValueError, QgemmError):
+    """A kernel or GGUF tensor name that does not exist. A KeyError (a lookup by name), a
+    ValueError (bad input, like every other input error) and a QgemmError; the message lists the
+    close names."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
@@ -50,5 +51,5 @@ class SetupError(QgemmError, FileNotFoundError):
     (QGEMM_CUDA_SRC), the CUDA headers NVRTC compiles against. A FileNotFoundError too."""
 
 
-class NoGPUError(QgemmError):
+class NoGPUError(QgemmError, RuntimeError):
     """No usable NVIDIA GPU/driver. Raised by anything that must run on the GPU."""

@@ -229,7 +229,7 @@ def _gemv_candidates(m: int, n: int, k: int) -> list[dict]:
 
 
 # ---- skinny fp16 MMA for decode and small batches (common/skinny_f16.cuh) --------------------
-SKINNY_MAX_M = 64
+SKINNY_MAX_M = 64  # what the kernels handle (path= / a single-kernel call); matmul picks them up to dispatch.SKINNY_MAX_M
 
 
 def _skinny_xsmem(m: int, k: int, d: dict) -> int:

@@ -1522,3 +1522,16 @@ def test_concurrency_audit_findings(monkeypatch):
         dispatch._queue_lock(handle)
         dispatch._scratch("prologue", (64,), np.uint8, stream=handle, cid=None)
     assert len(dispatch._queue_locks) <= dispatch._WORKSPACE_STREAMS, len(dispatch._queue_locks)
+
+
+def test_api_audit_findings():
+    """Session 34's API reference audit: an unknown name is caught as a qgemm error too (it was only
+    a KeyError / ValueError, and not exported), and no GPU is a RuntimeError as well."""
+    import qgemm
+
+    assert "UnknownNameError" in qgemm.__all__
+    with pytest.raises(qgemm.QgemmError) as e:
+        qgemm.get("w4a8.nope")
+    assert isinstance(e.value, qgemm.UnknownNameError) and isinstance(e.value, KeyError)
+    assert isinstance(e.value, ValueError) and "w4a8." in str(e.value)
+    assert issubclass(qgemm.NoGPUError, RuntimeError) and issubclass(qgemm.NoGPUError, qgemm.QgemmError)

@@ -620,7 +620,7 @@ def test_api_doc_covers_the_public_api(monkeypatch):
     assert [n for n in qgemm.__all__ if f"\n### `qgemm.{n}`\n" not in text] == []
     documented = [name for name, _, _ in ad.build().documented]
     for name in ("qgemm.matmul", "qgemm.Kernel.__call__", "qgemm.DeviceArray.to_host", "qgemm.kvcache.scores",
-                 "qgemm.kvcache.CompressedKV.to_device", "qgemm.reference.exact_w4a8", "qgemm.errors.UnknownNameError"):
+                 "qgemm.kvcache.CompressedKV.to_device", "qgemm.reference.exact_w4a8", "qgemm.UnknownNameError"):
         assert name in documented, name
     assert ad.missing_docstrings() == [], "write a docstring for these (then regenerate docs/api.md)"
     assert "*(no docstring)*" not in text

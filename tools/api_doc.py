@@ -109,7 +109,7 @@ SECTIONS = [
      "qgemm's own exceptions. Bad input is always a `ValueError` (or a subclass, such as "
      "`UnsupportedArchError` and `UnknownNameError`), raised before anything launches.",
      ["qgemm.QgemmError", "qgemm.CompileError", "qgemm.CudaError", "qgemm.NoGPUError", "qgemm.SetupError",
-      "qgemm.UnsupportedArchError", "qgemm.errors.UnknownNameError"]),
+      "qgemm.UnsupportedArchError", "qgemm.UnknownNameError"]),
 ]
 
 # Public names of qgemm.kvcache that are not user API: the layout's building blocks and the
