@@ -12,7 +12,7 @@ from qgemm import packing, check, formats as F, registry, runtime
 pytestmark = pytest.mark.gpu
 
 MS = [1, 7, 64, 513]
-NS = [1, 33, 4096]
+NS = [1, 33, 4096, 4097]  # 4097: a large N that is no multiple of any tile (the odd shapes)
 KS = [32, 4096]
 
 GEMMS = [s.name for s in registry.list_kernels() if s.op.kind == "gemm"]
