@@ -441,7 +441,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
 
     ValueError, before any launch, for operands of the wrong dtype, shape or format, mismatched
     K, one host and one device operand, non-finite host activations or weight scales, a bad
-    `out=` or `path`, and host activations that overflow the GPU path's float16 / Q8_1 format.
+    `out=` or `path`, host activations that overflow the GPU path's float16 / Q8_1 format, and
+    (host or packed) weights whose d x q overflows float16 on an fp16 tensor-core path.
     NoGPUError without a GPU, UnsupportedArchError for a `path` this GPU
     cannot run, CompileError / CudaError when NVRTC or the driver fails.
     """
