@@ -1305,7 +1305,8 @@ def test_numeric_edge_audit_findings(rng):
                                   "mustafar.value_q2c"])
 def test_one_value_tiles_decode_exactly_on_the_gpu(name, rng):
     """Tiles whose non-zeros are one value (a value channel's last tile holding one token; a key
-    token of one value) decode to it exactly on the GPU as in decompress, at any float16 magnitude."""
+    token of one value) decode to it exactly on the GPU as in decompress, at any float16 magnitude:
+    a one-hot query / probability row reads the decoded values back one product at a time."""
     kind = "key" if "key" in name else "value"
     x = (rng.standard_normal((2, 65, 64)) * 0.1).astype(np.float16)
     x[0, 64, :] = 60000.0  # values: every channel's last tile of batch 0 is this one token; keys: a token
@@ -1320,10 +1321,19 @@ def test_one_value_tiles_decode_exactly_on_the_gpu(name, rng):
     assert (xd[0, 64][x[0, 64] != 0] == 60000.0).all() and (xd[1, 64][x[1, 64] != 0] == -3.0).all()
     if kind == "key":
         assert (xd[0, 3][x[0, 3] != 0] == -65504.0).all()
-    if kind == "key":
-        q = (rng.standard_normal((2, 1, 64)) * 1e-3).astype(np.float16)  # scores stay inside float16
+        j = int(np.flatnonzero((x[0, 3] != 0) & (x[0, 64] != 0))[0])
+        q = np.zeros((2, 1, 64), np.float16)
+        q[:, :, j] = 1.0  # score of token s = its decoded k[s, j], one exact product
+        got = qgemm.get(name)(q, c)
+        np.testing.assert_array_equal(got[:, 0, :], xd[:, :, j])
+        assert got[0, 0, 3] == -65504.0 and got[0, 0, 64] == 60000.0
+        q = (np.abs(rng.standard_normal((2, 1, 64))) * 1e-3).astype(np.float16)  # same signs: no cancellation
         got, want = qgemm.get(name)(q, c), kv.reference_scores(q, xd)
     else:
+        p = np.zeros((2, 1, 65), np.float16)
+        p[:, :, 64] = 1.0  # output channel d = the decoded v[64, d], one exact product
+        got = qgemm.get(name)(p, c)
+        np.testing.assert_array_equal(got[:, 0, :], xd[:, 64, :].astype(np.float32))
         p = (rng.random((2, 1, 65)) / 65).astype(np.float16)
         got, want = qgemm.get(name)(p, c), kv.reference_output(p, xd)
     assert np.isfinite(got).all()
