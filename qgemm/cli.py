@@ -372,6 +372,8 @@ def validate(
     specs = _specs(names, all_)
     mnk, shape_of = _shapes(shape, "257x1031x4096", "5x1031x128", specs)
     _writable_file(as_json, "--json")
+    if seed is not None and seed < 0:  # numpy's generators refuse it; said before the GPU is asked
+        _fail(f"--seed must be a non-negative integer, got {seed}")
     gg = _gguf_source(gguf, tensor, m_rows, mnk)
     _precheck(specs, shape_of, all_, sparsity, gg)
     _need_gpu("validate")
@@ -800,7 +802,10 @@ def compare_llamacpp(
                                                  extra_args=["-b", backend] if backend else [])
     except (OSError, RuntimeError) as e:
         _fail(str(e))
-    rows = llamacpp.parse_test_backend_ops(text)
+    try:
+        rows = llamacpp.parse_test_backend_ops(text)
+    except ValueError as e:
+        _fail(f"{source}: {e}")
     if not rows:
         _fail(f"no timed MUL_MAT lines in {source}; expected lines like "
               "'MUL_MAT(type_a=q4_0,type_b=f32,m=4096,n=512,k=14336,...): 3198 runs - 312.80 us/run - ...'")

@@ -387,12 +387,17 @@ def _weights(w, fmt: str | None, on_device: bool, stream=None, who: str = "matmu
             if fmt is None:
                 raise ValueError(f"{who}: cannot tell the weight format of a {d.dtype} device array; pass fmt='q4_0' or 'q8_0'")
         f = F.get_format(fmt)
+        if f.name not in ("q4_0", "q8_0"):  # a float matrix would be read as K "blocks" per row
+            raise ValueError(f"{who}: weights must be q4_0 or q8_0 blocks, got fmt={fmt!r} "
+                             f"(a {runtime.dtype_name(d.dtype)} {d.shape} device array)")
         if d.dtype == np.uint8:
             if d.ndim != 2 or d.shape[1] % f.dtype.itemsize:
                 raise ValueError(f"{who}: raw {f.name} weights must be uint8 [N, (K/32)*{f.dtype.itemsize}], got {d.shape}")
             d = d.view(f.dtype)
         elif d.dtype != f.dtype:
-            raise ValueError(f"{who}: weights must be {f.name} blocks, got {d.dtype}")
+            came = F.block_format_of(d.dtype)
+            raise ValueError(f"{who}: weights must be {f.name} blocks, got {came + ' blocks' if came else runtime.dtype_name(d.dtype)} "
+                             f"{d.shape}")
         if d.ndim != 2:
             raise ValueError(f"{who}: weights must be 2-D [N, K/32] blocks, got shape {d.shape}")
         if 0 in d.shape:

@@ -46,7 +46,9 @@ class Format:
         return self.block > 1
 
     def nbytes(self, rows: int, k: int) -> int:
-        """Bytes of a [rows, K] matrix in this format."""
+        """Bytes of a [rows, K] matrix in this format; ValueError for a K the blocks do not divide."""
+        if k % self.block:
+            raise ValueError(f"{self.name}: K must be a multiple of {self.block} (the block size), got K={k}")
         return rows * (k // self.block) * self.dtype.itemsize
 
     def bits_per_value(self) -> float:

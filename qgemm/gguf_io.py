@@ -325,8 +325,10 @@ class GGUFFile:
     def _require_supported(self, t: TensorInfo) -> str:
         if t.fmt is None:
             raise ValueError(f"{self.path}: tensor {t.name!r} is {t.type} [{t.shape_str}], which qgemm cannot load; "
-                             f"supported ggml types: {_SUPPORTED_TEXT}. Re-quantize the model to Q4_0 or Q8_0 "
-                             "(llama.cpp: llama-quantize IN.gguf OUT.gguf Q4_0)")
+                             f"supported ggml types: {_SUPPORTED_TEXT}. Quantize the model to Q4_0 or Q8_0 with "
+                             "llama.cpp, from its F16 / BF16 / F32 GGUF: `llama-quantize --pure MODEL-F16.gguf "
+                             "OUT.gguf Q4_0` (--pure: every tensor, not only most; an already quantized file also "
+                             "needs --allow-requantize, at some cost in quality)")
         return t.fmt
 
     def load(self, name: str) -> np.ndarray:

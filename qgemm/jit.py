@@ -160,16 +160,20 @@ def supported_archs() -> tuple[int, ...]:
     return tuple(int(a) for a in archs)
 
 
-_ARCH_RE = re.compile(r"^(?:sm_?|compute_)?(\d)\.?(\d+)([af]?)$")
+# a compute capability major.minor (the minor one digit: 9.0, 10.0, 12.1) or its digits run together
+# (90, 100, 121: the last digit is the minor)
+_ARCH_RE = re.compile(r"^(?:sm_?|compute_)?(?:(\d{1,2})\.(\d)|(\d{2,3}))([af]?)$")
 
 
 def parse_arch(arch: str | int) -> tuple[int, str]:
-    """'sm_90', '90', '9.0', 'sm_90a', 90 -> (90, 'a' or ''). ValueError on anything else."""
+    """'sm_90', '90', '9.0', 'sm_90a', 90, '10.0', 'sm_120' -> (90 / 100 / 120, 'a' or ''). ValueError
+    (UnsupportedArchError) on anything else."""
     s = str(arch).strip().lower()
     m = _ARCH_RE.match(s)
     if not m:
-        raise UnsupportedArchError(f"cannot parse architecture {arch!r}; expected e.g. sm_90, sm_90a, 90 or 9.0")
-    return int(m.group(1) + m.group(2)), m.group(3)
+        raise UnsupportedArchError(f"cannot parse architecture {arch!r}; expected e.g. sm_90, sm_90a, 90, 9.0 or 10.0")
+    cc = int(m.group(1)) * 10 + int(m.group(2)) if m.group(1) is not None else int(m.group(3))
+    return cc, m.group(4)
 
 
 def normalize_arch(arch: str | int) -> str:

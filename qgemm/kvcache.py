@@ -34,7 +34,6 @@ which is (q - zero) * scale up to the rounding of the two fp16 constants.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 
@@ -85,8 +84,11 @@ def _check_sparsity(sparsity) -> float:
 
 
 def kept_per_token(d: int, sparsity: float) -> int:
-    """How many of a token's D values prune() keeps: D - round(sparsity * D) (at least 1)."""
-    return max(1, d - int(round(_check_sparsity(sparsity) * d)))
+    """How many of a token's D values prune() keeps: D - round(sparsity * D) (at least 1).
+    ValueError for a D that is not a positive int or a sparsity not in [0, 1)."""
+    if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or d < 1:
+        raise ValueError(f"kept_per_token: D must be a positive int (the head dim), got {d!r}")
+    return max(1, int(d) - int(round(_check_sparsity(sparsity) * d)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -674,12 +676,11 @@ def reference_output(p: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 def rel_error(x: np.ndarray, ref: np.ndarray) -> float:
-    """||x - ref|| / ||ref|| (Frobenius, float64)."""
-    x = np.asarray(x, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    den = float(np.sqrt(np.sum(ref * ref)))
-    num = float(np.sqrt(np.sum((x - ref) ** 2)))
-    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+    """||x - ref|| / ||ref|| (Frobenius, float64): qgemm.reference.relative_error (ValueError for
+    operands of different shapes)."""
+    from .reference import relative_error
+
+    return relative_error(x, ref)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -843,7 +844,11 @@ def _whole_chunk_ctas(ctas: int, shmem: int, mr: int, cc: int, sm_count: int) ->
 
 
 def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 1
+
+
+def _opt_bool(v) -> bool:
+    return v is None or isinstance(v, (bool, np.bool_))
 
 
 def _plan_mma(kind: str, bits: int, shape, rows: int, sm_count: int, ctas_per_sm: int | None = None) -> LaunchPlan:
@@ -903,16 +908,30 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     ValueError for another kind, bits or D, B, S, rows or sm_count not positive ints, B above
     65535, an option given to the wrong kind or out of its range, or a step that does not fit in
     shared memory."""
+    if not isinstance(shape, (tuple, list)) or len(shape) != 3:
+        raise ValueError(f"plan_for: shape must be the cache's (B, S, D), got {shape!r}")
     b, s, d = shape
     if kind not in ("key", "value") or bits not in (16, 4, 2) or d not in (64, 128, 256):
         raise ValueError(f"plan_for: kind must be 'key' or 'value', bits 16 / 4 / 2 and D 64 / 128 / 256, got "
                          f"kind={kind!r} bits={bits!r} D={d!r}")
+    if isinstance(cc, (bool, np.bool_)) or not isinstance(cc, (int, np.integer)):
+        raise ValueError(f"plan_for: cc must be the compute capability as an int (90 for sm_90), got {cc!r}")
+    if max_step is not None and not (_positive_int(max_step) or (isinstance(max_step, (int, np.integer))
+                                                                 and not isinstance(max_step, (bool, np.bool_))
+                                                                 and max_step == 0)):
+        # (0: a cache with no non-zeros at all, whose steps are empty)
+        raise ValueError(f"plan_for: max_step must be a non-negative int (bytes of the largest step) or None, "
+                         f"got {max_step!r}")
+    for name, v in (("mma", mma), ("v3", v3), ("whole", whole)):
+        if not _opt_bool(v):
+            raise ValueError(f"plan_for: {name} must be True, False or None, got {v!r}")
     if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in (b, s, rows, sm_count)):
         raise ValueError(f"plan_for: B, S, the query rows and sm_count must be positive ints, got shape {tuple(shape)}, "
                          f"rows={rows!r}, sm_count={sm_count!r}")
     if b > 65535:  # the kernels' grid.y: CUDA launches at most 65535
         raise ValueError(f"a {kind} cache of B={b} (batch x kv heads) is beyond one launch (at most 65535): split it")
-    if density is not None and (isinstance(density, bool) or not isinstance(density, (int, float, np.floating))
+    if density is not None and (isinstance(density, (bool, np.bool_))
+                                or not isinstance(density, (int, float, np.integer, np.floating))
                                 or not 0.0 <= density <= 1.0):
         raise ValueError(f"density must be the stored fraction of the cache, a number in [0, 1], got {density!r}")
     if ctas_per_sm is not None and not _positive_int(ctas_per_sm):
@@ -920,22 +939,29 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     if steps_per_cta is not None and (kind != "key" or not _positive_int(steps_per_cta)):
         raise ValueError(f"steps_per_cta is for key kernels and must be a positive int (warp steps of 32 tokens per "
                          f"CTA), got {steps_per_cta!r} for a {kind} kernel")
-    if whole is not None and (kind != "value" or not isinstance(whole, bool)):
+    if whole is not None and kind != "value":
         raise ValueError(f"whole (16-warp CTAs over whole chunks) is for value kernels and must be True, False or None, "
                          f"got {whole!r} for a {kind} kernel")
+    # numpy scalars pass the checks above; the defines and cache keys get plain Python values
+    ctas_per_sm, steps_per_cta = (None if v is None else int(v) for v in (ctas_per_sm, steps_per_cta))
+    mma, v3, whole = (None if v is None else bool(v) for v in (mma, v3, whole))
+    density = None if density is None else float(density)
     if mma is None:
         mma = use_mma(kind, bits, rows, cc)
     elif mma and not (kind == "value" and bits != 16 and cc >= 80):
         raise ValueError(f"version 4 (mma=True) is for 4/2-bit value kernels on sm_80+, got {kind} bits={bits} sm_{cc}")
     if mma:
+        # (max_step, which the runner always passes, sizes the walk's windows: version 4 has none)
+        if v3 is not None or whole is not None:  # options of the walk (versions 2 / 3)
+            raise ValueError(f"plan_for: v3 and whole shape the walk; version 4 (mma, chosen for {kind} bits={bits} "
+                             f"at {rows} rows on sm_{cc}) takes neither (pass mma=False for the walk), got v3={v3!r} "
+                             f"whole={whole!r}")
         return _plan_mma(kind, bits, shape, rows, sm_count, ctas_per_sm)
     # version 3 of the walk, except fp16 values (version 2: docs/mustafar.md; version 3 measured 17%
     # slower there, and with both reading value pairs (session 18) 2-6% faster at 70% but 10% slower
     # at 50%); fp16 keys measured 29.8 us on version 3 against 32.2 on version 2 (H100)
     if v3 is None:
         v3 = bits != 16 or kind == "key"
-    elif not isinstance(v3, bool):
-        raise ValueError(f"v3 must be True (version 3 of the walk), False (version 2) or None, got {v3!r}")
     mr = 4 if rows <= 4 else 8
     rb = -(-rows // mr)
     win = window_bytes(kind, bits, d, max_step)
@@ -1324,8 +1350,9 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
 
 
 def kernel_name(kind: str, ck) -> str:
-    layout = ck.layout
-    return f"mustafar.{kind}_{layout}"
+    if getattr(ck, "bits", None) not in BITS:  # a hand-edited cache: say what is wrong with it, not with a kernel name
+        raise ValueError(f"a compressed cache's bits must be one of {BITS}, got {getattr(ck, 'bits', None)!r}")
+    return f"mustafar.{kind}_{ck.layout}"
 
 
 def scores(q, ck, *, out=None, stream=None):
@@ -1362,13 +1389,16 @@ def error_report(k: np.ndarray, v: np.ndarray, q: np.ndarray, sparsity: float, b
     for name, a in (("k", k), ("v", v), ("q", q)):
         if not isinstance(a, np.ndarray):
             raise ValueError(f"error_report: {name} must be a numpy array, got {type(a).__name__}")
-        if a.ndim != 3:
-            raise ValueError(f"error_report: {name} must be 3-D ({'[B*groups, Lq, D]' if name == 'q' else '[B, S, D]'}), "
-                             f"got shape {a.shape}")
+        if a.ndim != 3 or not np.issubdtype(a.dtype, np.number):
+            raise ValueError(f"error_report: {name} must be a 3-D numeric array "
+                             f"({'[B*groups, Lq, D]' if name == 'q' else '[B, S, D] float16'}), got {a.dtype} {a.shape}")
         if not np.isfinite(a).all():  # a NaN would read as an infinite error, not as the bad input it is
             raise ValueError(f"error_report: {name} must be finite; found inf or NaN")
     if k.shape != v.shape:
         raise ValueError(f"error_report: k and v must be caches of one shape [B, S, D], got {k.shape} and {v.shape}")
+    for name, a in (("k", k), ("v", v)):  # prune() checks them too, but would not say which
+        if a.dtype != np.float16:
+            raise ValueError(f"error_report: {name} must be a float16 cache, got {a.dtype}")
     d = k.shape[2]
     kp, vp = prune(k, sparsity), prune(v, sparsity)
     kd = decompress(compress_keys(kp, bits, compact=compact))

@@ -63,13 +63,14 @@ def parse_test_backend_ops(text: str) -> list[dict]:
                 strided operands)
         params  every key=value of the line; raw: the line itself (ANSI codes removed)
 
-    Lines that are not timed MUL_MAT results (headers, 'not supported', other ops) are skipped.
+    Lines that are not timed MUL_MAT results (headers, 'not supported', other ops) are skipped; a
+    timed MUL_MAT line whose m, n, k, time or rate do not parse is a ValueError naming the line.
     """
     rows: list[dict] = []
     backend = None
     description = None
     device0 = None
-    for raw in text.splitlines():
+    for lineno, raw in enumerate(text.splitlines(), 1):
         line = _ANSI.sub("", raw).rstrip()
         if m := _BACKEND.match(line):
             backend, description = m["name"], None
@@ -87,15 +88,22 @@ def parse_test_backend_ops(text: str) -> list[dict]:
         missing = [k for k in ("type_a", "m", "n", "k") if k not in params]
         if missing:
             continue  # a MUL_MAT line of another printer layout: nothing to compare with
-        rate = float(m["rate"]) * _SCALE[m["rate_unit"]] / 1e12 if m["rate"] else None
+        try:  # a timed MUL_MAT line whose numbers do not parse is a damaged file, said with its line
+            rate = float(m["rate"]) * _SCALE[m["rate_unit"]] / 1e12 if m["rate"] else None
+            mnk = {key: int(params[key]) for key in ("m", "n", "k")}
+            if min(mnk.values()) <= 0:
+                raise ValueError("m, n and k must be positive")
+            us, runs = float(m["us"]), int(m["runs"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"line {lineno}: a MUL_MAT result whose numbers do not parse ({e}): {line.strip()}") from None
         rows.append({
             "type": str(params["type_a"]),
             "type_b": str(params.get("type_b", "f32")),
-            "M": int(params["n"]),
-            "N": int(params["m"]),
-            "K": int(params["k"]),
-            "us": float(m["us"]),
-            "runs": int(m["runs"]),
+            "M": mnk["n"],
+            "N": mnk["m"],
+            "K": mnk["k"],
+            "us": us,
+            "runs": runs,
             "tflops": rate,
             "device": description or device0,
             "backend": backend,

@@ -7,6 +7,8 @@ features (weights), K = reduction. Quantized operands are blocks along K: [rows,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -182,6 +184,8 @@ class Launch:
         """ValueError when CUDA cannot launch this grid (x < 2^31, y and z <= 65535 CTAs): a kernel
         whose grid grows with M along y handles at most 65535 of its row tiles in one call."""
         limits = (2**31 - 1, 65535, 65535)
+        if 0 in self.grid:  # an empty operand, not a grid too large
+            raise ValueError(f"{who}: {shape} has nothing to compute (a dimension of 0; every one must be >= 1)")
         if any(not 0 < d <= lim for d, lim in zip(self.grid, limits)):
             raise ValueError(f"{who}: {shape} needs a launch grid of {tuple(self.grid)} CTAs, beyond what CUDA launches "
                              "(x < 2^31, y and z <= 65535): split the call along M")
@@ -217,6 +221,9 @@ class Kernel:
         """NVRTC-compile (or fetch from the cache) for `arch`, default the GPU's, with the
         kernel's default configuration or `defines`. Needs no GPU when `arch` is given.
         UnsupportedArchError where the kernel cannot target `arch`; CompileError when NVRTC fails."""
+        if defines is not None and not isinstance(defines, Mapping):
+            raise ValueError(f"{self.name}.compile: defines must be a mapping of #define names to values "
+                             f"(e.g. {{'SK_WARPS': 8}}), got {type(defines).__name__}")
         arch = jit.normalize_arch(arch or self._arch or runtime.device_arch())
         cc, _ = jit.parse_arch(arch)
         if not self.spec.runs_on(cc):  # sm_90a features (wgmma) exist on sm_90 only, not on later archs
@@ -441,6 +448,8 @@ class Kernel:
     # -- quantizers ----------------------------------------------------------------------------
     def _call_quantize(self, x, out=None, stream=None):
         device = not isinstance(x, np.ndarray)
+        if device and not runtime.is_device_array(x):  # a list, None, ...: said as the GEMM kernels say it
+            raise ValueError(f"{self.name}: X must be a numpy array or a device array, got {type(x).__name__}")
         if runtime.gpu_available():
             runtime.prepare_call(stream, self.name, "a quantizer called alone reads its overflow flag back, which a "
                                                     "CUDA graph capture cannot; qgemm.matmul captures its own quantization")

@@ -163,7 +163,7 @@ def exact_w4a8s(a_f32: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
     """w4a8.skinny: quantize_rows_i8 activations x Q4_0, the -8 compensated in integers:
     per block d_w d_a (sumi - 8 sum q_a), sumi on the stored nibbles 0..15."""
     qa, da = quantize_rows_i8(a_f32)
-    w = F.as_blocks(w_q4_0, F.Q4_0, "W")
+    w = _blocks_2d(w_q4_0, F.Q4_0, "W", "exact_w4a8s")
     qw = np.concatenate([w["qs"] & 0x0F, w["qs"] >> 4], axis=-1)
     sumi = block_sumi(qa, qw) - 8 * qa.astype(np.int64).sum(axis=-1)[:, None, :]
     return np.sum(w["d"].astype(np.float64)[None] * da.astype(np.float64)[:, None] * sumi, axis=-1)
@@ -172,7 +172,7 @@ def exact_w4a8s(a_f32: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
 def exact_w8a8s(a_f32: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
     """w8a8.skinny: quantize_rows_i8 activations x Q8_0: per block d_w d_a sumi."""
     qa, da = quantize_rows_i8(a_f32)
-    w = F.as_blocks(w_q8_0, F.Q8_0, "W")
+    w = _blocks_2d(w_q8_0, F.Q8_0, "W", "exact_w8a8s")
     sumi = block_sumi(qa, w["qs"])
     return np.sum(w["d"].astype(np.float64)[None] * da.astype(np.float64)[:, None] * sumi, axis=-1)
 
@@ -203,9 +203,15 @@ EXACT = {
 
 
 def relative_error(x: np.ndarray, ref: np.ndarray) -> float:
-    """||x - ref|| / ||ref|| (Frobenius, float64)."""
-    x = np.asarray(x, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
+    """||x - ref|| / ||ref|| (Frobenius, float64). ValueError for operands of different shapes
+    (broadcasting would compare other elements than the caller meant) or not numeric."""
+    try:
+        x = np.asarray(x, dtype=np.float64)
+        ref = np.asarray(ref, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"relative_error: x and ref must be numeric arrays ({e})") from None
+    if x.shape != ref.shape:
+        raise ValueError(f"relative_error: x and ref must have the same shape, got {x.shape} and {ref.shape}")
     den = float(np.linalg.norm(ref))
     num = float(np.linalg.norm(x - ref))
     return num / den if den > 0 else (0.0 if num == 0 else float("inf"))

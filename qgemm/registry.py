@@ -755,7 +755,7 @@ def spec(name: str) -> KernelSpec:
     try:
         return REGISTRY[name]
     except KeyError:
-        close = difflib.get_close_matches(name, REGISTRY, n=3, cutoff=0.4)
+        close = difflib.get_close_matches(name.lower(), REGISTRY, n=3, cutoff=0.4)  # (the names are lower case)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise UnknownNameError(f"no kernel named {name!r}{hint} (qgemm list shows all {len(REGISTRY)})") from None
 

@@ -250,7 +250,9 @@ def as_stream(stream=None):
     if hasattr(stream, "__cuda_stream__"):
         return _same_device(_wrap("Stream.from_handle", Stream.from_handle, int(stream.__cuda_stream__()[1])), stream)
     handle = getattr(stream, "cuda_stream", stream)
-    if isinstance(handle, (int, np.integer)):
+    if isinstance(handle, (int, np.integer)) and not isinstance(handle, (bool, np.bool_)):
+        if int(handle) < 0:
+            raise ValueError(f"stream: an int stream handle is an address, >= 0 (0: the default stream), got {int(handle)}")
         if int(handle) == 0:
             return default_stream()
         return _same_device(_wrap("Stream.from_handle", Stream.from_handle, int(handle)), stream)
@@ -729,7 +731,9 @@ class DeviceArray:
         """A view of the same memory in another shape (a tuple or separate ints) of as many
         elements; ValueError otherwise."""
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        if int(np.prod(shape)) != self.size:
+        if not all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) and n >= 0 for n in shape):
+            raise ValueError(f"reshape: a shape of non-negative ints, got {tuple(shape)!r}")  # (-1 is not inferred)
+        if int(np.prod(shape, dtype=np.int64)) != self.size:
             raise ValueError(f"cannot reshape {self.shape} into {tuple(shape)}")
         return self._derived(tuple(shape), self.dtype)
 
@@ -742,7 +746,9 @@ class DeviceArray:
     def view(self, dtype) -> "DeviceArray":
         """Reinterpret the last dimension's bytes as `dtype` (as numpy's view)."""
         dtype = np.dtype(dtype)
-        last = self.shape[-1] * self.dtype.itemsize if self.shape else self.dtype.itemsize
+        if not self.shape:
+            raise ValueError(f"view: a 0-d {self.dtype} array has no last dimension to reinterpret as {dtype}")
+        last = self.shape[-1] * self.dtype.itemsize
         if last % dtype.itemsize:
             raise ValueError(f"cannot view {self.dtype} [..., {self.shape[-1]}] as {dtype}")
         return self._derived(self.shape[:-1] + (last // dtype.itemsize,), dtype)
@@ -797,8 +803,11 @@ class DeviceArray:
         (ValueError otherwise), on `stream`."""
         from cuda.bindings import driver
 
+        if not isinstance(other, DeviceArray):
+            raise ValueError(f"copy_to: expected a qgemm.DeviceArray, got {type(other).__name__}")
         if other.nbytes != self.nbytes:
-            raise ValueError("copy_to: size mismatch")
+            raise ValueError(f"copy_to: size mismatch: this array has {self.nbytes} bytes ({self.dtype} {self.shape}), "
+                             f"the destination {other.nbytes} ({other.dtype} {other.shape})")
         if self.nbytes:
             ensure_current()
             s = as_stream(stream)

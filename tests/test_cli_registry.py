@@ -1535,3 +1535,91 @@ def test_api_audit_findings():
     assert isinstance(e.value, qgemm.UnknownNameError) and isinstance(e.value, KeyError)
     assert isinstance(e.value, ValueError) and "w4a8." in str(e.value)
     assert issubclass(qgemm.NoGPUError, RuntimeError) and issubclass(qgemm.NoGPUError, qgemm.QgemmError)
+
+
+def test_error_message_audit_findings(tmp_path):
+    """Session 34's audit of error messages and exception types (each assertion fails on the code
+    before it): what reached the user as a traceback, a wrong exception type, a silently wrong
+    result or a misleading message."""
+    import dataclasses
+
+    import qgemm
+    from qgemm import formats as F, jit, kvcache as kv, llamacpp, reference, runtime
+
+    # a timed MUL_MAT line whose numbers do not parse: a ValueError naming the line, one CLI error line
+    bad = ("Backend 1/2: CUDA0\n"
+           "  MUL_MAT(type_a=q4_0,type_b=f32,m=4096,n=x,k=4096,bs=[1,1],nr=[1,1],per=[0,1,2,3],k_v=0,o=1): "
+           "3198 runs - 312.80 us/run - 137.44 GFLOP/run - 439.39 TFLOPS\n")
+    with pytest.raises(ValueError, match=r"line 2: a MUL_MAT result whose numbers do not parse"):
+        llamacpp.parse_test_backend_ops(bad)
+    f = tmp_path / "perf.txt"
+    f.write_text(bad)
+    r = runner.invoke(app, ["compare-llamacpp", "--from-file", str(f)])
+    assert r.exit_code == 2 and "line 2" in r.output and "Traceback" not in r.output, r.output
+    # a negative stream handle is bad input, not a driver failure
+    with pytest.raises(ValueError, match=r"stream: an int stream handle .* got -1"):
+        runtime.as_stream(-1)
+    # relative errors of operands of different shapes broadcast into a number
+    with pytest.raises(ValueError, match="same shape"):
+        kv.rel_error(np.ones((4, 1)), np.ones((1, 4)))
+    with pytest.raises(ValueError, match="same shape"):
+        reference.relative_error(np.zeros(3), np.ones((2, 3)))
+    # DeviceArray views: sizes must be non-negative ints; a 0-d array has no last dimension
+    da = qgemm.DeviceArray(0x1000, (4, 8), np.float32)
+    for shape in ((2.5, 12.8), (-4, -8)):
+        with pytest.raises(ValueError, match="non-negative ints"):
+            da.reshape(*shape)
+    with pytest.raises(ValueError, match="0-d"):
+        qgemm.DeviceArray(0x1000, (), np.float32).view(np.uint8)
+    with pytest.raises(ValueError, match="expected a qgemm.DeviceArray, got NoneType"):
+        da.copy_to(None)
+    with pytest.raises(ValueError, match=r"128 bytes .* the destination 64"):
+        da.copy_to(qgemm.DeviceArray(0x2000, (16,), np.float32))
+    # kvcache helpers: non-numeric operands, options the chosen version ignores, numpy scalars
+    k = np.zeros((1, 64, 64), np.float16)
+    with pytest.raises(ValueError, match="q must be a 3-D numeric array"):
+        kv.error_report(k, k, np.array([[["a"]]]), 0.5, 4)
+    with pytest.raises(ValueError, match="k must be a float16 cache"):
+        kv.error_report(k.astype(np.float32), k.astype(np.float32), np.zeros((1, 1, 64), np.float16), 0.5, 4)
+    with pytest.raises(ValueError, match="version 4 .* takes neither"):
+        kv.plan_for("value", 2, (32, 16384, 128), 32, v3=True)  # 32 rows: version 4
+    with pytest.raises(ValueError, match="mma must be True, False or None"):
+        kv.plan_for("value", 2, (32, 16384, 128), 4, mma="no")
+    with pytest.raises(ValueError, match=r"shape must be the cache's \(B, S, D\)"):
+        kv.plan_for("key", 2, (32, 16384), 4)
+    p = kv.plan_for("key", 2, (32, 16384, 128), 4, ctas_per_sm=np.int64(2), v3=np.False_, density=np.int64(1))
+    assert p.defines["MF_V3"] == 0 and type(p.defines["MF_MIN_CTAS"]) is int and p.defines["MF_MIN_CTAS"] == 2
+    assert kv.plan_for("key", 2, (1, 100, 64), 4, 132, 0).grid  # an all-zero cache's steps are 0 bytes
+    with pytest.raises(ValueError, match="max_step must be a non-negative int"):
+        kv.plan_for("key", 2, (1, 100, 64), 4, 132, -1)
+    with pytest.raises(ValueError, match="D must be a positive int"):
+        kv.kept_per_token(-64, 0.5)
+    ck = kv.compress_keys(k, 4)
+    with pytest.raises(ValueError, match=r"bits must be one of \(16, 4, 2\), got 8"):
+        kv.scores(np.zeros((1, 1, 64), np.float16), dataclasses.replace(ck, bits=8))
+    # two-digit compute capabilities in the major.minor form (B200: 10.0, RTX 50: 12.0)
+    assert jit.parse_arch("10.0") == (100, "") and jit.parse_arch("12.1") == (121, "")
+    assert jit.parse_arch("9.0") == (90, "") and jit.parse_arch("sm_120a") == (120, "a")
+    with pytest.raises(qgemm.UnsupportedArchError, match="cannot parse"):
+        jit.parse_arch("9.10")
+    # device weights of a float format were read as K "blocks" per row
+    dw = qgemm.DeviceArray(0x1000, (8, 64), np.float16)
+    with pytest.raises(ValueError, match=r"weights must be q4_0 or q8_0 blocks, got fmt='f16'"):
+        qgemm.matmul(qgemm.DeviceArray(0x3000, (4, 64), np.float32), dw, fmt="f16")
+    # names: the suggestion ignores case; a zero dimension is not a grid too large
+    with pytest.raises(qgemm.UnknownNameError, match="did you mean w4a16.naive"):
+        qgemm.get("W4A16.NAIVE")
+    with pytest.raises(ValueError, match="nothing to compute"):
+        qgemm.get("w4a8.mma").check_launch(1, 0, 64)
+    # the remaining input checks named by the audit
+    r = runner.invoke(app, ["validate", "fp32.naive", "--seed", "-1"])
+    assert r.exit_code == 2 and "--seed must be a non-negative integer" in r.output, r.output
+    w4 = F.quantize_q4_0(np.ones((4, 64), np.float32))
+    with pytest.raises(ValueError, match="exact_w4a8s: W must be 2-D"):
+        reference.exact_w4a8s(np.ones((1, 64), np.float32), w4[0])
+    with pytest.raises(ValueError, match="K must be a multiple of 32"):
+        F.get_format("q8_0").nbytes(8, 33)
+    with pytest.raises(ValueError, match="defines must be a mapping"):
+        qgemm.get("fp32.naive").compile("sm_90", [1])
+    with pytest.raises(ValueError, match="quantize.q8_1: X must be a numpy array or a device array, got NoneType"):
+        qgemm.get("quantize.q8_1")(None)

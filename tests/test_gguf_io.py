@@ -173,6 +173,8 @@ def test_unsupported_type_names_it_and_the_supported_ones(model, name, typ):
     msg = str(e.value)
     assert f"is {typ} [" in msg and name in msg and str(path) in msg
     assert "Q4_0, Q8_0" in msg and "F16, F32" in msg
+    # a re-quantize command that works: llama.cpp refuses a quantized input without --allow-requantize
+    assert "llama-quantize --pure" in msg and "--allow-requantize" in msg
 
 
 def test_missing_tensor_suggests_close_names(model):
