@@ -843,8 +843,13 @@ def _whole_chunk_ctas(ctas: int, shmem: int, mr: int, cc: int, sm_count: int) ->
             and 2 * (shmem + 1024) <= SMEM_SM)
 
 
+def _int_at_least(v, lo: int) -> bool:
+    """An int (numpy's too, not a bool) of at least `lo`."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= lo
+
+
 def _positive_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v >= 1
+    return _int_at_least(v, 1)
 
 
 def _opt_bool(v) -> bool:
@@ -916,16 +921,13 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
                          f"kind={kind!r} bits={bits!r} D={d!r}")
     if isinstance(cc, (bool, np.bool_)) or not isinstance(cc, (int, np.integer)):
         raise ValueError(f"plan_for: cc must be the compute capability as an int (90 for sm_90), got {cc!r}")
-    if max_step is not None and not (_positive_int(max_step) or (isinstance(max_step, (int, np.integer))
-                                                                 and not isinstance(max_step, (bool, np.bool_))
-                                                                 and max_step == 0)):
-        # (0: a cache with no non-zeros at all, whose steps are empty)
+    if max_step is not None and not _int_at_least(max_step, 0):  # (0: a cache with no non-zeros, empty steps)
         raise ValueError(f"plan_for: max_step must be a non-negative int (bytes of the largest step) or None, "
                          f"got {max_step!r}")
     for name, v in (("mma", mma), ("v3", v3), ("whole", whole)):
         if not _opt_bool(v):
             raise ValueError(f"plan_for: {name} must be True, False or None, got {v!r}")
-    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1 for v in (b, s, rows, sm_count)):
+    if not all(_positive_int(v) for v in (b, s, rows, sm_count)):
         raise ValueError(f"plan_for: B, S, the query rows and sm_count must be positive ints, got shape {tuple(shape)}, "
                          f"rows={rows!r}, sm_count={sm_count!r}")
     if b > 65535:  # the kernels' grid.y: CUDA launches at most 65535
