@@ -99,41 +99,42 @@ def _describe(x) -> str:
     return f"{names.get(a.dtype, a.dtype)} {a.shape}"
 
 
-def _check_host(x, fmt: F.Format, role: str, op: Op) -> np.ndarray:
+def _check_host(x, fmt: F.Format, role: str, op: Op, who: str | None = None) -> np.ndarray:
+    name = who or op.name  # the kernel the user called, for messages
     if not isinstance(x, np.ndarray):
-        raise ValueError(f"{op.name}: {role} must be a numpy array or a device array, got {type(x).__name__}")
+        raise ValueError(f"{name}: {role} must be a numpy array or a device array, got {type(x).__name__}")
     if fmt.quantized:
         if x.dtype != fmt.dtype and x.dtype != np.uint8:
             raise ValueError(
-                f"{op.name}: {role} must be {fmt.name} blocks ({fmt.description}) [rows, K/32], got {_describe(x)}"
+                f"{name}: {role} must be {fmt.name} blocks ({fmt.description}) [rows, K/32], got {_describe(x)}"
                 + _format_hint(x, fmt)
             )
         if x.ndim != 2:
-            raise ValueError(f"{op.name}: {role} must be 2-D [rows, K/32] {fmt.name} blocks, got shape {x.shape}")
+            raise ValueError(f"{name}: {role} must be 2-D [rows, K/32] {fmt.name} blocks, got shape {x.shape}")
         if not x.flags.c_contiguous:
-            raise ValueError(f"{op.name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
-        b = F.as_blocks(x, fmt, f"{op.name}: {role}")
+            raise ValueError(f"{name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
+        b = F.as_blocks(x, fmt, f"{name}: {role}")
         bad = F.nonfinite_block(b)
         if bad is not None:
             field, (row, blk), value = bad
-            raise ValueError(f"{op.name}: {role} block {field} values must be finite; row {row}, block {blk} has "
+            raise ValueError(f"{name}: {role} block {field} values must be finite; row {row}, block {blk} has "
                              f"{field} = {value}")
         if op.unit == "hmma" and fmt.name in ("q4_0", "q8_0"):  # dequantized by one float16 multiply per weight
             over = F.f16_dequant_overflow(b, fmt.name)
             if over is not None:
                 row, blk, d = over
-                raise ValueError(f"{op.name}: {role} row {row}, block {blk} (d = {d:g}) holds a weight d x q beyond "
+                raise ValueError(f"{name}: {role} row {row}, block {blk} (d = {d:g}) holds a weight d x q beyond "
                                  f"float16's range (65504), which this fp16 tensor-core kernel would turn into inf; "
                                  f"the int8 kernels (w4a8.* / w8a8.*) take such weights")
         return b
     if x.dtype != fmt.dtype:
-        raise ValueError(f"{op.name}: {role} must be {fmt.dtype} [rows, K], got {_describe(x)}" + _format_hint(x, fmt))
+        raise ValueError(f"{name}: {role} must be {fmt.dtype} [rows, K], got {_describe(x)}" + _format_hint(x, fmt))
     if x.ndim != 2:
-        raise ValueError(f"{op.name}: {role} must be 2-D [rows, K], got shape {x.shape}")
+        raise ValueError(f"{name}: {role} must be 2-D [rows, K], got shape {x.shape}")
     if not x.flags.c_contiguous:
-        raise ValueError(f"{op.name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
+        raise ValueError(f"{name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
     if not np.isfinite(x).all():  # checked where it is cheap: host calls are synchronous anyway
-        raise ValueError(f"{op.name}: {role} must be finite; found inf or NaN")
+        raise ValueError(f"{name}: {role} must be finite; found inf or NaN")
     return x
 
 
@@ -144,21 +145,22 @@ def _format_hint(x, fmt: F.Format) -> str:
     return ""
 
 
-def _check_device(x, fmt: F.Format, role: str, op: Op, stream=None) -> runtime.DeviceArray:
+def _check_device(x, fmt: F.Format, role: str, op: Op, stream=None, who: str | None = None) -> runtime.DeviceArray:
+    name = who or op.name  # the kernel the user called, for messages
     d = runtime.as_device_array(x, stream)  # (DLPack: the producer's pending work ordered before `stream`)
     if fmt.quantized:
         if d.dtype == np.uint8:  # raw bytes from torch/CuPy: [rows, nb * itemsize]
             if d.ndim != 2 or d.shape[1] % fmt.dtype.itemsize:
                 raise ValueError(
-                    f"{op.name}: {role} as raw bytes must be uint8 [rows, (K/32)*{fmt.dtype.itemsize}] ({fmt.name}), got {_describe(d)}"
+                    f"{name}: {role} as raw bytes must be uint8 [rows, (K/32)*{fmt.dtype.itemsize}] ({fmt.name}), got {_describe(d)}"
                 )
             d = d.view(fmt.dtype)
         elif d.dtype != fmt.dtype:
-            raise ValueError(f"{op.name}: {role} must be {fmt.name} blocks on the device, got {_describe(d)}")
+            raise ValueError(f"{name}: {role} must be {fmt.name} blocks on the device, got {_describe(d)}")
     elif d.dtype != fmt.dtype:
-        raise ValueError(f"{op.name}: {role} must be {fmt.dtype} [rows, K] on the device, got {_describe(d)}")
+        raise ValueError(f"{name}: {role} must be {fmt.dtype} [rows, K] on the device, got {_describe(d)}")
     if d.ndim != 2:
-        raise ValueError(f"{op.name}: {role} must be 2-D, got shape {d.shape}")
+        raise ValueError(f"{name}: {role} must be 2-D, got shape {d.shape}")
     return d
 
 
@@ -348,7 +350,7 @@ class Kernel:
         checked the format."""
         if isinstance(w, packing.PackedWeights):
             return w.packed if self.packed else w.blocks
-        d = _check_device(w, self.op.w, "W", self.op, stream)
+        d = _check_device(w, self.op.w, "W", self.op, stream, self.name)
         if self.packed:
             return self.upload_weights(d.to_host())
         return d
@@ -365,7 +367,7 @@ class Kernel:
                 f"{self.name}: A and W must both be host (numpy) arrays or both device arrays; got A: {_describe(a)}, W: {_describe(w)}"
             )
         chk = _check_device if on_device[0] else _check_host
-        a_, w_ = chk(a, self.op.a, "A", self.op), chk(w, self.op.w, "W", self.op)
+        a_, w_ = chk(a, self.op.a, "A", self.op, who=self.name), chk(w, self.op.w, "W", self.op, who=self.name)
         m, ka = a_.shape[0], _k_of(a_.shape, self.op.a)
         n, kw = w_.shape[0], _k_of(w_.shape, self.op.w)
         if ka != kw:
@@ -401,14 +403,14 @@ class Kernel:
             "capture qgemm.matmul, or this kernel on device arrays in its own formats"))
         stream = runtime.as_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
         if device:
-            da = _check_device(a, self.op.a, "A", self.op, stream)
+            da = _check_device(a, self.op.a, "A", self.op, stream, self.name)
             dw = self._device_weights(w, stream)
             if self.packed and da.ptr % 16 and self.act_layout is None:
                 raise ValueError(f"{self.name}: A must start on a 16-byte boundary (float4 loads), got address {da.ptr:#x}")
             da = self._device_activations(da, m, k, stream)
         else:
-            da = self.upload_activations(_check_host(a, self.op.a, "A", self.op))
-            dw = self.upload_weights(_check_host(w, self.op.w, "W", self.op))
+            da = self.upload_activations(_check_host(a, self.op.a, "A", self.op, self.name))
+            dw = self.upload_weights(_check_host(w, self.op.w, "W", self.op, self.name))
         dc = self._out(out, (m, n), np.float32, stream)
         self.launch(da, dw, dc, m, n, k, stream=stream, defines=defines)
         if device:
@@ -455,10 +457,10 @@ class Kernel:
                                                     "CUDA graph capture cannot; qgemm.matmul captures its own quantization")
         fmt = self.op.a
         if device:
-            dx = _check_device(x, fmt, "X", self.op, stream)
+            dx = _check_device(x, fmt, "X", self.op, stream, self.name)
         else:
             dx = None
-            _check_host(x, fmt, "X", self.op)
+            _check_host(x, fmt, "X", self.op, self.name)
         m, k = dx.shape if device else x.shape  # 2-D: _check_device / _check_host said so
         if k <= 0 or k % self.op.k_multiple:
             raise ValueError(f"{self.name}: K must be a positive multiple of {self.op.k_multiple}, got K={k}")

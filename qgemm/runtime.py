@@ -731,10 +731,17 @@ class DeviceArray:
         """A view of the same memory in another shape (a tuple or separate ints) of as many
         elements; ValueError otherwise."""
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        if not all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) and n >= 0 for n in shape):
-            raise ValueError(f"reshape: a shape of non-negative ints, got {tuple(shape)!r}")  # (-1 is not inferred)
+        if not all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) and n >= -1 for n in shape) \
+                or list(shape).count(-1) > 1:
+            raise ValueError(f"reshape: a shape of non-negative ints (one of them may be -1, inferred), got {tuple(shape)!r}")
+        shape = tuple(int(n) for n in shape)
+        if -1 in shape:  # as numpy: the one size that makes the element count match
+            known = int(np.prod([n for n in shape if n != -1], dtype=np.int64))
+            if known == 0 or self.size % known:
+                raise ValueError(f"cannot reshape {self.shape} into {shape}")
+            shape = tuple(self.size // known if n == -1 else n for n in shape)
         if int(np.prod(shape, dtype=np.int64)) != self.size:
-            raise ValueError(f"cannot reshape {self.shape} into {tuple(shape)}")
+            raise ValueError(f"cannot reshape {self.shape} into {shape}")
         return self._derived(tuple(shape), self.dtype)
 
     def _derived(self, shape, dtype) -> "DeviceArray":

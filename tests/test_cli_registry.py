@@ -1566,9 +1566,12 @@ def test_error_message_audit_findings(tmp_path):
         reference.relative_error(np.zeros(3), np.ones((2, 3)))
     # DeviceArray views: sizes must be non-negative ints; a 0-d array has no last dimension
     da = qgemm.DeviceArray(0x1000, (4, 8), np.float32)
-    for shape in ((2.5, 12.8), (-4, -8)):
+    for shape in ((2.5, 12.8), (-4, -8), (-1, -1)):
         with pytest.raises(ValueError, match="non-negative ints"):
             da.reshape(*shape)
+    assert da.reshape(-1).shape == (32,) and da.reshape((2, -1)).shape == (2, 16)  # -1 inferred, as numpy
+    with pytest.raises(ValueError, match="cannot reshape"):
+        da.reshape(3, -1)
     with pytest.raises(ValueError, match="0-d"):
         qgemm.DeviceArray(0x1000, (), np.float32).view(np.uint8)
     with pytest.raises(ValueError, match="expected a qgemm.DeviceArray, got NoneType"):

@@ -111,6 +111,19 @@ def test_device_arrays_in_and_out(rng):
     np.testing.assert_array_equal(out.to_host(), dc.to_host())
 
 
+def test_out_as_raw_bytes(rng):
+    """out= may be the result's raw bytes (uint8 of the same size, as torch / CuPy buffers come):
+    written through a float32 view of them (ops.Kernel._out, DeviceArray.reshape(-1))."""
+    a = rng.standard_normal((7, 96), dtype=np.float32)
+    w = rng.standard_normal((33, 96), dtype=np.float32)
+    k = qgemm.get("fp32.tiled")
+    raw = qgemm.DeviceArray.empty((7 * 33 * 4,), np.uint8)
+    raw.fill_bytes(0xFF)
+    assert k(qgemm.DeviceArray.from_host(a), qgemm.DeviceArray.from_host(w), out=raw) is raw
+    np.testing.assert_allclose(raw.to_host().view(np.float32).reshape(7, 33), a.astype(np.float64) @ w.T,
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_device_array_copies_and_dlpack_device(rng):
     """copy.deepcopy of a DeviceArray is a new allocation with the data; copy.copy a view; the
     DLPack export accepts its own device as dl_device (the protocol) and refuses another."""
