@@ -171,19 +171,24 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
     multiple of 32, or a `path` that does not compute this product (UnknownNameError, a
     ValueError, for no such kernel); UnsupportedArchError for an `arch` NVRTC cannot target or a
     `path` the architecture cannot run; TypeError for a `packed` that is not a bool."""
+    return _plan(m, n, k, fmt, x_dtype, path, packed, arch, "plan")
+
+
+def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
+    """plan(), its messages naming `who`: the public call the arguments came to (plan, explain, matmul)."""
     if not isinstance(packed, (bool, np.bool_)):
-        raise TypeError(f"plan: packed must be True or False (the weights are a qgemm.PackedWeights), got {packed!r}")
+        raise TypeError(f"{who}: packed must be True or False (the weights are a qgemm.PackedWeights), got {packed!r}")
     fmt = F.get_format(fmt).name
     if fmt not in _DEFAULTS:
-        raise ValueError(f"matmul: weights must be q4_0 or q8_0 blocks, got {fmt}")
+        raise ValueError(f"{who}: weights must be q4_0 or q8_0 blocks, got {fmt}")
     x_dtype = _X_DTYPES.get(x_dtype if isinstance(x_dtype, str) else _np_dtype_name(x_dtype), x_dtype)
     if x_dtype not in ("f32", "f16"):
-        raise ValueError(f"matmul: x_dtype must be 'f32' or 'f16' (float32 or float16 activations), got {x_dtype!r}")
+        raise ValueError(f"{who}: x_dtype must be 'f32' or 'f16' (float32 or float16 activations), got {x_dtype!r}")
     for what, v in (("M", m), ("N", n), ("K", k)):
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 0 < v < 2**31:
-            raise ValueError(f"matmul: {what} must be a positive integer below 2^31, got {v!r}")
+            raise ValueError(f"{who}: {what} must be a positive integer below 2^31, got {v!r}")
     if k % F.QK:
-        raise ValueError(f"matmul: K must be a multiple of {F.QK} (the block size), got K={k}")
+        raise ValueError(f"{who}: K must be a multiple of {F.QK} (the block size), got K={k}")
     if arch is not None:
         from . import jit
 
@@ -197,20 +202,20 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
         layout = s.weight_layout is not None
         if (s.op.kind != "gemm" or s.op.w is None or s.op.w.name != fmt
                 or s.op.a.name not in (("f32", "f16", "q8_1") if layout else ("q8_1", "f16"))):
-            raise ValueError(f"matmul: path {path!r} computes {s.op}; for {fmt} weights it must take Q8_1 or f16 activations "
+            raise ValueError(f"{who}: path {path!r} computes {s.op}; for {fmt} weights it must take Q8_1 or f16 activations "
                              f"and {fmt} weights (e.g. {choice['mma']}, {choice['gemv']}, {choice['dp4a']}), or be "
                              f"{choice['skinny']} with packed weights")
         if s.max_m is not None and m > s.max_m:
-            raise ValueError(f"matmul: path {path} handles M <= {s.max_m}, got M={m}")
+            raise ValueError(f"{who}: path {path} handles M <= {s.max_m}, got M={m}")
         if layout and not packed:
-            raise ValueError(f"matmul: path {path} reads the skinny weight layout: pass w = qgemm.pack_weights(w) "
+            raise ValueError(f"{who}: path {path} reads the skinny weight layout: pass w = qgemm.pack_weights(w) "
                              "(a one-time repacking at load)")
         if layout and s.op.a.name == "f32" and x_dtype != "f32":
-            raise ValueError(f"matmul: path {path} takes float32 activations, got {x_dtype}")
+            raise ValueError(f"{who}: path {path} takes float32 activations, got {x_dtype}")
         if cc is not None and not s.runs_on(cc):
             from .errors import UnsupportedArchError
 
-            raise UnsupportedArchError(f"matmul: path {path} needs {s.arch_needed}, planned for sm_{cc}")
+            raise UnsupportedArchError(f"{who}: path {path} needs {s.arch_needed}, planned for sm_{cc}")
         name, source, reason = path, "override", "requested with path="
     elif packed and cc == 90 and m >= WGMMA_MIN_M:
         name, source = choice["wgmma"], "default"
@@ -277,7 +282,7 @@ def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", pat
         where = f"{jit.normalize_arch(arch)} (requested; untuned defaults for 132 SMs)"
     else:
         where = runtime.device_info().name + f" ({runtime.device_arch()})" if runtime.gpu_available() else "no GPU"
-    return f"qgemm.matmul on {where}\n" + str(plan(m, n, k, fmt, x_dtype, path, packed, arch))
+    return f"qgemm.matmul on {where}\n" + str(_plan(m, n, k, fmt, x_dtype, path, packed, arch, "explain"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,7 +492,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if k != kw:
         raise ValueError(f"matmul: K mismatch: x has K={k}, weights have K={kw} ({wb.shape[1]} blocks of 32)")
     shape_c = tuple(lead) + (n,)
-    p = plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path, packed is not None)
+    p = _plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path, packed is not None, None, "matmul")
     if m > 65535:  # only then can a grid pass CUDA's limits (grid.y <= 65535 row tiles); not on the hot path
         p.check_launch()
     # what can be checked without the GPU is, first: a bad input says so on any machine

@@ -1609,6 +1609,15 @@ def test_error_message_audit_findings(tmp_path):
     dw = qgemm.DeviceArray(0x1000, (8, 64), np.float16)
     with pytest.raises(ValueError, match=r"weights must be q4_0 or q8_0 blocks, got fmt='f16'"):
         qgemm.matmul(qgemm.DeviceArray(0x3000, (4, 64), np.float32), dw, fmt="f16")
+    # plan() and explain() name themselves, not matmul, in their errors
+    with pytest.raises(ValueError, match=r"^plan: M must be a positive integer"):
+        qgemm.plan(0, 8, 64)
+    with pytest.raises(ValueError, match=r"^explain: weights must be q4_0 or q8_0"):
+        qgemm.explain(8, 8, 64, "f16")
+    with pytest.raises(ValueError, match=r"^matmul: path 'w4a8.nope'|^no kernel named 'w4a8.nope'"):
+        qgemm.matmul(np.ones((2, 64), np.float32), F.quantize_q4_0(np.ones((4, 64), np.float32)), path="w4a8.nope")
+    with pytest.raises(ValueError, match=r"^matmul: path w4a8.gemv handles M <= 8, got M=9"):
+        qgemm.matmul(np.ones((9, 64), np.float32), F.quantize_q4_0(np.ones((4, 64), np.float32)), path="w4a8.gemv")
     # names: the suggestion ignores case; a zero dimension is not a grid too large
     with pytest.raises(qgemm.UnknownNameError, match="did you mean w4a16.naive"):
         qgemm.get("W4A16.NAIVE")
