@@ -178,7 +178,7 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
     """plan(), its messages naming `who`: the public call the arguments came to (plan, explain, matmul)."""
     if not isinstance(packed, (bool, np.bool_)):
         raise TypeError(f"{who}: packed must be True or False (the weights are a qgemm.PackedWeights), got {packed!r}")
-    fmt = F.get_format(fmt).name
+    fmt = F.get_format(fmt, who).name
     if fmt not in _DEFAULTS:
         raise ValueError(f"{who}: weights must be q4_0 or q8_0 blocks, got {fmt}")
     x_dtype = _X_DTYPES.get(x_dtype if isinstance(x_dtype, str) else _np_dtype_name(x_dtype), x_dtype)
@@ -391,7 +391,7 @@ def _weights(w, fmt: str | None, on_device: bool, stream=None, who: str = "matmu
             fmt = {F.Q4_0.dtype: "q4_0", F.Q8_0.dtype: "q8_0"}.get(d.dtype)
             if fmt is None:
                 raise ValueError(f"{who}: cannot tell the weight format of a {d.dtype} device array; pass fmt='q4_0' or 'q8_0'")
-        f = F.get_format(fmt)
+        f = F.get_format(fmt, who)
         if f.name not in ("q4_0", "q8_0"):  # a float matrix would be read as K "blocks" per row
             raise ValueError(f"{who}: weights must be q4_0 or q8_0 blocks, got fmt={fmt!r} "
                              f"(a {runtime.dtype_name(d.dtype)} {d.shape} device array)")
@@ -461,7 +461,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     x_on_device = runtime.is_device_array(x) and not isinstance(x, np.ndarray)
     packed = w if isinstance(w, PackedWeights) else None
     if packed is not None:  # weights already on the GPU; host activations are uploaded, the result comes back
-        if fmt is not None and F.get_format(fmt).name != packed.fmt:
+        if fmt is not None and F.get_format(fmt, "matmul").name != packed.fmt:
             raise ValueError(f"matmul: fmt={fmt!r} but the packed weights are {packed.fmt}")
         fmt = packed.fmt
         w_on_device = True

@@ -68,17 +68,19 @@ Q8_1 = Format("q8_1", block_q8_1, QK, "ggml Q8_1 blocks {half d; half s; int8 qs
 FORMATS = {f.name: f for f in (F32, F16, Q4_0, Q8_0, Q8_1)}
 
 
-def get_format(name: str | Format) -> Format:
+def get_format(name: str | Format, who: str | None = None) -> Format:
     """The Format named `name` ("f32", "f16", "q4_0", "q8_0", "q8_1", in any case); a Format is
-    returned as it is. ValueError for another name or a non-string."""
+    returned as it is. ValueError for another name or a non-string, its message starting with
+    `who` (the caller the name was given to) when given."""
     if isinstance(name, Format):
         return name
+    at = f"{who}: " if who else ""
     if not isinstance(name, str):
-        raise ValueError(f"a format is one of {', '.join(FORMATS)} (a string), got {name!r}")
+        raise ValueError(f"{at}a format is one of {', '.join(FORMATS)} (a string), got {name!r}")
     try:
         return FORMATS[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown format {name!r}; known: {', '.join(FORMATS)}") from None
+        raise ValueError(f"{at}unknown format {name!r}; known: {', '.join(FORMATS)}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,7 +230,7 @@ QUANTIZERS = {"q4_0": quantize_q4_0, "q8_0": quantize_q8_0, "q8_1": quantize_q8_
 def quantize(x: np.ndarray, fmt: str | Format) -> np.ndarray:
     """Quantize float [..., K] into `fmt` ("q4_0", "q8_0", "q8_1"): quantize_q4_0, quantize_q8_0 or
     quantize_q8_1, and their ValueErrors; ValueError too for another format."""
-    f = get_format(fmt)
+    f = get_format(fmt, "quantize")
     if f.name not in QUANTIZERS:
         raise ValueError(f"quantize: {f.name} is not a quantized format; expected one of {', '.join(QUANTIZERS)}")
     return QUANTIZERS[f.name](x)
@@ -246,7 +248,7 @@ def block_format_of(dtype) -> str | None:
 def as_blocks(a: np.ndarray, fmt: str | Format, what: str = "array") -> np.ndarray:
     """View `a` as blocks of `fmt`: accepts the structured block dtype, or raw uint8 bytes
     [..., nblocks*itemsize] as gguf.quants.quantize returns them. Raises ValueError otherwise."""
-    f = get_format(fmt)
+    f = get_format(fmt, what)
     if not f.quantized:
         raise ValueError(f"{what}: {f.name} is not a block format")
     if not isinstance(a, np.ndarray):  # a list of blocks (e.g. .tolist()) cannot become blocks again
@@ -303,7 +305,7 @@ DEQUANTIZERS = {"q4_0": dequantize_q4_0, "q8_0": dequantize_q8_0, "q8_1": dequan
 def dequantize(blocks: np.ndarray, fmt: str | Format) -> np.ndarray:
     """Blocks of `fmt` ("q4_0", "q8_0", "q8_1") [..., K/32] -> float32 [..., K]: dequantize_q4_0,
     dequantize_q8_0 or dequantize_q8_1. ValueError for another format or operand."""
-    f = get_format(fmt)
+    f = get_format(fmt, "dequantize")
     if f.name not in DEQUANTIZERS:
         raise ValueError(f"dequantize: {f.name} is not a quantized format")
     return DEQUANTIZERS[f.name](blocks)
@@ -334,7 +336,7 @@ def f16_dequant_overflow(blocks: np.ndarray, fmt: str):
     |d x q| >= 65520 turns into inf there (the products are exact in float32: an 11-bit d times
     an 8-bit q). ggml's quantizers make such blocks only from weights beyond half's range (|d| >
     8190 for Q4_0, > 515.9 for Q8_0); the int8 and fp32 paths take them."""
-    f = get_format(fmt)
+    f = get_format(fmt, "f16_dequant_overflow")
     b = as_blocks(blocks, f, "f16_dequant_overflow")
     qmax = np.float32(8 if f.name == "q4_0" else 128)  # the largest |q - 8| / |q| a block can hold
     # first one pass over the half bits (|d| orders as its bits do): matmul runs this on every host

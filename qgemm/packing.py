@@ -78,7 +78,7 @@ def packed_nbytes(fmt: str, n: int, k: int) -> int:
 
 
 def _fmt(fmt) -> str:
-    name = F.get_format(fmt).name
+    name = F.get_format(fmt, "the skinny layout").name
     if name not in _PIECES:
         raise ValueError(f"the skinny layout packs q4_0 or q8_0 weights, got {name}")
     return name

@@ -1609,6 +1609,11 @@ def test_error_message_audit_findings(tmp_path):
     dw = qgemm.DeviceArray(0x1000, (8, 64), np.float16)
     with pytest.raises(ValueError, match=r"weights must be q4_0 or q8_0 blocks, got fmt='f16'"):
         qgemm.matmul(qgemm.DeviceArray(0x3000, (4, 64), np.float32), dw, fmt="f16")
+    # an unknown format is named with the call it was given to
+    with pytest.raises(ValueError, match=r"^explain: unknown format 'q5'; known: f32, f16, q4_0"):
+        qgemm.explain(8, 8, 64, "q5")
+    with pytest.raises(ValueError, match=r"^quantize: unknown format 'q5'"):
+        F.quantize(np.ones((1, 32), np.float32), "q5")
     # plan() and explain() name themselves, not matmul, in their errors
     with pytest.raises(ValueError, match=r"^plan: M must be a positive integer"):
         qgemm.plan(0, 8, 64)
