@@ -79,7 +79,8 @@ class Plan:
     defines: dict = field(default_factory=dict)
     source: str = "default"  # "default", "tuned", "override"
     reason: str = ""
-    packed: bool = False  # the kernel reads the skinny layout (qgemm.pack_weights), not ggml blocks
+    packed: bool = False  # the kernel reads the skinny layout (qgemm.pack_weights), not ggml blocks -- False
+    # where a call with packed weights runs on their ggml-block copy (float16 x at M <= 8, say)
 
     def __str__(self) -> str:
         cfg = " ".join(f"{k}={v}" for k, v in self.defines.items())
@@ -165,7 +166,8 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
     path: a registered GEMM kernel to run instead of the default choice (`explain` lists them).
     arch: plan for this architecture (e.g. "sm_90") instead of the GPU's -- the untuned defaults,
     so a plan for an H100 can be read on a machine without one. With neither a GPU nor `arch`,
-    sm_80 or newer is assumed.
+    the plan is sm_80's (the Hopper-only wgmma paths never appear: pass arch="sm_90" to read an
+    H100's).
 
     ValueError for another format or x dtype, M, N or K not a positive int below 2^31, K not a
     multiple of 32, or a `path` that does not compute this product (UnknownNameError, a
@@ -435,26 +437,35 @@ def _weights(w, fmt: str | None, on_device: bool, stream=None, who: str = "matmu
 
 
 def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, stream=None):
-    """C[M, N] = x[M, K] . dequant(W)[N, K]^T with W pre-quantized (ggml Q4_0 or Q8_0 blocks).
+    """C[..., N] = x[..., K] . dequant(W)[N, K]^T, W ggml Q4_0 / Q8_0 blocks [N, K/32] (or raw gguf
+    bytes with fmt=); C is float32 whatever x is.
 
-    x may carry leading dimensions, as torch's F.linear: a C-contiguous [..., K] runs as one GEMM
-    of M = their product rows and returns [..., N] (a 1-D x [K] returns [N]).
-    Host numpy in -> numpy float32 out. Device arrays (torch, CuPy, qgemm.DeviceArray) in ->
-    device float32 out (`out=` to write into your own), queued on `stream`, no host copies.
-    `w` may be a `qgemm.pack_weights(w)` result (weights repacked once at load): then decode and
-    small batches (M <= 32, float32 x; M <= 16 on sm_90, where wgmma_rs takes over) run the skinny
-    kernels; the result follows x (host or device). `qgemm.explain` shows the path for a shape.
+    x: float32 or float16 [..., K], C-contiguous; leading dimensions are rows of one GEMM, as in
+    torch's F.linear (a 1-D x [K] returns [N]).
+    - Host x and w: a new numpy array, synchronously. Host weights are uploaded on *every* call:
+      for repeated use, pack them once (`qgemm.pack_weights`) or keep them on the device.
+    - Device x and w (torch, CuPy, anything with `__cuda_array_interface__` or `__dlpack__`,
+      `qgemm.DeviceArray`): a new `qgemm.DeviceArray` (`torch.from_dlpack(c)` wraps it, no copy),
+      or `out=` -- a writable C-contiguous float32 device array of exactly [..., N] -- written and
+      returned; queued on `stream`, no host copies.
+    - w = `qgemm.pack_weights(w)`: x host or device, the result follows x. On sm_80+ with float32
+      x, M <= 32 (M <= 16 on sm_90, where the wgmma kernels take over) runs one decode kernel
+      reading the packed layout (docs/production.md). `qgemm.explain` shows the path for a shape.
 
     fmt: "q4_0" or "q8_0", needed when w is raw uint8 bytes [N, (K/32) * block bytes] (as gguf
     stores them); otherwise read from w's block dtype. path: a GEMM kernel to run instead of the
-    default (as `plan`). stream: any stream `qgemm.runtime.as_stream` takes (None: the default).
+    default (as `plan`). stream: any stream `qgemm.runtime.as_stream` takes; None is the legacy
+    default stream, which is not torch's current stream: pass `torch.cuda.current_stream()` to
+    order with torch's work. Safe to call from several threads; capturable in a CUDA graph with
+    device arrays, `out=` and the capturing stream (docs/pytorch.md).
 
-    ValueError, before any launch, for operands of the wrong dtype, shape or format, mismatched
-    K, one host and one device operand, non-finite host activations or weight scales, a bad
-    `out=` or `path`, host activations that overflow the GPU path's float16 / Q8_1 format, and
-    (host or packed) weights whose d x q overflows float16 on an fp16 tensor-core path.
-    NoGPUError without a GPU, UnsupportedArchError for a `path` this GPU
-    cannot run, CompileError / CudaError when NVRTC or the driver fails.
+    ValueError before any launch for operands of the wrong dtype, shape or format, mismatched K,
+    one host and one device operand (other than packed weights), non-finite host activations or
+    weight scales, a bad `out=` or `path`, and (host or packed) weights whose d x q overflows
+    float16 on an fp16 tensor-core path; ValueError after the launch (the result discarded) when
+    host activations overflow the prologue's float16 / Q8_1 format. Device activations are not
+    checked. NoGPUError without a GPU, UnsupportedArchError for a `path` this GPU cannot run,
+    CompileError / CudaError when NVRTC or the driver fails.
     """
     from .packing import PackedWeights
 

@@ -141,7 +141,8 @@ def quantize_q4_0(x: np.ndarray) -> np.ndarray:
 
     ggml takes the value of largest magnitude *with its sign* (`max`) and sets d = max / -8, so
     that value maps to exactly -8 (stored nibble 0) and the opposite side gets the range up to +7.
-    The seeds' simplified quantizer (d = amax/7) differs: docs/formats.md shows how.
+    A common simplified Q4_0 (d = amax/7, the tutorial's starting point) gives other bytes:
+    docs/formats.md compares the two.
 
     ValueError for a non-float or non-finite input, K (the last dimension) not a positive
     multiple of 32, or a scale d that overflows half.
@@ -331,7 +332,7 @@ def f16_dequant_overflow(blocks: np.ndarray, fmt: str):
     """(row, block, d) of the first 2-D Q4_0 / Q8_0 block whose dequantized weights d * q do not fit
     float16, else None.
 
-    The fp16 tensor-core kernels (ops of unit "hmma": w4a16/w8a16 .mma, .skinny, .wgmma, .wgmma_rs)
+    The fp16 tensor-core kernels (w4a16.* / w8a16.* .mma, .skinny, .wgmma and .wgmma_rs)
     dequantize each weight with one float16 multiply, d x (q - 8) or d x q, so a block with
     |d x q| >= 65520 turns into inf there (the products are exact in float32: an 11-bit d times
     an 8-bit q). ggml's quantizers make such blocks only from weights beyond half's range (|d| >

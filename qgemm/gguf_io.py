@@ -413,10 +413,12 @@ def list_tensors(path: str | os.PathLike) -> list[TensorInfo]:
     return list(_cached(path).tensors)
 
 
-def load_gguf(path: str | os.PathLike, name: str) -> np.ndarray:
-    """One tensor of a GGUF file as qgemm weights, memory-mapped (read-only, no copy):
+def load_gguf(path: str | bytes | os.PathLike, name: str) -> np.ndarray:
+    """One tensor of a GGUF file as qgemm weights, memory-mapped (read-only, no copy, on the host):
     Q4_0 -> qgemm.block_q4_0 [N, K/32], Q8_0 -> qgemm.block_q8_0 [N, K/32], F16/F32 -> [N, K]
-    (a tensor of more dimensions keeps its leading ones: [..., N, K/32]).
+    (a tensor of more dimensions keeps its leading ones: [..., N, K/32] blocks, [..., N, K]
+    floats; `matmul` takes 2-D weights). For repeated matmuls, pass the blocks to
+    `qgemm.pack_weights` once rather than to every call (host weights are uploaded each time).
 
     Raises UnknownNameError (a KeyError and a ValueError, naming close names) for a missing
     tensor, ValueError for another ggml type or a bad file, OSError (FileNotFoundError, ...) for a

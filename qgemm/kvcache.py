@@ -96,8 +96,9 @@ def kept_per_token(d: int, sparsity: float) -> int:
 
 
 def prune(x: np.ndarray, sparsity: float) -> np.ndarray:
-    """Per-token magnitude pruning: in every [b, s, :] keep the D - round(sparsity * D) entries of
-    largest magnitude, zero the rest (ties broken by position). float16 in, float16 out.
+    """Per-token magnitude pruning: in every [b, s, :] keep the max(1, D - round(sparsity * D))
+    entries of largest magnitude (`kept_per_token`; Python's round, halves to even), zero the rest
+    (ties broken by position). float16 in, float16 out.
     ValueError for a cache that is not finite float16 [B, S, D] with D in 64 / 128 / 256, or a
     sparsity not in [0, 1)."""
     x = _check_cache(x)
@@ -881,12 +882,11 @@ def _plan_mma(kind: str, bits: int, shape, rows: int, sm_count: int, ctas_per_sm
 
 
 def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
-    """Whether plan_for picks version 4 (tensor cores on densely decoded tiles): 4/2-bit value
-    kernels with more than 8 query rows per kv head, on sm_80+. Measured on the H100 at
-    32x16384x128, 70% sparsity: the values 20-25% faster than version 3 at Lq = 8 x 4 groups (32
-    rows), 30-45% slower at 4 rows (the dense decode costs more instructions than the walk until
-    the MMA's n side carries several row tiles; docs/perf/NOTES.md, session 15). A key version
-    (tokens on the MMA's M side) measured slower than the keys' walk at 4-32 rows (session 16)."""
+    """Whether plan_for uses the tensor-core value kernel ("version 4": tiles decoded densely and
+    multiplied by mma.sync) instead of the bitmap walk: 4/2-bit value caches with more than 8
+    query rows per kv head (groups x Lq), on sm_80+. On the H100 (32x16384x128, 70% sparsity) it
+    ran 20-25% faster than the walk at 32 rows and 30-45% slower at 4; a key version measured
+    slower than the keys' walk at every row count (docs/mustafar.md, the kernels)."""
     return kind == "value" and bits != 16 and cc >= 80 and rows > 8
 
 
@@ -1312,8 +1312,10 @@ def score(name: str, kind: str, shape, seed, got, x, ck: CompressedKV, cache, ex
 
 def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray, warmup=10, iters=50, cold=False,
                 plan_: LaunchPlan | None = None) -> dict:
-    """Median/min/max us of one launch (graph-batched, bench._time_launches); cold: buffer sets
-    rotated through > 2x L2. plan_: a launch plan other than plan_for's (experiments)."""
+    """Time one launch of `kernel` on `ck` with queries / probabilities `x`, graph-batched after
+    warm-up (cold: buffer sets rotated through > 2x L2) -> dict: `median_us`, `min_us`, `max_us`,
+    `bytes` (moved per launch) and `how` (buffer sets, grid, shared memory, defines). plan_: a
+    launch plan other than plan_for's (experiments)."""
     import statistics
 
     from . import bench, runtime
@@ -1360,11 +1362,15 @@ def kernel_name(kind: str, ck) -> str:
 def scores(q, ck, *, out=None, stream=None):
     """q . K^T on the compressed key cache: q [B*groups, Lq, D] float16 -> [B*groups, Lq, S] float16
     (grouped-query attention: query head h reads kv head h // groups), by the `mustafar.key_*`
-    kernel of the cache's layout. `ck`: a CompressedKV or its to_device(). Host q -> numpy result;
-    device q -> device result (or `out=`), queued on `stream`.
+    kernel of the cache's layout. `ck`: a CompressedKV (uploaded at its first use, synchronously,
+    and the copy kept: call ck.to_device() first, and always before a CUDA graph capture) or its
+    to_device(). Host q -> numpy result, synchronously. Device q -> a qgemm.DeviceArray, or `out=`
+    (a writable float16 [B*groups, Lq, S] device array), queued on `stream`.
 
     ValueError for a cache that is not a compressed key cache, or queries that are not float16
-    [B*groups, Lq, D] for it (host queries: also non-finite ones); NoGPUError without a GPU."""
+    [B*groups, Lq, D] for it (host queries: also non-finite ones); for a host call, after the
+    launch, when a score or a half2 partial sum overflowed float16 (fold 1/sqrt(D) into q:
+    docs/mustafar.md, accuracy); a device result is not checked. NoGPUError without a GPU."""
     from . import registry
 
     if not isinstance(ck, (CompressedKV, DeviceKV)) or ck.kind != "key":
@@ -1375,7 +1381,9 @@ def scores(q, ck, *, out=None, stream=None):
 def attend(p, cv, *, out=None, stream=None):
     """p . V on the compressed value cache: p [B*groups, Lq, S] float16 -> [B*groups, Lq, D] float32,
     by the `mustafar.value_*` kernel of the cache's layout; otherwise as `scores` (a compressed
-    value cache, probabilities in place of queries)."""
+    value cache, probabilities in place of queries; `out=` a writable float32 [B*groups, Lq, D]
+    device array, zeroed and then written). p should be attention probabilities (rows summing to
+    at most 1): larger values can overflow the kernels' half2 partial sums (a host call raises)."""
     from . import registry
 
     if not isinstance(cv, (CompressedKV, DeviceKV)) or cv.kind != "value":
@@ -1384,10 +1392,15 @@ def attend(p, cv, *, out=None, stream=None):
 
 
 def error_report(k: np.ndarray, v: np.ndarray, q: np.ndarray, sparsity: float, bits: int, compact: bool = False) -> dict:
-    """Relative errors (Frobenius) of the compressed path against the dense fp16 computation, on
-    the numpy references: scores q.K^T, p.V with the dense probabilities, and the attention output
-    softmax(q.K^T / sqrt(D)).V; split into pruning (fp16 sparse vs dense) and quantization
-    (bits vs fp16 sparse)."""
+    """Accuracy of compressing k and v at `sparsity`, `bits` (and `compact`), on the numpy float64
+    references (no GPU). k, v: float16 [B, S, D] of one shape; q: numeric [B*groups, Lq, D].
+    Returns a dict of relative Frobenius errors, with the arguments (`sparsity`, `bits`,
+    `compact`): `scores_vs_dense`, `scores_pruning`, `scores_quantization` (q.K^T: compressed vs
+    dense, pruned fp16 vs dense, compressed vs pruned), `pv_vs_dense`, `pv_pruning`,
+    `pv_quantization` (p.V with the dense probabilities softmax(q.K^T / sqrt(D)) in fp16), and
+    `attention_vs_dense` (softmax(q.K^T / sqrt(D)).V with both caches compressed). ValueError for
+    operands that are not finite 3-D numeric arrays, k / v not float16 or of different shapes,
+    and as prune / compress_keys."""
     for name, a in (("k", k), ("v", v), ("q", q)):
         if not isinstance(a, np.ndarray):
             raise ValueError(f"error_report: {name} must be a numpy array, got {type(a).__name__}")

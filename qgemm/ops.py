@@ -199,12 +199,15 @@ LAUNCH_ONLY = frozenset({"SK_GSPLIT"})  # the skinny kernels' K split across CTA
 
 
 class Kernel:
-    """A registered kernel, ready to call: `c = k(a, w)`.
+    """A registered kernel, ready to call: `c = k(a, w)` (`print(k.op)` shows its operand formats).
 
-    Host numpy operands -> host (numpy) result (the call is synchronous). Device operands (any
-    object exposing __cuda_array_interface__, e.g. torch or CuPy tensors, or qgemm.DeviceArray) ->
-    the result stays on the device as a DeviceArray (or is written into `out=`), queued on
-    `stream`; nothing is copied through the host.
+    Host numpy operands -> host (numpy) result (the call is synchronous). Device operands
+    (`__cuda_array_interface__` or `__dlpack__`: torch, CuPy, qgemm.DeviceArray) -> the result
+    stays on the device as a DeviceArray (or is written into `out=`), queued on `stream`. Two
+    exceptions go through the host: a kernel with its own weight layout (`*.skinny*`,
+    `*.wgmma_rs`) given ggml blocks on the device repacks them on every call (pass
+    `qgemm.pack_weights(w)` instead), and a quantize / convert kernel reads its overflow flag back,
+    so the call waits for the GPU.
     """
 
     def __init__(self, spec, arch: str | None = None):
@@ -282,13 +285,18 @@ class Kernel:
 
     # -- calling -------------------------------------------------------------------------------
     def __call__(self, a, w=None, *, out=None, stream=None):
-        """GEMM kernels: `k(a, w)` -> C = A . W^T, A and W in the op's formats (both numpy or both
-        device arrays; W may be a PackedWeights). Quantize / convert kernels: `k(x)`. `mustafar.*`
-        kernels: `k(q_or_p, compressed_cache)` (qgemm.kvcache.scores / attend). Host operands ->
-        numpy result; device operands -> device result (or `out=`), queued on `stream`.
+        """GEMM kernels: `k(a, w)` -> C float32 [M, N] = A . W^T, A 2-D (no leading dimensions:
+        qgemm.matmul takes those) and A, W in `k.op`'s formats -- e.g. `w4a16.tiled` float32 A,
+        the fp16-MMA `w4a16.mma` float16 A, `w4a8.*` Q8_1 blocks (qgemm.quantize_q8_1) -- both
+        numpy or both device arrays (W may be a PackedWeights, with device A). Quantize / convert
+        kernels: `k(x)` -> Q8_1 blocks [M, K/32] or float16 [M, K]. `mustafar.*` kernels:
+        `k(q_or_p, compressed_cache)` (qgemm.kvcache.scores / attend). Host operands -> numpy
+        result; device operands -> device result, or `out=` (a writable device array of the
+        result's dtype and shape, or its raw uint8 bytes), queued on `stream`.
 
         ValueError for operands of the wrong number, format, shape or K (host operands: also
-        non-finite values), or M beyond a decode kernel's max_m; NoGPUError without a GPU;
+        non-finite values), or M beyond a decode kernel's max_m, before the launch; after it, for
+        a quantizer input that is not finite or passes half's range. NoGPUError without a GPU;
         UnsupportedArchError where the GPU cannot run the kernel."""
         if getattr(self.spec, "runner", None) is not None:  # e.g. mustafar.*: (queries, compressed cache)
             return self.spec.runner(self, a, w, out=out, stream=stream)

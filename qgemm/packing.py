@@ -141,11 +141,12 @@ def unpack(buf: np.ndarray, fmt: str, n: int, k: int) -> np.ndarray:
 
 
 class PackedWeights:
-    """Weights on the GPU in the skinny layout, ready for `qgemm.matmul` (and the ggml blocks
-    beside them, for the prefill kernels that read those): made once, at load, by `pack_weights`.
-
-    `.pack_seconds` is what the one-time repacking cost (host repack + upload), reported
-    separately from the matmul time; `.nbytes` counts both copies."""
+    """Weights prepared by `pack_weights` for `qgemm.matmul` (made once, at load; not constructed
+    by hand). `.fmt`, `.n`, `.k`; `.shape` (N, K/32) as the blocks it came from; `.packed`: a
+    DeviceArray in the decode kernels' "skinny" layout (docs/formats.md); `.blocks`: the ggml
+    blocks on the device, for the paths that read those (your own device array when packed from
+    one); `.pack_seconds`: the one-time cost (host repack + upload), reported apart from matmul
+    times; `.nbytes`: both buffers. Single kernels (`qgemm.get`) take it with device activations."""
 
     def __init__(self, fmt: str, n: int, k: int, packed: runtime.DeviceArray, blocks: runtime.DeviceArray,
                  pack_seconds: float = 0.0, f16_overflow=None):
@@ -173,10 +174,14 @@ class PackedWeights:
 
 def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     """ggml Q4_0 / Q8_0 blocks [N, K/32] (numpy, or a device array: torch, CuPy, DeviceArray) ->
-    `PackedWeights` on the GPU. Device input is copied to the host, repacked and uploaded: a
-    one-time cost at load (`.pack_seconds`), never paid per matmul. `fmt` as for `matmul` (raw
-    uint8 bytes need it). ValueError for weights `matmul` would refuse, and during a CUDA graph
-    capture; NoGPUError without a GPU (host weights are checked first)."""
+    `PackedWeights` on the GPU, synchronously: a one-time cost at load (`.pack_seconds`), never
+    paid per matmul; pack before any CUDA graph capture. Host input: the packed copy and the
+    blocks are both uploaded (about twice the weight bytes on the GPU). Device input: copied to
+    the host, repacked, the packed copy uploaded; the blocks are *not* copied -- the result keeps
+    using your device array for the paths that read ggml blocks, so leave it unchanged. `fmt` as
+    for `matmul` (raw uint8 bytes need it); `stream` orders a DLPack producer's pending work.
+    ValueError for weights `matmul` would refuse, and during a CUDA graph capture; NoGPUError
+    without a GPU (host weights are checked first)."""
     from .dispatch import _weights
 
     t0 = time.perf_counter()
