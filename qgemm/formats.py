@@ -342,7 +342,7 @@ def f16_dequant_overflow(blocks: np.ndarray, fmt: str):
     qmax = np.float32(8 if f.name == "q4_0" else 128)  # the largest |q - 8| / |q| a block can hold
     # first one pass over the half bits (|d| orders as its bits do): matmul runs this on every host
     # call, and real weights never come near the limit (d ~ 1e-2)
-    dmax = np.float16(np.bitwise_and(b["d"].view(np.uint16), 0x7FFF).max(initial=0).view(np.float16))
+    dmax = np.bitwise_and(b["d"].view(np.uint16), 0x7FFF).max(initial=0).view(np.float16)
     if np.float32(dmax) * qmax < np.float32(F16_INF_FROM):
         return None
     d = np.abs(b["d"].astype(np.float32))
