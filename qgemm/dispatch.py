@@ -26,6 +26,7 @@ Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM r
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import formats as F
-from . import registry, runtime
+from . import registry, runtime, tuning
+from .packing import PackedWeights
 
 _DEFAULTS = {
     "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny",
@@ -273,6 +275,28 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
     return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed)
 
 
+_matmul_plans: dict = {}
+
+
+
+def _matmul_plan(m, n, k, fmt, x_dtype, path, packed) -> Plan:
+    """_plan(..., "matmul"), memoized: the plan is a function of these arguments, the GPU (fixed
+    for the process) and the stored tuning (tuning.state(), in the key). Only matmul's own calls
+    share these Plan objects (plan() returns fresh ones a caller may change); a failing call is
+    not memoized, so its error comes every time."""
+    key = (m, n, k, fmt, x_dtype, path, packed, tuning.state())
+    try:
+        p = _matmul_plans.get(key)
+    except TypeError:  # an unhashable path=: _plan says what it must be
+        return _plan(m, n, k, fmt, x_dtype, path, packed, None, "matmul")
+    if p is None:
+        p = _plan(m, n, k, fmt, x_dtype, path, packed, None, "matmul")
+        if len(_matmul_plans) > 1024:
+            _matmul_plans.clear()
+        _matmul_plans[key] = p
+    return p
+
+
 def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
             packed: bool = False, arch: str | None = None) -> str:
     """Which kernels `matmul` runs for this shape on this GPU (or `arch`, e.g. "sm_90"), with
@@ -339,7 +363,7 @@ def _scratch(tag: str, shape, dtype, stream=None, cid=_ASK) -> runtime.DeviceArr
     graph capture, one per capture instead: the graph's replays may run on any stream, beside
     eager calls on the capturing one or replays of another graph captured there. `cid`: the
     stream's capture id (runtime.capture_id) when the caller already asked."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if cid is _ASK:
         cid = runtime.capture_id(stream)
     if cid is not None:
@@ -467,9 +491,10 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     checked. NoGPUError without a GPU, UnsupportedArchError for a `path` this GPU cannot run,
     CompileError / CudaError when NVRTC or the driver fails.
     """
-    from .packing import PackedWeights
-
-    x_on_device = runtime.is_device_array(x) and not isinstance(x, np.ndarray)
+    # (the eager call's host time is what a decode step pays per op outside a CUDA graph: each
+    # operand's array interface is read once, the stream converted once, the plan memoized)
+    dx = runtime.device_array_or_none(x, stream)
+    x_on_device = dx is not None
     packed = w if isinstance(w, PackedWeights) else None
     if packed is not None:  # weights already on the GPU; host activations are uploaded, the result comes back
         if fmt is not None and F.get_format(fmt, "matmul").name != packed.fmt:
@@ -481,7 +506,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         if x_on_device != w_on_device:
             raise ValueError("matmul: x and w must both be host (numpy) arrays or both device arrays "
                              "(or w a qgemm.pack_weights result)")
-    dx = runtime.as_device_array(x, stream) if x_on_device else np.asarray(x)
+    if not x_on_device:
+        dx = np.asarray(x)
     if dx.dtype not in (np.float32, np.float16):
         raise ValueError(f"matmul: activations must be float32 or float16 [..., K], got {runtime.dtype_name(dx.dtype)}")
     if dx.ndim < 1:
@@ -503,7 +529,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if k != kw:
         raise ValueError(f"matmul: K mismatch: x has K={k}, weights have K={kw} ({wb.shape[1]} blocks of 32)")
     shape_c = tuple(lead) + (n,)
-    p = _plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path, packed is not None, None, "matmul")
+    p = _matmul_plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path, packed is not None)
     if m > 65535:  # only then can a grid pass CUDA's limits (grid.y <= 65535 row tiles); not on the hot path
         p.check_launch()
     # what can be checked without the GPU is, first: a bad input says so on any machine
@@ -518,7 +544,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
             raise ValueError(f"matmul: {p.kernel} dequantizes the weights to float16, and row {row}, block {blk} "
                              f"(d = {d:g}) holds a weight d x q beyond half's range (65504); pass path={safe} "
                              f"(Q8_1 activations, integer dot products, float32 scales) for these weights")
-    if out is not None and (isinstance(out, np.ndarray) or not runtime.is_device_array(out)):
+    result = runtime.device_array_or_none(out, stream) if out is not None else None
+    if out is not None and result is None:
         raise ValueError(f"matmul: out= must be a float32 device array {shape_c} (torch, CuPy, qgemm.DeviceArray); "
                          f"a host call returns a new numpy array, got {type(out).__name__}")
     runtime.require_gpu("qgemm.matmul")
@@ -541,7 +568,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         if dx.ptr % 16 and p.quantizer is None:  # read by the kernel itself (float4 / 16-byte loads)
             raise ValueError(f"matmul: {p.kernel} needs the activations on a 16-byte boundary, got address {dx.ptr:#x}")
     if out is not None:
-        result = runtime.as_output_array(out, "matmul", stream)
+        if result.readonly:
+            raise ValueError(f"matmul: out= is read-only ({type(out).__name__} exports it so); pass a writable device array")
         if result.shape != shape_c or result.dtype != np.float32:
             raise ValueError(f"matmul: out must be float32 {shape_c}, got {result.dtype} {result.shape}")
     else:

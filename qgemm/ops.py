@@ -216,6 +216,7 @@ class Kernel:
         self.op: Op = spec.op
         self._arch = arch
         self._loaded: dict[tuple, runtime.LoadedKernel] = {}
+        self._launches: dict[tuple, tuple] = {}  # (M, N, K, defines) -> (module, Launch): launch()'s memo
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -445,8 +446,14 @@ class Kernel:
         that a kernel with `pdl` directly follows the prologue it overlaps)."""
         if defines is None:
             defines = self.config_for(m, n, k)
-        mod = self._module(defines)
-        g = self.geometry(m, n, k, defines)
+        key = (m, n, k, tuple(defines.items()))
+        hit = self._launches.get(key)
+        if hit is None:  # the module and geometry of a shape and configuration, worked out once
+            hit = (self._module(defines), self.geometry(m, n, k, defines))
+            if len(self._launches) > 1024:
+                self._launches.clear()
+            self._launches[key] = hit
+        mod, g = hit
         if g.zero_output and not zeroed:
             dc.fill_bytes(0, stream)
         args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr), np.int32(m), np.int32(n), np.int32(k))

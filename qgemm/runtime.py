@@ -8,6 +8,7 @@ checked and a failure raises `CudaError` naming the call.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -50,6 +51,30 @@ def _wrap(call: str, fn, *args, **kwargs):
         raise
     except Exception as e:
         raise CudaError(call, str(e)) from e
+
+
+_mods: dict = {}
+
+
+def _cuda_core():
+    """cuda.core, imported on first use and then a dict read: `from cuda.core import X` inside a
+    function costs ~0.5 us per call even when imported, and the launch path runs several per op."""
+    m = _mods.get("core")
+    if m is None:
+        import cuda.core as m
+
+        _mods["core"] = m
+    return m
+
+
+def _cuda_driver():
+    """cuda.bindings.driver, as _cuda_core."""
+    m = _mods.get("driver")
+    if m is None:
+        from cuda.bindings import driver as m
+
+        _mods["driver"] = m
+    return m
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,20 +268,38 @@ def as_stream(stream=None):
     anything else, and for a stream of another GPU than qgemm's."""
     if stream is None:
         return default_stream()
-    from cuda.core import Stream
-
+    Stream = _cuda_core().Stream
     if isinstance(stream, Stream):  # qgemm's own streams come this way, once per launch: not re-checked
         return stream
     if hasattr(stream, "__cuda_stream__"):
-        return _same_device(_wrap("Stream.from_handle", Stream.from_handle, int(stream.__cuda_stream__()[1])), stream)
+        return _foreign_stream(int(stream.__cuda_stream__()[1]), stream)
     handle = getattr(stream, "cuda_stream", stream)
     if isinstance(handle, (int, np.integer)) and not isinstance(handle, (bool, np.bool_)):
         if int(handle) < 0:
             raise ValueError(f"stream: an int stream handle is an address, >= 0 (0: the default stream), got {int(handle)}")
         if int(handle) == 0:
             return default_stream()
-        return _same_device(_wrap("Stream.from_handle", Stream.from_handle, int(handle)), stream)
+        return _foreign_stream(int(handle), stream)
     raise ValueError(f"stream: expected a cuda.core Stream, an int handle or a torch/CuPy stream, got {type(stream).__name__}")
+
+
+_foreign_streams: dict = {}  # handle -> cuda.core Stream already checked (one-GPU processes)
+
+
+def _foreign_stream(handle: int, given):
+    """A caller's stream handle as a cuda.core Stream of qgemm's device. Memoized by handle
+    where there is one GPU: a handle destroyed and reused is still a stream of that GPU, and
+    wrapping plus checking it (~12 us) was the largest part of an eager call's host time when
+    passed torch's current stream every step."""
+    s = _foreign_streams.get(handle)
+    if s is None:
+        Stream = _cuda_core().Stream
+        s = _same_device(_wrap("Stream.from_handle", Stream.from_handle, handle), given)
+        if gpu_available() and device_info().device_count == 1:
+            if len(_foreign_streams) >= 256:
+                _foreign_streams.clear()
+            _foreign_streams[handle] = s
+    return s
 
 
 def _same_device(s, given):
@@ -330,10 +373,19 @@ def capture_id(stream=None) -> int | None:
     """The id of the CUDA graph capture `stream` is in (unique within the process), None when it is
     not being captured; 0 for the legacy stream while a blocking stream captures (CAPTURE_IMPLICIT:
     it cannot take work, and the launch will say so)."""
-    from cuda.bindings import driver
+    driver = _cuda_driver()
 
     ensure_current()  # the legacy stream means the current context's: a fresh thread has none
-    res = driver.cuStreamGetCaptureInfo(as_stream(stream).handle)
+    handle = as_stream(stream).handle
+    # cuStreamIsCapturing first: the capture info (several objects built by the bindings) is only
+    # needed while a capture is on, and this runs in every matmul
+    err, status = driver.cuStreamIsCapturing(handle)
+    if getattr(err, "name", "") == "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT":
+        return 0
+    check(err, "cuStreamIsCapturing")
+    if status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+        return None
+    res = driver.cuStreamGetCaptureInfo(handle)
     err = res[0]
     if getattr(err, "name", "") == "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT":
         return 0
@@ -512,7 +564,7 @@ def _check_pointer_device(ptr: int, what: str) -> None:
     given another GPU's memory would fault (a sticky error that ends the CUDA context) or read it
     over the interconnect, and one given an address CUDA does not know would fault. Managed
     memory may live anywhere. Skipped without a GPU (nothing can launch then)."""
-    if not gpu_available():
+    if not gpu_available() or ptr in _checked_pointers:
         return
     from cuda.bindings import driver
 
@@ -527,6 +579,21 @@ def _check_pointer_device(ptr: int, what: str) -> None:
             err, managed = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)
         if int(err) != 0 or not int(managed):
             raise ValueError(_other_device_message(what, ordinal))
+    # With one GPU an address CUDA has handed out stays CUDA's (the driver keeps its virtual
+    # range reserved after a free) and belongs to no other device, so the answer cannot change:
+    # a serving loop passes the same tensors every step, and these driver queries were ~6 us of
+    # an eager decode call's host time. With several GPUs a freed range may come back as another
+    # device's memory, so every call asks.
+    if device_info().device_count == 1:
+        if len(_checked_pointers) >= 4096:
+            _checked_pointers.clear()
+        _checked_pointers.add(ptr)
+
+
+_checked_pointers: set = set()  # device addresses _check_pointer_device passed (one-GPU processes)
+
+
+_NO_CAI = object()  # no __cuda_array_interface__ (None is a value one may hold, and is refused)
 
 
 def _typestr(dtype: np.dtype) -> str:
@@ -592,7 +659,11 @@ class DeviceArray:
     @classmethod
     def from_cai(cls, obj) -> "DeviceArray":
         """Wrap (without copying) an object exposing __cuda_array_interface__."""
-        cai = obj.__cuda_array_interface__
+        return cls._from_cai(obj, obj.__cuda_array_interface__)
+
+    @classmethod
+    def _from_cai(cls, obj, cai) -> "DeviceArray":
+        """from_cai with the interface's value already read (torch builds it anew on every access)."""
         what = f"{type(obj).__name__}.__cuda_array_interface__"
         if not isinstance(cai, dict):
             raise ValueError(f"{what} must be a dict (the CUDA array interface), got {type(cai).__name__}")
@@ -621,6 +692,7 @@ class DeviceArray:
         except (TypeError, ValueError, IndexError, AttributeError) as e:
             raise ValueError(f"{what} is malformed (shape {cai.get('shape')!r}, typestr {cai.get('typestr')!r}, "
                              f"data {cai.get('data')!r}): {e}") from None
+        size = math.prod(shape)
         strides = cai.get("strides")
         if strides is not None:
             expected = []
@@ -628,14 +700,14 @@ class DeviceArray:
             for s in reversed(shape):
                 expected.append(acc)
                 acc *= s
-            if tuple(strides) != tuple(reversed(expected)) and int(np.prod(shape)) > 1:
+            if tuple(strides) != tuple(reversed(expected)) and size > 1:
                 raise ValueError(
                     f"device array must be C-contiguous: shape {shape}, strides {tuple(strides)} "
                     f"(expected {tuple(reversed(expected))}); call .contiguous() / cupy.ascontiguousarray first"
                 )
-        if ptr == 0 and int(np.prod(shape)) > 0:
+        if ptr == 0 and size > 0:
             raise ValueError("device array has a null data pointer")
-        if int(np.prod(shape)) > 0:
+        if size > 0:
             _check_pointer_device(ptr, type(obj).__name__)
         arr = cls(ptr, shape, dtype, owner=obj)
         arr.readonly = readonly
@@ -702,7 +774,7 @@ class DeviceArray:
     @property
     def size(self) -> int:
         """Number of elements (blocks, for a block dtype)."""
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -909,12 +981,34 @@ def is_device_array(obj) -> bool:
     numpy arrays and CPU tensors are host arrays."""
     if isinstance(obj, DeviceArray) or hasattr(obj, "__cuda_array_interface__"):
         return True
+    return _dlpack_on_device(obj)
+
+
+def _dlpack_on_device(obj) -> bool:
     if isinstance(obj, np.ndarray) or not hasattr(obj, "__dlpack_device__"):
         return False
     try:
         return obj.__dlpack_device__()[0] != _DL_CPU
     except Exception:
         return False
+
+
+def device_array_or_none(obj, stream=None) -> DeviceArray | None:
+    """as_device_array(obj) for a device array (is_device_array), None for anything else (numpy,
+    CPU tensors, lists): the two calls in one, reading the array interface once. (torch builds
+    `__cuda_array_interface__` anew on every access, a few microseconds each: an eager decode
+    call is host-bound, so it asks once.)"""
+    if isinstance(obj, DeviceArray):
+        obj.ptr  # a freed array raises here, before any launch
+        return obj
+    if isinstance(obj, np.ndarray):
+        return None
+    cai = getattr(obj, "__cuda_array_interface__", _NO_CAI)  # a CPU tensor's property raises AttributeError
+    if cai is not _NO_CAI:
+        return DeviceArray._from_cai(obj, cai)
+    if _dlpack_on_device(obj):
+        return as_device_array(obj, stream)
+    return None
 
 
 def as_output_array(obj, who: str, stream=None) -> DeviceArray:
@@ -929,8 +1023,9 @@ def as_device_array(obj, stream=None) -> DeviceArray:
     if isinstance(obj, DeviceArray):
         obj.ptr  # a freed array raises here, before any launch
         return obj
-    if hasattr(obj, "__cuda_array_interface__"):
-        return DeviceArray.from_cai(obj)
+    cai = getattr(obj, "__cuda_array_interface__", _NO_CAI)
+    if cai is not _NO_CAI:
+        return DeviceArray._from_cai(obj, cai)
     if hasattr(obj, "__dlpack__"):
         return DeviceArray.from_dlpack(obj, stream)
     raise ValueError(f"expected a device array (__cuda_array_interface__ or __dlpack__), got {type(obj).__name__}")
@@ -952,6 +1047,7 @@ class LoadedKernel:
         self.kernels = {e: _wrap(f"get_kernel({e})", self.object_code.get_kernel, e) for e in entries}
         self._smem_ok: dict[str, int] = {}
         self._smem_lock = threading.Lock()
+        self._configs: dict[tuple, object] = {}  # (entry, grid, block, shmem, pdl) -> cuda.core LaunchConfig
 
     def _static_smem(self, entry: str) -> int:
         """The kernel's static shared memory (a property in cuda.core 1.x, a method in older releases)."""
@@ -985,16 +1081,27 @@ class LoadedKernel:
         """pdl: programmatic dependent launch -- the kernel may start while the previous kernel
         in the stream finishes; it must itself wait (griddepcontrol.wait) before reading that
         kernel's output. Ignored (a plain launch) where cuda.core or the GPU lack it."""
-        from cuda.core import LaunchConfig, launch
-
-        if shmem > 0:
-            self._allow_dynamic_smem(entry, shmem)
+        core = _cuda_core()
         s = as_stream(stream)
-        geo = dict(grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block), shmem_size=int(shmem))
-        cfg = _pdl_config(geo) if pdl else None
-        if cfg is None:
-            cfg = LaunchConfig(**geo)
-        _wrap(f"launch({entry}, grid={tuple(grid)}, block={tuple(block)})", launch, s, cfg, self.kernels[entry], *args)
+        pdl = bool(pdl) and pdl_enabled()  # read at every launch (QGEMM_PDL), so not part of the memo below
+        key = (entry, tuple(grid), tuple(block), shmem, pdl)
+        cfg = self._configs.get(key)
+        if cfg is None:  # a LaunchConfig per geometry, made once: an eager decode call is host-bound
+            if shmem > 0:
+                self._allow_dynamic_smem(entry, shmem)
+            geo = dict(grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block), shmem_size=int(shmem))
+            cfg = _pdl_config(geo) if pdl else None
+            if cfg is None:
+                cfg = core.LaunchConfig(**geo)
+            if len(self._configs) > 256:
+                self._configs.clear()
+            self._configs[key] = cfg
+        try:
+            core.launch(s, cfg, self.kernels[entry], *args)
+        except (NoGPUError, CudaError, ValueError):
+            raise
+        except Exception as e:  # _wrap's rule, with the label made only when it is needed
+            raise CudaError(f"launch({entry}, grid={tuple(grid)}, block={tuple(block)})", str(e)) from e
 
 
 _PDL = {"supported": None}

@@ -31,10 +31,27 @@ def bucket(m: int, n: int, k: int) -> str:
     return f"{mb}x{n}x{k}"
 
 
+_paths: dict = {}
+_generation = [0]  # bumped whenever what lookup() answers may change (store, forget_cache)
+
+
 def path() -> Path:
+    """This GPU's tuning file. Memoized on what jit.cache_dir() reads (the environment) and the
+    GPU, since every qgemm.matmul plans through lookup(): building the Path each time was a
+    sizeable part of an eager decode call's host time."""
     info = runtime.device_info()
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-").lower()
-    return jit.cache_dir() / "tuning" / f"{slug}-{info.arch}.json"
+    key = (os.environ.get("QGEMM_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"), info.name, info.cc)
+    p = _paths.get(key)
+    if p is None:
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-").lower()
+        p = _paths[key] = jit.cache_dir() / "tuning" / f"{slug}-{info.arch}.json"
+    return p
+
+
+def state() -> tuple:
+    """A token that changes whenever lookup() may answer differently (another tuning file, a
+    stored entry, forget_cache): qgemm.matmul's plan memo is keyed on it."""
+    return (str(path()) if runtime.gpu_available() else None, _generation[0])
 
 
 def _load(p: Path) -> dict:
@@ -137,9 +154,11 @@ def store(name: str, m: int, n: int, k: int, defines: dict, median_us: float) ->
             json.dump({"version": TUNING_VERSION, "device": runtime.device_info().name, "entries": entries}, fh, indent=1, sort_keys=True)
         os.replace(tmp, p)
         _cache[str(p)] = entries
+        _generation[0] += 1
     return p
 
 
 def forget_cache() -> None:
     with _lock:
         _cache.clear()
+        _generation[0] += 1

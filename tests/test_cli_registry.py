@@ -1246,16 +1246,23 @@ def test_capture_and_thread_guards_without_a_gpu(monkeypatch, rng):
                1: (driver.CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, None),
                2: (driver.CUresult.CUDA_ERROR_INVALID_CONTEXT, None),
                3: (driver.CUresult.CUDA_SUCCESS, driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)}
-    # capture_id: the capture's id (cuStreamGetCaptureInfo: result, status, id, graph, ...), None
-    # outside a capture, 0 for the legacy stream blocked by another's capture, other errors raised
+    # capture_id: the capture's id (cuStreamIsCapturing: result, status; then, only while a capture
+    # is on, cuStreamGetCaptureInfo: result, status, id, graph, ...), None outside a capture, 0 for
+    # the legacy stream blocked by another's capture, other errors raised
     info = {h: (r[0], r[1], driver.cuuint64_t(40 + h), None, None, None, 0) for h, r in results.items()}
-    monkeypatch.setattr(driver, "cuStreamGetCaptureInfo", lambda h: info[h])
+    asked = []
+    monkeypatch.setattr(driver, "cuStreamIsCapturing", lambda h: results[h])
+    monkeypatch.setattr(driver, "cuStreamGetCaptureInfo", lambda h: asked.append(h) or info[h])
     assert runtime.is_capturing(0) and runtime.is_capturing(1) and not runtime.is_capturing(3)
-    with pytest.raises(qgemm.CudaError, match="cuStreamGetCaptureInfo"):
+    with pytest.raises(qgemm.CudaError, match="cuStreamIsCapturing"):
         runtime.is_capturing(2)
     assert (runtime.capture_id(0), runtime.capture_id(1), runtime.capture_id(3)) == (40, 0, None)
-    with pytest.raises(qgemm.CudaError, match="cuStreamGetCaptureInfo"):
+    with pytest.raises(qgemm.CudaError, match="cuStreamIsCapturing"):
         runtime.capture_id(2)
+    assert set(asked) == {0}  # the capture info only for the stream being captured
+    info[0] = (driver.CUresult.CUDA_ERROR_INVALID_VALUE,) + info[0][1:]
+    with pytest.raises(qgemm.CudaError, match="cuStreamGetCaptureInfo"):
+        runtime.capture_id(0)
     assert calls and all(c == "current" for c in calls)
 
     # the quantizer: the capture question comes after the context is current

@@ -599,6 +599,23 @@ def test_stream_read_reads_every_byte(rng, dependent):
 _API_PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
 
+def test_pytorch_doc_host_time_table_is_the_tools():
+    """docs/pytorch.md's host-time table is tools/host_overhead.py's rendering of the committed
+    run (docs/perf/host-overhead-h100.json), not numbers typed by hand."""
+    import json
+
+    ho = _load("host_overhead")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    data = json.loads((root / "docs" / "perf" / "host-overhead-h100.json").read_text())
+    page = (root / "docs" / "pytorch.md").read_text(encoding="utf-8")
+    begin = page.index("<!-- host-overhead table:")
+    body = page[page.index("\n", begin) + 1:page.index("<!-- end host-overhead table -->")]
+    assert body == ho.markdown(data)
+    assert data["device"] in page and data["date"].split()[0] in page
+    # the table has one row per call form, one column per shape, and the peer's row
+    assert body.count("\n") == 2 + len({r["form"] for r in data["rows"]}) and "F.linear" in body
+
+
 def test_api_doc_matches_the_code():
     """The committed docs/api.md is what tools/api_doc.py generates from the code as it is."""
     import difflib

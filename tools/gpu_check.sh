@@ -14,7 +14,8 @@
 #   QGEMM_CHECK="l2" bash tools/gpu_check.sh                   # prefill: warpgroups per CTA, L2 throughput (ncu) vs cuBLAS
 #   QGEMM_CHECK="kvcache" bash tools/gpu_check.sh              # Mustafar: its GPU tests, the kvcache bench vs dense torch
 #   other steps: precompile (every default configuration of the bench shapes, in parallel: run it
-#   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, pdl
+#   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, pdl,
+#   host (an eager qgemm.matmul call's host time against torch's: docs/pytorch.md's table)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check}
@@ -138,6 +139,9 @@ for step in $STEPS; do
               run $PY -m qgemm validate --all --shape 1x4096x4096
               run $PY -m qgemm validate --all --shape 513x4097x4128
               run $PY -m qgemm validate w4a8 w8a8 --shape 1x1x32 --verbose ;;
+    host)     # copy host-overhead.json to docs/perf/host-overhead-h100.json (or -h200), then
+              # `python tools/host_overhead.py --table ...` gives docs/pytorch.md's table
+              run $PY tools/host_overhead.py --json "$OUT/host-overhead.json" ;;
     tutorial) echo "+ qgemm tutorial 1 2 3 4 5 > $OUT/tutorial.log" | tee -a "$LOG"
               $PY -m qgemm tutorial 1 2 3 4 5 > "$OUT/tutorial.log" 2>&1 || { echo "!! tutorial failed" | tee -a "$LOG"; rc=1; } ;;
     profile)  run $PY -m qgemm profile --all --shape "$SHAPE" --json "$OUT/profile-hot.json"

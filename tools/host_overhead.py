@@ -1,0 +1,164 @@
+"""Host (Python) time of one eager `qgemm.matmul` call, the cost a serving loop pays per op when
+it does not capture a CUDA graph (docs/pytorch.md). Each form is called back to back `--calls`
+times without synchronizing; the GPU work of one decode op (~4 us) is shorter than its launch,
+so wall time / calls is the host's time per call. torch's own eager `F.linear` (fp16 weights,
+cuBLAS) is timed the same way in the same process as the peer; the GPU time of each op (CUDA
+graph replay, as `qgemm bench`) is reported beside it, so a reader sees which one bounds.
+
+    python tools/host_overhead.py --json out.json --profile 25
+
+--profile N: also run the first form under cProfile and print its N most expensive functions
+(own time), to see where the host time goes. --table JSON: print the markdown table of a saved
+run (docs/pytorch.md embeds the one of docs/perf/host-overhead-h100.json; a test keeps them equal).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+
+import numpy as np
+
+
+def per_call_us(fn, calls: int, sync) -> float:
+    """Median over 5 rounds of (wall time of `calls` back-to-back calls, then a sync) / calls."""
+    for _ in range(max(20, calls // 20)):  # compile, load, allocate scratch, settle the caches
+        fn()
+    sync()
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+    return float(np.median(rounds))
+
+
+def gpu_us(fn, stream) -> float:
+    """The GPU time of one call: a CUDA graph of 50 calls replayed 20 times (torch's graph)."""
+    import torch
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        stream.synchronize()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(50):
+                fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(20):
+        start.record(stream)
+        g.replay()
+        end.record(stream)
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / 50)
+    return float(np.median(samples))
+
+
+def markdown(data: dict) -> str:
+    """A saved run as a table: one row per call form, one column per shape, host us per call
+    (the op's GPU time beside it where it was measured)."""
+    shapes = list(dict.fromkeys(r["shape"] for r in data["rows"]))
+    forms = list(dict.fromkeys(r["form"] for r in data["rows"]))
+    cell = {(r["form"], r["shape"]): r for r in data["rows"]}
+    fmt = data["rows"][0]["fmt"].upper() if data["rows"] else ""
+    lines = [f"| call ({fmt} weights; host µs per call, GPU µs in brackets) | " + " | ".join(shapes) + " |",
+             "|---|" + "---|" * len(shapes)]
+    for f in forms:
+        row = []
+        for sh in shapes:
+            r = cell.get((f, sh))
+            row.append("" if r is None else f"{r['host_us']:.1f}" + (f" ({r['gpu_us']:.1f})" if r["gpu_us"] is not None else ""))
+        lines.append(f"| `{f}` | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="1x4096x4096,8x4096x4096,512x4096x4096", help="comma-separated MxNxK")
+    ap.add_argument("--fmt", default="q4_0")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--profile", type=int, default=0, help="cProfile the first form; print the top N functions")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--table", default=None, metavar="JSON", help="print the markdown table of a saved run and exit")
+    a = ap.parse_args(argv)
+    if a.table:
+        with open(a.table) as f:
+            print(markdown(json.load(f)), end="")
+        return 0
+
+    import torch
+
+    import qgemm
+    from qgemm import formats as F, runtime
+
+    info = runtime.device_info()
+    stream = torch.cuda.Stream()
+    rng = np.random.default_rng(0)
+    rows = []
+    print(f"device: {info.name}; host time per eager call (us), {a.calls} calls back to back, median of 5 rounds")
+    for shape in a.shapes.split(","):
+        m, n, k = (int(v) for v in shape.lower().split("x"))
+        w = F.quantize(rng.standard_normal((n, k), dtype=np.float32), a.fmt)
+        pw = qgemm.pack_weights(w)
+        w_dev = torch.from_numpy(w.view(np.uint8).reshape(n, -1).copy()).cuda()
+        w16 = torch.from_numpy(F.dequantize(w, a.fmt).astype(np.float16)).cuda()
+        x = torch.randn(m, k, device="cuda")
+        x16 = x.half()
+        y = torch.empty(m, n, device="cuda")
+        dx, dy = runtime.as_device_array(x), runtime.as_device_array(y)
+        qs = runtime.as_stream(stream)  # a cuda.core Stream: as_stream passes it through unchecked
+        forms = {
+            "matmul(torch x, packed, out=, stream=torch stream)":
+                lambda: qgemm.matmul(x, pw, out=y, stream=stream),
+            "matmul(DeviceArray x, packed, out=, stream=cuda.core Stream)":
+                lambda: qgemm.matmul(dx, pw, out=dy, stream=qs),
+            "matmul(torch x, packed) -> new DeviceArray, stream=torch stream":
+                lambda: qgemm.matmul(x, pw, stream=stream),
+            "matmul(torch x, ggml blocks on the GPU, fmt=, out=, stream=)":
+                lambda: qgemm.matmul(x, w_dev, fmt=a.fmt, out=y, stream=stream),
+            "torch F.linear(x fp16, W fp16) (peer)":
+                lambda: torch.nn.functional.linear(x16, w16),
+        }
+        plan = qgemm.explain(m, n, k, a.fmt, packed=True).splitlines()
+        for name, fn in forms.items():
+            with torch.cuda.stream(stream):
+                host = per_call_us(fn, a.calls if m < 512 else a.calls // 4, stream.synchronize)
+                dev = gpu_us(fn, stream) if "out=, stream=torch" in name or "fmt=, out=" in name or "peer" in name else None
+            rows.append({"shape": shape, "fmt": a.fmt, "form": name, "host_us": host, "gpu_us": dev})
+            print(f"{shape:>14} {name:<66} host {host:7.1f}" + (f"   gpu {dev:7.2f}" if dev is not None else ""),
+                  flush=True)
+        print("               plan:", " | ".join(s.strip() for s in plan[1:3]))
+        if a.profile and shape == a.shapes.split(",")[0]:
+            fn = forms[next(iter(forms))]
+            pr = cProfile.Profile()
+            with torch.cuda.stream(stream):
+                pr.enable()
+                for _ in range(a.calls):
+                    fn()
+                pr.disable()
+                stream.synchronize()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(a.profile)
+            print(s.getvalue())
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(a.profile)
+            print(s.getvalue())
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": info.name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "command": "python tools/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
