@@ -1292,7 +1292,7 @@ def test_capture_and_thread_guards_without_a_gpu(monkeypatch, rng):
     q = rng.standard_normal((4, 1, 64), dtype=np.float32).astype(np.float16)
     with pytest.raises(ValueError, match="mustafar.key_q2: this call cannot be captured .*host operands"):
         qgemm.get("mustafar.key_q2")(q, ck)
-    monkeypatch.setattr(kv, "_is_device", lambda x: True)
+    monkeypatch.setattr(runtime, "device_array_or_none", lambda x, stream=None: x)  # q as a device array
     monkeypatch.setattr(kv.MustafarRunner, "_check_x", lambda self, kernel, x, ck, device, stream=None: (x, 4, 1))
     with pytest.raises(ValueError, match=r"the compressed cache is uploaded first; call ck.to_device\(\) before"):
         qgemm.get("mustafar.key_q2")(q, ck)

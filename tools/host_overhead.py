@@ -63,14 +63,19 @@ def gpu_us(fn, stream) -> float:
     return float(np.median(samples))
 
 
-def markdown(data: dict) -> str:
+def markdown(data: dict, suite: str = "gemm") -> str:
     """A saved run as a table: one row per call form, one column per shape, host us per call
-    (the op's GPU time beside it where it was measured)."""
-    shapes = list(dict.fromkeys(r["shape"] for r in data["rows"]))
-    forms = list(dict.fromkeys(r["form"] for r in data["rows"]))
-    cell = {(r["form"], r["shape"]): r for r in data["rows"]}
-    fmt = data["rows"][0]["fmt"].upper() if data["rows"] else ""
-    lines = [f"| call ({fmt} weights; host µs per call, GPU µs in brackets) | " + " | ".join(shapes) + " |",
+    (the op's GPU time beside it where it was measured). suite: "gemm" (qgemm.matmul) or
+    "kvcache" (qgemm.kvcache.scores / attend)."""
+    rows = [r for r in data["rows"] if r.get("suite", "gemm") == suite]
+    if not rows:
+        return ""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    forms = list(dict.fromkeys(r["form"] for r in rows))
+    cell = {(r["form"], r["shape"]): r for r in rows}
+    what = (f"{rows[0]['fmt'].upper()} weights" if suite == "gemm" else
+            "B x S x D, 70% sparsity, 4 query heads per kv head, Lq = 1")
+    lines = [f"| call ({what}; host µs per call, GPU µs in brackets) | " + " | ".join(shapes) + " |",
              "|---|" + "---|" * len(shapes)]
     for f in forms:
         row = []
@@ -81,6 +86,47 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kv_rows(shape: str, calls: int, stream, rng) -> list:
+    """qgemm.kvcache.scores / attend on an uploaded 2-bit and fp16 cache (70% sparsity, four query
+    heads per kv head, one query), device operands with out= and stream=, against torch's dense
+    batched matmul of the same product (fp16, cuBLAS; as `qgemm bench --suite kvcache` times it)
+    as the peer."""
+    import torch
+
+    from qgemm import kvcache as kv
+
+    b, s_len, d = (int(v) for v in shape.lower().split("x"))
+    groups = 4
+    cache = torch.randn(b, s_len, d, device="cuda", dtype=torch.float16)
+    host = cache.cpu().numpy()
+    q = torch.randn(b * groups, 1, d, device="cuda", dtype=torch.float16)
+    p = torch.softmax(torch.randn(b * groups, 1, s_len, device="cuda"), -1).half()
+    sc = torch.empty(b * groups, 1, s_len, device="cuda", dtype=torch.float16)
+    o = torch.empty(b * groups, 1, d, device="cuda", dtype=torch.float32)
+    pruned = kv.prune(host, 0.7)
+    forms = {}
+    for bits in (2, 16):
+        ck = kv.compress_keys(pruned, bits).to_device()
+        cv = kv.compress_values(pruned, bits).to_device()
+        forms[f"scores(torch q, {bits}-bit keys on the GPU, out=, stream=)"] = (
+            lambda ck=ck: kv.scores(q, ck, out=sc, stream=stream))
+        forms[f"attend(torch p, {bits}-bit values on the GPU, out=, stream=)"] = (
+            lambda cv=cv: kv.attend(p, cv, out=o, stream=stream))
+    # the dense baseline of `qgemm bench --suite kvcache`: a kv head's query rows [groups x Lq] as one
+    # bmm operand, so each dense head is read once
+    qh, ph = q.view(b, groups, d), p.view(b, groups, s_len)
+    forms["torch bmm(q, K^T) dense fp16 (peer)"] = lambda: torch.bmm(qh, cache.transpose(1, 2))
+    forms["torch bmm(p, V) dense fp16 (peer)"] = lambda: torch.bmm(ph, cache)
+    rows = []
+    for name, fn in forms.items():
+        with torch.cuda.stream(stream):
+            host_us = per_call_us(fn, calls, stream.synchronize)
+            dev = gpu_us(fn, stream)
+        rows.append({"suite": "kvcache", "shape": shape, "fmt": "f16", "form": name, "host_us": host_us, "gpu_us": dev})
+        print(f"{shape:>14} {name:<66} host {host_us:7.1f}   gpu {dev:7.2f}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1x4096x4096,8x4096x4096,512x4096x4096", help="comma-separated MxNxK")
@@ -88,11 +134,14 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--profile", type=int, default=0, help="cProfile the first form; print the top N functions")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kv-shapes", default="32x4096x128,32x16384x128",
+                    help="comma-separated BxSxD of the KV-cache calls (empty: none)")
     ap.add_argument("--table", default=None, metavar="JSON", help="print the markdown table of a saved run and exit")
+    ap.add_argument("--suite", default="gemm", choices=["gemm", "kvcache"], help="which table --table prints")
     a = ap.parse_args(argv)
     if a.table:
         with open(a.table) as f:
-            print(markdown(json.load(f)), end="")
+            print(markdown(json.load(f), a.suite), end="")
         return 0
 
     import torch
@@ -152,6 +201,8 @@ def main(argv=None) -> int:
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(a.profile)
             print(s.getvalue())
+    for shape in filter(None, a.kv_shapes.split(",")):
+        rows += kv_rows(shape, a.calls, stream, rng)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": info.name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
