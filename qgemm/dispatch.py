@@ -502,7 +502,10 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         fmt = packed.fmt
         w_on_device = True
     else:
-        w_on_device = runtime.is_device_array(w) and not isinstance(w, np.ndarray)
+        dw = runtime.device_array_or_none(w, stream)
+        w_on_device = dw is not None
+        if w_on_device:
+            w = dw  # (its array interface read once, as x's)
         if x_on_device != w_on_device:
             raise ValueError("matmul: x and w must both be host (numpy) arrays or both device arrays "
                              "(or w a qgemm.pack_weights result)")
@@ -552,7 +555,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     runtime.prepare_call(stream, "matmul", None if x_on_device else (
         "host (numpy) arrays cannot be used while a CUDA graph is being captured (their upload and the read-back "
         "are synchronous); capture device arrays, with out= and stream= the capturing stream"))
-    stream = runtime.as_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
+    stream = runtime.launch_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
     if not x_on_device:
         if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size:
             # these kernels round x to float16 themselves, with no prologue to flag what overflows

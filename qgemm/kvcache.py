@@ -1130,7 +1130,7 @@ class MustafarRunner:
                    if not device else "the compressed cache is uploaded first; call ck.to_device() before capturing"
                    if isinstance(ck, CompressedKV) and not ck.on_device else None)
             runtime.prepare_call(stream, kernel.name, why and f"this call cannot be captured into a CUDA graph: {why}")
-            stream = runtime.as_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
+            stream = runtime.launch_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
         if not runtime.gpu_available():  # named, before the cache's upload asks for the runtime
             runtime.require_gpu(f"running {kernel.name}")
         dkv = ck.to_device() if isinstance(ck, CompressedKV) else ck

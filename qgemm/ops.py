@@ -410,7 +410,7 @@ class Kernel:
         runtime.prepare_call(stream, self.name, None if not staged else (
             "this call cannot be captured into a CUDA graph (it uploads, reads back or stages operands synchronously); "
             "capture qgemm.matmul, or this kernel on device arrays in its own formats"))
-        stream = runtime.as_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
+        stream = runtime.launch_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
         if device:
             da = _check_device(a, self.op.a, "A", self.op, stream, self.name)
             dw = self._device_weights(w, stream)

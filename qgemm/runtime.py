@@ -266,39 +266,54 @@ def as_stream(stream=None):
     """None -> the device's default stream; a cuda.core Stream; an int handle; or an object with
     `cuda_stream` (torch.cuda.Stream, cupy.cuda.Stream) or `__cuda_stream__`. ValueError for
     anything else, and for a stream of another GPU than qgemm's."""
+    return _as_stream(stream, False)
+
+
+def launch_stream(stream=None):
+    """as_stream for qgemm's own calls (matmul, the kernels, the KV-cache ops), which never hand
+    the Stream out or close it: a caller's handle comes back as the one wrapper qgemm keeps for
+    it (wrapping costs ~5 us of an eager call's host time)."""
+    return _as_stream(stream, True)
+
+
+def _as_stream(stream, shared: bool):
     if stream is None:
         return default_stream()
     Stream = _cuda_core().Stream
     if isinstance(stream, Stream):  # qgemm's own streams come this way, once per launch: not re-checked
         return stream
     if hasattr(stream, "__cuda_stream__"):
-        return _foreign_stream(int(stream.__cuda_stream__()[1]), stream)
+        return _foreign_stream(int(stream.__cuda_stream__()[1]), stream, shared)
     handle = getattr(stream, "cuda_stream", stream)
     if isinstance(handle, (int, np.integer)) and not isinstance(handle, (bool, np.bool_)):
         if int(handle) < 0:
             raise ValueError(f"stream: an int stream handle is an address, >= 0 (0: the default stream), got {int(handle)}")
         if int(handle) == 0:
             return default_stream()
-        return _foreign_stream(int(handle), stream)
+        return _foreign_stream(int(handle), stream, shared)
     raise ValueError(f"stream: expected a cuda.core Stream, an int handle or a torch/CuPy stream, got {type(stream).__name__}")
 
 
-_foreign_streams: dict = {}  # handle -> cuda.core Stream already checked (one-GPU processes)
+_checked_streams: dict = {}  # handle -> the cuda.core Stream _same_device passed (one-GPU processes)
 
 
-def _foreign_stream(handle: int, given):
-    """A caller's stream handle as a cuda.core Stream of qgemm's device. Memoized by handle
-    where there is one GPU: a handle destroyed and reused is still a stream of that GPU, and
-    wrapping plus checking it (~12 us) was the largest part of an eager call's host time when
-    passed torch's current stream every step."""
-    s = _foreign_streams.get(handle)
-    if s is None:
-        Stream = _cuda_core().Stream
-        s = _same_device(_wrap("Stream.from_handle", Stream.from_handle, handle), given)
-        if gpu_available() and device_info().device_count == 1:
-            if len(_foreign_streams) >= 256:
-                _foreign_streams.clear()
-            _foreign_streams[handle] = s
+def _foreign_stream(handle: int, given, shared: bool = False):
+    """A caller's stream handle as a cuda.core Stream of qgemm's device, device-checked once per
+    handle where there is one GPU (a handle destroyed and reused is still a stream of that GPU;
+    the check's driver queries were the largest part of an eager call's host time when given
+    torch's current stream). shared: qgemm's own calls, which never hand the Stream out or close
+    it, take the one wrapper kept for the handle (wrapping costs ~5 us); anyone else gets a new
+    one, which they may close."""
+    Stream = _cuda_core().Stream
+    kept = _checked_streams.get(handle)
+    if kept is not None:
+        ensure_current()  # what _same_device does first: a fresh thread has no context
+        return kept if shared else _wrap("Stream.from_handle", Stream.from_handle, handle)
+    s = _same_device(_wrap("Stream.from_handle", Stream.from_handle, handle), given)
+    if gpu_available() and device_info().device_count == 1:
+        if len(_checked_streams) >= 256:
+            _checked_streams.clear()
+        _checked_streams[handle] = _wrap("Stream.from_handle", Stream.from_handle, handle) if not shared else s
     return s
 
 
@@ -547,9 +562,13 @@ def _pointer_device(ptr: int) -> int | None:
 
 
 def _context_device(ctx) -> int:
-    """The device ordinal of a CUDA context (qgemm's own context is current)."""
+    """The device ordinal of a CUDA context (qgemm's own context is current). With one GPU every
+    context is that GPU's: answered without the driver (every pointer and stream check asks, and
+    the driver's answer took two to four calls: current context, or push / device / pop)."""
     from cuda.bindings import driver
 
+    if device_info().device_count == 1:
+        return device_ordinal()
     if int(ctx) == int(check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")):
         return device_ordinal()
     check(driver.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
@@ -579,11 +598,13 @@ def _check_pointer_device(ptr: int, what: str) -> None:
             err, managed = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)
         if int(err) != 0 or not int(managed):
             raise ValueError(_other_device_message(what, ordinal))
-    # With one GPU an address CUDA has handed out stays CUDA's (the driver keeps its virtual
-    # range reserved after a free) and belongs to no other device, so the answer cannot change:
-    # a serving loop passes the same tensors every step, and these driver queries were ~6 us of
-    # an eager decode call's host time. With several GPUs a freed range may come back as another
-    # device's memory, so every call asks.
+    # With one GPU a passed address is remembered (a serving loop passes the same tensors every
+    # step; the queries were ~6 us per operand of an eager call): memory CUDA knows on the only
+    # GPU stays that GPU's. What the memo gives up is the refusal of an address freed since it
+    # passed, which the check catches only while nothing is mapped there again: qgemm's own
+    # frees empty the memo (_release), so a DeviceArray freed under a non-owning wrapper is still
+    # refused; a foreign allocator's cuMemFree under such a wrapper is not seen. With several
+    # GPUs a freed range may come back as another device's memory, so every call asks.
     if device_info().device_count == 1:
         if len(_checked_pointers) >= 4096:
             _checked_pointers.clear()
@@ -944,6 +965,7 @@ def _release(ptr: int) -> None:
     list's single pop / append calls hand each waiting address to exactly one release."""
     from cuda.bindings import driver
 
+    _checked_pointers.clear()  # an address checked before may be freed now (_check_pointer_device)
     todo = []
     while True:
         try:
@@ -1047,7 +1069,7 @@ class LoadedKernel:
         self.kernels = {e: _wrap(f"get_kernel({e})", self.object_code.get_kernel, e) for e in entries}
         self._smem_ok: dict[str, int] = {}
         self._smem_lock = threading.Lock()
-        self._configs: dict[tuple, object] = {}  # (entry, grid, block, shmem, pdl) -> cuda.core LaunchConfig
+        self._configs = threading.local()  # .d: (entry, grid, block, shmem, pdl) -> cuda.core LaunchConfig
 
     def _static_smem(self, entry: str) -> int:
         """The kernel's static shared memory (a property in cuda.core 1.x, a method in older releases)."""
@@ -1083,19 +1105,25 @@ class LoadedKernel:
         kernel's output. Ignored (a plain launch) where cuda.core or the GPU lack it."""
         core = _cuda_core()
         s = as_stream(stream)
-        pdl = bool(pdl) and pdl_enabled()  # read at every launch (QGEMM_PDL), so not part of the memo below
+        pdl = bool(pdl) and pdl_enabled()  # read at every launch (QGEMM_PDL), once: the memo is keyed on it
         key = (entry, tuple(grid), tuple(block), shmem, pdl)
-        cfg = self._configs.get(key)
-        if cfg is None:  # a LaunchConfig per geometry, made once: an eager decode call is host-bound
+        # A LaunchConfig per geometry, made once (an eager decode call is host-bound), and per
+        # thread: cuda.core's launch() rewrites the config's native attribute list on each call,
+        # and releases the GIL while the driver reads it.
+        configs = getattr(self._configs, "d", None)
+        if configs is None:
+            configs = self._configs.d = {}
+        cfg = configs.get(key)
+        if cfg is None:
             if shmem > 0:
                 self._allow_dynamic_smem(entry, shmem)
             geo = dict(grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block), shmem_size=int(shmem))
-            cfg = _pdl_config(geo) if pdl else None
+            cfg = _pdl_config(geo, decided=True) if pdl else None
             if cfg is None:
                 cfg = core.LaunchConfig(**geo)
-            if len(self._configs) > 256:
-                self._configs.clear()
-            self._configs[key] = cfg
+            if len(configs) > 256:
+                configs.clear()
+            configs[key] = cfg
         try:
             core.launch(s, cfg, self.kernels[entry], *args)
         except (NoGPUError, CudaError, ValueError):
@@ -1131,12 +1159,13 @@ def pdl_setting(value):
             os.environ["QGEMM_PDL"] = old
 
 
-def _pdl_config(geo: dict):
+def _pdl_config(geo: dict, decided: bool = False):
     """A LaunchConfig with programmatic stream serialization (sm_90+, cuda.core >= 0.4), or None
-    (also when QGEMM_PDL=0)."""
+    (also when QGEMM_PDL=0; decided: the caller has read QGEMM_PDL already -- not read twice, so
+    a switch between the two reads cannot file a plain config under a PDL launch's key)."""
     from cuda.core import LaunchConfig
 
-    if not pdl_enabled():
+    if not decided and not pdl_enabled():
         return None
     if _PDL["supported"] is None:
         _PDL["supported"] = gpu_available() and device_info().cc >= 90

@@ -11,6 +11,7 @@ import pytest
 
 import qgemm
 from qgemm import dispatch, runtime, tuning
+from qgemm import kvcache as kv
 
 ONE_GPU = runtime.DeviceInfo("Stand-in GPU", 90, 132, 1980000, 2619000, 5120, 50 << 20, 232448, 80 << 30,
                              (13, 0), "580.00", device_count=1)
@@ -18,8 +19,9 @@ ONE_GPU = runtime.DeviceInfo("Stand-in GPU", 90, 132, 1980000, 2619000, 5120, 50
 
 @pytest.fixture
 def clean_memos(monkeypatch):
+    monkeypatch.setattr(runtime, "_checked_streams", {})
     monkeypatch.setattr(runtime, "_checked_pointers", set())
-    monkeypatch.setattr(runtime, "_foreign_streams", {})
+    monkeypatch.setattr(kv, "_call_plans", {})
     monkeypatch.setattr(dispatch, "_matmul_plans", {})
     monkeypatch.setattr(tuning, "_paths", {})
     yield
@@ -110,7 +112,8 @@ def test_device_array_or_none_reads_the_interface_once(monkeypatch):
 
 
 def _stand_in_driver(monkeypatch, count):
-    """gpu_available, `count` devices, and a cuPointerGetAttribute that counts its calls."""
+    """gpu_available, `count` devices, a cuPointerGetAttribute that counts its calls (addresses in
+    `known` are memory of context 7), and a context -> device query that counts its calls."""
     from cuda.bindings import driver
 
     monkeypatch.setattr(runtime, "gpu_available", lambda: True)
@@ -118,68 +121,101 @@ def _stand_in_driver(monkeypatch, count):
     monkeypatch.setattr(runtime, "ensure_current", lambda: None)
     monkeypatch.setattr(runtime, "relaxed_capture", contextlib.nullcontext)
     monkeypatch.setattr(runtime, "device_ordinal", lambda: 0)
-    asked = []
+    asked, known, ctx_asked = [], {0x1000}, []
 
     def attribute(which, ptr):
         asked.append(ptr)
-        if ptr == 0x4000:
+        if ptr not in known:
             return driver.CUresult.CUDA_ERROR_INVALID_VALUE, None
         return driver.CUresult.CUDA_SUCCESS, driver.CUcontext(7)
 
+    def current():
+        ctx_asked.append("current")
+        return driver.CUresult.CUDA_SUCCESS, driver.CUcontext(7)
+
     monkeypatch.setattr(driver, "cuPointerGetAttribute", attribute)
-    monkeypatch.setattr(runtime, "_context_device", lambda ctx: 0)
-    return asked
+    monkeypatch.setattr(driver, "cuCtxGetCurrent", current)
+    return asked, known, ctx_asked
 
 
 def test_pointer_check_memo_with_one_gpu(monkeypatch, clean_memos):
-    asked = _stand_in_driver(monkeypatch, 1)
+    """With one GPU a pointer that passed is not asked about again, until qgemm frees memory (an
+    address checked before may have been freed: refused again then); a refusal is never
+    memoized; the context's device needs no driver call."""
+    asked, known, ctx_asked = _stand_in_driver(monkeypatch, 1)
     for _ in range(3):
         runtime._check_pointer_device(0x1000, "Tensor")
-    assert asked == [0x1000]  # asked once: with one GPU the answer cannot change
-    for _ in range(2):  # a refusal is never memoized
+    assert asked == [0x1000] and ctx_asked == []
+    for _ in range(2):
         with pytest.raises(ValueError, match="not memory that CUDA knows"):
             runtime._check_pointer_device(0x4000, "Tensor")
     assert asked == [0x1000, 0x4000, 0x4000]
+    known.discard(0x1000)  # freed under a non-owning wrapper, by qgemm:
+    monkeypatch.setattr(runtime, "_deferred_frees", [])
+    from cuda.bindings import driver
+
+    freed = []
+    monkeypatch.setattr(driver, "cuMemFree", lambda p: freed.append(p) or (driver.CUresult.CUDA_SUCCESS,))
+    monkeypatch.setattr(driver, "cuCtxSetCurrent", lambda c: (driver.CUresult.CUDA_SUCCESS,))  # (the stand-in context
+    runtime._release(0x1000)  # _release puts back must never reach a real driver)
+    assert freed == [0x1000]
+    with pytest.raises(ValueError, match="not memory that CUDA knows"):
+        runtime._check_pointer_device(0x1000, "Tensor")
 
 
 def test_pointer_check_asks_every_time_with_several_gpus(monkeypatch, clean_memos):
-    asked = _stand_in_driver(monkeypatch, 2)
+    asked, known, ctx_asked = _stand_in_driver(monkeypatch, 2)
     for _ in range(3):
         runtime._check_pointer_device(0x1000, "Tensor")
-    assert asked == [0x1000] * 3 and not runtime._checked_pointers
+    assert asked == [0x1000] * 3 and ctx_asked == ["current"] * 3 and not runtime._checked_pointers
 
 
 @pytest.mark.parametrize("count", [1, 2])
-def test_foreign_stream_memo(monkeypatch, clean_memos, count):
-    """A caller's stream handle is wrapped and checked once with one GPU, every time with more;
-    a stream of another device is refused either way."""
+def test_foreign_stream_checked_once_wrapped_each_time(monkeypatch, clean_memos, count):
+    """A caller's stream handle is device-checked once with one GPU (every time with more), and
+    as_stream wraps it anew on every call -- a caller closing the Stream it got must not close
+    anyone else's -- while qgemm's own calls share one kept wrapper; the context is made current
+    on a memo hit too; a stream of another device is refused every time."""
     import cuda.core
 
     monkeypatch.setattr(runtime, "gpu_available", lambda: True)
     monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(device_count=count))
-    made = []
+    current = []
+    monkeypatch.setattr(runtime, "ensure_current", lambda: current.append(1))
 
     class Stream:  # cuda.core's type cannot be patched; the whole name is stood in for
+        def __init__(self, h):
+            self.h = h
+
         @staticmethod
         def from_handle(h):
-            made.append(h)
-            return ("stream", h)
+            return Stream(h)
 
     monkeypatch.setattr(cuda.core, "Stream", Stream)
+    checked = []
 
     def same_device(s, given):
-        if s[1] == 0xBAD:
+        checked.append(s.h)
+        runtime.ensure_current()
+        if s.h == 0xBAD:
             raise ValueError("stream: expected a stream of CUDA device 0 (qgemm's device), got a int of device 1")
         return s
 
     monkeypatch.setattr(runtime, "_same_device", same_device)
     torch_like = types.SimpleNamespace(cuda_stream=0x5000)
     got = [runtime.as_stream(torch_like) for _ in range(3)]
-    assert got == [("stream", 0x5000)] * 3 and made == [0x5000] * (1 if count == 1 else 3)
+    assert [g.h for g in got] == [0x5000] * 3 and len({id(g) for g in got}) == 3  # never the same object
+    assert checked == [0x5000] * (1 if count == 1 else 3) and len(current) == 3
+    # qgemm's own calls (shared=True) take the one wrapper kept for the handle: never one handed out
+    own = [runtime.launch_stream(torch_like) for _ in range(2)]
+    if count == 1:
+        assert own[0] is own[1] and all(own[0] is not g for g in got) and checked == [0x5000]
+    else:
+        assert own[0] is not own[1] and checked == [0x5000] * 5
     for _ in range(2):
         with pytest.raises(ValueError, match="of device 1"):
             runtime.as_stream(0xBAD)
-    assert 0xBAD not in runtime._foreign_streams
+    assert 0xBAD not in runtime._checked_streams
 
 
 def test_launch_configs_made_once_per_geometry(monkeypatch):
@@ -198,8 +234,11 @@ def test_launch_configs_made_once_per_geometry(monkeypatch):
     monkeypatch.setattr(cuda.core, "launch", lambda s, cfg, kern, *args: launched.append((cfg.kw, kern, args)))
     monkeypatch.setattr(runtime, "as_stream", lambda s=None: "stream")
     monkeypatch.setitem(runtime._PDL, "supported", True)
+    monkeypatch.delenv("QGEMM_PDL", raising=False)
+    opted = []
     mod = object.__new__(runtime.LoadedKernel)
-    mod.label, mod.kernels, mod._smem_ok, mod._configs = "t", {"k": "K"}, {"k": 1 << 20}, {}
+    mod.label, mod.kernels, mod._configs = "t", {"k": "K"}, __import__("threading").local()
+    mod._allow_dynamic_smem = lambda entry, shmem: opted.append(shmem)
     for _ in range(3):
         mod.launch("k", (4, 1, 1), (128, 1, 1), 0, (1, 2), pdl=True)
     assert len(made) == 1 and made[0]["programmatic_stream_serialization"] is True and len(launched) == 3
@@ -208,6 +247,28 @@ def test_launch_configs_made_once_per_geometry(monkeypatch):
     assert len(made) == 2 and "programmatic_stream_serialization" not in made[1]
     mod.launch("k", (8, 1, 1), (128, 1, 1), 0, (1, 2), pdl=True)
     assert len(made) == 3 and made[2]["grid"] == (8, 1, 1)
+    # more dynamic shared memory for the same entry and grid: a new config, and the opt-in asked
+    mod.launch("k", (8, 1, 1), (128, 1, 1), 64 << 10, (1, 2))
+    mod.launch("k", (8, 1, 1), (128, 1, 1), 100 << 10, (1, 2))
+    assert len(made) == 5 and opted == [64 << 10, 100 << 10] and made[4]["shmem_size"] == 100 << 10
+    # QGEMM_PDL is read once per launch: switched off between the launch's read and the config's
+    # making, the config still matches the key it is filed under
+    monkeypatch.delenv("QGEMM_PDL", raising=False)
+    reads = iter([True, False])
+    monkeypatch.setattr(runtime, "pdl_enabled", lambda: next(reads))
+    mod.launch("k", (16, 1, 1), (128, 1, 1), 0, (1, 2), pdl=True)
+    assert made[-1].get("programmatic_stream_serialization") is True
+    monkeypatch.setattr(runtime, "pdl_enabled", lambda: True)
+    # another thread makes its own config (cuda.core's launch rewrites a config's native attributes)
+    import threading
+
+    n = len(made)
+    th = threading.Thread(target=lambda: mod.launch("k", (16, 1, 1), (128, 1, 1), 0, (1, 2), pdl=True))
+    th.start()
+    th.join()
+    assert len(made) == n + 1
+    mod.launch("k", (16, 1, 1), (128, 1, 1), 0, (1, 2), pdl=True)
+    assert len(made) == n + 1
 
     def fail(*a):
         raise RuntimeError("CUDA_ERROR_INVALID_VALUE")
@@ -215,3 +276,56 @@ def test_launch_configs_made_once_per_geometry(monkeypatch):
     monkeypatch.setattr(cuda.core, "launch", fail)
     with pytest.raises(qgemm.CudaError, match=r"launch\(k, grid=\(8, 1, 1\), block=\(128, 1, 1\)\)"):
         mod.launch("k", (8, 1, 1), (128, 1, 1), 0, (1, 2))
+
+
+def test_kernel_launch_memo_follows_the_configuration(monkeypatch):
+    """ops.Kernel.launch keeps (module, geometry) per shape *and* configuration: a tuning change
+    (other defines for the same shape) must reach another module, not the first one's."""
+    k = qgemm.get("w4a16.skinny")
+    monkeypatch.setattr(k, "_launches", {})
+    modules = []
+
+    class Mod:
+        def __init__(self, d):
+            self.d = dict(d)
+            modules.append(self)
+
+        def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
+            self.launched = (grid, block, shmem)
+
+    monkeypatch.setattr(k, "_module", lambda defines=None: Mod(defines))
+    a = types.SimpleNamespace(ptr=0x1000)
+    d1 = k.spec.config(8, 4096, 4096, 132)
+    d2 = next(c for c in k.spec.candidates(8, 4096, 4096) if c != d1)
+    for d in (d1, d1, d2, d2, d1):
+        k.launch(a, a, a, 8, 4096, 4096, defines=d)
+    assert [m.d for m in modules] == [d1, d2]
+    assert modules[1].launched[0] == k.geometry(8, 4096, 4096, d2).grid
+    k.launch(a, a, a, 9, 4096, 4096, defines=d1)  # another shape: its own geometry
+    assert len(modules) == 3
+
+
+def test_kvcache_plan_memo_follows_the_rows(monkeypatch, clean_memos):
+    """MustafarRunner.launch's plan_for memo: one plan per (kind, bits, shape, rows, SMs, largest
+    step, arch, density); another row count (groups x Lq) is planned again."""
+    planned = []
+    real = kv.plan_for
+    monkeypatch.setattr(kv, "plan_for", lambda *a, **k: planned.append((a, k)) or real(*a, **k))
+    monkeypatch.setattr(runtime, "gpu_available", lambda: False)
+    kern = qgemm.get("mustafar.key_q2")
+    runner = kern.spec.runner
+    launched = []
+
+    class Mod:
+        def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
+            launched.append((entry, grid, shmem))
+
+    monkeypatch.setattr(kern, "_module", lambda defines=None: Mod())
+    dkv = types.SimpleNamespace(shape=(32, 4096, 128), max_step=600, density=0.3, ptr=lambda part: 0x1000)
+    dx = types.SimpleNamespace(ptr=0x2000)
+    dout = types.SimpleNamespace(ptr=0x3000, nbytes=0)
+    for rows in (4, 4, 8, 4):
+        runner.launch(kern, dkv, dx, dout, rows)
+    assert [a[3] for a, _ in planned] == [4, 8] and len(launched) == 4
+    assert launched[0] == launched[1] and launched[0][1] == real("key", 2, (32, 4096, 128), 4, 132, 600, cc=90,
+                                                                    density=0.3).grid

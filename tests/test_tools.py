@@ -599,21 +599,24 @@ def test_stream_read_reads_every_byte(rng, dependent):
 _API_PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
 
-def test_pytorch_doc_host_time_table_is_the_tools():
-    """docs/pytorch.md's host-time table is tools/host_overhead.py's rendering of the committed
-    run (docs/perf/host-overhead-h100.json), not numbers typed by hand."""
+def test_pytorch_doc_host_time_tables_are_the_tools():
+    """docs/pytorch.md's host-time tables are tools/host_overhead.py's renderings of the committed
+    runs they name (docs/perf/host-overhead-*.json), not numbers typed by hand."""
     import json
+    import re
 
     ho = _load("host_overhead")
     root = pathlib.Path(__file__).resolve().parents[1]
-    data = json.loads((root / "docs" / "perf" / "host-overhead-h100.json").read_text())
     page = (root / "docs" / "pytorch.md").read_text(encoding="utf-8")
-    begin = page.index("<!-- host-overhead table:")
-    body = page[page.index("\n", begin) + 1:page.index("<!-- end host-overhead table -->")]
-    assert body == ho.markdown(data)
-    assert data["device"] in page and data["date"].split()[0] in page
-    # the table has one row per call form, one column per shape, and the peer's row
-    assert body.count("\n") == 2 + len({r["form"] for r in data["rows"]}) and "F.linear" in body
+    blocks = re.findall(r"<!-- host-overhead table: (\S+) (gemm|kvcache) -->\n(.*?)<!-- end host-overhead table -->",
+                        page, re.S)
+    assert len(blocks) == 4, "the gemm and kvcache tables of the current run and of the run before"
+    for path, suite, body in blocks:
+        data = json.loads((root / path).read_text())
+        assert body == ho.markdown(data, suite), (path, suite)
+        forms = {r["form"] for r in data["rows"] if r.get("suite", "gemm") == suite}
+        assert body.count("\n") == 2 + len(forms) and ("F.linear" in body or "bmm" in body)
+        assert data["device"] in page and (data["date"] in page or data["date"][:10] in page)
 
 
 def test_api_doc_matches_the_code():
