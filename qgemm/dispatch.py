@@ -290,10 +290,7 @@ def _matmul_plan(m, n, k, fmt, x_dtype, path, packed) -> Plan:
     except TypeError:  # an unhashable path=: _plan says what it must be
         return _plan(m, n, k, fmt, x_dtype, path, packed, None, "matmul")
     if p is None:
-        p = _plan(m, n, k, fmt, x_dtype, path, packed, None, "matmul")
-        if len(_matmul_plans) > 1024:
-            _matmul_plans.clear()
-        _matmul_plans[key] = p
+        p = runtime.remember(_matmul_plans, key, _plan(m, n, k, fmt, x_dtype, path, packed, None, "matmul"), 1024)
     return p
 
 

@@ -1172,10 +1172,7 @@ class MustafarRunner:
                    info.cc if info else 90, dkv.density)
             plan_ = _call_plans.get(key)
             if plan_ is None:  # a pure function of the key: worked out once per cache shape and row count
-                plan_ = plan_for(*key[:6], cc=key[6], density=key[7])
-                if len(_call_plans) > 1024:
-                    _call_plans.clear()
-                _call_plans[key] = plan_
+                plan_ = runtime.remember(_call_plans, key, plan_for(*key[:6], cc=key[6], density=key[7]), 1024)
         # every address read before anything is queued (DeviceKV.ptr refuses a freed copy): a free()
         # fails here, not between the value op's zeroing (which would have cleared out=) and its kernel
         args = (np.uint64(dkv.ptr("bmp")), np.uint64(dkv.ptr("offs")), np.uint64(dkv.ptr("scl")), np.uint64(dkv.ptr("zer")),

@@ -449,10 +449,7 @@ class Kernel:
         key = (m, n, k, tuple(defines.items()))
         hit = self._launches.get(key)
         if hit is None:  # the module and geometry of a shape and configuration, worked out once
-            hit = (self._module(defines), self.geometry(m, n, k, defines))
-            if len(self._launches) > 1024:
-                self._launches.clear()
-            self._launches[key] = hit
+            hit = runtime.remember(self._launches, key, (self._module(defines), self.geometry(m, n, k, defines)), 1024)
         mod, g = hit
         if g.zero_output and not zeroed:
             dc.fill_bytes(0, stream)

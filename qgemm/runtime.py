@@ -53,6 +53,17 @@ def _wrap(call: str, fn, *args, **kwargs):
         raise CudaError(call, str(e)) from e
 
 
+def remember(table: dict, key, value, cap: int):
+    """table[key] = value, returned: the store of the host path's memos (plans, launch
+    configurations, checked streams), emptied first once it holds `cap` entries so that a process
+    cycling through shapes cannot grow one without bound. No lock: threads racing here at worst
+    work an entry out twice."""
+    if len(table) >= cap:
+        table.clear()
+    table[key] = value
+    return value
+
+
 _mods: dict = {}
 
 
@@ -311,9 +322,7 @@ def _foreign_stream(handle: int, given, shared: bool = False):
         return kept if shared else _wrap("Stream.from_handle", Stream.from_handle, handle)
     s = _same_device(_wrap("Stream.from_handle", Stream.from_handle, handle), given)
     if gpu_available() and device_info().device_count == 1:
-        if len(_checked_streams) >= 256:
-            _checked_streams.clear()
-        _checked_streams[handle] = _wrap("Stream.from_handle", Stream.from_handle, handle) if not shared else s
+        remember(_checked_streams, handle, s if shared else _wrap("Stream.from_handle", Stream.from_handle, handle), 256)
     return s
 
 
@@ -1119,11 +1128,7 @@ class LoadedKernel:
                 self._allow_dynamic_smem(entry, shmem)
             geo = dict(grid=tuple(int(g) for g in grid), block=tuple(int(b) for b in block), shmem_size=int(shmem))
             cfg = _pdl_config(geo, decided=True) if pdl else None
-            if cfg is None:
-                cfg = core.LaunchConfig(**geo)
-            if len(configs) > 256:
-                configs.clear()
-            configs[key] = cfg
+            cfg = remember(configs, key, core.LaunchConfig(**geo) if cfg is None else cfg, 256)
         try:
             core.launch(s, cfg, self.kernels[entry], *args)
         except (NoGPUError, CudaError, ValueError):

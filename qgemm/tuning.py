@@ -122,9 +122,7 @@ def fit(name: str, m: int, n: int, k: int, defines: dict) -> dict | None:
         fixed = {a: v for a, v in cands[0].items() if all(c.get(a) == v for c in cands)}
         d = {**defines, **fixed}
         got = d if d in cands else None
-    if len(_fit_cache) > 4096:
-        _fit_cache.clear()
-    _fit_cache[key] = got
+    runtime.remember(_fit_cache, key, got, 4096)
     return dict(got) if got is not None else None
 
 
