@@ -27,7 +27,7 @@ from functools import lru_cache, wraps
 import numpy as np
 
 from . import formats as F
-from . import runtime
+from . import packing, runtime
 from .check import make_inputs
 from .ops import Kernel
 
@@ -88,13 +88,15 @@ def measure_copy_bandwidth(nbytes: int = 512 << 20, iters: int = 10) -> float:
 def operand_bytes(kernel: Kernel, m: int, n: int, k: int) -> int:
     """Fewest bytes the op must move: each input read once, the output written once."""
     op = kernel.op
+    if op.kind == "pack":  # the N x K blocks read, their packed copy written
+        return op.a.nbytes(n, k) + packing.packed_nbytes(op.a.name, n, k)
     if op.kind == "quantize":
         return op.a.nbytes(m, k) + op.out.nbytes(m, k)  # Format.nbytes(rows, K)
     return op.a.nbytes(m, k) + op.w.nbytes(n, k) + m * n * 4
 
 
 def flops(kernel: Kernel, m: int, n: int, k: int) -> int:
-    return 0 if kernel.op.kind == "quantize" else 2 * m * n * k
+    return 0 if kernel.op.kind in ("quantize", "pack") else 2 * m * n * k
 
 
 @dataclass
@@ -345,7 +347,13 @@ def profile(kernel: Kernel, shape: tuple[int, int, int], warmup: int = 10, iters
     rng = np.random.default_rng(seed)
     inp = make_inputs(op, m, n, k, rng, weights)
     kernel._module()  # compile and load before any timing
-    if op.kind == "quantize":
+    if op.kind == "pack":
+        dws = [runtime.DeviceArray.from_host(inp.w) for _ in range(sets)]
+        dps = [runtime.DeviceArray.empty((packing.packed_nbytes(op.a.name, n, k),), np.uint8) for _ in range(sets)]
+
+        def launch(i, stream=None):
+            kernel.launch_pack(dws[i], dps[i], n, k, stream=stream)
+    elif op.kind == "quantize":
         xs = [runtime.DeviceArray.from_host(inp.a) for _ in range(sets)]
         ys = [runtime.DeviceArray.empty((m, k // op.out.block), op.out.dtype) for _ in range(sets)]
         status = runtime.DeviceArray.from_host(np.zeros(1, np.int32))
@@ -542,6 +550,10 @@ def _sets_for(nbytes: int, cold: bool) -> int:
     return cold_sets(nbytes) if cold else 1
 
 
+# how pack_weights repacks (the `pack_ms` figures of a bench run): since session 36 on the GPU
+PACK_METHOD = "upload of the host blocks + repacking on the GPU (pack.*)"
+
+
 def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict, warmup: int = 5, iters: int = 30,
                 path: str | None = None, packed: bool = True, sustain_s: float = 0.0) -> dict:
     """The whole op as qgemm.matmul runs it (prologue + GEMM), graph-batched like llama.cpp's perf
@@ -553,31 +565,34 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
 
     p = mm.plan(m, n, k, fmt, "f32", path, packed)
     wq = weights[(fmt, n, k)]
-    wbuf = packing.pack(wq, fmt) if p.packed else wq
-    nbytes = m * k * 4 + wq.nbytes + m * n * 4
+    wbuf = packing.pack(wq, fmt) if p.packed and p.repack is None else wq
+    nbytes = m * k * 4 + wq.nbytes + m * n * 4 + p.packed_weights_bytes
     sets = _sets_for(nbytes, cold)
     xs = [runtime.DeviceArray.from_host(rng.standard_normal((m, k), dtype=np.float32)) for _ in range(sets)]
     ws = [runtime.DeviceArray.from_host(wbuf) for _ in range(sets)]
     staged = p.staged_format
     qs = [runtime.DeviceArray.empty(*staged) if staged else xs[i] for i in range(sets)]
     cs = [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets)]
+    # ggml blocks repacked on every call (Plan.repack): the op writes its packed copy here, and the
+    # kernel alone reads it (packed by the op's timing, which runs first)
+    ps = [runtime.DeviceArray.empty((p.packed_weights_bytes,), np.uint8) for _ in range(sets)] if p.repack else ws
     status = runtime.DeviceArray.from_host(np.zeros(1, np.int32))
 
     def launch(i, stream=None):
-        p.launch(xs[i], ws[i], qs[i], cs[i], status, stream=stream)
+        p.launch(xs[i], ws[i], qs[i], cs[i], status, stream=stream, dpack=ps[i])
 
     def kernel_only(i, stream=None):
         from . import registry
 
-        registry.get(p.kernel).launch(qs[i], ws[i], cs[i], m, n, k, stream=stream, defines=p.defines or None)
+        registry.get(p.kernel).launch(qs[i], ps[i], cs[i], m, n, k, stream=stream, defines=p.defines or None)
 
     t_all, how = _time_launches(launch, sets, warmup, iters, sustain_s)
     t_k, _ = _time_launches(kernel_only, sets, warmup, iters, sustain_s)
     med, kmed = statistics.median(t_all), statistics.median(t_k)
-    for arr in xs + ws + cs + ([] if staged is None else qs):
+    for arr in xs + ws + cs + ([] if staged is None else qs) + (ps if p.repack else []):
         arr.free()
     return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "kernel": p.kernel, "packed": p.packed,
-            "config": p.defines, "config_source": p.source,
+            "repack": p.repack, "config": p.defines, "config_source": p.source,
             "matmul_us": med, "kernel_us": kmed, "quantize_us": max(med - kmed, 0.0), "tflops": 2 * m * n * k / med / 1e6,
             "weight_gbps": wq.nbytes / med / 1e3, "buffer_sets": sets, "method": how["method"]}
 
@@ -679,7 +694,7 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
             weights[(fmt, n, k)] = F.quantize(rng.standard_normal((n, k), dtype=np.float32), fmt)
     from . import packing
 
-    pack_ms = {}  # the one-time repacking (host repack + upload), not part of any matmul time
+    pack_ms = {}  # the one-time repacking (PACK_METHOD), not part of any matmul time
     packing.pack_weights(np.zeros((16, 4), F.block_q4_0)).packed.free()  # first-use costs are not the repack's
     for (fmt, nn, k), wq in weights.items():
         pw = packing.pack_weights(wq)
@@ -699,7 +714,8 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
                 r["clock"] = sampler.window(t0, time.time())
             if r["packed"]:  # the same op on raw ggml blocks (no pack_weights): what an unpacked caller gets
                 rb = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, packed=False, sustain_s=sustain_s)
-                r.update(blocks_kernel=rb["kernel"], blocks_matmul_us=rb["matmul_us"])
+                r.update(blocks_kernel=(f"{rb['repack']} + " if rb.get("repack") else "") + rb["kernel"],
+                         blocks_matmul_us=rb["matmul_us"])
             if peers:
                 key = (m, k, cold)
                 if key not in peer_cache:
@@ -722,7 +738,7 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     # the higher of the two measurements: a row's share of the copy bandwidth is never flattered by a slow copy
     copies = [copy_start / 1e9, measure_copy_bandwidth() / 1e9]
     return {"environment": environment(), "copy_bandwidth_gbps": max(copies), "copy_bandwidth_runs_gbps": copies,
-            "pack_ms": pack_ms, "rows": rows, "read_ceilings": ceilings, "l2_reset": l2_mode(), "sustain_s": sustain_s}
+            "pack_ms": pack_ms, "pack_method": PACK_METHOD, "rows": rows, "read_ceilings": ceilings, "l2_reset": l2_mode(), "sustain_s": sustain_s}
 
 
 def sweep_markdown(data: dict, command: str) -> str:
@@ -734,10 +750,12 @@ def sweep_markdown(data: dict, command: str) -> str:
            + (" -- the higher of {:.0f} before the sweep and {:.0f} after it".format(*data["copy_bandwidth_runs_gbps"])
               if data.get("copy_bandwidth_runs_gbps") else "")]
     if data.get("pack_ms"):
-        out.append("- one-time weight repacking for the skinny kernels (`qgemm.pack_weights`: host repack + upload, "
-                   "not in any time below): " + ", ".join(f"{k} {v:.1f} ms" for k, v in data["pack_ms"].items()))
+        # (a JSON from before session 36 has no pack_method: its repacking ran on the host)
+        out.append(f"- one-time weight repacking for the skinny kernels (`qgemm.pack_weights`: "
+                   f"{data.get('pack_method', 'host repack + upload')}, not in any time below): "
+                   + ", ".join(f"{k} {v:.1f} ms" for k, v in data["pack_ms"].items()))
     out.append("- `qgemm.matmul µs` takes packed weights; `ggml blocks µs` is the same call on raw ggml blocks "
-               "(where that picks another kernel)")
+               "(where that picks another kernel; `pack.*` + a kernel: the blocks repacked on the GPU in every call)")
     reset = data.get("l2_reset")
     if reset == "off":
         out.append("- hot timings start from the L2 the previous row left (`QGEMM_BENCH_L2=off`, the default): with "

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import formats as F
-from . import reference, runtime
+from . import packing, reference, runtime
 from .ops import Kernel, Op
 
 
@@ -54,6 +54,9 @@ def make_inputs(op: Op, m: int, n: int, k: int, rng: np.random.Generator, weight
     dequantized values, so the NMSE measures the activation side alone."""
     if k % op.k_multiple:
         raise ValueError(f"{op.name}: K must be a multiple of {op.k_multiple}, got K={k}")
+    if op.kind == "pack":  # the weights of the MxNxK product: N x K blocks (a GGUF tensor's, when given)
+        w = weights if weights is not None else F.quantize(rng.standard_normal((n, k), dtype=np.float32), op.a)
+        return Inputs(np.zeros((0, k), np.float32), F.dequantize(w, op.a), w, w)
     a_f = rng.standard_normal((m, k), dtype=np.float32)
     if op.kind == "gemm" and op.a.quantized:
         a = F.quantize(a_f, op.a)
@@ -98,6 +101,13 @@ class Result:
 def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=None) -> np.ndarray:
     """Run with the output pre-filled with 0xFF bytes; return it on the host."""
     op = kernel.op
+    if op.kind == "pack":
+        dw = runtime.DeviceArray.from_host(inp.w)
+        dp = runtime.DeviceArray.empty((packing.packed_nbytes(op.a.name, n, k),), np.uint8)
+        dp.fill_bytes(0xFF, stream)
+        kernel.launch_pack(dw, dp, n, k, stream=stream)
+        runtime.check_last_error(kernel.name)
+        return dp.to_host()
     if op.kind == "quantize":
         dx = runtime.DeviceArray.from_host(inp.a)
         dy = runtime.DeviceArray.empty((m, k // op.out.block), op.out.dtype)
@@ -126,7 +136,22 @@ def validate(kernel: Kernel, shape: tuple[int, int, int], seed: int | None = Non
         seed = int(np.random.SeedSequence().entropy % (2**31))
     rng = np.random.default_rng(seed)
     inp = make_inputs(op, m, n, k, rng, weights)
+    if op.kind == "pack":
+        n = inp.w.shape[0]
     out = run_poisoned(kernel, inp, m, n, k)
+
+    if op.kind == "pack":  # a permutation: every byte must be packing.pack's
+        expect = op.cpu(inp.w)
+        chunks, exp_c = out.reshape(-1, 16), expect.reshape(-1, 16)
+        bad = int(np.any(chunks != exp_c, axis=1).sum())
+        unwritten = int((np.all(chunks == 0xFF, axis=1) & np.any(exp_c != 0xFF, axis=1)).sum())
+        got = F.dequantize(packing.unpack(out, op.a.name, n, k), op.a).astype(np.float64)
+        want = inp.w_float.astype(np.float64)
+        max_abs = float(np.nanmax(np.abs(got - want))) if bad else 0.0
+        rel = reference.relative_error(np.nan_to_num(got), want) if bad else 0.0
+        return Result(kernel.name, shape, seed, bad == 0, max_abs, rel, 0.0, unwritten, 0.0, 0.0,
+                      note=f"{bad} of {chunks.shape[0]} 16-byte chunks differ from packing.pack",
+                      detail={"mismatched_chunks": bad})
 
     if op.kind == "quantize":
         expect = op.cpu(inp.a)

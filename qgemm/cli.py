@@ -110,9 +110,9 @@ def _gguf_source(gguf, tensor, m_rows, mnk):
 
 def _check_gguf_format(spec, fmt: str) -> None:
     """The GGUF tensor's format must be the kernel's W format (f32 and f16 convert to each other)."""
-    if spec.op.w is None:
+    if spec.op.weights is None:
         raise ValueError(f"{spec.name} takes no weight matrix (it converts the activations): --gguf does not apply")
-    want = spec.op.w.name
+    want = spec.op.weights.name
     if want != fmt and not (want in ("f32", "f16") and fmt in ("f32", "f16")):
         raise ValueError(f"{spec.name} takes {want} weights; the GGUF tensor is {fmt}")
 
@@ -124,9 +124,9 @@ def _with_gguf(spec, gg, mnk):
         return mnk, None
     m, w, k, fmt = gg
     _check_gguf_format(spec, fmt)
-    want = spec.op.w.name
+    want = spec.op.weights.name
     if want in ("f32", "f16"):
-        w = np.ascontiguousarray(w, dtype=spec.op.w.dtype)
+        w = np.ascontiguousarray(w, dtype=spec.op.weights.dtype)
     else:
         w = np.ascontiguousarray(w)
     return (m, w.shape[0], k), w
@@ -528,8 +528,7 @@ def explain(
     try:
         typer.echo(mm.explain(*mnk, fmt=fmt, x_dtype="f16" if f16 else "f32", path=path, packed=packed, arch=arch))
     except (KeyError, ValueError, UnsupportedArchError) as e:
-        msg = str(e.args[0] if e.args else e)
-        _fail(msg + ("; here: --packed" if "pack_weights" in msg and not packed else ""))
+        _fail(str(e.args[0] if e.args else e))
 
 
 @app.command()

@@ -21,7 +21,11 @@ Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM r
   per-block float epilogue costs more than its MMAs, and closer to the float result than Q8_1);
   tile/split-K come from `qgemm tune` results when present, else the default heuristic;
 - below sm_80: the DP4A kernels `w4a8.vec_dp4a` / `w8a8.tiled_dp4a` after `quantize.q8_1`.
-`path=` overrides the GEMM kernel (any registered kernel taking these weights: `w4a8.mma`, ...).
+Except on sm_90 from M = REPACK_MIN_M (17 for Q4_0, 256 for Q8_0): there the ggml blocks are
+repacked on the GPU first, in every call (`pack.q4_0` / `pack.q8_0` into a scratch copy), and the
+packed path's `wgmma_rs` kernel runs -- 2-2.5x faster than `w4a16.mma` on the blocks at prefill.
+`path=` overrides the GEMM kernel (any registered kernel taking these weights: `w4a8.mma`, ...; a
+skinny or wgmma kernel given ggml blocks repacks them per call the same way).
 """
 
 from __future__ import annotations
@@ -62,6 +66,17 @@ WGMMA_MIN_M = 17
 # session-9 bench). From two tokens on they are slower (the quantization is per token, the
 # dequantization it saves per weight): 2x4096x4096 Q8_0 9.8 vs 6.2.
 SKINNY_I8_MAX_M = 1
+# ggml blocks (not packed) on sm_90: from this M the op repacks the weights on the GPU first, on
+# every call (`pack.q4_0` / `pack.q8_0` into a per-stream scratch buffer), then runs the packed
+# path's wgmma kernel, instead of convert.f16 + w4a16.mma / w8a16.mma on the blocks. H100, whole op,
+# hot / cold, N = 4096 (tools/repack_probe.py, docs/perf/NOTES.md session 36), us, blocks -> repacked:
+#   Q4_0 K = 4096: M = 17 19.9 -> 13.9 / 22.0 -> 18.5, 32 16.1 -> 14.1 / 18.5 -> 18.9, 64 19.5 -> 14.9,
+#        512 82.6 -> 38.7, 2048 324 -> 132; K = 14336: 17 46.1 -> 45.1, 32 44.2 -> 45.5 / 48.0 -> 45.5,
+#        128 74.0 -> 57.2, 512 269 -> 122
+#   Q8_0 (twice the bytes to repack): K = 4096: 64 22.8 -> 24.4, 128 31.3 -> 29.6, 256 49.9 -> 37.6,
+#        512 90.6 -> 60.2; K = 14336: 128 80.9 -> 85.4, 256 152 -> 108, 512 298 -> 172
+# pack_weights pays the repacking once instead: packed, the same ops take 8.4 / 29 / 96 / 102 us.
+REPACK_MIN_M = {"q4_0": 17, "q8_0": 256}
 
 
 @dataclass
@@ -83,6 +98,7 @@ class Plan:
     reason: str = ""
     packed: bool = False  # the kernel reads the skinny layout (qgemm.pack_weights), not ggml blocks -- False
     # where a call with packed weights runs on their ggml-block copy (float16 x at M <= 8, say)
+    repack: str | None = None  # ggml blocks repacked on the GPU by this kernel first, on every call (pack.*)
 
     def __str__(self) -> str:
         cfg = " ".join(f"{k}={v}" for k, v in self.defines.items())
@@ -93,7 +109,11 @@ class Plan:
                  else "  1. (x is already in the kernel's format)\n")
         if self.quantizer is None and self.packed:
             step1 = f"  1. (none: the kernel reads the {'float32' if self.x_dtype == 'f32' else 'float16'} activations itself)\n"
-        return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights{' (packed)' if self.packed else ''}, "
+        if self.repack:
+            step1 = (f"  0. {self.repack}: w (ggml blocks) -> the skinny layout on the GPU, on every call "
+                     "(qgemm.pack_weights(w) does it once)\n" + step1)
+        held = " (ggml blocks, repacked per call)" if self.repack else " (packed)" if self.packed else ""
+        return (f"M={self.m} N={self.n} K={self.k} {self.fmt} weights{held}, "
                 f"{self.x_dtype} activations:\n" + step1 +
                 f"  2. {self.kernel}{' (' + cfg + ')' if cfg else ''} [{self.source}]\n"
                 f"  why: {self.reason}")
@@ -127,18 +147,26 @@ class Plan:
 
     def check_launch(self) -> None:
         """ValueError where a kernel of the plan would need a grid beyond CUDA's limits (very large M)."""
+        if self.repack is not None:
+            registry.get(self.repack).check_launch(self.m, self.n, self.k)
         if self.quantizer is not None:
             registry.get(self.quantizer).check_launch(self.m, 0, self.k)
         registry.get(self.kernel).check_launch(self.m, self.n, self.k, self.defines or None)
 
-    def launch(self, dx, dw, dq, dc, status, stream=None) -> None:
+    def launch(self, dx, dw, dq, dc, status, stream=None, dpack=None) -> None:
         """Queue the kernels on device arrays (the hot path: no checks, no allocation). Kernels
         that support it (KernelSpec.pdl) are launched with programmatic dependent launch: the GEMM
         streams its first weights while its prologue (or, without one, the previous op) finishes,
         and the prologue's launch overlaps the previous op's tail. The split-K zeroing of C is done
-        by the prologue (convert.f16) or queued before it, so nothing stands between two kernels."""
+        by the prologue (convert.f16) or queued before it, so nothing stands between two kernels.
+        With `repack`, `dw` is the ggml blocks and `dpack` the buffer they are repacked into; the
+        GEMM then reads its weights after that kernel has completed (no programmatic dependent
+        launch: it reads its weights above its pdl_wait, and here an earlier kernel wrote them)."""
         kernel = registry.get(self.kernel)
         defines = self.defines or kernel.config_for(self.m, self.n, self.k)
+        if self.repack is not None:
+            registry.get(self.repack).launch_pack(dw, dpack, self.n, self.k, stream=stream)
+            dw = dpack
         zeroed = False
         if self.quantizer is not None:
             zeroed = kernel.geometry(self.m, self.n, self.k, defines).zero_output
@@ -146,7 +174,15 @@ class Plan:
                                                          zero=dc if zeroed else None)
         else:
             dq = dx
-        kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines, zeroed=zeroed)
+        kernel.launch(dq, dw, dc, self.m, self.n, self.k, stream=stream, defines=defines, zeroed=zeroed,
+                      pdl=self.repack is None)
+
+    @property
+    def packed_weights_bytes(self) -> int:
+        """Bytes of the buffer the per-call repacking writes (0 without one)."""
+        from .packing import packed_nbytes
+
+        return packed_nbytes(self.fmt, self.n, self.k) if self.repack else 0
 
 
 _X_DTYPES = {"float32": "f32", "float16": "f16", "half": "f16"}
@@ -201,6 +237,7 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
     else:
         cc = runtime.device_info().cc if runtime.gpu_available() else None
     choice = _DEFAULTS[fmt]
+    repack = False
     if path is not None:
         s = registry.spec(path)
         layout = s.weight_layout is not None
@@ -211,9 +248,7 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
                              f"{choice['skinny']} with packed weights")
         if s.max_m is not None and m > s.max_m:
             raise ValueError(f"{who}: path {path} handles M <= {s.max_m}, got M={m}")
-        if layout and not packed:
-            raise ValueError(f"{who}: path {path} reads the skinny weight layout: pass w = qgemm.pack_weights(w) "
-                             "(a one-time repacking at load)")
+        repack = layout and not packed  # ggml blocks: repacked on the GPU on every call
         if layout and s.op.a.name == "f32" and x_dtype != "f32":
             raise ValueError(f"{who}: path {path} takes float32 activations, got {x_dtype}")
         if cc is not None and not s.runs_on(cc):
@@ -221,6 +256,10 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
 
             raise UnsupportedArchError(f"{who}: path {path} needs {s.arch_needed}, planned for sm_{cc}")
         name, source, reason = path, "override", "requested with path="
+    elif not packed and cc == 90 and m >= max(REPACK_MIN_M[fmt], WGMMA_MIN_M):  # ggml blocks: repacked per call
+        name, source, repack = choice["wgmma"], "default", True
+        reason = (f"M={m} >= {max(REPACK_MIN_M[fmt], WGMMA_MIN_M)} on sm_90 with {fmt} blocks: asynchronous wgmma with the "
+                  "weights dequantized into registers as its A operand while the previous half-stage multiplies")
     elif packed and cc == 90 and m >= WGMMA_MIN_M:
         name, source = choice["wgmma"], "default"
         reason = (f"M={m} >= {WGMMA_MIN_M} with packed weights on sm_90: asynchronous wgmma with the weights "
@@ -272,7 +311,11 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
         wgs = defines.get("RS_WGS", 2)
         reason += (f"; warp-specialized: a copying warpgroup feeds the {'MMA warpgroup' if wgs == 1 else f'{wgs} MMA warpgroups'}"
                    " through mbarriers")
-    return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed)
+    if repack:
+        reason += ("; it reads the skinny weight layout, so the ggml blocks are repacked on the GPU first, on every "
+                   "call (pass w = qgemm.pack_weights(w) to repack once, at load)")
+    return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed,
+                f"pack.{fmt}" if repack else None)
 
 
 _matmul_plans: dict = {}
@@ -472,6 +515,9 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     - w = `qgemm.pack_weights(w)`: x host or device, the result follows x. On sm_80+ with float32
       x, M <= 32 (M <= 16 on sm_90, where the wgmma kernels take over) runs one decode kernel
       reading the packed layout (docs/production.md). `qgemm.explain` shows the path for a shape.
+      Given ggml blocks, sm_90 from M = 17 (Q4_0) / 256 (Q8_0) repacks them on the GPU in every
+      call into a scratch buffer of the weights' size (one per stream, or per CUDA graph capture)
+      and runs the wgmma kernel; pack_weights does that once.
 
     fmt: "q4_0" or "q8_0", needed when w is raw uint8 bytes [N, (K/32) * block bytes] (as gguf
     stores them); otherwise read from w's block dtype. path: a GEMM kernel to run instead of the
@@ -564,7 +610,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if not w_on_device:
         wb = runtime.DeviceArray.from_host(wb)
     if p.packed:
-        wb = packed.packed
+        if p.repack is None:
+            wb = packed.packed
         if dx.ptr % 16 and p.quantizer is None:  # read by the kernel itself (float4 / 16-byte loads)
             raise ValueError(f"matmul: {p.kernel} needs the activations on a 16-byte boundary, got address {dx.ptr:#x}")
     if out is not None:
@@ -579,10 +626,11 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     with _queue_lock(stream):
         cid = runtime.capture_id(stream)  # one driver query for both buffers
         dq = _scratch("prologue", *staged, stream, cid) if staged else None
+        dpack = _scratch("repacked", (p.packed_weights_bytes,), np.uint8, stream, cid) if p.repack else None
         status = _scratch("status", (1,), np.int32, stream, cid)
         if not x_on_device:  # only a host call reads the prologue's flags; a device call queues no memset, which
             status.fill_bytes(0, stream)  # would stand between this op's kernels and the previous op's (PDL)
-        p.launch(dx, wb, dq, dc, status, stream=stream)
+        p.launch(dx, wb, dq, dc, status, stream=stream, dpack=dpack)
         flag = int(status.to_host()[0]) if not x_on_device else 0
     if not x_on_device:
         if flag:

@@ -26,7 +26,7 @@ class Op:
 
     name: str  # "fp32", "w4a16", "w4a8", "quantize_q8_1", ...
     title: str
-    kind: str  # "gemm", "quantize" or "attention" (AttentionOp)
+    kind: str  # "gemm", "quantize", "pack" (weights -> a kernel layout) or "attention" (AttentionOp)
     a: F.Format  # activations [M, K]
     w: F.Format | None  # weights [N, K] (None for a quantizer)
     out: F.Format
@@ -41,9 +41,17 @@ class Op:
     def __str__(self) -> str:
         if self.kind == "quantize":
             return f"{self.title}: X {self.a} [M,K] -> Y {self.out} {'[M,K/32]' if self.out.quantized else '[M,K]'}"
+        if self.kind == "pack":
+            return f"{self.title}: W {self.a} [N,K/32] -> the skinny layout (uint8 bytes, docs/formats.md)"
         wshape = "[N,K/32]" if self.w.quantized else "[N,K]"
         ashape = "[M,K/32]" if self.a.quantized else "[M,K]"
         return f"{self.title}: A {self.a} {ashape} x W {self.w} {wshape}^T -> C {self.out} [M,N]"
+
+    @property
+    def weights(self) -> F.Format | None:
+        """The format of the weight matrix the op takes: W for a GEMM, the blocks a `pack` op
+        repacks, None for the activation-side ops (quantize / convert)."""
+        return self.a if self.kind == "pack" else self.w
 
     @property
     def k_multiple(self) -> int:
@@ -78,9 +86,15 @@ CONVERT_F16K = Op("convert_f16k", "Convert to f16 (kperm16 layout)", "quantize",
                   out_natural=packing.unkperm16)
 PERMUTE_F16K = Op("permute_f16k", "Permute f16 to the kperm16 layout", "quantize", F.F16, None, F.F16, "memory", 0.0, 0.0,
                   cpu=lambda x: packing.kperm16(np.asarray(x, dtype=np.float16)), k_align=16, out_natural=packing.unkperm16)
+# the weights' one-time repacking on the GPU (qgemm.pack_weights; qgemm.matmul per call on ggml blocks):
+# ggml blocks [N, K/32] -> the skinny layout, byte for byte packing.pack
+PACK_Q4_0 = Op("pack_q4_0", "Repack Q4_0", "pack", F.Q4_0, None, F.Q4_0, "memory", 0.0, 0.0,
+               cpu=lambda w: packing.pack(w, "q4_0"))
+PACK_Q8_0 = Op("pack_q8_0", "Repack Q8_0", "pack", F.Q8_0, None, F.Q8_0, "memory", 0.0, 0.0,
+               cpu=lambda w: packing.pack(w, "q8_0"))
 
 OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, W4A16S, W8A16S, W4A8S, W8A8S, QUANTIZE_Q8_1,
-                              QUANTIZE_Q8_1_F16, CONVERT_F16, CONVERT_F16K, PERMUTE_F16K)}
+                              QUANTIZE_Q8_1_F16, CONVERT_F16, CONVERT_F16K, PERMUTE_F16K, PACK_Q4_0, PACK_Q8_0)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,6 +185,16 @@ def _k_of(shape: tuple[int, ...], fmt: F.Format) -> int:
 # ---------------------------------------------------------------------------------------------
 # kernels
 
+PACK_UNSET = 2**31 - 1  # a pack.* kernel's status word before any block was flagged (it keeps the smallest index)
+
+
+def packed_scale(dp, fmt: str, n: int, k: int, row: int, blk: int) -> float:
+    """The float16 scale d of block `blk` of row `row`, read back from a packed buffer on the
+    device (one element: for error messages)."""
+    off = packing.scale_offset(fmt, n, k, row, blk)
+    return float(runtime.DeviceArray(dp.ptr + off, (1,), np.float16, owner=dp).to_host()[0])
+
+
 
 @dataclass
 class Launch:
@@ -203,11 +227,11 @@ class Kernel:
 
     Host numpy operands -> host (numpy) result (the call is synchronous). Device operands
     (`__cuda_array_interface__` or `__dlpack__`: torch, CuPy, qgemm.DeviceArray) -> the result
-    stays on the device as a DeviceArray (or is written into `out=`), queued on `stream`. Two
-    exceptions go through the host: a kernel with its own weight layout (`*.skinny*`,
-    `*.wgmma_rs`) given ggml blocks on the device repacks them on every call (pass
-    `qgemm.pack_weights(w)` instead), and a quantize / convert kernel reads its overflow flag back,
-    so the call waits for the GPU.
+    stays on the device as a DeviceArray (or is written into `out=`), queued on `stream`. A
+    kernel with its own weight layout (`*.skinny*`, `*.wgmma_rs`) given ggml blocks on the device
+    repacks them on the GPU on every call, into a new buffer (pass `qgemm.pack_weights(w)` to do
+    it once); a quantize / convert / pack kernel reads its flags back, so the call waits for the
+    GPU.
     """
 
     def __init__(self, spec, arch: str | None = None):
@@ -290,7 +314,8 @@ class Kernel:
         qgemm.matmul takes those) and A, W in `k.op`'s formats -- e.g. `w4a16.tiled` float32 A,
         the fp16-MMA `w4a16.mma` float16 A, `w4a8.*` Q8_1 blocks (qgemm.quantize_q8_1) -- both
         numpy or both device arrays (W may be a PackedWeights, with device A). Quantize / convert
-        kernels: `k(x)` -> Q8_1 blocks [M, K/32] or float16 [M, K]. `mustafar.*` kernels:
+        kernels: `k(x)` -> Q8_1 blocks [M, K/32] or float16 [M, K]. `pack.*` kernels: `k(w)` ->
+        the weights' skinny layout as uint8 bytes (what `packing.pack` makes). `mustafar.*` kernels:
         `k(q_or_p, compressed_cache)` (qgemm.kvcache.scores / attend). Host operands -> numpy
         result; device operands -> device result, or `out=` (a writable device array of the
         result's dtype and shape, or its raw uint8 bytes), queued on `stream`.
@@ -305,6 +330,10 @@ class Kernel:
             if w is not None:
                 raise ValueError(f"{self.name} takes one operand (the {self.op.a.dtype} activations), got two")
             return self._call_quantize(a, out=out, stream=stream)
+        if self.op.kind == "pack":
+            if w is not None:
+                raise ValueError(f"{self.name} takes one operand (the {self.op.a.name} weight blocks [N, K/32]), got two")
+            return self._call_pack(a, out=out, stream=stream)
         if w is None:
             raise ValueError(f"{self.name} takes two operands: A ({self.op.a}) and W ({self.op.w})")
         return self._call_gemm(a, w, out=out, stream=stream)
@@ -355,13 +384,20 @@ class Kernel:
 
     def _device_weights(self, w, stream=None) -> runtime.DeviceArray:
         """Device weights as this kernel reads them: a PackedWeights' skinny buffer, or ggml
-        blocks (repacked through the host when the kernel needs its layout). `shape_of` has
-        checked the format."""
+        blocks (repacked on the GPU, into a new buffer, when the kernel needs its layout).
+        `shape_of` has checked the format."""
         if isinstance(w, packing.PackedWeights):
             return w.packed if self.packed else w.blocks
         d = _check_device(w, self.op.w, "W", self.op, stream, self.name)
-        if self.packed:
-            return self.upload_weights(d.to_host())
+        if self.packed:  # repacked on the GPU (pack.q4_0 / pack.q8_0) into a buffer of this call's
+            from . import registry
+
+            n, k = d.shape[0], d.shape[1] * F.QK
+            pack = registry.get(f"pack.{self.op.w.name}")
+            pack.check_launch(0, n, k)
+            dp = runtime.DeviceArray.empty((packing.packed_nbytes(self.op.w.name, n, k),), np.uint8)
+            pack.launch_pack(d, dp, n, k, stream=stream)
+            return dp
         return d
 
     def shape_of(self, a, w) -> tuple[int, int, int]:
@@ -427,7 +463,14 @@ class Kernel:
         return dc.to_host()
 
     def check_launch(self, m: int, n: int, k: int, defines: dict | None = None) -> None:
-        """ValueError, before anything launches, where the shape's grid is beyond CUDA's limits."""
+        """ValueError, before anything launches, where the shape's grid is beyond CUDA's limits
+        (a `pack.*` kernel repacks the [N, K] weights of an MxNxK product: M is not used)."""
+        if self.op.kind == "pack":
+            if n * (k // F.QK) > 2**31 - 1:  # the kernel's block index (row * K/32 + block) is an int
+                raise ValueError(f"{self.name}: N={n} x K/32={k // F.QK} blocks is beyond the 2^31 - 1 blocks one "
+                                 "repacking handles; repack the weights in parts of fewer rows")
+            self.spec.geometry(n, 0, k).check(self.name, f"N={n} K={k}")
+            return
         if self.op.kind == "quantize":
             g = self.spec.geometry(m, 0, k)
         else:
@@ -440,10 +483,12 @@ class Kernel:
         return self.spec.geometry(m, n, k, defines) if self.spec.config is not None else self.spec.geometry(m, n, k)
 
     def launch(self, da, dw, dc, m: int, n: int, k: int, stream=None, defines: dict | None = None,
-               zeroed: bool = False) -> None:
+               zeroed: bool = False, pdl: bool = True) -> None:
         """Launch on device arrays already in this kernel's formats (no checks: the hot path).
         zeroed: C is already zeroed for split-K (qgemm.matmul has the prologue kernel do it, so
-        that a kernel with `pdl` directly follows the prologue it overlaps)."""
+        that a kernel with `pdl` directly follows the prologue it overlaps). pdl=False: never with
+        programmatic dependent launch -- where a kernel earlier in the op writes the weights this
+        one reads above its pdl_wait (qgemm.matmul's per-call repacking)."""
         if defines is None:
             defines = self.config_for(m, n, k)
         key = (m, n, k, tuple(defines.items()))
@@ -457,7 +502,62 @@ class Kernel:
         # programmatic dependent launch unless the zeroing of C was queued right before it (a
         # memset, not a kernel: nothing to overlap)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream,
-                   pdl=self.spec.pdl and g.pdl and (zeroed or not g.zero_output))
+                   pdl=pdl and self.spec.pdl and g.pdl and (zeroed or not g.zero_output))
+
+    # -- weight repacking (pack.*) ---------------------------------------------------------------
+    def _call_pack(self, w, out=None, stream=None):
+        fmt = self.op.a
+        device = not isinstance(w, np.ndarray)
+        if device and not runtime.is_device_array(w):
+            raise ValueError(f"{self.name}: W must be a numpy array or a device array of {fmt.name} blocks [N, K/32], "
+                             f"got {type(w).__name__}")
+        if runtime.gpu_available():
+            runtime.prepare_call(stream, self.name, "a repacking called alone reads its checks back, which a CUDA graph "
+                                                    "capture cannot; pack once, at load (qgemm.pack_weights), before "
+                                                    "capturing")
+        if device:
+            dw = _check_device(w, fmt, "W", self.op, stream, self.name)
+            n, nb = dw.shape
+        else:  # finite block scales: _check_host says so here, the kernel's flag for device blocks
+            hb = _check_host(w, fmt, "W", self.op, self.name)
+            n, nb = hb.shape
+        if n <= 0 or nb <= 0:
+            raise ValueError(f"{self.name}: W must have N >= 1 rows and K/32 >= 1 blocks, got shape {(n, nb)}")
+        k = nb * F.QK
+        self.check_launch(0, n, k)
+        if not device:
+            runtime.require_gpu(f"running {self.name}")
+            dw = runtime.DeviceArray.from_host(hb)
+        self._module()
+        dp = self._out(out, (packing.packed_nbytes(fmt.name, n, k),), np.uint8, stream)
+        status = runtime.DeviceArray.from_host(np.full(2, PACK_UNSET, dtype=np.int32))
+        self.launch_pack(dw, dp, n, k, status, stream=stream)
+        bad = int(status.to_host()[1])
+        if bad != PACK_UNSET:
+            row, blk = divmod(bad, nb)
+            raise ValueError(f"{self.name}: W block scales must be finite; row {row}, block {blk} has "
+                             f"d = {packed_scale(dp, fmt.name, n, k, row, blk)}")
+        if device:
+            return out if out is not None else dp
+        return dp.to_host()
+
+    def launch_pack(self, dw, dp, n: int, k: int, status=None, stream=None, pdl: bool = True) -> None:
+        """Launch a `pack.*` kernel on device arrays already checked (the hot path): the [N, K]
+        ggml blocks at `dw` (2-byte aligned) -> their skinny layout at `dp`
+        (packing.packed_nbytes bytes, every byte written). status: None, or an int32 [2] device
+        array set to PACK_UNSET, into which the kernel writes the index row * K/32 + block of the
+        first block whose d x q overflows float16 ([0]) and of the first whose d is not finite
+        ([1]). Not launched with programmatic dependent launch (KernelSpec.pdl is off): released
+        early behind the previous op's GEMM, the Q8_0 repacking made qgemm.matmul's op 30% slower
+        on the H100 (docs/perf/NOTES.md, session 36); its kernel waits before its first store all
+        the same (pdl=True launches it so where the spec allows)."""
+        if dw.ptr % 2:
+            raise ValueError(f"{self.name}: the weight blocks must start on a 2-byte boundary (their float16 scales), "
+                             f"got address {dw.ptr:#x}")
+        mod = self._module()
+        g = self.spec.geometry(n, 0, k)
+        args = (np.uint64(dw.ptr), np.uint64(dp.ptr), np.int32(n), np.int32(k), np.uint64(status.ptr if status is not None else 0))
+        mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream, pdl=self.spec.pdl and pdl)
 
     # -- quantizers ----------------------------------------------------------------------------
     def _call_quantize(self, x, out=None, stream=None):

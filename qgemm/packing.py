@@ -77,6 +77,16 @@ def packed_nbytes(fmt: str, n: int, k: int) -> int:
     return n16 * nb4 * (_QS_BYTES[fmt] + 2)
 
 
+def scale_offset(fmt: str, n: int, k: int, row: int, blk: int) -> int:
+    """Byte offset of d(row, blk) in the packed buffer of an [n, k] matrix (the d part's
+    [tiles][groups][8 (g)][8 halves] order, d(16T + g + 8h, 4G + j) at half 4h + j)."""
+    n16, nb4 = padded(n, k)
+    T, r = divmod(row, 16)
+    h, g = divmod(r, 8)
+    G, j = divmod(blk, 4)
+    return n16 * nb4 * _QS_BYTES[fmt] + 2 * (((T * (nb4 // 4) + G) * 8 + g) * 8 + 4 * h + j)
+
+
 def _fmt(fmt) -> str:
     name = F.get_format(fmt, "the skinny layout").name
     if name not in _PIECES:
@@ -145,8 +155,9 @@ class PackedWeights:
     by hand). `.fmt`, `.n`, `.k`; `.shape` (N, K/32) as the blocks it came from; `.packed`: a
     DeviceArray in the decode kernels' "skinny" layout (docs/formats.md); `.blocks`: the ggml
     blocks on the device, for the paths that read those (your own device array when packed from
-    one); `.pack_seconds`: the one-time cost (host repack + upload), reported apart from matmul
-    times; `.nbytes`: both buffers. Single kernels (`qgemm.get`) take it with device activations."""
+    one); `.pack_seconds`: the one-time cost (the upload of host blocks and the repacking on the
+    GPU), reported apart from matmul times; `.nbytes`: both buffers. Single kernels (`qgemm.get`)
+    take it with device activations."""
 
     def __init__(self, fmt: str, n: int, k: int, packed: runtime.DeviceArray, blocks: runtime.DeviceArray,
                  pack_seconds: float = 0.0, f16_overflow=None):
@@ -175,13 +186,15 @@ class PackedWeights:
 def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     """ggml Q4_0 / Q8_0 blocks [N, K/32] (numpy, or a device array: torch, CuPy, DeviceArray) ->
     `PackedWeights` on the GPU, synchronously: a one-time cost at load (`.pack_seconds`), never
-    paid per matmul; pack before any CUDA graph capture. Host input: the packed copy and the
-    blocks are both uploaded (about twice the weight bytes on the GPU). Device input: copied to
-    the host, repacked, the packed copy uploaded; the blocks are *not* copied -- the result keeps
+    paid per matmul; pack before any CUDA graph capture. The repacking runs on the GPU (the
+    `pack.q4_0` / `pack.q8_0` kernels; host blocks are uploaded first, and both copies stay on
+    the GPU: about twice the weight bytes). Device blocks are *not* copied -- the result keeps
     using your device array for the paths that read ggml blocks, so leave it unchanged. `fmt` as
-    for `matmul` (raw uint8 bytes need it); `stream` orders a DLPack producer's pending work.
-    ValueError for weights `matmul` would refuse, and during a CUDA graph capture; NoGPUError
-    without a GPU (host weights are checked first)."""
+    for `matmul` (raw uint8 bytes need it); `stream` orders a DLPack producer's pending work and
+    runs the repacking. ValueError for weights `matmul` would refuse (a block scale that is not
+    finite included), and during a CUDA graph capture; NoGPUError without a GPU (host weights are
+    checked first)."""
+    from . import ops, registry
     from .dispatch import _weights
 
     t0 = time.perf_counter()
@@ -189,14 +202,26 @@ def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     if not on_device:  # host blocks are checked before the GPU is: a bad input says so on any machine
         blocks, fmt = _weights(w, fmt, False, who="pack_weights")
     runtime.require_gpu("qgemm.pack_weights")
-    runtime.prepare_call(stream, "pack_weights", "cannot run while a CUDA graph is being captured (it copies the "
-                                                 "blocks to the host and uploads the packed ones); pack once, at load, "
-                                                 "before capturing")
+    runtime.prepare_call(stream, "pack_weights", "cannot run while a CUDA graph is being captured (it reads the "
+                                                 "repacking's checks back); pack once, at load, before capturing")
     if on_device:
         blocks, fmt = _weights(w, fmt, True, stream, who="pack_weights")
-    host = blocks.to_host() if on_device else blocks
-    n, k = host.shape[0], host.shape[1] * F.QK
-    packed = runtime.DeviceArray.from_host(pack(host, fmt))
-    dblocks = blocks if on_device else runtime.DeviceArray.from_host(np.ascontiguousarray(host))
-    return PackedWeights(fmt, n, k, packed, dblocks, time.perf_counter() - t0,
-                         f16_overflow=F.f16_dequant_overflow(host, fmt))
+    n, k = blocks.shape[0], blocks.shape[1] * F.QK
+    kernel = registry.get(f"pack.{fmt}")
+    kernel.check_launch(0, n, k)
+    stream = runtime.launch_stream(stream)
+    dblocks = blocks if on_device else runtime.DeviceArray.from_host(np.ascontiguousarray(blocks))
+    packed = runtime.DeviceArray.empty((packed_nbytes(fmt, n, k),), np.uint8)
+    status = runtime.DeviceArray.from_host(np.full(2, ops.PACK_UNSET, dtype=np.int32))
+    kernel.launch_pack(dblocks, packed, n, k, status, stream=stream)
+    over, bad = (int(v) for v in status.to_host())  # (to_host waits for the GPU)
+    nb = k // F.QK
+    if bad != ops.PACK_UNSET:  # device blocks only: host ones were checked by _weights
+        row, blk = divmod(bad, nb)
+        raise ValueError(f"pack_weights: weight block scales must be finite; row {row}, block {blk} has "
+                         f"d = {ops.packed_scale(packed, fmt, n, k, row, blk)}")
+    overflow = None
+    if over != ops.PACK_UNSET:  # the first block whose d x q passes float16 (formats.f16_dequant_overflow's)
+        row, blk = divmod(over, nb)
+        overflow = (row, blk, ops.packed_scale(packed, fmt, n, k, row, blk))
+    return PackedWeights(fmt, n, k, packed, dblocks, time.perf_counter() - t0, f16_overflow=overflow)

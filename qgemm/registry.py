@@ -591,6 +591,19 @@ def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
 
 
+def _pack_geometry(fmt: str):
+    """pack.*: a CTA per tile of 16 rows x 16 groups of 4 blocks (cuda_src/pack/skinny.cu), for the
+    weights [N, K] of an MxNxK product -- called as geometry(N, 0, K); grid.y is the tile, so one
+    call repacks at most 65535 x 16 rows."""
+    from . import packing
+
+    def geometry(n: int, _unused: int, k: int) -> Launch:
+        n16, nb4 = packing.padded(n, k)
+        return Launch(grid=(cdiv(nb4 // 4, 16), n16 // 16, 1), block=(256, 1, 1))
+
+    return geometry
+
+
 _SPECS = [
     KernelSpec("fp32.naive", ops.FP32, 1, "fp32/naive.cu", "fp32_naive", _thread_per_output,
                "FP32 GEMM, one thread per output, operands straight from global memory"),
@@ -610,6 +623,14 @@ _SPECS = [
                lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
                "float16 activations -> the kperm16 layout of the Hopper prefill kernels (the values unchanged)",
                pdl=True, zeroes=True),
+    KernelSpec("pack.q4_0", ops.PACK_Q4_0, 6, "pack/skinny.cu", "pack_skinny", _pack_geometry("q4_0"),
+               "ggml Q4_0 blocks -> the skinny layout of the decode and Hopper prefill kernels, on the GPU "
+               "(qgemm.pack_weights; qgemm.matmul on ggml blocks where a packed kernel is faster)",
+               defines={"PK_Q8": 0}),
+    KernelSpec("pack.q8_0", ops.PACK_Q8_0, 6, "pack/skinny.cu", "pack_skinny", _pack_geometry("q8_0"),
+               "ggml Q8_0 blocks -> the skinny layout of the decode and Hopper prefill kernels, on the GPU "
+               "(qgemm.pack_weights; qgemm.matmul on ggml blocks where a packed kernel is faster)",
+               defines={"PK_Q8": 1}),
     KernelSpec("quantize.q8_1_f16", ops.QUANTIZE_Q8_1_F16, 2, "quantize/q8_1_f16.cu", "quantize_q8_1_f16", _quantize_rows,
                "float16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)", pdl=True),
     KernelSpec("w4a16.naive", ops.W4A16, 3, "w4a16/naive.cu", "w4a16_naive", _thread_per_output,

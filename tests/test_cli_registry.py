@@ -349,19 +349,19 @@ def test_matmul_plan_with_packed_weights(fmt):
     assert p.kernel == f"w{w}a16.mma" and not p.packed
     # fp16 activations with packed weights: the skinny kernels read float32, so the ggml-block path
     assert qgemm.plan(4, 4096, 4096, fmt, x_dtype="f16", packed=True).kernel == f"w{w}a8.gemv"
-    # overrides: the skinny / wgmma kernels need the packed layout, and skinny float32 activations
-    with pytest.raises(ValueError, match="pack_weights"):
-        qgemm.plan(4, 4096, 4096, fmt, path=f"w{w}a16.skinny")
-    with pytest.raises(ValueError, match="pack_weights"):
-        qgemm.plan(512, 4096, 4096, fmt, path=f"w{w}a16.wgmma")
+    # overrides: the skinny / wgmma kernels read the packed layout -- given ggml blocks, the plan
+    # repacks them on the GPU first, on every call -- and the skinny ones float32 activations
+    for m, path in ((4, f"w{w}a16.skinny"), (512, f"w{w}a16.wgmma"), (1, f"w{w}a8.skinny")):
+        p = qgemm.plan(m, 4096, 4096, fmt, path=path)
+        assert p.kernel == path and p.packed and p.repack == f"pack.{fmt}", p
+        assert f"0. pack.{fmt}" in str(p) and "repacked per call" in str(p) and "pack_weights" in p.reason
+        assert qgemm.plan(m, 4096, 4096, fmt, path=path, packed=True).repack is None
     with pytest.raises(ValueError, match="float32"):
         qgemm.plan(4, 4096, 4096, fmt, x_dtype="f16", path=f"w{w}a16.skinny", packed=True)
     with pytest.raises(ValueError, match="M <= 64"):
         qgemm.plan(65, 4096, 4096, fmt, path=f"w{w}a16.skinny", packed=True)
     with pytest.raises(ValueError, match="M <= 8"):
         qgemm.plan(9, 4096, 4096, fmt, path=f"w{w}a8.skinny", packed=True)
-    with pytest.raises(ValueError, match="pack_weights"):
-        qgemm.plan(1, 4096, 4096, fmt, path=f"w{w}a8.skinny")
     p = qgemm.plan(4, 4096, 4096, fmt, path=f"w{w}a8.skinny", packed=True)
     assert p.quantizer is None and p.defines["SK_MQ"] == 4 and "int8" not in p.reason
     for path, pro in ((f"w{w}a16.wgmma", "convert.f16"), (f"w{w}a16.wgmma_rs", "convert.f16k")):
@@ -620,7 +620,16 @@ def test_plan_for_a_requested_arch(fmt):
     assert qgemm.plan(512, 4096, 4096, fmt, x_dtype="f16", packed=True, arch="sm_90").quantizer == "convert.f16k_f16"
     assert qgemm.plan(512, 4096, 4096, fmt, x_dtype="f16", packed=True, arch="sm_80").quantizer is None
     assert qgemm.plan(512, 4096, 4096, fmt, packed=True, arch="sm_80").kernel == f"w{w}a16.mma"
-    assert qgemm.plan(512, 4096, 4096, fmt, packed=False, arch="sm_90").kernel == f"w{w}a16.mma"  # blocks
+    # ggml blocks on sm_90: from REPACK_MIN_M (per format) repacked per call for the wgmma kernel,
+    # below it the kernels that read blocks; on sm_80 always the latter
+    first = max(qgemm.dispatch.REPACK_MIN_M[fmt], qgemm.dispatch.WGMMA_MIN_M)
+    p = qgemm.plan(first, 4096, 4096, fmt, arch="sm_90")
+    assert p.kernel == f"w{w}a16.wgmma_rs" and p.repack == f"pack.{fmt}" and p.quantizer == "convert.f16k", p
+    assert p.defines == qgemm.plan(first, 4096, 4096, fmt, packed=True, arch="sm_90").defines
+    below = qgemm.plan(first - 1, 4096, 4096, fmt, arch="sm_90")
+    assert below.repack is None and not below.kernel.endswith("wgmma_rs"), below
+    assert qgemm.plan(512, 4096, 4096, fmt, arch="sm_80").kernel == f"w{w}a16.mma"
+    assert qgemm.plan(512, 4096, 4096, fmt, arch="sm_80").repack is None
     assert "dp4a" in qgemm.plan(512, 4096, 4096, fmt, arch="sm_75").kernel
     r = CliRunner().invoke(app, ["explain", "--shape", "512x4096x4096", "--type", fmt, "--packed", "--arch", "sm_90"])
     assert r.exit_code == 0 and f"w{w}a16.wgmma_rs" in r.output and "sm_90" in r.output, r.output
@@ -969,7 +978,8 @@ def test_cli_options_that_were_ignored_or_unchecked(tmp_path):
         (["compare-llamacpp", "--from-file", "/dev/null", "--types", ","], 2, "--types must name ggml weight types"),
         (["compare-llamacpp", "--from-file", "/dev/null", "--json", str(tmp_path / "no" / "x.json")], 2,
          "does not exist or is not writable"),
-        (["explain", "--path", "w4a16.skinny", "--shape", "8x64x64", "--arch", "sm_90"], 2, "pack_weights.*; here: --packed"),
+        # a kernel of the packed layout on ggml blocks: planned with the per-call repacking (session 36)
+        (["explain", "--path", "w4a16.skinny", "--shape", "8x64x64", "--arch", "sm_90"], 0, r"0\. pack\.q4_0: w \(ggml blocks\)"),
     ]
     for args, code, message in cases:
         r = runner.invoke(app, args)

@@ -1031,9 +1031,11 @@ def test_matmul_packed_weights(fmt, m, rng):
 def test_skinny_needs_packed_weights_and_f32(rng):
     w = qgemm.quantize_q4_0(rng.standard_normal((64, 256), dtype=np.float32))
     x = rng.standard_normal((4, 256), dtype=np.float32)
-    with pytest.raises(ValueError, match="pack_weights"):
-        qgemm.matmul(x, w, path="w4a16.skinny")
     pw = qgemm.pack_weights(w)
+    # path= a skinny kernel with ggml blocks: repacked on the GPU on every call
+    p = qgemm.plan(4, 64, 256, "q4_0", path="w4a16.skinny")
+    assert p.repack == "pack.q4_0" and p.packed
+    np.testing.assert_array_equal(qgemm.matmul(x, w, path="w4a16.skinny"), qgemm.matmul(x, pw, path="w4a16.skinny"))
     with pytest.raises(ValueError, match="float32"):
         qgemm.matmul(x.astype(np.float16), pw, path="w4a16.skinny")
     with pytest.raises(ValueError, match="q8_0"):

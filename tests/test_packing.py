@@ -250,3 +250,117 @@ def test_kperm16_prologues_registered():
         assert qgemm.registry.spec(name).act_layout == "kperm16"
         assert qgemm.get(name).act_layout == "kperm16"
     assert qgemm.get("w4a16.wgmma").act_layout is None
+
+
+def _pack_kernel_model(b, fmt):
+    """cuda_src/pack/skinny.cu as its comments describe it: a CTA per tile of 16 rows x 16 groups of
+    4 blocks, a thread per (row, group) putting its 64 / 128 bytes of quants (lanes t = 0..3 of
+    lane group g, piece h or (h, p)) and its 4 scales (halves 4h .. 4h + 3 of scale chunk (group,
+    g)) in the CTA's staging, which goes out as one contiguous range of quants and one of scales."""
+    raw = np.ascontiguousarray(b).view(np.uint8).reshape(-1)
+    n, nb = b.shape
+    bb, pieces = (34, 4) if fmt == "q8_0" else (18, 2)
+    pad = b"\x00" * (bb - 2) if fmt == "q8_0" else b"\x88" * (bb - 2)
+    tiles, groups = -(-n // 16), -(-nb // 4)
+    out = bytearray(tiles * groups * (pieces * 32 + 8) * 16)
+    nq = tiles * groups * pieces * 32
+
+    def block(r, blk):
+        if r < n and blk < nb:
+            o = (r * nb + blk) * bb
+            return raw[o:o + bb].tobytes()
+        return b"\x00\x00" + pad
+
+    for T in range(tiles):
+        for G0 in range(0, groups, 16):
+            for rl in range(16):
+                for G in range(G0, min(G0 + 16, groups)):
+                    r, g, h = 16 * T + rl, rl % 8, rl // 8
+                    blks = [block(r, 4 * G + j) for j in range(4)]
+                    word = lambda j, w: blks[j][2 + 4 * w:6 + 4 * w]  # noqa: E731
+                    base = (T * groups + G) * pieces * 32
+                    for t in range(4):
+                        if fmt == "q8_0":
+                            for p in range(2):
+                                c = base + (2 * h + p) * 32 + g * 4 + t
+                                out[16 * c:16 * c + 16] = word(2 * p, t) + word(2 * p, t + 4) + word(2 * p + 1, t) + word(2 * p + 1, t + 4)
+                        else:
+                            c = base + h * 32 + g * 4 + t
+                            out[16 * c:16 * c + 16] = b"".join(word(j, t) for j in range(4))
+                    dc = nq + (T * groups + G) * 8 + g
+                    out[16 * dc + 8 * h:16 * dc + 8 * h + 8] = b"".join(blks[j][:2] for j in range(4))
+    return np.frombuffer(bytes(out), np.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (33, 2080), (16, 4096)])
+def test_pack_kernel_model_matches_pack(fmt, n, k):
+    """The GPU repacking's mapping (as its comments state it) writes exactly packing.pack's bytes,
+    and scale_offset finds each block's d in them (pack_weights reads d back from there)."""
+    b = _blocks(fmt, n, k, seed=3 * n + k)
+    want = packing.pack(b, fmt)
+    np.testing.assert_array_equal(_pack_kernel_model(b, fmt), want)
+    for row in range(n):
+        for blk in range(k // 32):
+            off = packing.scale_offset(fmt, n, k, row, blk)
+            assert want[off:off + 2].view(np.float16)[0] == b["d"][row, blk]
+    g = qgemm.registry.spec(f"pack.{fmt}").geometry(n, 0, k)  # a CTA per 16 rows x 16 groups
+    cdiv = packing.cdiv
+    assert g.grid == (cdiv(cdiv(k // 32, 4), 16), cdiv(n, 16), 1) and g.block == (256, 1, 1)
+
+
+def test_pack_kernels_registered():
+    for fmt in ("q4_0", "q8_0"):
+        s = qgemm.registry.spec(f"pack.{fmt}")
+        assert s.op.kind == "pack" and s.op.a.name == fmt and s.op.weights.name == fmt and s.op.w is None
+        assert "skinny layout" in str(s.op) and s.op.k_multiple == 32 and not s.pdl
+        np.testing.assert_array_equal(s.op.cpu(_blocks(fmt, 5, 64)), packing.pack(_blocks(fmt, 5, 64), fmt))
+        k = qgemm.get(f"pack.{fmt}")
+        w = _blocks(fmt, 3, 64)
+        with pytest.raises(ValueError, match="takes one operand"):
+            k(w, w)
+        with pytest.raises(ValueError, match=f"{fmt} blocks"):
+            k(np.zeros((3, 64), np.float32))
+        bad = w.copy()
+        bad["d"][1, 1] = np.inf
+        with pytest.raises(ValueError, match="finite"):  # the host check, before any GPU is needed
+            k(bad)
+        with pytest.raises(ValueError, match="2\\^31 - 1 blocks"):
+            k.check_launch(1, 2**21, 2**15 * 32)  # 2^36 blocks: the kernel's block index is an int
+        with pytest.raises(ValueError, match="beyond what CUDA launches"):
+            k.check_launch(1, 16 * 65536, 32)  # grid.y: one tile of 16 rows per CTA row
+    from qgemm import bench, ops
+
+    k = qgemm.get("pack.q8_0")
+    assert bench.flops(k, 7, 4096, 4096) == 0
+    assert bench.operand_bytes(k, 7, 4096, 4096) == 4096 * 128 * 34 + packing.packed_nbytes("q8_0", 4096, 4096)
+    assert ops.PACK_UNSET == 2**31 - 1
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_repacking_plan_launches_in_order(fmt, monkeypatch):
+    """A plan that repacks ggml blocks per call (sm_90, M >= REPACK_MIN_M) queues the repacking
+    into the scratch copy first, then the prologue, then the GEMM reading that copy -- launched
+    without programmatic dependent launch, since it reads its weights above its pdl_wait and
+    here an earlier kernel of the op wrote them. Without the repacking the GEMM keeps PDL and
+    reads the weights it is given. Launches stood in for (CPU)."""
+    from qgemm import dispatch, registry
+
+    calls = []
+    m = max(dispatch.REPACK_MIN_M[fmt], dispatch.WGMMA_MIN_M)
+    p = dispatch.plan(m, 4096, 4096, fmt, arch="sm_90")
+    assert p.repack == f"pack.{fmt}" and p.packed_weights_bytes == packing.packed_nbytes(fmt, 4096, 4096)
+    pk, q, kern = registry.get(p.repack), registry.get(p.quantizer), registry.get(p.kernel)
+    monkeypatch.setattr(pk, "launch_pack", lambda dw, dp, n, k, status=None, stream=None, pdl=True:
+                        calls.append(("pack", dw, dp, n, k, status)))
+    monkeypatch.setattr(q, "launch_quantize", lambda dx, dq, m_, k, st, stream=None, zero=None: calls.append(("prologue", dx, dq)))
+    monkeypatch.setattr(kern, "launch", lambda dq, dw, dc, m_, n, k, stream=None, defines=None, zeroed=False, pdl=True:
+                        calls.append(("gemm", dq, dw, dc, pdl)))
+    p.launch("x", "blocks", "staged", "c", "status", dpack="copy")
+    assert calls == [("pack", "blocks", "copy", 4096, 4096, None), ("prologue", "x", "staged"),
+                     ("gemm", "staged", "copy", "c", False)]
+    calls.clear()
+    pp = dispatch.plan(m, 4096, 4096, fmt, arch="sm_90", packed=True)
+    assert pp.repack is None and pp.packed_weights_bytes == 0
+    pp.launch("x", "packed", "staged", "c", "status")
+    assert calls == [("prologue", "x", "staged"), ("gemm", "staged", "packed", "c", True)]

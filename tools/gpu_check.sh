@@ -92,6 +92,12 @@ for step in $STEPS; do
                   run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run; done; done
               run $PY tools/compare_paths.py --shapes "$Q8_SHAPES" --repeats 2 \
                   --paths default,w4a8.skinny_q8_1,w8a8.skinny_q8_1 --json "$OUT/q8_paths.json" ;;
+    pack)     # the weights' repacking on the GPU (pack.q4_0 / pack.q8_0): their GPU tests and the matmul
+              # tests around them, then the kernels' speed and matmul on ggml blocks with and without
+              # the per-call repacking (tools/repack_probe.py: the rule in qgemm.dispatch)
+              run $PY -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_pack.py
+              run $PY -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_kernels.py -k "packed or skinny_needs or graph or chain or kperm16"
+              run $PY tools/repack_probe.py --json "$OUT/repack.json" ;;
     order)    # does a decode row depend on what the sweep ran before it? the bench's per-shape sequence
               # (packed op, ggml-blocks op, torch peers) replayed, then the packed ops alone
               run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2 --clocks
