@@ -313,6 +313,9 @@ def test_matmul_plan_picks_a_path(m, expect, fmt):
     if expect == "gemv":
         assert p.kernel == f"w{w}a8.gemv" and p.quantizer == "quantize.q8_1"
         assert qgemm.plan(m, 4096, 4096, fmt, x_dtype="f16").quantizer == "quantize.q8_1_f16"
+    elif p.repack:  # sm_90 (a GPU machine): the blocks repacked per call for the wgmma kernel
+        assert qgemm.runtime.device_info().cc == 90 and m >= qgemm.dispatch.REPACK_MIN_M[fmt]
+        assert p.kernel == f"w{w}a16.wgmma_rs" and p.quantizer == "convert.f16k" and p.repack == f"pack.{fmt}"
     else:  # prefill: fp16 tensor cores, activations converted (or taken as they are when f16)
         assert p.kernel == f"w{w}a16.mma" and p.quantizer == "convert.f16"
         assert qgemm.plan(m, 4096, 4096, fmt, x_dtype="f16").quantizer is None
