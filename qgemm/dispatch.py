@@ -69,13 +69,14 @@ SKINNY_I8_MAX_M = 1
 # ggml blocks (not packed) on sm_90: from this M the op repacks the weights on the GPU first, on
 # every call (`pack.q4_0` / `pack.q8_0` into a per-stream scratch buffer), then runs the packed
 # path's wgmma kernel, instead of convert.f16 + w4a16.mma / w8a16.mma on the blocks. H100, whole op,
-# hot / cold, N = 4096 (tools/repack_probe.py, docs/perf/NOTES.md session 36), us, blocks -> repacked:
-#   Q4_0 K = 4096: M = 17 19.9 -> 13.9 / 22.0 -> 18.5, 32 16.1 -> 14.1 / 18.5 -> 18.9, 64 19.5 -> 14.9,
-#        512 82.6 -> 38.7, 2048 324 -> 132; K = 14336: 17 46.1 -> 45.1, 32 44.2 -> 45.5 / 48.0 -> 45.5,
-#        128 74.0 -> 57.2, 512 269 -> 122
-#   Q8_0 (twice the bytes to repack): K = 4096: 64 22.8 -> 24.4, 128 31.3 -> 29.6, 256 49.9 -> 37.6,
-#        512 90.6 -> 60.2; K = 14336: 128 80.9 -> 85.4, 256 152 -> 108, 512 298 -> 172
-# pack_weights pays the repacking once instead: packed, the same ops take 8.4 / 29 / 96 / 102 us.
+# hot, N = 4096 (tools/repack_probe.py: docs/perf/repack-h100.json, session 36), us, blocks ->
+# repacked per call (-> with pack_weights once):
+#   Q4_0 K = 4096: M = 17 20.2 -> 14.4 (8.4), 32 16.5 -> 14.5, 64 19.5 -> 14.9, 512 82.9 -> 40.7 (29.0),
+#        2048 330 -> 130 (119); K = 14336: 17 51.5 -> 45.8, 32 44.3 -> 45.6 (the one loss, 3%),
+#        128 77.4 -> 57.1, 512 269 -> 124 (98)
+#   Q8_0 (twice the bytes to repack): K = 4096: 64 22.9 -> 24.2, 128 31.1 -> 29.5, 256 50.1 -> 36.8,
+#        512 91.9 -> 50.7 (30.1); K = 14336: 128 79.4 -> 83.9, 256 153 -> 107, 512 295 -> 152 (103)
+# The repacking alone, hot: 4.8 / 25.0 us for Q4_0 at K = 4096 / 14336, 10.9 / 47.8 for Q8_0.
 REPACK_MIN_M = {"q4_0": 17, "q8_0": 256}
 
 
