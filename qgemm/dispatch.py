@@ -22,8 +22,9 @@ Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM r
   tile/split-K come from `qgemm tune` results when present, else the default heuristic;
 - below sm_80: the DP4A kernels `w4a8.vec_dp4a` / `w8a8.tiled_dp4a` after `quantize.q8_1`.
 Except on sm_90 from M = REPACK_MIN_M (17 for Q4_0, 256 for Q8_0): there the ggml blocks are
-repacked on the GPU first, in every call (`pack.q4_0` / `pack.q8_0` into a scratch copy), and the
-packed path's `wgmma_rs` kernel runs -- 2-2.5x faster than `w4a16.mma` on the blocks at prefill.
+repacked on the GPU first, in every call (`pack.q4_0` / `pack.q8_0` into a scratch copy as large
+as the weights, kept per stream and per CUDA graph capture), and the packed path's `wgmma_rs`
+kernel runs -- 1.0-1.4x faster than `w4a16.mma` on the blocks at those M, 2-2.5x from M = 512.
 `path=` overrides the GEMM kernel (any registered kernel taking these weights: `w4a8.mma`, ...; a
 skinny or wgmma kernel given ggml blocks repacks them per call the same way).
 """
@@ -78,6 +79,13 @@ SKINNY_I8_MAX_M = 1
 #        512 91.9 -> 50.7 (30.1); K = 14336: 128 79.4 -> 83.9, 256 153 -> 107, 512 295 -> 152 (103)
 # The repacking alone, hot: 4.8 / 25.0 us for Q4_0 at K = 4096 / 14336, 10.9 / 47.8 for Q8_0.
 REPACK_MIN_M = {"q4_0": 17, "q8_0": 256}
+
+
+def _repack_fits(n: int, k: int) -> bool:
+    """Whether one pack.* launch repacks an [N, K] matrix: its grid has a row of CTAs per 16 rows
+    (grid.y <= 65535) and its block index is an int. Beyond, matmul keeps the kernels that read
+    ggml blocks (a path= that needs the packed layout says so: Plan.check_launch)."""
+    return n <= 16 * 65535 and n * (k // F.QK) <= 2**31 - 1
 
 
 @dataclass
@@ -257,7 +265,7 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
 
             raise UnsupportedArchError(f"{who}: path {path} needs {s.arch_needed}, planned for sm_{cc}")
         name, source, reason = path, "override", "requested with path="
-    elif not packed and cc == 90 and m >= max(REPACK_MIN_M[fmt], WGMMA_MIN_M):  # ggml blocks: repacked per call
+    elif not packed and cc == 90 and m >= max(REPACK_MIN_M[fmt], WGMMA_MIN_M) and _repack_fits(n, k):  # blocks: repacked per call
         name, source, repack = choice["wgmma"], "default", True
         reason = (f"M={m} >= {max(REPACK_MIN_M[fmt], WGMMA_MIN_M)} on sm_90 with {fmt} blocks: asynchronous wgmma with the "
                   "weights dequantized into registers as its A operand while the previous half-stage multiplies")
@@ -577,8 +585,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         raise ValueError(f"matmul: K mismatch: x has K={k}, weights have K={kw} ({wb.shape[1]} blocks of 32)")
     shape_c = tuple(lead) + (n,)
     p = _matmul_plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path, packed is not None)
-    if m > 65535:  # only then can a grid pass CUDA's limits (grid.y <= 65535 row tiles); not on the hot path
-        p.check_launch()
+    if m > 65535 or (p.repack is not None and not _repack_fits(n, k)):  # only then can a grid pass CUDA's limits
+        p.check_launch()  # (grid.y <= 65535 row tiles; a path= repacking too many rows); not on the hot path
     # what can be checked without the GPU is, first: a bad input says so on any machine
     if not x_on_device and not np.isfinite(dx).all():
         raise ValueError("matmul: activations must be finite")

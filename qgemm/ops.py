@@ -457,7 +457,10 @@ class Kernel:
             da = self.upload_activations(_check_host(a, self.op.a, "A", self.op, self.name))
             dw = self.upload_weights(_check_host(w, self.op.w, "W", self.op, self.name))
         dc = self._out(out, (m, n), np.float32, stream)
-        self.launch(da, dw, dc, m, n, k, stream=stream, defines=defines)
+        # weights repacked on the GPU just now (device ggml blocks): the kernel must not start before
+        # that repacking is complete -- it reads its weights above its pdl_wait (common/pdl.cuh)
+        repacked = device and self.packed and not isinstance(w, packing.PackedWeights)
+        self.launch(da, dw, dc, m, n, k, stream=stream, defines=defines, pdl=not repacked)
         if device:
             return out if out is not None else dc
         return dc.to_host()
@@ -554,6 +557,9 @@ class Kernel:
         if dw.ptr % 2:
             raise ValueError(f"{self.name}: the weight blocks must start on a 2-byte boundary (their float16 scales), "
                              f"got address {dw.ptr:#x}")
+        if dp.ptr % 16:  # the kernel stores 16 bytes at a time: a misaligned store faults and poisons the context
+            raise ValueError(f"{self.name}: the packed output must start on a 16-byte boundary (16-byte stores), got "
+                             f"address {dp.ptr:#x}")
         mod = self._module()
         g = self.spec.geometry(n, 0, k)
         args = (np.uint64(dw.ptr), np.uint64(dp.ptr), np.int32(n), np.int32(k), np.uint64(status.ptr if status is not None else 0))

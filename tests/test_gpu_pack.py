@@ -16,11 +16,12 @@ pytestmark = pytest.mark.gpu
 FMTS = ["q4_0", "q8_0"]
 
 
-@pytest.mark.parametrize("k", [32, 96, 4128])
+@pytest.mark.parametrize("k", [32, 96, 4096, 4128])
 @pytest.mark.parametrize("n", [1, 17, 33, 4097])
 @pytest.mark.parametrize("fmt", FMTS)
 def test_pack_kernel_byte_identical(fmt, n, k):
-    """Odd N (rows padded to 16) and K (blocks padded to 4), the output poisoned first."""
+    """Odd N (rows padded to 16) and K (blocks padded to 4; K = 4096: whole groups, read by
+    8-byte loads -- a real model's case), the output poisoned first."""
     r = check.validate(qgemm.get(f"pack.{fmt}"), (1, n, k))
     assert r.detail["mismatched_chunks"] == 0 and r.unwritten == 0, f"seed {r.seed}: {r.note}"
     assert r.passed and r.max_abs_err == 0.0
@@ -62,6 +63,12 @@ def test_pack_kernel_call_forms(fmt, rng):
         k(w, w)
     with pytest.raises(ValueError, match="out must be uint8"):
         k(dw, out=qgemm.DeviceArray.empty((want.size - 16,), np.uint8))
+    # an out= 8 bytes past a 16-byte boundary (a slice of a larger buffer): refused before the
+    # launch -- 16-byte stores there fault and poison the context -- and the context still works
+    big = qgemm.DeviceArray.empty((want.size + 16,), np.uint8)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        k(dw, out=qgemm.DeviceArray(big.ptr + 8, (want.size,), np.uint8, owner=big))
+    np.testing.assert_array_equal(k(dw).to_host(), want)
 
 
 def _overflowing(w, fmt, row, blk):

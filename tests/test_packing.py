@@ -364,3 +364,59 @@ def test_repacking_plan_launches_in_order(fmt, monkeypatch):
     assert pp.repack is None and pp.packed_weights_bytes == 0
     pp.launch("x", "packed", "staged", "c", "status")
     assert calls == [("prologue", "x", "staged"), ("gemm", "staged", "packed", "c", True)]
+
+
+def test_kernel_given_device_blocks_launches_after_its_repacking(monkeypatch):
+    """A skinny kernel called alone with ggml blocks on the device repacks them on the GPU, then
+    runs without programmatic dependent launch (it reads its weights above its pdl_wait, and the
+    repacking just wrote them); with PackedWeights it keeps PDL. Device calls stood in for (CPU)."""
+    from qgemm import ops, registry, runtime
+
+    calls = []
+    k = qgemm.get("w4a16.skinny")
+    monkeypatch.setattr(ops, "_check_device", lambda x, fmt, role, op, stream=None, who=None: x)
+    monkeypatch.setattr(runtime, "prepare_call", lambda *a, **kw: None)
+    monkeypatch.setattr(runtime, "launch_stream", lambda s=None: "stream")
+    monkeypatch.setattr(runtime.DeviceArray, "empty", classmethod(lambda cls, shape, dtype: cls(0x9000, shape, dtype)))
+    monkeypatch.setattr(k, "_module", lambda defines=None: None)
+    monkeypatch.setattr(registry.get("pack.q4_0"), "launch_pack",
+                        lambda dw, dp, n, kk, status=None, stream=None, pdl=True: calls.append(("pack", dw.ptr, dp.ptr)))
+    monkeypatch.setattr(k, "launch", lambda da, dw, dc, m, n, kk, stream=None, defines=None, zeroed=False, pdl=True:
+                        calls.append(("gemm", dw.ptr, pdl)))
+    x = qgemm.DeviceArray(0x1000, (5, 256), np.float32)
+    w = qgemm.DeviceArray(0x2000, (70, 8), qgemm.block_q4_0)
+    k(x, w)
+    assert calls == [("pack", 0x2000, 0x9000), ("gemm", 0x9000, False)]
+    calls.clear()
+    pw = packing.PackedWeights("q4_0", 70, 256, qgemm.DeviceArray(0x3000, (packing.packed_nbytes("q4_0", 70, 256),), np.uint8), w)
+    k(x, pw)
+    assert calls == [("gemm", 0x3000, True)]
+
+
+def test_pack_launch_refuses_misaligned_buffers():
+    """The kernel reads 16-bit scales and stores 16 bytes at a time: a misaligned buffer would
+    fault and poison the CUDA context, so launch_pack refuses it first (no GPU needed)."""
+    k = qgemm.get("pack.q8_0")
+    n, kk = 33, 128
+    out = qgemm.DeviceArray(0x10000, (packing.packed_nbytes("q8_0", n, kk),), np.uint8)
+    with pytest.raises(ValueError, match="2-byte boundary.*0x20001"):
+        k.launch_pack(qgemm.DeviceArray(0x20001, (n, kk // 32), qgemm.block_q8_0), out, n, kk)
+    for off in (2, 8):
+        bad = qgemm.DeviceArray(0x10000 + off, out.shape, np.uint8)
+        with pytest.raises(ValueError, match="16-byte boundary"):
+            k.launch_pack(qgemm.DeviceArray(0x20002, (n, kk // 32), qgemm.block_q8_0), bad, n, kk)
+
+
+def test_repacking_only_where_one_launch_can_do_it():
+    """Past one pack.* launch's grid (65535 rows of CTAs of 16 weight rows), matmul keeps the
+    kernels that read ggml blocks; a path= that needs the packed layout says why, before any launch."""
+    from qgemm import dispatch
+
+    big = 16 * 65535 + 16
+    assert dispatch.plan(512, 16 * 65535, 4096, "q4_0", arch="sm_90").repack == "pack.q4_0"
+    p = dispatch.plan(512, big, 4096, "q4_0", arch="sm_90")
+    assert p.repack is None and p.kernel == "w4a16.mma"
+    p = dispatch.plan(512, big, 4096, "q4_0", arch="sm_90", path="w4a16.wgmma_rs")
+    assert p.repack == "pack.q4_0"
+    with pytest.raises(ValueError, match="beyond what CUDA launches"):
+        p.check_launch()

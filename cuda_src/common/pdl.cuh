@@ -6,9 +6,12 @@
 // It must then call pdl_wait() -- which returns when the previous grid has completed and its
 // memory is visible -- before it reads anything a previous kernel may write, and before it
 // writes anything a previous kernel may still read. qgemm's kernels read only their weights
-// above the wait: no qgemm kernel writes weights, and a kernel that never triggers (any
-// non-qgemm kernel) releases its dependents only at completion, so the weights they read are
-// always final. Launched without the attribute, or on GPUs before sm_90, both are no-ops.
+// above the wait: a kernel that never triggers (any non-qgemm kernel) releases its dependents
+// only at completion, so the weights they read are always final. The one qgemm kernel that
+// writes weights -- the repacking pack.* (cuda_src/pack/skinny.cu), into a copy that the op's
+// GEMM then reads -- is followed by a GEMM launched *without* the attribute (qgemm.matmul's
+// Plan.launch, ops.Kernel given device blocks), which therefore starts only after the repacking
+// has completed. Launched without the attribute, or on GPUs before sm_90, both are no-ops.
 #pragma once
 
 static __device__ __forceinline__ void pdl_wait() {
