@@ -195,7 +195,6 @@ def packed_scale(dp, fmt: str, n: int, k: int, row: int, blk: int) -> float:
     return float(runtime.DeviceArray(dp.ptr + off, (1,), np.float16, owner=dp).to_host()[0])
 
 
-
 @dataclass
 class Launch:
     grid: tuple[int, int, int]
