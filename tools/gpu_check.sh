@@ -59,13 +59,17 @@ for step in $STEPS; do
               GEMM_REFS=tests/test_gpu_kernels.py::test_gemm_matches_references
               # (the GEMM references in two: with N = 4097 among their shapes (session 34) one process took
               # 7.9 of the 10 minutes; "4097" names exactly the N = 4097 cases, no M or K is 4097)
-              echo "+ tests: 5 pytest processes, logs $OUT/tests-*.log" | tee -a "$LOG"
+              # (the other GPU kernel tests in two as well: in one process they took 8.3 of the 10 minutes in
+              # session 36; the every-configuration sweeps and the tune test are ~300 s of that)
+              SWEEPS="every_candidate_configuration or wgmma_configurations or tune_stores"
+              echo "+ tests: 6 pytest processes, logs $OUT/tests-*.log" | tee -a "$LOG"
               $PT $GEMM_REFS -k "not 4097" > "$OUT/tests-gemm.log" 2>&1 & p1=$!
               $PT $GEMM_REFS -k 4097 > "$OUT/tests-gemm-4097.log" 2>&1 & p5=$!
-              $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS > "$OUT/tests-gpu.log" 2>&1 & p2=$!
+              $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "$SWEEPS" > "$OUT/tests-gpu-sweeps.log" 2>&1 & p6=$!
+              $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "not ($SWEEPS)" > "$OUT/tests-gpu.log" 2>&1 & p2=$!
               $PT tests/test_kvcache.py > "$OUT/tests-kvcache.log" 2>&1 & p3=$!
               $PT tests --ignore=tests/test_gpu_kernels.py --ignore=tests/test_kvcache.py > "$OUT/tests-rest.log" 2>&1 & p4=$!
-              for p in $p1 $p2 $p3 $p4 $p5; do wait $p || rc=1; done
+              for p in $p1 $p2 $p3 $p4 $p5 $p6; do wait $p || rc=1; done
               tail -n 3 "$OUT"/tests-*.log | tee -a "$LOG"
               grep -hE '^(FAILED|ERROR)' "$OUT"/tests-*.log | tee -a "$LOG" ;;
     skinny)   # the decode / small-batch path: precompile, its GPU tests, tune it (stored, so the bench below uses it)
