@@ -532,16 +532,24 @@ class Kernel:
             dw = runtime.DeviceArray.from_host(hb)
         self._module()
         dp = self._out(out, (packing.packed_nbytes(fmt.name, n, k),), np.uint8, stream)
-        status = runtime.DeviceArray.from_host(np.full(2, PACK_UNSET, dtype=np.int32))
-        self.launch_pack(dw, dp, n, k, status, stream=stream)
-        bad = int(status.to_host()[1])
-        if bad != PACK_UNSET:
-            row, blk = divmod(bad, nb)
-            raise ValueError(f"{self.name}: W block scales must be finite; row {row}, block {blk} has "
-                             f"d = {packed_scale(dp, fmt.name, n, k, row, blk)}")
+        _, bad = self._repack_checked(dw, dp, n, k, stream=stream)
+        if bad is not None:
+            raise ValueError(f"{self.name}: W block scales must be finite; row {bad[0]}, block {bad[1]} has d = {bad[2]}")
         if device:
             return out if out is not None else dp
         return dp.to_host()
+
+    def _repack_checked(self, dw, dp, n: int, k: int, stream=None):
+        """launch_pack with its checks read back (the call waits for the GPU): (overflow, bad),
+        each None or the (row, block, d) of the first block whose d x q overflows float16 /
+        whose d is not finite."""
+        status = runtime.DeviceArray.from_host(np.full(2, PACK_UNSET, dtype=np.int32))
+        self.launch_pack(dw, dp, n, k, status, stream=stream)
+        found = []
+        for at in (int(v) for v in status.to_host()):
+            row, blk = divmod(at, k // F.QK)
+            found.append(None if at == PACK_UNSET else (row, blk, packed_scale(dp, self.op.a.name, n, k, row, blk)))
+        return tuple(found)
 
     def launch_pack(self, dw, dp, n: int, k: int, status=None, stream=None, pdl: bool = True) -> None:
         """Launch a `pack.*` kernel on device arrays already checked (the hot path): the [N, K]

@@ -194,7 +194,7 @@ def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     runs the repacking. ValueError for weights `matmul` would refuse (a block scale that is not
     finite included), and during a CUDA graph capture; NoGPUError without a GPU (host weights are
     checked first)."""
-    from . import ops, registry
+    from . import registry
     from .dispatch import _weights
 
     t0 = time.perf_counter()
@@ -212,16 +212,8 @@ def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     stream = runtime.launch_stream(stream)
     dblocks = blocks if on_device else runtime.DeviceArray.from_host(np.ascontiguousarray(blocks))
     packed = runtime.DeviceArray.empty((packed_nbytes(fmt, n, k),), np.uint8)
-    status = runtime.DeviceArray.from_host(np.full(2, ops.PACK_UNSET, dtype=np.int32))
-    kernel.launch_pack(dblocks, packed, n, k, status, stream=stream)
-    over, bad = (int(v) for v in status.to_host())  # (to_host waits for the GPU)
-    nb = k // F.QK
-    if bad != ops.PACK_UNSET:  # device blocks only: host ones were checked by _weights
-        row, blk = divmod(bad, nb)
-        raise ValueError(f"pack_weights: weight block scales must be finite; row {row}, block {blk} has "
-                         f"d = {ops.packed_scale(packed, fmt, n, k, row, blk)}")
-    overflow = None
-    if over != ops.PACK_UNSET:  # the first block whose d x q passes float16 (formats.f16_dequant_overflow's)
-        row, blk = divmod(over, nb)
-        overflow = (row, blk, ops.packed_scale(packed, fmt, n, k, row, blk))
+    # overflow: the first block whose d x q passes float16 (formats.f16_dequant_overflow's test)
+    overflow, bad = kernel._repack_checked(dblocks, packed, n, k, stream=stream)
+    if bad is not None:  # device blocks only: host ones were checked by _weights
+        raise ValueError(f"pack_weights: weight block scales must be finite; row {bad[0]}, block {bad[1]} has d = {bad[2]}")
     return PackedWeights(fmt, n, k, packed, dblocks, time.perf_counter() - t0, f16_overflow=overflow)
