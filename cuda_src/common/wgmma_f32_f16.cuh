@@ -62,6 +62,9 @@
 #ifndef XA_PF
 #define XA_PF 3  // the activations of the half-stage this many halves ahead are prefetched into the L2 (0: none)
 #endif
+#ifndef XA_XD
+#define XA_XD 1  // activation register sets: 1 = loaded one half-stage ahead, 2 = two halves ahead (twice the registers)
+#endif
 #if XA_STAGES < 2 || XA_QSTAGES < 2
 #error "XA_STAGES and XA_QSTAGES must be >= 2"
 #endif
@@ -221,14 +224,14 @@ static __device__ __forceinline__ void wgmma_f32_f16_gemm(const float* __restric
     const int tok = m0 + 64 * wgi + 16 * warp_in_wg + g;
     const float* xr0 = X + (size_t)min(tok, M - 1) * K + 4 * t;  // rows past M read row M - 1 (never stored)
     const float* xr1 = X + (size_t)min(tok + 8, M - 1) * K + 4 * t;
-    float4 xv[4][2];  // the next half-stage's float32: k-step kk, row g / g + 8
+    float4 xvs[XA_XD][4][2];  // the float32 of the next XA_XD half-stages: k-step kk, row g / g + 8
     // half u of stage s (k from 128 s + 64 u); K % 32 == 0, so a k-step is all inside K or all past
     // it, and past K (the last stage, or the stage after the last) it is zeros: the weights there
     // are exact zeros (padding), and 0 x 0 stays 0
     // L2 prefetch: a half-stage of a warp's 16 rows is 32 lines of 128 B (64 k); lane l asks for
     // line l / 16 of row l % 16, XA_PF halves ahead of the loads (one instruction, no registers)
     const float* xpf = X + (size_t)min(m0 + 64 * wgi + 16 * warp_in_wg + lane % 16, M - 1) * K + 32 * (lane / 16);
-    auto load_half = [&](int s, int u) {
+    auto load_half = [&](float4 (&xv)[4][2], int s, int u) {
         if ((XA_PROBE & 2) && s + u > 0) return;
         const int k0 = 128 * s + 64 * u;
         if (XA_PF) {
@@ -246,13 +249,15 @@ static __device__ __forceinline__ void wgmma_f32_f16_gemm(const float* __restric
     };
     unsigned fr[2][4][4];  // A fragments of the two half-stages
     pdl_wait();
-    load_half(0, 0);
+    load_half(xvs[0], 0, 0);
+    if (XA_XD == 2) load_half(xvs[XA_XD - 1], 0, 1);
     for (int s = 0; s < ngroups; ++s) {
         const int b = s % XA_STAGES;
         mbar_wait(bars + 8 * b, (s / XA_STAGES) & 1);
         const unsigned bdesc = wg_desc_lo(base + b * XA_B_BYTES);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
+            float4 (&xv)[4][2] = xvs[XA_XD == 2 ? u : 0];
             wgmma_wait<1>();
             // u = 1: the whole previous stage has retired in this warp -- lane 0 frees its buffer
             // (predicated, not branched: with loads in flight, a branch here made ptxas serialize
@@ -287,7 +292,8 @@ static __device__ __forceinline__ void wgmma_f32_f16_gemm(const float* __restric
                 XA_WGMMA(d, fr[u][kk], wg_desc_at(bdesc, (step >> 2) * (XA_BN * 128) + (step & 3) * 32));
             }
             wgmma_commit();
-            load_half(s + u, 1 - u);  // the next half: (s, 1), or (s + 1, 0) -- zeros past the last stage
+            if (XA_XD == 2) load_half(xv, s + 1, u);  // two halves ahead: (s + 1, u)
+            else load_half(xv, s + u, 1 - u);  // the next half: (s, 1), or (s + 1, 0) -- zeros past the last stage
         }
     }
     wgmma_wait<0>();
