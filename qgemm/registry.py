@@ -587,52 +587,6 @@ def _rs_candidates(wfmt: str):
     return candidates
 
 
-# ---- Hopper wgmma, float32 activations as the register A operand (common/wgmma_f32_f16.cuh) ------
-def _xa_q_bytes(wfmt: str, d: dict) -> int:
-    """One stage of the producer's raw-quant ring: the CTA's XA_BN / 16 tiles' pieces and scales."""
-    return d["XA_BN"] // 16 * (_RS_PIECES[wfmt] * 32 * 16 + 128)
-
-
-def _xa_shmem(wfmt: str, d: dict) -> int:
-    # dequantized B buffers [XA_BN][128] fp16, the quant ring, 2 mbarriers per B buffer, 1 KB of
-    # slack for the buffers' 1024-byte alignment
-    return d["XA_STAGES"] * d["XA_BN"] * 256 + d["XA_QSTAGES"] * _xa_q_bytes(wfmt, d) + 16 * d["XA_STAGES"] + 1024
-
-
-def _xa_geometry(wfmt: str):
-    def geometry(m: int, n: int, k: int, d: dict) -> Launch:
-        return Launch(grid=(cdiv(n, d["XA_BN"]), cdiv(m, 64 * d["XA_WGS"]), 1), block=(128 * (d["XA_WGS"] + 1), 1, 1),
-                      shmem=_xa_shmem(wfmt, d))
-    return geometry
-
-
-def _xa_ok(wfmt: str, d: dict) -> bool:
-    return _xa_shmem(wfmt, d) <= 227 * 1024
-
-
-def _xa_config(wfmt: str):
-    def config(m: int, n: int, k: int, sm_count: int) -> dict:
-        d = {"XA_BN": 128, "XA_WGS": 2, "XA_STAGES": 4, "XA_QSTAGES": 4}
-        while not _xa_ok(wfmt, d):
-            d["XA_QSTAGES"] -= 1
-        return d
-    return config
-
-
-def _xa_candidates(wfmt: str):
-    def candidates(m: int, n: int, k: int) -> list[dict]:
-        out = []
-        for bn in (128, 256):
-            for wgs in ((1, 2) if bn == 128 else (1,)):  # 256 rows x 2 warpgroups: 128 accumulators + fragments spill
-                for st in (2, 3, 4):
-                    for qst in (2, 4, 6):
-                        d = {"XA_BN": bn, "XA_WGS": wgs, "XA_STAGES": st, "XA_QSTAGES": qst}
-                        if _xa_ok(wfmt, d):
-                            out.append(d)
-        return out
-    return candidates
-
-
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
 
@@ -763,18 +717,6 @@ _SPECS = [
                "operand",
                min_arch=90, arch_suffix="a", config=_rs_config("q8_0"), candidates=_rs_candidates("q8_0"), unit="hmma",
                weight_layout="skinny", act_layout="kperm16", pdl=True),
-    KernelSpec("w4a16.wgmma_f32", ops.W4A16S, 6, "w4a16/wgmma_f32.cu", "w4a16_wgmma_f32", _xa_geometry("q4_0"),
-               "production prefill on Hopper: f32 x Q4_0 (repacked once) through wgmma with the activations rounded to "
-               "fp16 in registers as the A operand (no prologue kernel), the weights dequantized into swizzled shared "
-               "memory by a producer warpgroup as the B operand",
-               min_arch=90, arch_suffix="a", config=_xa_config("q4_0"), candidates=_xa_candidates("q4_0"), unit="hmma",
-               weight_layout="skinny", pdl=True),
-    KernelSpec("w8a16.wgmma_f32", ops.W8A16S, 6, "w8a16/wgmma_f32.cu", "w8a16_wgmma_f32", _xa_geometry("q8_0"),
-               "production prefill on Hopper: f32 x Q8_0 (repacked once) through wgmma with the activations rounded to "
-               "fp16 in registers as the A operand (no prologue kernel), the weights dequantized into swizzled shared "
-               "memory by a producer warpgroup as the B operand",
-               min_arch=90, arch_suffix="a", config=_xa_config("q8_0"), candidates=_xa_candidates("q8_0"), unit="hmma",
-               weight_layout="skinny", pdl=True),
     KernelSpec("w4a8.gemv", ops.W4A8, 6, "w4a8/gemv.cu", "w4a8_gemv", _gemv_geometry,
                "production decode (M <= 8): Q8_1 x Q4_0, each weight row streamed once by one warp",
                config=_gemv_config, candidates=_gemv_candidates, max_m=8, pdl=True),

@@ -381,8 +381,7 @@ def test_wgmma_compiles_only_for_sm_90(name):
             k.compile(arch)
 
 
-@pytest.mark.parametrize("name", ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs", "w4a16.wgmma_f32",
-                                  "w8a16.wgmma_f32"])
+@pytest.mark.parametrize("name", ["w4a16.wgmma", "w8a16.wgmma", "w4a16.wgmma_rs", "w8a16.wgmma_rs"])
 def test_wgmma_is_not_serialized(name):
     """ptxas serializes every wgmma (warning C7513, "Potential Performance Loss") when it cannot
     prove that no other instruction writes a wgmma's registers while it is in flight -- a silent
