@@ -40,7 +40,7 @@ import numpy as np
 
 from . import formats as F
 from . import registry, runtime, tuning
-from .packing import PackedWeights
+from .packing import PackedWeights, packed_nbytes, unkperm16
 
 _DEFAULTS = {
     "q4_0": {"gemv": "w4a8.gemv", "mma": "w4a16.mma", "dp4a": "w4a8.vec_dp4a", "skinny": "w4a16.skinny",
@@ -144,9 +144,7 @@ class Plan:
             raise ValueError(f"plan.reference: x must be [M, K] = [{self.m}, {self.k}] for this plan, got shape {x.shape}")
         staged = registry.get(self.quantizer).op.cpu(x) if self.quantizer else x
         if kernel.act_layout is not None:  # the kernel's k order is the op's, permuted alike on both sides
-            from . import packing
-
-            staged = packing.unkperm16(staged)
+            staged = unkperm16(staged)
         return kernel.op.exact(staged, w)
 
     @property
@@ -189,8 +187,6 @@ class Plan:
     @property
     def packed_weights_bytes(self) -> int:
         """Bytes of the buffer the per-call repacking writes (0 without one)."""
-        from .packing import packed_nbytes
-
         return packed_nbytes(self.fmt, self.n, self.k) if self.repack else 0
 
 

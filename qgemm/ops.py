@@ -551,7 +551,7 @@ class Kernel:
             found.append(None if at == PACK_UNSET else (row, blk, packed_scale(dp, self.op.a.name, n, k, row, blk)))
         return tuple(found)
 
-    def launch_pack(self, dw, dp, n: int, k: int, status=None, stream=None, pdl: bool = True) -> None:
+    def launch_pack(self, dw, dp, n: int, k: int, status=None, stream=None) -> None:
         """Launch a `pack.*` kernel on device arrays already checked (the hot path): the [N, K]
         ggml blocks at `dw` (2-byte aligned) -> their skinny layout at `dp`
         (packing.packed_nbytes bytes, every byte written). status: None, or an int32 [2] device
@@ -560,7 +560,7 @@ class Kernel:
         ([1]). Not launched with programmatic dependent launch (KernelSpec.pdl is off): released
         early behind the previous op's GEMM, the Q8_0 repacking made qgemm.matmul's op 30% slower
         on the H100 (docs/perf/NOTES.md, session 36); its kernel waits before its first store all
-        the same (pdl=True launches it so where the spec allows)."""
+        the same, for a spec that turns it on."""
         if dw.ptr % 2:
             raise ValueError(f"{self.name}: the weight blocks must start on a 2-byte boundary (their float16 scales), "
                              f"got address {dw.ptr:#x}")
@@ -570,7 +570,7 @@ class Kernel:
         mod = self._module()
         g = self.spec.geometry(n, 0, k)
         args = (np.uint64(dw.ptr), np.uint64(dp.ptr), np.int32(n), np.int32(k), np.uint64(status.ptr if status is not None else 0))
-        mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream, pdl=self.spec.pdl and pdl)
+        mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream, pdl=self.spec.pdl)
 
     # -- quantizers ----------------------------------------------------------------------------
     def _call_quantize(self, x, out=None, stream=None):
