@@ -218,7 +218,7 @@ class Launch:
 
 # configuration keys that shape only the launch (registry geometry), never the code: not passed to
 # NVRTC, so configurations that differ only in them share one compile and one cache entry
-LAUNCH_ONLY = frozenset({"SK_GSPLIT", "RS_CTAS"})  # the skinny kernels' K split across CTAs: gridDim.y
+LAUNCH_ONLY = frozenset({"SK_GSPLIT"})  # the skinny kernels' K split across CTAs: gridDim.y
 
 
 class Kernel:

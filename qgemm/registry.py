@@ -490,12 +490,7 @@ def _rs_geometry(wfmt: str):
     def geometry(m: int, n: int, k: int, d: dict) -> Launch:
         split = d.get("RS_SPLITK", 1)  # RS_MINB only bounds registers (launch bounds): no launch change
         ws = d.get("RS_WS", 0)  # warp-specialized: + a copying warpgroup and 2 mbarriers per buffer
-        grid = (cdiv(n, 64 * d["RS_WGS"]), cdiv(m, d["RS_BN"]), split)
-        # RS_PERSIST (experiment): a persistent grid of RS_CTAS CTAs walking the tiles (the plain grid
-        # when it has no more CTAs than that)
-        if d.get("RS_PERSIST", 0) and grid[0] * grid[1] > d.get("RS_CTAS", 1 << 30):
-            grid = (d["RS_CTAS"], 1, 1)
-        return Launch(grid=grid, block=(128 * (d["RS_WGS"] + ws), 1, 1),
+        return Launch(grid=(cdiv(n, 64 * d["RS_WGS"]), cdiv(m, d["RS_BN"]), split), block=(128 * (d["RS_WGS"] + ws), 1, 1),
                       shmem=_rs_shmem(wfmt, d), zero_output=split > 1)
     return geometry
 

@@ -80,17 +80,6 @@
 #if RS_WS && RS_WGS > 2
 #error "RS_WS: the copying warpgroup stands in for at most two MMA warpgroups"
 #endif
-// RS_PERSIST (experiment): a persistent grid (the launcher's RS_CTAS CTAs) walking the tiles
-// t = blockIdx.x + gridDim.x blockIdx.y, + gridDim.x gridDim.y, ... (weight-row tile t % NT,
-// token tile t / NT: the plain grid's order), the stage ring and its mbarrier phases continuing
-// across tiles, so the copying warpgroup fills the next tile's buffers while the MMA warps
-// finish and store this one.
-#ifndef RS_PERSIST
-#define RS_PERSIST 0
-#endif
-#if RS_PERSIST && (!RS_WS || RS_SPLITK != 1)
-#error "RS_PERSIST needs RS_WS = 1 and RS_SPLITK = 1"
-#endif
 #if RS_STAGES < 3
 #error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
 #endif
@@ -303,125 +292,6 @@ static __device__ __forceinline__ void rs_splitk_add(unsigned char* smem, const 
     }
 }
 
-#if RS_PERSIST
-template <typename SF>
-static __device__ __forceinline__ void wgmma_rs_f16_persistent(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
-                                                               float* __restrict__ C, int M, int N, int K,
-                                                               unsigned char* smem, unsigned base) {
-    constexpr int GROUP_PIECES = SF::PIECES * 32;
-    constexpr int W_BYTES = RS_TILES * (GROUP_PIECES * 16 + 8 * 16);
-    constexpr int STAGE_BYTES = (RS_ACT_BYTES + W_BYTES + 1023) / 1024 * 1024;
-    const int tid = threadIdx.x, lane = tid % 32, wgi = tid / 128, warp_in_wg = (tid / 32) % 4;
-    const int g = lane / 4, t = lane % 4;
-    const int nb = K / QK, n_stages = (nb + 3) / 4, ntiles = (N + 15) / 16;
-    const int NT = (N + 64 * RS_WGS - 1) / (64 * RS_WGS), T = NT * ((M + RS_BN - 1) / RS_BN);
-    const int tile0 = blockIdx.x + gridDim.x * blockIdx.y, tstride = gridDim.x * gridDim.y;
-#if RS_PERSIST == 1
-    if (n_stages % RS_STAGES) __trap();  // the launcher's condition (a phase bit per tile)
-#endif
-    const uint4* qs = reinterpret_cast<const uint4*>(Wp);
-    const uint4* ds = qs + (size_t)ntiles * n_stages * GROUP_PIECES;
-    const unsigned bars = base + RS_STAGES * STAGE_BYTES;
-    if (tid == 0)
-        for (int b = 0; b < RS_STAGES; ++b) {
-            mbar_init(bars + 8 * b, 128);
-            mbar_init(bars + 8 * (RS_STAGES + b), RS_THREADS / 32);
-        }
-    __syncthreads();
-    if (wgi == RS_WGS) {
-        unsigned S = 0;  // stages copied so far, over all of this CTA's tiles: buffer S % RS_STAGES
-        int pbit = 0;
-        for (int tile = tile0; tile < T; tile += tstride) {
-            const int n0 = (tile % NT) * (64 * RS_WGS), m0 = (tile / NT) * RS_BN;
-            const bool a_full_rows = m0 + RS_BN <= M;
-            const RsCopier<SF> cp0(tid - RS_THREADS, A, qs, ds, M, K, n0, m0, ntiles, n_stages, 0);
-#if RS_WGS > 1
-            const RsCopier<SF> cp1(tid - RS_THREADS + 128, A, qs, ds, M, K, n0, m0, ntiles, n_stages, 0);
-#endif
-            auto copy = [&](unsigned buf, int s, bool act, bool w) {
-                if (w) {
-                    cp0.w(buf + RS_ACT_BYTES, s);
-#if RS_WGS > 1
-                    cp1.w(buf + RS_ACT_BYTES, s);
-#endif
-                }
-                if (act) {
-                    cp0.act(buf, s * 128, a_full_rows, A, M, K, m0);
-#if RS_WGS > 1
-                    cp1.act(buf, s * 128, a_full_rows, A, M, K, m0);
-#endif
-                }
-            };
-            const bool first = tile == tile0;
-            if (first) {  // the first buffers' weights before waiting for the previous grid
-                for (int s = 0; s < RS_STAGES && s < n_stages; ++s) copy(base + s * STAGE_BYTES, s, false, true);
-                pdl_wait();
-            }
-#if RS_PERSIST == 2
-            for (int s = 0; s < n_stages; ++s, ++S) {
-                const unsigned b = S % RS_STAGES;
-                if (S >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((S / RS_STAGES) - 1) & 1);
-                copy(base + b * STAGE_BYTES, s, true, !(first && s < RS_STAGES));
-                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
-            }
-#else
-            // n_stages % RS_STAGES == 0 (the launcher's condition): every tile starts at buffer 0,
-            // so the buffer is the inner loop's own s % RS_STAGES (uniform, as in the plain kernel)
-            // and only the mbarrier phase carries over, as one bit per tile
-            for (int s = 0; s < n_stages; ++s) {
-                const int b = s % RS_STAGES;
-                if (!(first && s < RS_STAGES)) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) + pbit + 1) & 1);
-                copy(base + b * STAGE_BYTES, s, true, !(first && s < RS_STAGES));
-                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
-            }
-            pbit ^= (n_stages / RS_STAGES) & 1;
-#endif
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-        return;
-    }
-    const int lt = 4 * wgi + warp_in_wg;
-    float d[RS_BN / 2];
-    unsigned fr[2][4][4];
-    pdl_wait();
-    unsigned S = 0;
-    int pbit = 0;
-    for (int tile = tile0; tile < T; tile += tstride) {
-        const int n0 = (tile % NT) * (64 * RS_WGS), m0 = (tile / NT) * RS_BN;
-#pragma unroll
-        for (int i = 0; i < RS_BN / 2; ++i) d[i] = 0.0f;
-#if RS_PERSIST == 2
-        for (int s = 0; s < n_stages; ++s, ++S) {
-            const unsigned b = S % RS_STAGES;
-            mbar_wait(bars + 8 * b, (S / RS_STAGES) & 1);
-            fence_proxy_async();
-            rs_mma_stage<SF, true>(smem + b * STAGE_BYTES, base + b * STAGE_BYTES, lt, g, lane, fr, d,
-                                   S > 0 ? bars + 8 * (RS_STAGES + (S - 1) % RS_STAGES) : 0u);
-        }
-#else
-        for (int s = 0; s < n_stages; ++s) {
-            const int b = s % RS_STAGES;
-            mbar_wait(bars + 8 * b, ((s / RS_STAGES) + pbit) & 1);
-            fence_proxy_async();
-            rs_mma_stage<SF, true>(smem + b * STAGE_BYTES, base + b * STAGE_BYTES, lt, g, lane, fr, d,
-                                   s > 0 ? bars + 8 * (RS_STAGES + (s - 1) % RS_STAGES)
-                                         : (tile != tile0 ? bars + 8 * (2 * RS_STAGES - 1) : 0u));
-        }
-        pbit ^= (n_stages / RS_STAGES) & 1;
-#endif
-        wgmma_wait<0>();
-        const int row0 = n0 + 64 * wgi + 16 * warp_in_wg + g;
-#pragma unroll
-        for (int c = 0; c < RS_BN / 8; ++c)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int tok = m0 + 8 * c + 2 * t + (i & 1), n = row0 + 8 * (i >> 1);
-                if (tok < M && n < N) C[(size_t)tok * N + n] = d[4 * c + i];
-            }
-    }
-}
-#endif
-
 template <typename SF>
 static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restrict__ A, const unsigned char* __restrict__ Wp,
                                                          float* __restrict__ C, int M, int N, int K) {
@@ -436,10 +306,6 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     // the next op's first kernel may launch now (it waits for this grid before touching memory
     // this one uses): its launch latency hides under this kernel's last wave
     pdl_launch_dependents();
-#if RS_PERSIST
-    wgmma_rs_f16_persistent<SF>(A, Wp, C, M, N, K, smem, base);
-    return;
-#endif
     const int tid = threadIdx.x, lane = tid % 32, wgi = tid / 128, warp_in_wg = (tid / 32) % 4;
     const int g = lane / 4, t = lane % 4;
     const int n0 = blockIdx.x * (64 * RS_WGS), m0 = blockIdx.y * RS_BN;

@@ -3,11 +3,7 @@
 // the dequantized weights as the register A operand (common/wgmma_rs_f16.cuh).
 #include "common/wgmma_rs_f16.cuh"
 
-#if RS_PERSIST && defined(RS_MAXNREG)
-extern "C" __global__ void __maxnreg__(RS_MAXNREG)
-#else
 extern "C" __global__ void __launch_bounds__(RS_BLOCK, RS_MINB)
-#endif
 w4a16_wgmma_rs(const __half* __restrict__ A, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
     wgmma_rs_f16_gemm<SkQ4_0>(A, W, C, M, N, K);
 }
