@@ -80,19 +80,6 @@
 #if RS_WS && RS_WGS > 2
 #error "RS_WS: the copying warpgroup stands in for at most two MMA warpgroups"
 #endif
-// RS_PFENCE (experiment): the copying warpgroup publishes a stage itself -- cp.async.wait_group
-// until the stage has landed, fence.proxy.async (its generic-proxy writes before the tensor core's
-// async-proxy reads), then a plain mbarrier arrival -- RS_PFENCE stages behind the one it just
-// issued, so the MMA warps no longer fence after every `full` wait (Nsight Compute: 4% of the
-// stall samples of Q8_0 512x4096x14336 on that fence).
-#ifndef RS_PFENCE
-#define RS_PFENCE 0
-#endif
-#if RS_PFENCE > RS_STAGES - 2
-// the consumer frees stage s - RS_STAGES only while it works on stage s - RS_STAGES + 1, which the
-// producer (waiting for that buffer at stage s) must have published: a larger lag deadlocks
-#error "RS_PFENCE must be <= RS_STAGES - 2"
-#endif
 #if RS_STAGES < 3
 #error "RS_STAGES must be >= 3: the buffer of stage s - 1 is still read by its wgmma while stage s is used"
 #endif
@@ -377,22 +364,8 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
             const int b = s % RS_STAGES;
             if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
             copy(s, true, s >= RS_STAGES);
-#if RS_PFENCE
-            cp_async_commit();
-            if (s >= RS_PFENCE) {  // stage s - RS_PFENCE: landed (groups complete in order), fenced, published
-                cp_async_wait<RS_PFENCE>();
-                fence_proxy_async();
-                mbar_arrive(bars + 8 * ((s - RS_PFENCE) % RS_STAGES));
-            }
-#else
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
-#endif
         }
-#if RS_PFENCE
-        cp_async_wait<0>();
-        fence_proxy_async();
-        for (int s = n_stages > RS_PFENCE ? n_stages - RS_PFENCE : 0; s < n_stages; ++s) mbar_arrive(bars + 8 * (s % RS_STAGES));
-#endif
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         return;
     }
@@ -401,7 +374,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         const int b = s % RS_STAGES;
         mbar_wait(bars + 8 * b, (s / RS_STAGES) & 1);
         // the copies were cp.async (generic proxy), wgmma reads through the async proxy
-        if (!RS_PFENCE) fence_proxy_async();
+        fence_proxy_async();
         rs_mma_stage<SF, true>(smem + b * STAGE_BYTES, base + b * STAGE_BYTES, lt, g, lane, fr, d,
                                s > 0 ? bars + 8 * (RS_STAGES + (s - 1) % RS_STAGES) : 0u);
     }
