@@ -497,9 +497,6 @@ def _rs_geometry(wfmt: str):
 
 def _rs_shmem(wfmt: str, d: dict) -> int:
     # the buffers, 1 KB of slack for their 1024-byte alignment, and the mbarriers when warp-specialized
-    if d.get("RS_HALF", 0):  # experiment: a ring of RS_HBUF half-stage buffers
-        half = cdiv(d["RS_BN"] * 128 + 4 * d["RS_WGS"] * (_RS_PIECES[wfmt] * 16 * 16 + 128), 1024) * 1024
-        return d.get("RS_HBUF", 6) * half + 1024 + 16 * d.get("RS_HBUF", 6)
     return d["RS_STAGES"] * _rs_stage_bytes(wfmt, d) + 1024 + (128 if d.get("RS_WS", 0) else 0)
 
 

@@ -77,15 +77,6 @@
 #ifndef RS_WS
 #define RS_WS 0  // 1: warp-specialized -- one more warpgroup only copies; per-buffer mbarriers instead of CTA barriers
 #endif
-#ifndef RS_HALF
-#define RS_HALF 0  // experiment: a ring of RS_HBUF half-stage buffers (one 64-wide K atom each), RS_WS only
-#endif
-#ifndef RS_HBUF
-#define RS_HBUF 6
-#endif
-#if RS_HALF && !RS_WS
-#error "RS_HALF needs RS_WS (per-buffer mbarriers)"
-#endif
 #if RS_WS && RS_WGS > 2
 #error "RS_WS: the copying warpgroup stands in for at most two MMA warpgroups"
 #endif
@@ -175,40 +166,19 @@ struct RsCopier {
     }
     // the activation tile of stage st (K from k0) into the buffer at shared address act
     __device__ __forceinline__ void act(unsigned act, int k0, bool full_rows, const __half* A, int M, int K, int m0) const {
-        act_to(act + a_dst, k0, full_rows, A, M, K, m0);
-    }
-    __device__ __forceinline__ void act_to(unsigned dst, int k0, bool full_rows, const __half* A, int M, int K, int m0) const {
         if (full_rows && k0 + 128 <= K) {
             const __half* src = a_src + k0;
             const size_t row_step = (size_t)ROW_STEP * K;
 #pragma unroll
-            for (int i = 0; i < ACT_ITERS; ++i, src += row_step) rs_cp_async16(dst + i * ROW_STEP * 128, src);
+            for (int i = 0; i < ACT_ITERS; ++i, src += row_step) rs_cp_async16(act + a_dst + i * ROW_STEP * 128, src);
         } else {
 #pragma unroll
             for (int i = 0; i < ACT_ITERS; ++i) {
                 const int r = ar0 + i * ROW_STEP, k = k0 + ac * 8;
-                wg_cp_async16_zfill(dst + i * ROW_STEP * 128, A + (size_t)min(m0 + r, M - 1) * K + min(k, K - 8),
+                wg_cp_async16_zfill(act + a_dst + i * ROW_STEP * 128, A + (size_t)min(m0 + r, M - 1) * K + min(k, K - 8),
                                     k < K && m0 + r < M);
             }
         }
-    }
-    // RS_HALF: the K atom h (k0 + 64 h ..) of stage st's activation tile into a half buffer (one
-    // atom): only the threads whose chunk column lies in atom h copy
-    __device__ __forceinline__ void act_half(unsigned act, int k0, int h, bool full_rows, const __half* A, int M, int K, int m0) const {
-        if ((ac >> 3) == h) act_to(act + a_dst - h * (RS_BN * 128), k0, full_rows, A, M, K, m0);
-    }
-    // RS_HALF: the quants of blocks 2h, 2h + 1 of stage st -- pieces h and h + 2 of each lane (see
-    // SkQ8_0::frags), stored as slots 0 and 1 -- and the whole scale words, into a half buffer
-    __device__ __forceinline__ void w_half(unsigned wq, int st, int h) const {
-        static_assert(SF::PIECES == 4, "RS_HALF: four pieces per lane, two per half-stage");
-        const unsigned wd = wq + RS_TILES * (GROUP_PIECES / 2) * 16;
-#pragma unroll
-        for (int i = 0; i < SF::PIECES; ++i) {
-            const int q = tid + i * RS_THREADS, p = (q % GROUP_PIECES) / 32;
-            if ((p & 1) == h)
-                w_copy(wq + ((q / GROUP_PIECES) * (GROUP_PIECES / 2) + (p >> 1) * 32 + q % 32) * 16, w_src[i] + (size_t)st * GROUP_PIECES);
-        }
-        if (tid < RS_TILES * 8) w_copy(wd + tid * 16, d_src + (size_t)st * 8);
     }
     // stage st's raw quants and scales (st counts from this CTA's first group) into the buffer's
     // weight part at shared address wq
@@ -273,45 +243,6 @@ static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, uns
         }
         wgmma_commit();
     }
-}
-
-// RS_HALF: one half-stage from its own buffer (blocks 2H, 2H + 1 of the group, K atom H): wait_group 1
-// (the half-stage before the previous one retired: its buffer goes back to the producer and its
-// fragment registers fr[H] are free), dequantize, wgmma.fence, 4 wgmma, commit.
-template <typename SF, int H>
-static __device__ __forceinline__ void rs_mma_half(const unsigned char* st, unsigned act, int lt, int g, int lane,
-                                                   unsigned (&fr)[2][4][4], float (&d)[RS_BN / 2], unsigned release_bar) {
-    constexpr int GROUP_PIECES = SF::PIECES * 32;
-    const uint4* wq = reinterpret_cast<const uint4*>(st + RS_BN * 128) + lt * (GROUP_PIECES / 2);
-    const uint4 dq = reinterpret_cast<const uint4*>(st + RS_BN * 128 + RS_TILES * (GROUP_PIECES / 2) * 16)[lt * 8 + g];
-    uint4 nat[SF::PIECES];
-#pragma unroll
-    for (int p = 0; p < SF::PIECES; ++p) nat[p] = make_uint4(0u, 0u, 0u, 0u);
-    nat[H] = wq[lane];
-    nat[2 + H] = wq[32 + lane];
-    const unsigned act_desc = wg_desc_lo(act);
-    wgmma_wait<1>();
-    __syncwarp();
-    // predicated in PTX, not branched around: a branch between two half-stages made ptxas serialize
-    // every wgmma in session 37 (C7513)
-    asm volatile("{\n.reg .pred p;\n.reg .b64 st;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(release_bar),
-                 "r"((int)(release_bar != 0u && (threadIdx.x % 32) == 0)) : "memory");
-#pragma unroll
-    for (int i = 0; i < 16; ++i) wg_fence_operand(fr[H][i / 4][i % 4]);
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj) {
-        unsigned a[2][4];
-        SF::frags(nat, dq, 2 * H + jj, a);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            fr[H][2 * jj][i] = a[0][i];
-            fr[H][2 * jj + 1][i] = a[1][i];
-        }
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) RS_WGMMA(d, fr[H][kk], wg_desc_at(act_desc, kk * 32));
-    wgmma_commit();
 }
 
 // The split-K end (RS_SPLITK > 1): this CTA's partial tile is added into C with atomics. C[token][n]
@@ -391,68 +322,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     unsigned fr[2][4][4];  // A fragments of the two half-stages (k-steps 0-3, 4-7)
     const int lt = 4 * wgi + warp_in_wg;  // this warp's 16-row tile in the CTA
 
-#if RS_WS && RS_HALF
-    // a ring of RS_HBUF half-stage buffers: [RS_BN][64] fp16 (one swizzled K atom), the quants of two
-    // blocks, the scale words; half-stage j = 2 s + h of stage s in buffer j % RS_HBUF
-    constexpr int HALF_BYTES = (RS_BN * 128 + RS_TILES * (GROUP_PIECES / 2) * 16 + RS_TILES * 8 * 16 + 1023) / 1024 * 1024;
-    const unsigned bars = base + RS_HBUF * HALF_BYTES;  // full[b] at bars + 8 b, empty[b] at bars + 8 (RS_HBUF + b)
-    if (tid == 0)
-        for (int b = 0; b < RS_HBUF; ++b) {
-            mbar_init(bars + 8 * b, 128);
-            mbar_init(bars + 8 * (RS_HBUF + b), RS_THREADS / 32);
-        }
-    __syncthreads();
-    const int n_halves = 2 * n_stages;
-    if (wgi == RS_WGS) {
-        const RsCopier<SF> cp0(tid - RS_THREADS, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
-#if RS_WGS > 1
-        const RsCopier<SF> cp1(tid - RS_THREADS + 128, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
-#endif
-        auto copy = [&](int j, bool act, bool w) {
-            const unsigned buf = base + (j % RS_HBUF) * HALF_BYTES;
-            const int s = j >> 1, h = j & 1, k0 = (g_begin + s) * 128;
-            if (w) {
-                cp0.w_half(buf + RS_BN * 128, s, h);
-#if RS_WGS > 1
-                cp1.w_half(buf + RS_BN * 128, s, h);
-#endif
-            }
-            if (act) {
-                cp0.act_half(buf, k0, h, a_full_rows, A, M, K, m0);
-#if RS_WGS > 1
-                cp1.act_half(buf, k0, h, a_full_rows, A, M, K, m0);
-#endif
-            }
-        };
-        for (int j = 0; j < RS_HBUF && j < n_halves; ++j) copy(j, false, true);
-        pdl_wait();
-        for (int j = 0; j < n_halves; ++j) {
-            const int b = j % RS_HBUF;
-            if (j >= RS_HBUF) mbar_wait(bars + 8 * (RS_HBUF + b), ((j / RS_HBUF) - 1) & 1);
-            copy(j, true, j >= RS_HBUF);
-            asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-        return;
-    }
-    pdl_wait();
-    for (int s = 0; s < n_stages; ++s) {
-        const int j0 = 2 * s, b0 = j0 % RS_HBUF, b1 = (j0 + 1) % RS_HBUF;
-        mbar_wait(bars + 8 * b0, (j0 / RS_HBUF) & 1);
-#if RS_HALF_TOPWAIT
-        mbar_wait(bars + 8 * b1, ((j0 + 1) / RS_HBUF) & 1);
-#endif
-        fence_proxy_async();
-        rs_mma_half<SF, 0>(smem + b0 * HALF_BYTES, base + b0 * HALF_BYTES, lt, g, lane, fr, d,
-                           s > 0 ? bars + 8 * (RS_HBUF + (j0 - 2) % RS_HBUF) : 0u);
-#if !RS_HALF_TOPWAIT
-        mbar_wait(bars + 8 * b1, ((j0 + 1) / RS_HBUF) & 1);
-        fence_proxy_async();
-#endif
-        rs_mma_half<SF, 1>(smem + b1 * HALF_BYTES, base + b1 * HALF_BYTES, lt, g, lane, fr, d,
-                           s > 0 ? bars + 8 * (RS_HBUF + (j0 - 1) % RS_HBUF) : 0u);
-    }
-#elif RS_WS
+#if RS_WS
     // Warp-specialized: the last warpgroup only copies, the others only dequantize and multiply;
     // per buffer, `full` (128 producer arrivals, each fired by cp.async.mbarrier.arrive when that
     // thread's copies so far have landed) and `empty` (one arrival per consumer warp once the
