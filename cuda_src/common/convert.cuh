@@ -21,16 +21,9 @@ static __device__ __forceinline__ void convert_zero_output(float* __restrict__ Z
 // the H100 (docs/perf/NOTES.md; without the early trigger it still launches as a dependent when
 // this grid ends, which is where its gain is). Then wait for the previous op before reading X
 // (its output) or writing Y (a staging buffer its GEMM may still read), and zero Z.
-#ifndef CV_NOWAIT
-#define CV_NOWAIT 0  // experiment (session 39): no griddepcontrol.wait (the K-split op's second conversion)
-#endif
 static __device__ __forceinline__ void convert_begin(float* __restrict__ Z, long long nz) {
     if (nz == 0) pdl_launch_dependents();
-#if !CV_NOWAIT
     pdl_wait();
-#else
-    if (CV_NOWAIT == 2 && blockIdx.x == 0) pdl_wait();  // the grid then completes after the previous one
-#endif
     if (nz > 0) convert_zero_output(Z, nz);
 }
 

@@ -310,15 +310,8 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     const int g = lane / 4, t = lane % 4;
     const int n0 = blockIdx.x * (64 * RS_WGS), m0 = blockIdx.y * RS_BN;
     const int nb = K / QK, ngroups = (nb + 3) / 4, ntiles = (N + 15) / 16;
-#ifndef RS_KPART
-#define RS_KPART -1  // experiment (session 39): >= 0 -- this launch is K part RS_KPART of RS_KPARTS (grid z = 1)
-#endif
-#ifndef RS_KPARTS
-#define RS_KPARTS RS_SPLITK
-#endif
-    const int zpart = RS_KPART >= 0 ? RS_KPART : (int)blockIdx.z;
-    const int g_begin = (int)((long long)ngroups * zpart / RS_KPARTS);
-    const int n_stages = (int)((long long)ngroups * (zpart + 1) / RS_KPARTS) - g_begin;
+    const int g_begin = (int)((long long)ngroups * blockIdx.z / RS_SPLITK);
+    const int n_stages = (int)((long long)ngroups * (blockIdx.z + 1) / RS_SPLITK) - g_begin;
     const uint4* qs = reinterpret_cast<const uint4*>(Wp);
     const uint4* ds = qs + (size_t)ntiles * ngroups * GROUP_PIECES;
     const bool a_full_rows = m0 + RS_BN <= M;
@@ -432,10 +425,6 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int tok = m0 + 8 * c + 2 * t + (i & 1), n = row0 + 8 * (i >> 1);
-#if RS_KPART > 0
-            if (tok < M && n < N) C[(size_t)tok * N + n] += d[4 * c + i];  // experiment: the later K part adds
-#else
             if (tok < M && n < N) C[(size_t)tok * N + n] = d[4 * c + i];
-#endif
         }
 }

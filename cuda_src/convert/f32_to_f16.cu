@@ -20,18 +20,8 @@ convert_f32_to_f16(const float* __restrict__ X, __half* __restrict__ Y, int M, i
                    float* __restrict__ Z, long long nz) {
     convert_begin(Z, nz);  // PDL trigger and wait, the split-K output zeroed (common/convert.cuh)
     const size_t total = (size_t)M * K;
-#ifndef CV_KHALF
-#define CV_KHALF -1  // experiment (session 39): >= 0 -- convert only the K half CV_KHALF of every row
-#endif
-#if CV_KHALF >= 0
-    // a grid of M * K / 4096 CTAs: thread t converts chunk t of the half (K / 2 / 8 chunks per row)
-    const size_t c = (size_t)blockIdx.x * blockDim.x + threadIdx.x, per_row = (size_t)K / 16;
-    const size_t i = (c / per_row) * K + (size_t)CV_KHALF * (K / 2) + (c % per_row) * CV_VALUES;
-    if (c >= (size_t)M * per_row) return;
-#else
     const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * CV_VALUES;
     if (i >= total) return;
-#endif
     int bad = 0;
     // the tail of an [M, K] with K not a multiple of 8 (convert.f16 alone: the kperm16 launcher
     // needs K % 16 == 0, so both lanes of every chunk reach the shuffles of store_kperm16)
