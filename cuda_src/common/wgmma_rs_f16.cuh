@@ -114,9 +114,6 @@ static __device__ __forceinline__ void rs_cp_async16(unsigned dst, const void* s
 #ifndef RS_WEF
 #define RS_WEF 0
 #endif
-#ifndef RS_BULKPROBE
-#define RS_BULKPROBE 0
-#endif
 static __device__ __forceinline__ unsigned long long l2_evict_first_policy() {
     unsigned long long p;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
@@ -334,47 +331,10 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     const unsigned bars = base + RS_STAGES * STAGE_BYTES;  // full[b] at bars + 8 b, empty[b] at bars + 8 (RS_STAGES + b)
     if (tid == 0)
         for (int b = 0; b < RS_STAGES; ++b) {
-            mbar_init(bars + 8 * b, RS_BULKPROBE ? 1 : 128);
+            mbar_init(bars + 8 * b, 128);
             mbar_init(bars + 8 * (RS_STAGES + b), RS_THREADS / 32);
         }
     __syncthreads();
-#if RS_BULKPROBE
-    // timing probe (session 39, wrong results): one producer thread moves each stage with bulk
-    // copies (async proxy, complete_tx on `full`): the weights and scales exactly (contiguous per
-    // 16-row tile and group), the activations as one contiguous run of the right size from the
-    // tile's first row (not the tile: the global rows are K apart) -- so the MMA warps need no
-    // fence.proxy.async and no cp.async crosses the LSU
-    if (wgi == RS_WGS) {
-        if (tid >= RS_THREADS + 32) return;  // one warp: lane 0 the activations, lanes 1.. a tile's quants or scales
-        const int lane_p = tid - RS_THREADS;
-        constexpr unsigned W_STAGE = RS_TILES * GROUP_PIECES * 16, D_STAGE = RS_TILES * 128;
-        constexpr unsigned TX = RS_ACT_BYTES + W_STAGE + D_STAGE;
-        pdl_wait();
-        const size_t a_last = (size_t)M * K * 2 - RS_ACT_BYTES;
-        const int t = (lane_p - 1) % RS_TILES, tile = min(n0 / 16 + t, ntiles - 1);
-        for (int s = 0; s < n_stages; ++s) {
-            const int b = s % RS_STAGES;
-            if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
-            const unsigned bar = bars + 8 * b, buf = base + b * STAGE_BYTES;
-            if (lane_p == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(TX) : "memory");
-            __syncwarp();
-            if (lane_p == 0) {
-                const size_t a_off = min(((size_t)m0 * K + (size_t)(g_begin + s) * 128) * 2, a_last);
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                             ::"r"(buf), "l"(reinterpret_cast<const char*>(A) + a_off), "r"((unsigned)RS_ACT_BYTES), "r"(bar) : "memory");
-            } else if (lane_p <= RS_TILES) {
-                const uint4* wsrc = qs + ((size_t)tile * ngroups + g_begin + s) * GROUP_PIECES;
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                             ::"r"(buf + RS_ACT_BYTES + t * GROUP_PIECES * 16), "l"(wsrc), "r"((unsigned)(GROUP_PIECES * 16)), "r"(bar) : "memory");
-            } else if (lane_p <= 2 * RS_TILES) {
-                const uint4* dsrc = ds + ((size_t)tile * ngroups + g_begin + s) * 8;
-                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                             ::"r"(buf + RS_ACT_BYTES + W_STAGE + t * 128), "l"(dsrc), "r"(128u), "r"(bar) : "memory");
-            }
-        }
-        return;
-    }
-#endif
     if (wgi == RS_WGS) {
         // producer thread p copies what threads p + 128 i of the non-specialized kernel copy
         const RsCopier<SF> cp0(tid - RS_THREADS, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
@@ -414,9 +374,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
         const int b = s % RS_STAGES;
         mbar_wait(bars + 8 * b, (s / RS_STAGES) & 1);
         // the copies were cp.async (generic proxy), wgmma reads through the async proxy
-#if !RS_BULKPROBE
         fence_proxy_async();
-#endif
         rs_mma_stage<SF, true>(smem + b * STAGE_BYTES, base + b * STAGE_BYTES, lt, g, lane, fr, d,
                                s > 0 ? bars + 8 * (RS_STAGES + (s - 1) % RS_STAGES) : 0u);
     }
