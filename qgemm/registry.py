@@ -591,17 +591,14 @@ def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
 
 
-def _pack_geometry(fmt: str):
+def _pack_geometry(n: int, _unused: int, k: int) -> Launch:
     """pack.*: a CTA per tile of 16 rows x 16 groups of 4 blocks (cuda_src/pack/skinny.cu), for the
     weights [N, K] of an MxNxK product -- called as geometry(N, 0, K); grid.y is the tile, so one
-    call repacks at most 65535 x 16 rows."""
+    call repacks at most 65535 x 16 rows. The same for both formats (only the bytes per block differ)."""
     from . import packing
 
-    def geometry(n: int, _unused: int, k: int) -> Launch:
-        n16, nb4 = packing.padded(n, k)
-        return Launch(grid=(cdiv(nb4 // 4, 16), n16 // 16, 1), block=(256, 1, 1))
-
-    return geometry
+    n16, nb4 = packing.padded(n, k)
+    return Launch(grid=(cdiv(nb4 // 4, 16), n16 // 16, 1), block=(256, 1, 1))
 
 
 _SPECS = [
@@ -623,11 +620,11 @@ _SPECS = [
                lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
                "float16 activations -> the kperm16 layout of the Hopper prefill kernels (the values unchanged)",
                pdl=True, zeroes=True),
-    KernelSpec("pack.q4_0", ops.PACK_Q4_0, 6, "pack/skinny.cu", "pack_skinny", _pack_geometry("q4_0"),
+    KernelSpec("pack.q4_0", ops.PACK_Q4_0, 6, "pack/skinny.cu", "pack_skinny", _pack_geometry,
                "ggml Q4_0 blocks -> the skinny layout of the decode and Hopper prefill kernels, on the GPU "
                "(qgemm.pack_weights; qgemm.matmul on ggml blocks where a packed kernel is faster)",
                defines={"PK_Q8": 0}),
-    KernelSpec("pack.q8_0", ops.PACK_Q8_0, 6, "pack/skinny.cu", "pack_skinny", _pack_geometry("q8_0"),
+    KernelSpec("pack.q8_0", ops.PACK_Q8_0, 6, "pack/skinny.cu", "pack_skinny", _pack_geometry,
                "ggml Q8_0 blocks -> the skinny layout of the decode and Hopper prefill kernels, on the GPU "
                "(qgemm.pack_weights; qgemm.matmul on ggml blocks where a packed kernel is faster)",
                defines={"PK_Q8": 1}),
