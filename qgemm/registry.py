@@ -588,7 +588,9 @@ def _rs_candidates(wfmt: str):
 
 
 def _quantize_rows(m: int, n: int, k: int) -> Launch:
-    return Launch(grid=(cdiv(k, 1024), m, 1), block=(256, 1, 1))  # 8 warps x 4 blocks of 32
+    # 8 warps x 4 blocks of 32 per CTA along K; a CTA row per token, row = y + 65535 z past CUDA's
+    # 65535 along y (common/quantize_q8_1.cuh)
+    return Launch(grid=(cdiv(k, 1024), min(m, 65535), cdiv(m, 65535)), block=(256, 1, 1))
 
 
 def _pack_geometry(n: int, _unused: int, k: int) -> Launch:

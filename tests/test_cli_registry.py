@@ -918,14 +918,18 @@ def test_bad_operands_say_so_before_any_gpu(rng, tmp_path):
     q8["s"][2, 0] = np.nan
     with pytest.raises(ValueError, match="A block s values must be finite; row 2, block 0"):
         qgemm.get("w4a8.mma")(q8, w)
-    with pytest.raises(ValueError, match=r"quantize.q8_1: M=70000 K=64 needs a launch grid of \(1, 70000, 1\) CTAs, "
+    with pytest.raises(ValueError, match=r"fp32.naive: M=1100000 N=1 K=32 needs a launch grid of \(1, 68750, 1\) CTAs, "
                                          r"beyond what CUDA launches .*split the call along M"):
-        qgemm.get("quantize.q8_1")(np.zeros((70000, 64), np.float32))
-    with pytest.raises(ValueError, match=r"fp32.naive: M=1100000 N=1 K=32 needs a launch grid of \(1, 68750, 1\)"):
         qgemm.get("fp32.naive")(np.ones((1100000, 32), np.float32), np.ones((1, 32), np.float32))
-    with pytest.raises(ValueError, match="quantize.q8_1: M=70000 K=64 needs a launch grid"):
-        qgemm.matmul(np.zeros((70000, 64), np.float32), w, path="w4a8.mma")
-    dispatch.plan(65535, 4096, 4096, path="w4a8.mma", arch="sm_90").check_launch()  # the last M that launches
+    # the Q8_1 quantizers (the int8 paths' prologue: every M on sm_75) take any M: past CUDA's 65535
+    # CTA rows along y, token y + 65535 z (session 40; GPU: tests/test_gpu_limits.py)
+    for name in ("quantize.q8_1", "quantize.q8_1_f16"):
+        assert registry.get(name).spec.geometry(70000, 0, 64).grid == (1, 65535, 2)
+        assert registry.get(name).spec.geometry(65535, 0, 64).grid == (1, 65535, 1)
+        assert registry.get(name).spec.geometry(2**31 - 1, 0, 64).grid == (1, 65535, 32769)  # the largest int M
+        assert registry.get(name).spec.geometry(7, 0, 2048).grid == (2, 7, 1)
+    dispatch.plan(70000, 4096, 4096, path="w4a8.mma", arch="sm_90").check_launch()
+    dispatch.plan(200000, 4096, 4096, arch="sm_75").check_launch()  # quantize.q8_1 + vec_dp4a
     for who, call in (("matmul", lambda v: qgemm.matmul(x, v)), ("pack_weights", qgemm.pack_weights)):
         with pytest.raises(ValueError, match=f"{who}: weights must be a numpy array of Q4_0 / Q8_0 blocks .*got list"):
             call(w.tolist())

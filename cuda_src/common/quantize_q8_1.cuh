@@ -33,7 +33,10 @@ static __device__ __forceinline__ float q8_1_load(const __half* p) { return __ha
 template <typename T>
 static __device__ __forceinline__ void quantize_q8_1_rows(const T* __restrict__ X, block_q8_1* __restrict__ Y, int M, int K,
                                                           int* __restrict__ status) {
-    const int row = blockIdx.y;
+    // a CTA row per token; CUDA launches at most 65535 along y, so past that the launcher adds
+    // grid.z (a long prompt in one GEMM). (A loop over rows instead -- row += gridDim.y -- made
+    // ptxas schedule the kernel 3-10% slower at M <= 65535 on the H100.)
+    const int row = blockIdx.y + blockIdx.z * gridDim.y;
     const int lane = threadIdx.x % QK;
     const int warp = threadIdx.x / QK;
     // first value of this warp's run of blocks within the row
