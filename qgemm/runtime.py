@@ -675,6 +675,7 @@ class DeviceArray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         with relaxed_capture():
             ptr = int(check(driver.cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc({nbytes} bytes)"))
+        _live_allocations[ptr] = max(nbytes, 1)
         return cls(ptr, shape, dtype, owns=True)
 
     @classmethod
@@ -963,6 +964,22 @@ class DeviceArray:
 
 
 _deferred_frees: list[int] = []
+# qgemm's own allocations not yet freed, address -> bytes (allocated_bytes). A dict's single
+# setitem / pop needs no lock; an address waiting in _deferred_frees is still held, so still counted.
+_live_allocations: dict[int, int] = {}
+
+
+def allocated_bytes() -> int:
+    """Device memory qgemm itself holds now, in bytes: every `DeviceArray` it allocated (yours,
+    results, and its own reusable scratch: staged activations, repacked weights, per-capture
+    buffers) not yet freed -- as `torch.cuda.memory_allocated` for torch. Arrays qgemm only wraps
+    (torch, CuPy) are not counted. Level across repeated calls of the same shapes: a call's
+    temporaries are freed or reused (tests/test_gpu_steady.py)."""
+    while True:
+        try:
+            return sum(list(_live_allocations.values()))
+        except RuntimeError:  # another thread allocated or freed during the copy: read again
+            continue
 
 
 def _release(ptr: int) -> None:
@@ -1000,6 +1017,8 @@ def _release(ptr: int) -> None:
                 err = res[0] if isinstance(res, tuple) else res
                 if getattr(err, "name", "").startswith("CUDA_ERROR_STREAM_CAPTURE"):
                     _deferred_frees.append(p)
+                elif int(err) == 0:
+                    _live_allocations.pop(p, None)
     finally:
         try:
             driver.cuCtxSetCurrent(saved)

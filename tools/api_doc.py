@@ -67,7 +67,7 @@ SECTIONS = [
      "argument takes what `qgemm.runtime.as_stream` takes; `docs/pytorch.md` covers streams, DLPack and "
      "CUDA graphs.",
      ["qgemm.gpu_available", "qgemm.DeviceArray", "qgemm.runtime.as_stream", "qgemm.runtime.create_stream",
-      "qgemm.runtime.synchronize"]),
+      "qgemm.runtime.synchronize", "qgemm.runtime.allocated_bytes"]),
     ("Packing and tuning",
      "Weights repacked once, at load, for the decode and Hopper prefill kernels (the layouts are drawn in "
      "`docs/formats.md`). Tuning has no Python API of its own: `qgemm tune` stores the fastest correct "
