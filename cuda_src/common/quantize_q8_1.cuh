@@ -34,8 +34,8 @@ template <typename T>
 static __device__ __forceinline__ void quantize_q8_1_rows(const T* __restrict__ X, block_q8_1* __restrict__ Y, int M, int K,
                                                           int* __restrict__ status) {
     // a CTA row per token; CUDA launches at most 65535 along y, so past that the launcher adds
-    // grid.z (a long prompt in one GEMM). (A loop over rows instead -- row += gridDim.y -- made
-    // ptxas schedule the kernel 3-10% slower at M <= 65535 on the H100.)
+    // grid.z (a long prompt in one GEMM). (A loop over rows instead -- row += gridDim.y -- was
+    // scheduled differently by ptxas and measured up to 10% slower on the H100: docs/perf/NOTES.md.)
     const int row = blockIdx.y + blockIdx.z * gridDim.y;
     const int lane = threadIdx.x % QK;
     const int warp = threadIdx.x / QK;
