@@ -975,11 +975,7 @@ def allocated_bytes() -> int:
     buffers) not yet freed -- as `torch.cuda.memory_allocated` for torch. Arrays qgemm only wraps
     (torch, CuPy) are not counted. Level across repeated calls of the same shapes: a call's
     temporaries are freed or reused (tests/test_gpu_steady.py)."""
-    while True:
-        try:
-            return sum(list(_live_allocations.values()))
-        except RuntimeError:  # another thread allocated or freed during the copy: read again
-            continue
+    return sum(_live_allocations.copy().values())  # (a copy: other threads may allocate or free meanwhile)
 
 
 def _release(ptr: int) -> None:

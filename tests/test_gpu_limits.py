@@ -39,29 +39,35 @@ def need(nbytes: int) -> None:
         pytest.skip(f"needs {nbytes / GB:.0f} GB of free device memory")
 
 
-def rows_of(d: qgemm.DeviceArray, rows) -> np.ndarray:
-    """Rows of a device [M, N] float32 array, each copied alone (the whole may not fit the host)."""
+def row_block(d: qgemm.DeviceArray, r0: int, rows: int) -> qgemm.DeviceArray:
+    """Rows r0 .. r0 + rows of a device [M, N] array, as a view (no copy)."""
     n = d.shape[1]
-    out = np.empty((len(rows), n), np.float32)
-    for i, r in enumerate(rows):
-        out[i] = qgemm.DeviceArray(d.ptr + int(r) * n * 4, (n,), np.float32, owner=d).to_host()
-    return out
+    return qgemm.DeviceArray(d.ptr + int(r0) * n * d.dtype.itemsize, (rows, n), d.dtype, owner=d)
 
 
 def count_nan(d: qgemm.DeviceArray, chunk_rows: int = 4096) -> int:
-    """NaN elements of a device [M, N] float32 array, read back in chunks of rows."""
-    m, n = d.shape
-    bad = 0
-    for r0 in range(0, m, chunk_rows):
-        rows = min(chunk_rows, m - r0)
-        part = qgemm.DeviceArray(d.ptr + r0 * n * 4, (rows, n), np.float32, owner=d).to_host()
-        bad += int(np.isnan(part).sum())
-    return bad
+    """NaN elements of a device [M, N] float32 array, read back in chunks of rows (the whole may
+    not fit the host)."""
+    return sum(int(np.isnan(row_block(d, r0, min(chunk_rows, d.shape[0] - r0)).to_host()).sum())
+               for r0 in range(0, d.shape[0], chunk_rows))
 
 
-def check_rows(plan, x_rows: np.ndarray, w, got: np.ndarray, what: str) -> None:
-    want = dataclasses.replace(plan, m=x_rows.shape[0]).reference(x_rows, w)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * float(np.abs(want).max()), err_msg=what)
+def check_paths(m, n, k, fmt, dx, w, probe, x_probe, paths) -> None:
+    """matmul(dx, weights, path=) for each (weights, path): the output poisoned with NaN first,
+    the `probe` rows (x_probe: their activations on the host) against the plan's exact reference,
+    and no element left unwritten."""
+    out = qgemm.DeviceArray.empty((m, n), np.float32)
+    for weights, path in paths:
+        packed = isinstance(weights, qgemm.PackedWeights)
+        plan = qgemm.plan(m, n, k, fmt, path=path, packed=packed)
+        what = f"path={path or 'default'}{' packed' if packed else ''} ({plan.kernel}, {plan.quantizer})"
+        out.fill_bytes(0xFF)  # NaN: every element must be written
+        assert qgemm.matmul(dx, weights, fmt, path=path, out=out) is out
+        runtime.synchronize()
+        got = np.concatenate([row_block(out, r, 1).to_host() for r in probe])
+        want = dataclasses.replace(plan, m=len(probe)).reference(x_probe, w)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * float(np.abs(want).max()), err_msg=what)
+        assert count_nan(out) == 0, f"{what}: elements left unwritten"
 
 
 def test_output_past_2_to_the_31_elements(rng):
@@ -74,19 +80,11 @@ def test_output_past_2_to_the_31_elements(rng):
     wf = rng.standard_normal((n, k), dtype=np.float32)
     w = qgemm.quantize_q4_0(wf)
     dx = qgemm.DeviceArray.from_host(x)
-    out = qgemm.DeviceArray.empty((m, n), np.float32)
     tail = np.arange((2**31) // n - 2, m)  # the rows that cross and lie past element 2^31
     probe = np.concatenate([[0, 1, m // 2], tail])
     dw = qgemm.DeviceArray.from_host(w.view(np.uint8))
-    for weights, path in ((dw, None), (qgemm.pack_weights(w), None), (dw, "w4a16.mma"), (dw, "w4a8.mma")):
-        packed = weights is not dw
-        what = f"path={path or 'default'}{' packed' if packed else ''}"
-        plan = qgemm.plan(m, n, k, "q4_0", path=path, packed=packed)
-        out.fill_bytes(0xFF)  # NaN: every element must be written
-        assert qgemm.matmul(dx, weights, "q4_0", path=path, out=out) is out
-        runtime.synchronize()
-        check_rows(plan, x[probe], w, rows_of(out, probe), f"{what} ({plan.kernel})")
-        assert count_nan(out) == 0, f"{what}: elements left unwritten"
+    check_paths(m, n, k, "q4_0", dx, w, probe, x[probe],
+                [(dw, None), (qgemm.pack_weights(w), None), (dw, "w4a16.mma"), (dw, "w4a8.mma")])
 
 
 def test_activations_past_2_to_the_31_elements(rng):
@@ -101,25 +99,13 @@ def test_activations_past_2_to_the_31_elements(rng):
     step = 2048
     for r0 in range(0, m, step):  # uploaded in parts: the whole x is 8.6 GB
         rows = min(step, m - r0)
-        part = qgemm.DeviceArray(dx.ptr + r0 * k * 4, (rows, k), np.float32, owner=dx)
-        part.copy_from_host(np.repeat(a[r0:r0 + rows, None], k, axis=1))
+        row_block(dx, r0, rows).copy_from_host(np.repeat(a[r0:r0 + rows, None], k, axis=1))
     wf = rng.standard_normal((n, k), dtype=np.float32)
     w = qgemm.quantize_q8_0(wf)
-    out = qgemm.DeviceArray.empty((m, n), np.float32)
     probe = np.concatenate([[0, 1, m // 2], np.arange((2**31) // k - 2, m)])
-    x_probe = np.repeat(a[probe, None], k, axis=1)
     dw = qgemm.DeviceArray.from_host(w.view(np.uint8))
-    for weights, path in ((dw, None), (qgemm.pack_weights(w), None), (dw, "w8a8.mma")):
-        packed = weights is not dw
-        what = f"path={path or 'default'}{' packed' if packed else ''}"
-        plan = qgemm.plan(m, n, k, "q8_0", path=path, packed=packed)
-        out.fill_bytes(0xFF)
-        assert qgemm.matmul(dx, weights, "q8_0", path=path, out=out) is out
-        runtime.synchronize()
-        got = rows_of(out, probe)
-        check_rows(plan, x_probe, w, got, f"{what} ({plan.kernel}, {plan.quantizer})")
-        assert count_nan(out) == 0, f"{what}: elements left unwritten"
-
+    check_paths(m, n, k, "q8_0", dx, w, probe, np.repeat(a[probe, None], k, axis=1),
+                [(dw, None), (qgemm.pack_weights(w), None), (dw, "w8a8.mma")])
 
 
 @pytest.mark.parametrize("name", ["quantize.q8_1", "quantize.q8_1_f16"])
