@@ -555,20 +555,23 @@ PACK_METHOD = "upload of the host blocks + repacking on the GPU (pack.*)"
 
 
 def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict, warmup: int = 5, iters: int = 30,
-                path: str | None = None, packed: bool = True, sustain_s: float = 0.0) -> dict:
+                path: str | None = None, packed: bool = True, sustain_s: float = 0.0, x_dtype: str = "f32") -> dict:
     """The whole op as qgemm.matmul runs it (prologue + GEMM), graph-batched like llama.cpp's perf
     mode. packed: the weights were made by qgemm.pack_weights (their one-time repacking is timed
     separately, by `sweep`), so the skinny kernels may run; else raw ggml blocks. sustain_s: each
-    timing runs back to back for at least that long (`_time_launches`)."""
+    timing runs back to back for at least that long (`_time_launches`). x_dtype: the activations'
+    type ("f32", "f16" or "bf16"), as a model in that precision hands them over."""
     from . import dispatch as mm
     from . import packing
 
-    p = mm.plan(m, n, k, fmt, "f32", path, packed)
+    p = mm.plan(m, n, k, fmt, x_dtype, path, packed)
+    xfmt = F.get_format(p.x_dtype)
     wq = weights[(fmt, n, k)]
     wbuf = packing.pack(wq, fmt) if p.packed and p.repack is None else wq
-    nbytes = m * k * 4 + wq.nbytes + m * n * 4 + p.packed_weights_bytes
+    nbytes = m * k * xfmt.dtype.itemsize + wq.nbytes + m * n * 4 + p.packed_weights_bytes
     sets = _sets_for(nbytes, cold)
-    xs = [runtime.DeviceArray.from_host(rng.standard_normal((m, k), dtype=np.float32)) for _ in range(sets)]
+    xs = [runtime.DeviceArray.from_host(F.from_float32(rng.standard_normal((m, k), dtype=np.float32), xfmt))
+          for _ in range(sets)]
     ws = [runtime.DeviceArray.from_host(wbuf) for _ in range(sets)]
     staged = p.staged_format
     qs = [runtime.DeviceArray.empty(*staged) if staged else xs[i] for i in range(sets)]
@@ -591,7 +594,7 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
     med, kmed = statistics.median(t_all), statistics.median(t_k)
     for arr in xs + ws + cs + ([] if staged is None else qs) + (ps if p.repack else []):
         arr.free()
-    return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "kernel": p.kernel, "packed": p.packed,
+    return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "x_dtype": p.x_dtype, "kernel": p.kernel, "packed": p.packed,
             "repack": p.repack, "config": p.defines, "config_source": p.source,
             "matmul_us": med, "kernel_us": kmed, "quantize_us": max(med - kmed, 0.0), "tflops": 2 * m * n * k / med / 1e6,
             "weight_gbps": wq.nbytes / med / 1e3, "buffer_sets": sets, "method": how["method"]}
@@ -682,11 +685,12 @@ def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters:
 
 
 def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes=(False, True), peers: bool = True,
-          progress=None, iters: int = 30, clocks: bool = False, sustain_s: float = 0.0) -> dict:
+          progress=None, iters: int = 30, clocks: bool = False, sustain_s: float = 0.0, x_dtype: str = "f32") -> dict:
     """Everything `qgemm bench` reports, as a dict (environment, copy bandwidth, rows, and with an
     M = 1 row the read ceilings at its weight bytes; `progress` is called after each). clocks: each
     row also gets the SM clock and power during its qgemm.matmul / kernel timings (`ClockSampler`).
-    sustain_s: every timing (qgemm's and the peers') runs back to back for at least that long."""
+    sustain_s: every timing (qgemm's and the peers') runs back to back for at least that long.
+    x_dtype: qgemm's activations ("f32", "f16" or "bf16"; the peers take theirs in fp16 / bf16 / int8)."""
     rng = np.random.default_rng(0)
     weights = {}
     for fmt in fmts:
@@ -709,11 +713,12 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     try:
         for cold, k, m, fmt in jobs:
             t0 = time.time()
-            r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, sustain_s=sustain_s)
+            r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, sustain_s=sustain_s, x_dtype=x_dtype)
             if sampler is not None:
                 r["clock"] = sampler.window(t0, time.time())
             if r["packed"]:  # the same op on raw ggml blocks (no pack_weights): what an unpacked caller gets
-                rb = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, packed=False, sustain_s=sustain_s)
+                rb = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, packed=False, sustain_s=sustain_s,
+                                 x_dtype=x_dtype)
                 r.update(blocks_kernel=(f"{rb['repack']} + " if rb.get("repack") else "") + rb["kernel"],
                          blocks_matmul_us=rb["matmul_us"])
             if peers:
@@ -738,7 +743,11 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     # the higher of the two measurements: a row's share of the copy bandwidth is never flattered by a slow copy
     copies = [copy_start / 1e9, measure_copy_bandwidth() / 1e9]
     return {"environment": environment(), "copy_bandwidth_gbps": max(copies), "copy_bandwidth_runs_gbps": copies,
-            "pack_ms": pack_ms, "pack_method": PACK_METHOD, "rows": rows, "read_ceilings": ceilings, "l2_reset": l2_mode(), "sustain_s": sustain_s}
+            "pack_ms": pack_ms, "pack_method": PACK_METHOD, "rows": rows, "read_ceilings": ceilings, "l2_reset": l2_mode(), "sustain_s": sustain_s,
+            "x_dtype": x_dtype}
+
+
+_X_TYPE_NAMES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 
 def sweep_markdown(data: dict, command: str) -> str:
@@ -746,6 +755,8 @@ def sweep_markdown(data: dict, command: str) -> str:
     out = [f"- device: **{env['device']}** ({env['arch']}), driver {env['driver']}, NVRTC {env['nvrtc']}"
            + (f", torch {env['torch']}" if "torch" in env else ""),
            f"- date: {env['date']}", f"- command: `{command}`",
+           *([f"- qgemm's activations: {_X_TYPE_NAMES[data['x_dtype']]} (--x-dtype; the peers are timed as in every run)"]
+             if data.get("x_dtype", "f32") != "f32" else []),
            f"- measured copy bandwidth: {data['copy_bandwidth_gbps']:.0f} GB/s (read + write)"
            + (" -- the higher of {:.0f} before the sweep and {:.0f} after it".format(*data["copy_bandwidth_runs_gbps"])
               if data.get("copy_bandwidth_runs_gbps") else "")]

@@ -61,12 +61,12 @@ def make_inputs(op: Op, m: int, n: int, k: int, rng: np.random.Generator, weight
     if op.kind == "gemm" and op.a.quantized:
         a = F.quantize(a_f, op.a)
     elif op.kind == "gemm" and op.a.dtype != np.float32:
-        a = a_f.astype(op.a.dtype)  # fp16 activations: the truth still uses the float32 originals
+        a = F.from_float32(a_f, op.a)  # fp16 / bf16 activations: the truth still uses the float32 originals
     else:
         a = a_f
     if op.kind == "quantize":
-        x = a_f.astype(op.a.dtype)
-        return Inputs(x.astype(np.float32), None, x, None)
+        x = F.from_float32(a_f, op.a)
+        return Inputs(F.to_float32(x), None, x, None)
     if weights is not None:
         w = weights
         w_f = F.dequantize(w, op.w) if op.w.quantized else np.asarray(w, dtype=np.float32)

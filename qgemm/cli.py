@@ -514,7 +514,8 @@ def tutorial(
 def explain(
     shape: str = typer.Option("512x4096x4096", "--shape", help="MxNxK."),
     fmt: str = typer.Option("q4_0", "--type", "--fmt", "-t", help="Weight format: q4_0 or q8_0 (fmt= in Python)."),
-    f16: bool = typer.Option(False, "--f16", help="float16 activations (x_dtype=\"f16\" in Python)."),
+    x_dtype: str = typer.Option("f32", "--x-dtype", help="The activations' type: f32, f16 or bf16 (x_dtype= in Python)."),
+    f16: bool = typer.Option(False, "--f16", help="float16 activations: --x-dtype f16."),
     path: Optional[str] = typer.Option(None, "--path", help="Override the GEMM kernel."),
     packed: bool = typer.Option(False, "--packed", help="Weights made by qgemm.pack_weights (the skinny kernels may run)."),
     arch: Optional[str] = typer.Option(None, "--arch", help="Plan for this architecture (e.g. sm_90) instead of this "
@@ -525,8 +526,10 @@ def explain(
     from .errors import UnsupportedArchError
 
     mnk = _shape(shape)
+    if f16 and x_dtype not in ("f32", "f16"):
+        _fail(f"--f16 and --x-dtype {x_dtype} disagree: pass one of them")
     try:
-        typer.echo(mm.explain(*mnk, fmt=fmt, x_dtype="f16" if f16 else "f32", path=path, packed=packed, arch=arch))
+        typer.echo(mm.explain(*mnk, fmt=fmt, x_dtype="f16" if f16 else x_dtype, path=path, packed=packed, arch=arch))
     except (KeyError, ValueError, UnsupportedArchError) as e:
         _fail(str(e.args[0] if e.args else e))
 
@@ -635,6 +638,8 @@ def bench(
                                   help="gemm suite: sample every timing back to back for at least this many seconds "
                                        "(llama.cpp's perf mode runs each op >= 1 s), --iters samples of ~1 ms at least; "
                                        "0: off."),
+    x_dtype: str = typer.Option("f32", "--x-dtype", help="gemm suite: qgemm's activations, f32, f16 or bf16 (the peers "
+                                "are timed as always)."),
 ):
     """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold;
     with M = 1 in the sweep, also the read ceilings at the decode rows' weight bytes (what a kernel
@@ -645,7 +650,11 @@ def bench(
     if suite not in ("gemm", "kvcache"):
         _fail(f"--suite must be gemm or kvcache, got {suite!r}")
     _writable_dir(out_dir, "--out")
+    if x_dtype not in ("f32", "f16", "bf16"):
+        _fail(f"--x-dtype must be f32, f16 or bf16, got {x_dtype!r}")
     if suite == "kvcache":
+        if x_dtype != "f32":
+            _fail("--x-dtype is for the gemm suite (the KV-cache kernels take float16 queries and probabilities)")
         if m_list or k_list:
             _fail("--m and --k choose the GEMM sweep's shapes; --suite kvcache has its own (S, Lq, sparsity, bits)")
         if sustain:
@@ -682,7 +691,7 @@ def bench(
     total = len(ms) * len(ks) * 2 * len(modes) + (len(ks) * 2 * len(modes) if 1 in ms else 0)  # rows, read ceilings
     with typer.progressbar(length=total, label="qgemm bench") as bar:
         data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters, clocks=clocks,
-                       sustain_s=sustain)
+                       sustain_s=sustain, x_dtype=x_dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = _command_line()
     data["command"] = cmd

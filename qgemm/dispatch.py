@@ -40,6 +40,7 @@ import numpy as np
 
 from . import formats as F
 from . import registry, runtime, tuning
+from .ops import x_alignment
 from .packing import PackedWeights, packed_nbytes, unkperm16
 
 _DEFAULTS = {
@@ -117,7 +118,7 @@ class Plan:
         step1 = (f"  1. {self.quantizer}: x -> {pro.out.name}{layout} on the GPU\n" if pro
                  else "  1. (x is already in the kernel's format)\n")
         if self.quantizer is None and self.packed:
-            step1 = f"  1. (none: the kernel reads the {'float32' if self.x_dtype == 'f32' else 'float16'} activations itself)\n"
+            step1 = f"  1. (none: the kernel reads the {_X_NAMES[self.x_dtype]} activations itself)\n"
         if self.repack:
             step1 = (f"  0. {self.repack}: w (ggml blocks) -> the skinny layout on the GPU, on every call "
                      "(qgemm.pack_weights(w) does it once)\n" + step1)
@@ -190,19 +191,34 @@ class Plan:
         return packed_nbytes(self.fmt, self.n, self.k) if self.repack else 0
 
 
-_X_DTYPES = {"float32": "f32", "float16": "f16", "half": "f16"}
+_X_DTYPES = {"float32": "f32", "float16": "f16", "half": "f16", "bfloat16": "bf16"}
+_X_NAMES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+_X_OF_DTYPE = {F.F32.dtype: "f32", F.F16.dtype: "f16", F.BF16.dtype: "bf16"}
+# the prologue that turns x (by its type) into what a GEMM kernel reads: (the kernel's A format,
+# its activation layout) -> {x type: prologue kernel, or None where the kernel reads x as it is}.
+# A type missing from an entry cannot feed that kernel.
+_PROLOGUES = {
+    ("q8_1", None): {"f32": "quantize.q8_1", "f16": "quantize.q8_1_f16", "bf16": "quantize.q8_1_bf16"},
+    ("f16", "kperm16"): {"f32": "convert.f16k", "f16": "convert.f16k_f16", "bf16": "convert.f16k_bf16"},
+    ("f16", None): {"f32": "convert.f16", "f16": None, "bf16": "convert.f16_bf16"},
+    ("f32", None): {"f32": None},
+    ("bf16", None): {"bf16": None},
+}
+# the decode kernels that read x themselves come in one variant per x type (registry: SK_X)
+_X_SUFFIX = {"f32": "", "f16": "_f16", "bf16": "_bf16"}
 
 
 def _np_dtype_name(dt) -> str | None:
     try:
-        return np.dtype(dt).name
+        dt = np.dtype(dt)
     except TypeError:
         return None
+    return "bfloat16" if F.is_bf16(dt) else dt.name
 
 
 def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
          packed: bool = False, arch: str | None = None) -> Plan:
-    """The Plan `matmul` follows for x [M, K] (`x_dtype` "f32" or "f16", or a numpy dtype) times
+    """The Plan `matmul` follows for x [M, K] (`x_dtype` "f32", "f16" or "bf16", or a numpy dtype) times
     `fmt` weights [N, K] ("q4_0" or "q8_0"); nothing is launched.
 
     packed: the weights are a qgemm.PackedWeights (the skinny kernels may be used).
@@ -226,9 +242,11 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
     fmt = F.get_format(fmt, who).name
     if fmt not in _DEFAULTS:
         raise ValueError(f"{who}: weights must be q4_0 or q8_0 blocks, got {fmt}")
-    x_dtype = _X_DTYPES.get(x_dtype if isinstance(x_dtype, str) else _np_dtype_name(x_dtype), x_dtype)
-    if x_dtype not in ("f32", "f16"):
-        raise ValueError(f"{who}: x_dtype must be 'f32' or 'f16' (float32 or float16 activations), got {x_dtype!r}")
+    named = x_dtype if isinstance(x_dtype, str) else _np_dtype_name(x_dtype)
+    x_dtype = _X_DTYPES.get(named, x_dtype)
+    if x_dtype not in _X_NAMES:
+        raise ValueError(f"{who}: x_dtype must be 'f32', 'f16' or 'bf16' (float32, float16 or bfloat16 activations), "
+                         f"got {named or x_dtype!r}")
     for what, v in (("M", m), ("N", n), ("K", k)):
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 0 < v < 2**31:
             raise ValueError(f"{who}: {what} must be a positive integer below 2^31, got {v!r}")
@@ -247,15 +265,18 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
         s = registry.spec(path)
         layout = s.weight_layout is not None
         if (s.op.kind != "gemm" or s.op.w is None or s.op.w.name != fmt
-                or s.op.a.name not in (("f32", "f16", "q8_1") if layout else ("q8_1", "f16"))):
+                or s.op.a.name not in (("f32", "f16", "bf16", "q8_1") if layout else ("q8_1", "f16"))):
             raise ValueError(f"{who}: path {path!r} computes {s.op}; for {fmt} weights it must take Q8_1 or f16 activations "
                              f"and {fmt} weights (e.g. {choice['mma']}, {choice['gemv']}, {choice['dp4a']}), or be "
                              f"{choice['skinny']} with packed weights")
         if s.max_m is not None and m > s.max_m:
             raise ValueError(f"{who}: path {path} handles M <= {s.max_m}, got M={m}")
         repack = layout and not packed  # ggml blocks: repacked on the GPU on every call
-        if layout and s.op.a.name == "f32" and x_dtype != "f32":
-            raise ValueError(f"{who}: path {path} takes float32 activations, got {x_dtype}")
+        if x_dtype not in _PROLOGUES[(s.op.a.name, s.act_layout)]:
+            variant = path.removesuffix("_bf16").removesuffix("_f16") + _X_SUFFIX[x_dtype]
+            raise ValueError(f"{who}: path {path} reads {_X_NAMES[s.op.a.name]} activations itself, got "
+                             f"{_X_NAMES[x_dtype]}" + (f" (its {_X_NAMES[x_dtype]} variant is {variant})"
+                                                       if variant in registry.REGISTRY else ""))
         if cc is not None and not s.runs_on(cc):
             from .errors import UnsupportedArchError
 
@@ -269,15 +290,15 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
         name, source = choice["wgmma"], "default"
         reason = (f"M={m} >= {WGMMA_MIN_M} with packed weights on sm_90: asynchronous wgmma with the weights "
                   "dequantized into registers as its A operand while the previous half-stage multiplies")
-    elif packed and x_dtype == "f32" and m <= SKINNY_I8_MAX_M and (cc is None or cc >= 80):
-        name, source = choice["skinny_i8"], "default"
+    elif packed and m <= SKINNY_I8_MAX_M and (cc is None or cc >= 80):
+        name, source = choice["skinny_i8"] + _X_SUFFIX[x_dtype], "default"
         reason = (f"M={m} with packed weights: int8 tensor cores, tokens on the MMA's N side, each weight byte read "
                   "once in 16-byte loads and used as the MMA fragment (Q8_0 as is, Q4_0 after one mask per nibble "
-                  "half); the kernel quantizes the float32 activations per 32-block itself (no prologue kernel)")
-    elif packed and x_dtype == "f32" and m <= SKINNY_MAX_M and (cc is None or cc >= 80):
-        name, source = choice["skinny"], "default"
+                  f"half); the kernel quantizes the {_X_NAMES[x_dtype]} activations per 32-block itself (no prologue kernel)")
+    elif packed and m <= SKINNY_MAX_M and (cc is None or cc >= 80):
+        name, source = choice["skinny"] + _X_SUFFIX[x_dtype], "default"
         reason = (f"M={m} <= {SKINNY_MAX_M} with packed weights: tokens on the MMA's N side, each weight byte read once "
-                  "in 16-byte loads, the float32 activations read directly (no prologue kernel)")
+                  f"in 16-byte loads, the {_X_NAMES[x_dtype]} activations read directly (no prologue kernel)")
     elif m <= GEMV_MAX_M:
         name, source = choice["gemv"], "default"
         reason = f"M={m} <= {GEMV_MAX_M}: decode is bound by reading the weights once; a GEMV streams them"
@@ -289,15 +310,7 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
         name, source = choice["dp4a"], "default"
         reason = f"sm_{cc} has no int8 mma.sync m16n8k32: DP4A fallback"
     k_obj = registry.get(name)
-    a_fmt = k_obj.op.a.name
-    if a_fmt == "f32":
-        quantizer = None
-    elif a_fmt == "q8_1":
-        quantizer = "quantize.q8_1" if x_dtype == "f32" else "quantize.q8_1_f16"
-    elif k_obj.act_layout == "kperm16":  # f16 activations, k deinterleaved inside every 16 (qgemm.packing)
-        quantizer = "convert.f16k" if x_dtype == "f32" else "convert.f16k_f16"
-    else:  # f16 activations
-        quantizer = "convert.f16" if x_dtype == "f32" else None
+    quantizer = _PROLOGUES[(k_obj.op.a.name, k_obj.act_layout)][x_dtype]
     defines = {}
     if k_obj.spec.config is not None:
         from . import tuning
@@ -509,8 +522,12 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     """C[..., N] = x[..., K] . dequant(W)[N, K]^T, W ggml Q4_0 / Q8_0 blocks [N, K/32] (or raw gguf
     bytes with fmt=); C is float32 whatever x is.
 
-    x: float32 or float16 [..., K], C-contiguous; leading dimensions are rows of one GEMM, as in
-    torch's F.linear (a 1-D x [K] returns [N]).
+    x: float32, float16 or bfloat16 [..., K], C-contiguous; leading dimensions are rows of one GEMM,
+    as in torch's F.linear (a 1-D x [K] returns [N]). bfloat16: torch / JAX device tensors, or a
+    host array of ml_dtypes.bfloat16 (or of numpy's 2-byte void '|V2', as qgemm.formats.f32_to_bf16
+    makes). A 16-bit x gives bit for bit the result of the same values as float32: every path
+    widens it exactly (the decode kernels read it themselves; bfloat16 values past half's 65504 on an
+    fp16 tensor-core path are refused as float32 ones are).
     - Host x and w: a new numpy array, synchronously. Host weights are uploaded on *every* call:
       for repeated use, pack them once (`qgemm.pack_weights`) or keep them on the device.
     - Device x and w (torch, CuPy, anything with `__cuda_array_interface__` or `__dlpack__`,
@@ -559,8 +576,11 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
                              "(or w a qgemm.pack_weights result)")
     if not x_on_device:
         dx = np.asarray(x)
-    if dx.dtype not in (np.float32, np.float16):
-        raise ValueError(f"matmul: activations must be float32 or float16 [..., K], got {runtime.dtype_name(dx.dtype)}")
+        if F.is_bf16(dx.dtype):
+            dx = F.as_bf16(dx)  # ml_dtypes' bfloat16 as qgemm holds it (the same bytes)
+    x_dtype = _X_OF_DTYPE.get(dx.dtype)
+    if x_dtype is None:
+        raise ValueError(f"matmul: activations must be float32, float16 or bfloat16 [..., K], got {runtime.dtype_name(dx.dtype)}")
     if dx.ndim < 1:
         raise ValueError(f"matmul: activations must be [..., K] (at least 1-D), got shape {dx.shape}")
     wb, fmt = (packed.blocks, fmt) if packed is not None else _weights(w, fmt, w_on_device, stream)
@@ -580,11 +600,11 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if k != kw:
         raise ValueError(f"matmul: K mismatch: x has K={k}, weights have K={kw} ({wb.shape[1]} blocks of 32)")
     shape_c = tuple(lead) + (n,)
-    p = _matmul_plan(m, n, k, fmt, "f32" if dx.dtype == np.float32 else "f16", path, packed is not None)
+    p = _matmul_plan(m, n, k, fmt, x_dtype, path, packed is not None)
     if m > 65535 or (p.repack is not None and not _repack_fits(n, k)):  # only then can a grid pass CUDA's limits
         p.check_launch()  # (grid.y <= 65535 row tiles; a path= repacking too many rows); not on the hot path
     # what can be checked without the GPU is, first: a bad input says so on any machine
-    if not x_on_device and not np.isfinite(dx).all():
+    if not x_on_device and not np.isfinite(F.to_float32(dx)).all():
         raise ValueError("matmul: activations must be finite")
     if p.op.unit == "hmma":  # the weights are dequantized by one float16 multiply each
         bad = packed.f16_overflow if packed is not None else (None if w_on_device else F.f16_dequant_overflow(wb, fmt))
@@ -605,9 +625,9 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         "are synchronous); capture device arrays, with out= and stream= the capturing stream"))
     stream = runtime.launch_stream(stream)  # once: a caller's stream is checked (driver calls) on each conversion
     if not x_on_device:
-        if p.quantizer is None and p.op.a.name == "f32" and p.op.unit == "hmma" and dx.size:
+        if p.quantizer is None and p.op.a.name in ("f32", "bf16") and p.op.unit == "hmma" and dx.size:
             # these kernels round x to float16 themselves, with no prologue to flag what overflows
-            amax = float(np.abs(dx).max())
+            amax = float(np.abs(F.to_float32(dx)).max())
             if amax >= F.F16_INF_FROM:
                 raise ValueError(f"matmul: the activations overflow the GPU format of this path ({p.kernel} rounds them "
                                  f"to float16): |x| max {amax:g} is beyond half's range (65504); scale them down")
@@ -617,8 +637,9 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if p.packed:
         if p.repack is None:
             wb = packed.packed
-        if dx.ptr % 16 and p.quantizer is None:  # read by the kernel itself (float4 / 16-byte loads)
-            raise ValueError(f"matmul: {p.kernel} needs the activations on a 16-byte boundary, got address {dx.ptr:#x}")
+        align = x_alignment(p.op.a)
+        if dx.ptr % align and p.quantizer is None:  # read by the kernel itself, four values per load
+            raise ValueError(f"matmul: {p.kernel} needs the activations on a {align}-byte boundary, got address {dx.ptr:#x}")
     if out is not None:
         if result.readonly:
             raise ValueError(f"matmul: out= is read-only ({type(out).__name__} exports it so); pass a writable device array")

@@ -61,15 +61,22 @@ class Format:
 
 F32 = Format("f32", np.dtype(np.float32), 1, "float32 values")
 F16 = Format("f16", np.dtype(np.float16), 1, "float16 values")
+# numpy has no bfloat16. qgemm holds bfloat16 arrays as numpy's opaque 2-byte void, the type
+# torch's __cuda_array_interface__ and ml_dtypes' bfloat16 report ('<V2'); ml_dtypes arrays, and
+# torch tensors whose interface still said '<f2' for bfloat16 (torch 2.5), are viewed as it on the
+# way in (`as_bf16`, qgemm.runtime). A value is the high 16 bits of a float32.
+BF16_DTYPE = np.dtype("V2")
+BF16 = Format("bf16", BF16_DTYPE, 1, "bfloat16 values (held as numpy's opaque 2-byte void '|V2', as torch "
+              "and ml_dtypes export them)")
 Q4_0 = Format("q4_0", block_q4_0, QK, "ggml Q4_0 blocks {half d; uint8 qs[16]} (18 B / 32 values)")
 Q8_0 = Format("q8_0", block_q8_0, QK, "ggml Q8_0 blocks {half d; int8 qs[32]} (34 B / 32 values)")
 Q8_1 = Format("q8_1", block_q8_1, QK, "ggml Q8_1 blocks {half d; half s; int8 qs[32]} (36 B / 32 values)")
 
-FORMATS = {f.name: f for f in (F32, F16, Q4_0, Q8_0, Q8_1)}
+FORMATS = {f.name: f for f in (F32, F16, BF16, Q4_0, Q8_0, Q8_1)}
 
 
 def get_format(name: str | Format, who: str | None = None) -> Format:
-    """The Format named `name` ("f32", "f16", "q4_0", "q8_0", "q8_1", in any case); a Format is
+    """The Format named `name` ("f32", "f16", "bf16", "q4_0", "q8_0", "q8_1", in any case); a Format is
     returned as it is. ValueError for another name or a non-string, its message starting with
     `who` (the caller the name was given to) when given."""
     if isinstance(name, Format):
@@ -81,6 +88,58 @@ def get_format(name: str | Format, who: str | None = None) -> Format:
         return FORMATS[name.lower()]
     except KeyError:
         raise ValueError(f"{at}unknown format {name!r}; known: {', '.join(FORMATS)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# bfloat16 on the host
+
+
+def is_bf16(dtype) -> bool:
+    """Whether `dtype` is bfloat16 as qgemm sees it: ml_dtypes' bfloat16, or the bare 2-byte void
+    (not a structured type) that torch and ml_dtypes report for it."""
+    dt = np.dtype(dtype)
+    return dt.itemsize == 2 and (dt.name == "bfloat16" or (dt.kind == "V" and dt.names is None and dt.subdtype is None))
+
+
+def as_bf16(a: np.ndarray) -> np.ndarray:
+    """A bfloat16 array (is_bf16) viewed as BF16_DTYPE, without a copy."""
+    a = np.asarray(a)
+    if not is_bf16(a.dtype):
+        raise ValueError(f"as_bf16: expected bfloat16 values (ml_dtypes.bfloat16 or the 2-byte void '|V2'), got {a.dtype}")
+    return a if a.dtype == BF16_DTYPE else a.view(BF16_DTYPE)
+
+
+def bf16_to_f32(a: np.ndarray) -> np.ndarray:
+    """bfloat16 -> float32, exactly (the 16 bits become a float32's high half; NaN and inf kept)."""
+    bits = np.ascontiguousarray(as_bf16(a)).view(np.uint16)
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x) -> np.ndarray:
+    """float32 (or anything numpy converts to it) -> bfloat16 (BF16_DTYPE), rounded to nearest
+    even as torch's `.to(torch.bfloat16)` and the GPU's __float2bfloat16_rn; NaN stays NaN, values
+    past bfloat16's largest finite (3.39e38) round to inf."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        bits = np.ascontiguousarray(np.asarray(x, dtype=np.float32)).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    out = np.where(nan, (bits >> 16) | 0x0040, rounded).astype(np.uint16)  # a NaN kept quiet, its sign kept
+    return out.view(BF16_DTYPE)
+
+
+def to_float32(x) -> np.ndarray:
+    """Float activations of any supported type (float32, float16, bfloat16) as float32; the
+    16-bit types convert exactly."""
+    a = np.asarray(x)
+    return bf16_to_f32(a) if is_bf16(a.dtype) else a.astype(np.float32, copy=False)
+
+
+def from_float32(x: np.ndarray, fmt: "Format") -> np.ndarray:
+    """float32 values in a float format (f32, f16 or bf16: each rounded to nearest even)."""
+    fmt = get_format(fmt)
+    if fmt.quantized:
+        raise ValueError(f"from_float32: {fmt.name} is a block format; use quantize")
+    return f32_to_bf16(x) if fmt is BF16 else np.asarray(x, dtype=np.float32).astype(fmt.dtype)
 
 
 # --------------------------------------------------------------------------------------------

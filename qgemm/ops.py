@@ -74,10 +74,26 @@ W8A16S = Op("w8a16s", "W8A16 skinny (f32 in, fp16 MMA)", "gemm", F.F32, F.Q8_0, 
 # skinny int8 kernels: float32 activations quantized to int8 by the kernel (float32 scale per block)
 W4A8S = Op("w4a8s", "W4A8 skinny (f32 in, int8 MMA)", "gemm", F.F32, F.Q4_0, F.F32, "imma", 1e-5, 2e-2, reference.exact_w4a8s)
 W8A8S = Op("w8a8s", "W8A8 skinny (f32 in, int8 MMA)", "gemm", F.F32, F.Q8_0, F.F32, "imma", 1e-5, 1e-3, reference.exact_w8a8s)
+# the same kernels reading float16 / bfloat16 activations (SK_X): the values widened to float32
+# exactly, so each variant's result is bit for bit the float32 kernel's on the same values
+W4A16S_F16 = Op("w4a16s_f16", "W4A16 skinny (f16 in, fp16 MMA)", "gemm", F.F16, F.Q4_0, F.F32, "hmma", 5e-5, 2e-2, reference.exact_w4a16s)
+W8A16S_F16 = Op("w8a16s_f16", "W8A16 skinny (f16 in, fp16 MMA)", "gemm", F.F16, F.Q8_0, F.F32, "hmma", 5e-5, 1e-3, reference.exact_w8a16s)
+W4A8S_F16 = Op("w4a8s_f16", "W4A8 skinny (f16 in, int8 MMA)", "gemm", F.F16, F.Q4_0, F.F32, "imma", 1e-5, 2e-2, reference.exact_w4a8s)
+W8A8S_F16 = Op("w8a8s_f16", "W8A8 skinny (f16 in, int8 MMA)", "gemm", F.F16, F.Q8_0, F.F32, "imma", 1e-5, 1e-3, reference.exact_w8a8s)
+W4A16S_BF16 = Op("w4a16s_bf16", "W4A16 skinny (bf16 in, fp16 MMA)", "gemm", F.BF16, F.Q4_0, F.F32, "hmma", 5e-5, 2e-2,
+                 reference.exact_w4a16s)
+W8A16S_BF16 = Op("w8a16s_bf16", "W8A16 skinny (bf16 in, fp16 MMA)", "gemm", F.BF16, F.Q8_0, F.F32, "hmma", 5e-5, 1e-3,
+                 reference.exact_w8a16s)
+W4A8S_BF16 = Op("w4a8s_bf16", "W4A8 skinny (bf16 in, int8 MMA)", "gemm", F.BF16, F.Q4_0, F.F32, "imma", 1e-5, 2e-2,
+                reference.exact_w4a8s)
+W8A8S_BF16 = Op("w8a8s_bf16", "W8A8 skinny (bf16 in, int8 MMA)", "gemm", F.BF16, F.Q8_0, F.F32, "imma", 1e-5, 1e-3,
+                reference.exact_w8a8s)
 QUANTIZE_Q8_1 = Op("quantize_q8_1", "Quantize to Q8_1", "quantize", F.F32, None, F.Q8_1, "memory", 0.0, 1e-3,
                    cpu=lambda x: F.quantize_q8_1(x))
 QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", F.F16, None, F.Q8_1, "memory", 0.0, 1e-3,
                        cpu=lambda x: F.quantize_q8_1(np.asarray(x, dtype=np.float32)))
+QUANTIZE_Q8_1_BF16 = Op("quantize_q8_1_bf16", "Quantize bf16 to Q8_1", "quantize", F.BF16, None, F.Q8_1, "memory", 0.0, 1e-3,
+                        cpu=lambda x: F.quantize_q8_1(F.to_float32(x)))
 CONVERT_F16 = Op("convert_f16", "Convert to f16", "quantize", F.F32, None, F.F16, "memory", 0.0, 1e-6,
                  cpu=lambda x: np.asarray(x, dtype=np.float32).astype(np.float16))
 # the prologues of the Hopper prefill kernels: fp16 in the kperm16 layout (qgemm.packing.kperm16)
@@ -86,6 +102,11 @@ CONVERT_F16K = Op("convert_f16k", "Convert to f16 (kperm16 layout)", "quantize",
                   out_natural=packing.unkperm16)
 PERMUTE_F16K = Op("permute_f16k", "Permute f16 to the kperm16 layout", "quantize", F.F16, None, F.F16, "memory", 0.0, 0.0,
                   cpu=lambda x: packing.kperm16(np.asarray(x, dtype=np.float16)), k_align=16, out_natural=packing.unkperm16)
+CONVERT_F16_BF16 = Op("convert_f16_bf16", "Convert bf16 to f16", "quantize", F.BF16, None, F.F16, "memory", 0.0, 1e-6,
+                      cpu=lambda x: F.to_float32(x).astype(np.float16))
+CONVERT_F16K_BF16 = Op("convert_f16k_bf16", "Convert bf16 to f16 (kperm16 layout)", "quantize", F.BF16, None, F.F16, "memory",
+                       0.0, 1e-6, cpu=lambda x: packing.kperm16(F.to_float32(x).astype(np.float16)), k_align=16,
+                       out_natural=packing.unkperm16)
 # the weights' one-time repacking on the GPU (qgemm.pack_weights; qgemm.matmul per call on ggml blocks):
 # ggml blocks [N, K/32] -> the skinny layout, byte for byte packing.pack
 PACK_Q4_0 = Op("pack_q4_0", "Repack Q4_0", "pack", F.Q4_0, None, F.Q4_0, "memory", 0.0, 0.0,
@@ -93,8 +114,10 @@ PACK_Q4_0 = Op("pack_q4_0", "Repack Q4_0", "pack", F.Q4_0, None, F.Q4_0, "memory
 PACK_Q8_0 = Op("pack_q8_0", "Repack Q8_0", "pack", F.Q8_0, None, F.Q8_0, "memory", 0.0, 0.0,
                cpu=lambda w: packing.pack(w, "q8_0"))
 
-OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, W4A16S, W8A16S, W4A8S, W8A8S, QUANTIZE_Q8_1,
-                              QUANTIZE_Q8_1_F16, CONVERT_F16, CONVERT_F16K, PERMUTE_F16K, PACK_Q4_0, PACK_Q8_0)}
+OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, W4A16S, W8A16S, W4A8S, W8A8S,
+                              W4A16S_F16, W8A16S_F16, W4A8S_F16, W8A8S_F16, W4A16S_BF16, W8A16S_BF16, W4A8S_BF16, W8A8S_BF16,
+                              QUANTIZE_Q8_1, QUANTIZE_Q8_1_F16, QUANTIZE_Q8_1_BF16, CONVERT_F16, CONVERT_F16K, CONVERT_F16_BF16,
+                              CONVERT_F16K_BF16, PERMUTE_F16K, PACK_Q4_0, PACK_Q8_0)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +133,7 @@ def _describe(x) -> str:
             return f"device object {type(x).__name__}"
     a = np.asarray(x)
     names = {f.dtype: f"{f.name} blocks" for f in F.FORMATS.values() if f.quantized}
-    return f"{names.get(a.dtype, a.dtype)} {a.shape}"
+    return f"{names.get(a.dtype) or runtime.dtype_name(a.dtype)} {a.shape}"
 
 
 def _check_host(x, fmt: F.Format, role: str, op: Op, who: str | None = None) -> np.ndarray:
@@ -141,13 +164,16 @@ def _check_host(x, fmt: F.Format, role: str, op: Op, who: str | None = None) -> 
                                  f"float16's range (65504), which this fp16 tensor-core kernel would turn into inf; "
                                  f"the int8 kernels (w4a8.* / w8a8.*) take such weights")
         return b
+    if fmt is F.BF16 and F.is_bf16(x.dtype):
+        x = F.as_bf16(x)  # ml_dtypes' bfloat16 as qgemm holds it (the same bytes)
     if x.dtype != fmt.dtype:
-        raise ValueError(f"{name}: {role} must be {fmt.dtype} [rows, K], got {_describe(x)}" + _format_hint(x, fmt))
+        raise ValueError(f"{name}: {role} must be {runtime.dtype_name(fmt.dtype)} [rows, K], got {_describe(x)}"
+                         + _format_hint(x, fmt))
     if x.ndim != 2:
         raise ValueError(f"{name}: {role} must be 2-D [rows, K], got shape {x.shape}")
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
-    if not np.isfinite(x).all():  # checked where it is cheap: host calls are synchronous anyway
+    if not np.isfinite(F.to_float32(x)).all():  # checked where it is cheap: host calls are synchronous anyway
         raise ValueError(f"{name}: {role} must be finite; found inf or NaN")
     return x
 
@@ -172,10 +198,16 @@ def _check_device(x, fmt: F.Format, role: str, op: Op, stream=None, who: str | N
         elif d.dtype != fmt.dtype:
             raise ValueError(f"{name}: {role} must be {fmt.name} blocks on the device, got {_describe(d)}")
     elif d.dtype != fmt.dtype:
-        raise ValueError(f"{name}: {role} must be {fmt.dtype} [rows, K] on the device, got {_describe(d)}")
+        raise ValueError(f"{name}: {role} must be {runtime.dtype_name(fmt.dtype)} [rows, K] on the device, got {_describe(d)}")
     if d.ndim != 2:
         raise ValueError(f"{name}: {role} must be 2-D, got shape {d.shape}")
     return d
+
+
+def x_alignment(fmt: F.Format) -> int:
+    """The byte boundary a kernel that reads its activations itself (the packed-layout kernels)
+    needs them on: four values per load, so 8 bytes for float16 / bfloat16, else 16."""
+    return 8 if fmt in (F.F16, F.BF16) else 16
 
 
 def _k_of(shape: tuple[int, ...], fmt: F.Format) -> int:
@@ -327,7 +359,7 @@ class Kernel:
             return self.spec.runner(self, a, w, out=out, stream=stream)
         if self.op.kind == "quantize":
             if w is not None:
-                raise ValueError(f"{self.name} takes one operand (the {self.op.a.dtype} activations), got two")
+                raise ValueError(f"{self.name} takes one operand (the {runtime.dtype_name(self.op.a.dtype)} activations), got two")
             return self._call_quantize(a, out=out, stream=stream)
         if self.op.kind == "pack":
             if w is not None:
@@ -449,8 +481,9 @@ class Kernel:
         if device:
             da = _check_device(a, self.op.a, "A", self.op, stream, self.name)
             dw = self._device_weights(w, stream)
-            if self.packed and da.ptr % 16 and self.act_layout is None:
-                raise ValueError(f"{self.name}: A must start on a 16-byte boundary (float4 loads), got address {da.ptr:#x}")
+            align = x_alignment(self.op.a)
+            if self.packed and da.ptr % align and self.act_layout is None:
+                raise ValueError(f"{self.name}: A must start on a {align}-byte boundary (4 values per load), got address {da.ptr:#x}")
             da = self._device_activations(da, m, k, stream)
         else:
             da = self.upload_activations(_check_host(a, self.op.a, "A", self.op, self.name))
@@ -585,7 +618,7 @@ class Kernel:
             dx = _check_device(x, fmt, "X", self.op, stream, self.name)
         else:
             dx = None
-            _check_host(x, fmt, "X", self.op, self.name)
+            x = _check_host(x, fmt, "X", self.op, self.name)  # (bfloat16 from ml_dtypes: viewed as qgemm holds it)
         m, k = dx.shape if device else x.shape  # 2-D: _check_device / _check_host said so
         if k <= 0 or k % self.op.k_multiple:
             raise ValueError(f"{self.name}: K must be a positive multiple of {self.op.k_multiple}, got K={k}")

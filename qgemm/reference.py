@@ -69,13 +69,14 @@ def exact_w8a16h(a_f16: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
 
 def exact_w4a16s(a_f32: np.ndarray, w_q4_0: np.ndarray) -> np.ndarray:
     """The skinny kernels (w4a16.skinny): float32 activations rounded to float16 in registers
-    (round to nearest even, as numpy's astype), then exactly exact_w4a16h."""
-    return exact_w4a16h(np.asarray(a_f32, dtype=np.float32).astype(np.float16), w_q4_0)
+    (round to nearest even, as numpy's astype), then exactly exact_w4a16h. float16 / bfloat16
+    activations (the *_f16 / *_bf16 variants) are widened to float32 exactly first."""
+    return exact_w4a16h(F.to_float32(a_f32).astype(np.float16), w_q4_0)
 
 
 def exact_w8a16s(a_f32: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
     """w8a16.skinny: float32 activations rounded to float16, then exactly exact_w8a16h."""
-    return exact_w8a16h(np.asarray(a_f32, dtype=np.float32).astype(np.float16), w_q8_0)
+    return exact_w8a16h(F.to_float32(a_f32).astype(np.float16), w_q8_0)
 
 
 def _blocks_2d(a, fmt: F.Format, role: str, what: str) -> np.ndarray:
@@ -143,6 +144,8 @@ def quantize_rows_i8(a_f32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rounding); q = 0 where amax < 2^-118. -> (q int8 [M, K/32, 32], d float32 [M, K/32]).
     Unlike Q8_1, d is not rounded to half (and no float sum is kept: the kernels sum q exactly)."""
     x0 = np.asarray(a_f32)
+    if F.is_bf16(x0.dtype):  # the *_bf16 kernels: each value exactly a float32
+        x0 = F.bf16_to_f32(x0)
     if x0.ndim != 2 or x0.shape[1] % F.QK:
         raise ValueError(f"reference: activations must be 2-D [M, K] with K a multiple of {F.QK}, got shape {x0.shape}")
     with np.errstate(over="ignore", invalid="ignore"):  # judged below: what float32 cannot hold is refused

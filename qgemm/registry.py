@@ -4,6 +4,8 @@ launch geometry, minimum arch. Adding a kernel is one .cu file under cuda_src/ a
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 import threading
 from dataclasses import dataclass, field
@@ -622,6 +624,14 @@ _SPECS = [
                lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
                "float16 activations -> the kperm16 layout of the Hopper prefill kernels (the values unchanged)",
                pdl=True, zeroes=True),
+    KernelSpec("convert.f16_bf16", ops.CONVERT_F16_BF16, 2, "convert/bf16_to_f16.cu", "convert_bf16_to_f16",
+               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
+               "bfloat16 activations -> float16 (round to nearest even), the prologue of the fp16 tensor-core path",
+               pdl=True, zeroes=True),
+    KernelSpec("convert.f16k_bf16", ops.CONVERT_F16K_BF16, 2, "convert/bf16_to_f16.cu", "convert_bf16_to_f16",
+               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
+               "bfloat16 activations -> float16 in the kperm16 layout, the prologue of the Hopper prefill kernels",
+               defines={"CV_KPERM": 1}, pdl=True, zeroes=True),
     KernelSpec("pack.q4_0", ops.PACK_Q4_0, 6, "pack/skinny.cu", "pack_skinny", _pack_geometry,
                "ggml Q4_0 blocks -> the skinny layout of the decode and Hopper prefill kernels, on the GPU "
                "(qgemm.pack_weights; qgemm.matmul on ggml blocks where a packed kernel is faster)",
@@ -632,6 +642,9 @@ _SPECS = [
                defines={"PK_Q8": 1}),
     KernelSpec("quantize.q8_1_f16", ops.QUANTIZE_Q8_1_F16, 2, "quantize/q8_1_f16.cu", "quantize_q8_1_f16", _quantize_rows,
                "float16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)", pdl=True),
+    KernelSpec("quantize.q8_1_bf16", ops.QUANTIZE_Q8_1_BF16, 2, "quantize/q8_1_bf16.cu", "quantize_q8_1_bf16",
+               _quantize_rows, "bfloat16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)",
+               pdl=True),
     KernelSpec("w4a16.naive", ops.W4A16, 3, "w4a16/naive.cu", "w4a16_naive", _thread_per_output,
                "Q4_0 weights x float32 activations, one thread per output, unpacked on the fly"),
     KernelSpec("w4a16.tiled", ops.W4A16, 3, "w4a16/tiled.cu", "w4a16_tiled", _tile_64x64,
@@ -753,6 +766,24 @@ def _mustafar_specs() -> list:
     return out
 
 
+
+def _skinny_x_variants() -> list:
+    """_SPECS with, after each skinny decode kernel, its variants reading float16 / bfloat16
+    activations themselves: the float32 kernel's source with SK_X (common/skinny_common.cuh), named
+    `<name>_f16` and `<name>_bf16`, so a half-precision model's decode step needs no conversion
+    kernel before the GEMM."""
+    variant_ops = {"w4a16.skinny": (ops.W4A16S_F16, ops.W4A16S_BF16), "w8a16.skinny": (ops.W8A16S_F16, ops.W8A16S_BF16),
+                   "w4a8.skinny": (ops.W4A8S_F16, ops.W4A8S_BF16), "w8a8.skinny": (ops.W8A8S_F16, ops.W8A8S_BF16)}
+    out = []
+    for s in _SPECS:
+        out.append(s)
+        for suffix, op, sk_x, what in zip(("_f16", "_bf16"), variant_ops.get(s.name, ()), (1, 2), ("float16", "bfloat16")):
+            out.append(dataclasses.replace(s, name=s.name + suffix, op=op, defines=dict(s.defines, SK_X=sk_x),
+                                           description=s.description.replace("f32", what, 1)))
+    return out
+
+
+_SPECS = _skinny_x_variants()
 _SPECS += _mustafar_specs()
 
 REGISTRY: dict[str, KernelSpec] = {s.name: s for s in _SPECS}

@@ -17,6 +17,7 @@ from functools import lru_cache
 import numpy as np
 
 from .errors import CudaError, NoGPUError
+from .formats import BF16_DTYPE, is_bf16
 
 # ---------------------------------------------------------------------------------------------
 # checking results
@@ -145,11 +146,13 @@ def gpu_unavailable_reason() -> str:
 
 
 def dtype_name(dt) -> str:
-    """A dtype for messages: numpy's name, or what a device array's typestr means where numpy has
-    none (torch's bfloat16 arrives as the opaque 2-byte '|V2')."""
+    """A dtype for messages: numpy's name, "bfloat16" for the 2-byte void qgemm holds bfloat16 as
+    (qgemm.formats.BF16), or what another opaque typestr is."""
     dt = np.dtype(dt)
+    if is_bf16(dt):
+        return "bfloat16"
     if dt.kind == "V" and dt.names is None:
-        return f"an opaque {dt.itemsize}-byte type{' (bfloat16?)' if dt.itemsize == 2 else ''} ({dt.str})"
+        return f"an opaque {dt.itemsize}-byte type ({dt.str})"
     if not dt.isnative:
         return f"{dt.name} in non-native byte order ({dt.str})"
     return dt.name
@@ -716,6 +719,7 @@ class DeviceArray:
                                      f"{np.dtype(typestr).itemsize}")
             else:
                 dtype = np.dtype(typestr)
+            dtype = _ingested_dtype(obj, dtype)
             if any(v < 0 for v in shape):
                 raise ValueError("negative dimension")
             if dtype.hasobject:
@@ -775,7 +779,13 @@ class DeviceArray:
                 acc *= d
             if tuple(strides) != tuple(reversed(expected)) and int(np.prod(shape)) > 1:
                 raise ValueError(f"device array must be C-contiguous: shape {shape}, strides {tuple(strides)} (elements)")
-        arr = cls(int(view.ptr), shape, np.dtype(view.dtype), owner=(view, obj))
+        try:
+            dtype = np.dtype(view.dtype)
+        except NotImplementedError as e:  # cuda.core names bfloat16 only through ml_dtypes, when installed
+            if not _owner_says_bf16(obj):
+                raise ValueError(f"{type(obj).__name__}: a DLPack dtype numpy cannot hold ({e})") from None
+            dtype = BF16_DTYPE
+        arr = cls(int(view.ptr), shape, _ingested_dtype(obj, dtype), owner=(view, obj))
         arr.readonly = bool(getattr(view, "readonly", False))
         return arr
 
@@ -1037,6 +1047,21 @@ def _dlpack_on_device(obj) -> bool:
         return obj.__dlpack_device__()[0] != _DL_CPU
     except Exception:
         return False
+
+
+def _owner_says_bf16(obj) -> bool:
+    """The object's own dtype (torch.bfloat16, JAX / ml_dtypes' bfloat16) is bfloat16."""
+    return str(getattr(obj, "dtype", "")).rsplit(".", 1)[-1] == "bfloat16"
+
+
+def _ingested_dtype(obj, dtype: np.dtype) -> np.dtype:
+    """A foreign array's dtype as qgemm holds it: bfloat16 in any of its spellings -- ml_dtypes'
+    type, the bare '<V2' torch's __cuda_array_interface__ reports, and the '<f2' it reported in
+    torch 2.5 (the same typestr as float16: only the tensor's dtype tells them apart) -- becomes
+    formats.BF16_DTYPE; anything else is kept."""
+    if dtype.itemsize == 2 and (is_bf16(dtype) or _owner_says_bf16(obj)):
+        return BF16_DTYPE
+    return dtype
 
 
 def device_array_or_none(obj, stream=None) -> DeviceArray | None:

@@ -350,8 +350,13 @@ def test_matmul_plan_with_packed_weights(fmt):
         assert "packed" in qgemm.explain(m, 4096, 4096, fmt, packed=True)
     p = qgemm.plan(qgemm.dispatch.SKINNY_MAX_M + 1, 4096, 4096, fmt, packed=True, arch="sm_80")
     assert p.kernel == f"w{w}a16.mma" and not p.packed
-    # fp16 activations with packed weights: the skinny kernels read float32, so the ggml-block path
-    assert qgemm.plan(4, 4096, 4096, fmt, x_dtype="f16", packed=True).kernel == f"w{w}a8.gemv"
+    # 16-bit activations with packed weights: the skinny kernels' variants reading them (SK_X)
+    for xd in ("f16", "bf16"):
+        for m, base in ((1, f"w{w}a8.skinny"), (4, f"w{w}a16.skinny"), (qgemm.dispatch.SKINNY_MAX_M, f"w{w}a16.skinny")):
+            p = qgemm.plan(m, 4096, 4096, fmt, x_dtype=xd, packed=True, arch="sm_80")
+            assert p.kernel == f"{base}_{xd}" and p.quantizer is None and p.packed, p
+            assert p.defines == qgemm.spec(p.kernel).config(m, 4096, 4096, 132)
+            assert f"reads the {'float16' if xd == 'f16' else 'bfloat16'} activations itself" in str(p)
     # overrides: the skinny / wgmma kernels read the packed layout -- given ggml blocks, the plan
     # repacks them on the GPU first, on every call -- and the skinny ones float32 activations
     for m, path in ((4, f"w{w}a16.skinny"), (512, f"w{w}a16.wgmma"), (1, f"w{w}a8.skinny")):
@@ -359,8 +364,10 @@ def test_matmul_plan_with_packed_weights(fmt):
         assert p.kernel == path and p.packed and p.repack == f"pack.{fmt}", p
         assert f"0. pack.{fmt}" in str(p) and "repacked per call" in str(p) and "pack_weights" in p.reason
         assert qgemm.plan(m, 4096, 4096, fmt, path=path, packed=True).repack is None
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match=f"reads float32 activations itself, got float16 \\(its float16 variant is w{w}a16.skinny_f16\\)"):
         qgemm.plan(4, 4096, 4096, fmt, x_dtype="f16", path=f"w{w}a16.skinny", packed=True)
+    with pytest.raises(ValueError, match=f"reads bfloat16 activations itself, got float32 \\(its float32 variant is w{w}a8.skinny\\)"):
+        qgemm.plan(1, 4096, 4096, fmt, path=f"w{w}a8.skinny_bf16", packed=True)
     with pytest.raises(ValueError, match="M <= 64"):
         qgemm.plan(65, 4096, 4096, fmt, path=f"w{w}a16.skinny", packed=True)
     with pytest.raises(ValueError, match="M <= 8"):
@@ -489,7 +496,7 @@ def test_mma_default_config_splits_k_when_the_grid_is_small():
 
 def test_matmul_bad_inputs(rng):
     w = qgemm.quantize_q4_0(rng.standard_normal((8, 64), dtype=np.float32))
-    with pytest.raises(ValueError, match="float32 or float16"):
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16 \\[..., K\\], got int32"):
         qgemm.matmul(np.ones((2, 64), np.int32), w)
     with pytest.raises(ValueError, match="K mismatch"):
         qgemm.matmul(np.ones((2, 96), np.float32), w)
@@ -676,9 +683,13 @@ def test_pdl_kernels_wait_before_their_inputs():
     # warp-specialized: the copying warpgroup's first activation copies (copy(s, true, ...)) follow its wait
     assert ws.index("pdl_wait();") < min(m.start() for m in re.finditer(r"copy\(s, true", ws))
     assert plain.index("pdl_wait();") < min(m.start() for m in re.finditer(r"cp\.act\(", plain))
-    for src in ("convert/f32_to_f16.cu", "convert/f16_kperm.cu"):  # convert_begin waits (common/convert.cuh)
-        conv = jit.read_source(src)
-        assert conv.index("convert_begin(Z, nz);") < conv.index("X + i"), src
+    conv = jit.read_source("common/convert.cuh")  # convert_to_f16 (float32 / bfloat16 in): convert_begin waits
+    conv = conv[conv.index("void convert_to_f16("):]
+    assert conv.index("convert_begin(Z, nz);") < conv.index("X + i")
+    for src in ("convert/f32_to_f16.cu", "convert/bf16_to_f16.cu"):
+        assert "convert_to_f16(X, Y, M, K, status, Z, nz);" in jit.read_source(src), src
+    conv = jit.read_source("convert/f16_kperm.cu")
+    assert conv.index("convert_begin(Z, nz);") < conv.index("X + i")
     begin = jit.read_source("common/convert.cuh")
     begin = begin[begin.index("void convert_begin("):]
     assert begin.index("pdl_wait();") < begin.index("}")
@@ -871,8 +882,10 @@ def test_plan_and_matmul_name_what_they_expected_before_any_gpu(rng):
     assert dispatch.plan(512, 4096, 4096, x_dtype="float16", arch="sm_90").x_dtype == "f16"
     assert dispatch.plan(512, 4096, 4096, x_dtype=np.float32, arch="sm_90").x_dtype == "f32"
     assert dispatch.plan(np.int64(8), 4096, 4096, arch="sm_90").m == 8
-    with pytest.raises(ValueError, match="x_dtype must be 'f32' or 'f16'.*got 'bf16'"):
-        dispatch.plan(512, 4096, 4096, x_dtype="bf16")
+    assert dispatch.plan(512, 4096, 4096, x_dtype="bfloat16", arch="sm_90").x_dtype == "bf16"
+    assert dispatch.plan(512, 4096, 4096, x_dtype=np.dtype("V2"), arch="sm_90").x_dtype == "bf16"
+    with pytest.raises(ValueError, match="x_dtype must be 'f32', 'f16' or 'bf16'.*got 'int8'$"):
+        dispatch.plan(512, 4096, 4096, x_dtype=np.int8)
     for bad in ("512", 512.5, True, 0, 2**31, None):
         with pytest.raises(ValueError, match=f"M must be a positive integer below 2\\^31, got {re.escape(repr(bad))}"):
             dispatch.plan(bad, 4096, 4096, arch="sm_90")
@@ -947,7 +960,8 @@ def test_bad_operands_say_so_before_any_gpu(rng, tmp_path):
             qgemm.load_gguf(bad, "w")
     with pytest.raises(FileNotFoundError, match="no such file.*x.gguf|x.gguf"):  # bytes are decoded, not str(b'...')
         gguf_io.open_gguf(os.fsencode(str(tmp_path / "x.gguf")))
-    assert runtime.dtype_name(np.dtype("|V2")) == "an opaque 2-byte type (bfloat16?) (|V2)"
+    assert runtime.dtype_name(np.dtype("|V2")) == "bfloat16"  # how qgemm holds bfloat16 (formats.BF16)
+    assert runtime.dtype_name(np.dtype("|V4")) == "an opaque 4-byte type (|V4)"
     assert runtime.dtype_name(np.float16) == "float16"
     k = rng.standard_normal((2, 100, 64)).astype(np.float16)
     ck = kv.compress_keys(kv.prune(k, 0.5), 2)
@@ -1634,7 +1648,7 @@ def test_error_message_audit_findings(tmp_path):
     with pytest.raises(ValueError, match=r"weights must be q4_0 or q8_0 blocks, got fmt='f16'"):
         qgemm.matmul(qgemm.DeviceArray(0x3000, (4, 64), np.float32), dw, fmt="f16")
     # an unknown format is named with the call it was given to
-    with pytest.raises(ValueError, match=r"^explain: unknown format 'q5'; known: f32, f16, q4_0"):
+    with pytest.raises(ValueError, match=r"^explain: unknown format 'q5'; known: f32, f16, bf16, q4_0"):
         qgemm.explain(8, 8, 64, "q5")
     with pytest.raises(ValueError, match=r"^quantize: unknown format 'q5'"):
         F.quantize(np.ones((1, 32), np.float32), "q5")

@@ -175,8 +175,8 @@ def test_sustained_timing_runs_for_the_time_asked(monkeypatch):
     monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=nothing, blocks=nothing))
     asked = []
 
-    def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0):
-        asked.append(("qgemm", sustain_s))
+    def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0, x_dtype="f32"):
+        asked.append(("qgemm", sustain_s, x_dtype))
         return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": packed, "matmul_us": 1.0, "kernel_us": 1.0,
                 "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}
 
@@ -189,9 +189,15 @@ def test_sustained_timing_runs_for_the_time_asked(monkeypatch):
     monkeypatch.setattr(bench, "read_ceiling", lambda nbytes, cold, iters=20, sustain_s=0.0: asked.append(("ceiling", sustain_s))
                         or {"bytes": nbytes, "cold": cold, "independent_us": 0.5, "dependent_us": 0.8, "pdl": True})
     data = bench.sweep(ms=(1,), ks=(64,), n=32, fmts=("q4_0",), modes=(False,), sustain_s=1.5)
-    assert asked == [("qgemm", 1.5), ("qgemm", 1.5), ("torch", 1.5), ("ceiling", 1.5)] and data["sustain_s"] == 1.5
+    assert asked == [("qgemm", 1.5, "f32"), ("qgemm", 1.5, "f32"), ("torch", 1.5), ("ceiling", 1.5)] and data["sustain_s"] == 1.5
     assert "back to back for at least 1.5 s (`--sustain`)" in bench.sweep_markdown(data, "qgemm bench --sustain 1.5")
     assert "--sustain" not in bench.sweep_markdown({**data, "sustain_s": 0.0}, "qgemm bench")
+    assert "activations" not in bench.sweep_markdown(data, "qgemm bench")
+    # --x-dtype: qgemm's timings (packed and ggml blocks) take that activation type, and the report says so
+    asked.clear()
+    data = bench.sweep(ms=(1,), ks=(64,), n=32, fmts=("q4_0",), modes=(False,), peers=False, x_dtype="bf16")
+    assert [a for a in asked if a[0] == "qgemm"] == [("qgemm", 0.0, "bf16")] * 2 and data["x_dtype"] == "bf16"
+    assert "- qgemm's activations: bfloat16 (--x-dtype" in bench.sweep_markdown(data, "qgemm bench --x-dtype bf16")
 
 
 def _fake_l2_runtime(made, fills, launches):
@@ -331,7 +337,8 @@ def test_sweep_measures_read_ceilings_at_the_decode_weights(monkeypatch):
     monkeypatch.setattr(bench, "environment", lambda: {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"})
     fake = types.SimpleNamespace(free=lambda: None)
     monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=fake, blocks=fake))
-    monkeypatch.setattr(bench, "time_matmul", lambda fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0: {
+    monkeypatch.setattr(bench, "time_matmul", lambda fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0,
+                        x_dtype="f32": {
         "fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": False, "matmul_us": 4.07 if cold else 3.5,
         "kernel_us": 1.0, "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0})
     asked = []
@@ -462,7 +469,7 @@ def test_sweep_measures_the_copy_bandwidth_before_and_after(monkeypatch):
     monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=fake, blocks=fake))
     timed = []
 
-    def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0):
+    def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0, x_dtype="f32"):
         timed.append((fmt, m, k, cold))
         return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": False, "matmul_us": 1.0, "kernel_us": 1.0,
                 "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}

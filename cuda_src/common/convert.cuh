@@ -1,6 +1,7 @@
 // Shared by the activation prologues of the fp16 tensor-core paths (cuda_src/convert/).
 #pragma once
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 #include "common/pdl.cuh"
 
 // Z (nz floats, may be null): the split-K GEMM behind the prologue adds into it with atomics, so
@@ -60,4 +61,79 @@ static __device__ __forceinline__ void store_kperm16(__half* __restrict__ Y, siz
         return;
     }
     *reinterpret_cast<uint4*>(dst) = v;
+}
+
+#ifndef CV_KPERM
+#define CV_KPERM 0
+#endif
+#define CV_VALUES 8  // per thread: the registry's grid is M * K / 2048 CTAs of 256
+
+static __device__ __forceinline__ float cv_float(float x) { return x; }
+static __device__ __forceinline__ float cv_float(__nv_bfloat16 x) { return __bfloat162float(x); }  // exact
+
+// CV_VALUES consecutive inputs from a 16-byte aligned p, in 16-byte loads
+static __device__ __forceinline__ void cv_load_aligned(const float* p, float (&v)[CV_VALUES]) {
+#pragma unroll
+    for (int j = 0; j < CV_VALUES; j += 4) {
+        const float4 a = *(const float4*)(p + j);
+        v[j] = a.x, v[j + 1] = a.y, v[j + 2] = a.z, v[j + 3] = a.w;
+    }
+}
+static __device__ __forceinline__ void cv_load_aligned(const __nv_bfloat16* p, float (&v)[CV_VALUES]) {
+    const uint4 a = *(const uint4*)p;  // 8 bfloat16: each the high half of a float32's bits
+    const unsigned w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[2 * j] = __uint_as_float(w[j] << 16), v[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+}
+
+// float32 or bfloat16 X[M, K] -> float16 Y (round to nearest even), [M, K] as it is or, with
+// CV_KPERM, in the kperm16 layout; one thread per CV_VALUES values. `status` bit 0: a non-finite
+// input; bit 1: a finite value beyond half's range (it would become inf: bfloat16 reaches 3.4e38
+// as float32 does, float16 65504).
+template <typename T>
+static __device__ __forceinline__ void convert_to_f16(const T* __restrict__ X, __half* __restrict__ Y, int M, int K,
+                                                      int* __restrict__ status, float* __restrict__ Z, long long nz) {
+    convert_begin(Z, nz);  // PDL trigger and wait, the split-K output zeroed
+    const size_t total = (size_t)M * K;
+    const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * CV_VALUES;
+    if (i >= total) return;
+    int bad = 0;
+    // the tail of an [M, K] with K not a multiple of 8 (convert.f16 alone: the kperm16 launcher
+    // needs K % 16 == 0, so both lanes of every chunk reach the shuffles of store_kperm16)
+    if (i + CV_VALUES > total) {
+        for (size_t j = i; j < total; ++j) {
+            const float x = cv_float(X[j]);
+            const __half h = __float2half_rn(x);
+            if (!isfinite(x)) bad |= 1;
+            else if (isinf(__half2float(h))) bad |= 2;
+            Y[j] = h;
+        }
+        if (bad) atomicOr(status, bad);
+        return;
+    }
+    float v[CV_VALUES];
+    if ((((size_t)(X + i)) & 15) == 0) {
+        cv_load_aligned(X + i, v);
+    } else {
+#pragma unroll
+        for (int j = 0; j < CV_VALUES; ++j) v[j] = cv_float(X[i + j]);
+    }
+    __align__(16) __half h[CV_VALUES];
+#pragma unroll
+    for (int j = 0; j < CV_VALUES; ++j) {
+        h[j] = __float2half_rn(v[j]);
+        if (!isfinite(v[j])) bad |= 1;
+        else if (isinf(__half2float(h[j]))) bad |= 2;
+    }
+#if CV_KPERM
+    store_kperm16(Y, i, total, h);
+#else
+    if ((((size_t)(Y + i)) & 15) == 0) {
+        *(int4*)(Y + i) = *(const int4*)h;
+    } else {
+#pragma unroll
+        for (int j = 0; j < CV_VALUES; ++j) Y[i + j] = h[j];
+    }
+#endif
+    if (bad) atomicOr(status, bad);
 }

@@ -1,5 +1,5 @@
-// The Q8_1 activation quantizer shared by quantize/q8_1.cu (float32 input) and
-// quantize/q8_1_f16.cu (float16 input, converted exactly to float first).
+// The Q8_1 activation quantizer shared by quantize/q8_1.cu (float32 input), quantize/q8_1_f16.cu
+// (float16 input) and quantize/q8_1_bf16.cu (bfloat16), the 16-bit types converted exactly to float first.
 //
 // Lane l of a warp owns value l of a block of 32, exactly as in ggml: amax and the sum are warp
 // reductions, the sum a __shfl_xor_sync butterfly (offsets 16, 8, 4, 2, 1) after which every lane
@@ -20,6 +20,7 @@
 // launched while the previous op finishes: it waits for that before reading X (possibly the
 // previous op's output) or writing Y (a staging buffer the previous op's GEMM may still read).
 #pragma once
+#include <cuda_bf16.h>
 #include "common/blocks.cuh"
 #include "common/pdl.cuh"
 
@@ -29,6 +30,7 @@
 
 static __device__ __forceinline__ float q8_1_load(const float* p) { return *p; }
 static __device__ __forceinline__ float q8_1_load(const __half* p) { return __half2float(*p); }
+static __device__ __forceinline__ float q8_1_load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
 template <typename T>
 static __device__ __forceinline__ void quantize_q8_1_rows(const T* __restrict__ X, block_q8_1* __restrict__ Y, int M, int K,

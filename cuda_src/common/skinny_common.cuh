@@ -5,6 +5,7 @@
 // cross-warp reduction and store of the C fragments. Include it after SK_R, SK_WARPS, SK_UNROLL
 // and SK_PDL_EARLY have their values.
 #pragma once
+#include <cuda_bf16.h>
 #include "common/mma_gemm.cuh"
 #include "common/pdl.cuh"
 
@@ -20,6 +21,41 @@
 #else
 #define SK_LAUNCH_BOUNDS __launch_bounds__(SK_WARPS * 32)
 #endif
+
+// SK_X: the element type of the activations X the kernel reads: 0 float32, 1 float16, 2 bfloat16
+// (registry variants `*.skinny_f16`, `*.skinny_bf16`). The kernels work in float32 from the load
+// on: every float16 and bfloat16 value is exactly a float32, so a 16-bit X gives bit for bit the
+// result of the same values passed as float32 -- the conversion a caller would otherwise run as a
+// kernel of its own (one more launch and round trip per decode op) costs one or two instructions
+// per value here.
+#ifndef SK_X
+#define SK_X 0
+#endif
+#if SK_X == 0
+typedef float sk_x_t;
+#elif SK_X == 1
+typedef __half sk_x_t;
+#elif SK_X == 2
+typedef __nv_bfloat16 sk_x_t;
+#else
+#error "SK_X must be 0 (float32), 1 (float16) or 2 (bfloat16)"
+#endif
+
+// Four consecutive activations as floats: one 16-byte load of float32, one 8-byte load of the
+// 16-bit types (p is 16- or 8-byte aligned: K % 32 == 0 and the launcher checks X's base).
+static __device__ __forceinline__ float4 sk_load_x4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+static __device__ __forceinline__ float4 sk_load_x4(const __half* p) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+// a bfloat16 is the high half of a float32's bits, so the widening is a shift or a mask
+static __device__ __forceinline__ float4 sk_load_x4(const __nv_bfloat16* p) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
+                       __uint_as_float(v.y & 0xFFFF0000u));
+}
 
 template <int PIECES>  // 16-byte pieces per lane per (tile, group): 2 (Q4_0), 4 (Q8_0)
 struct SkSlice {

@@ -128,7 +128,7 @@ static __device__ __forceinline__ unsigned f2_to_h2(float lo, float hi) {
 }
 
 template <typename SF>
-static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, const unsigned char* __restrict__ Wp,
+static __device__ __forceinline__ void skinny_f16(const sk_x_t* __restrict__ X, const unsigned char* __restrict__ Wp,
                                                   float* __restrict__ C, int M, int N, int K) {
     __shared__ float red[SK_WARPS][SK_R * SK_MT * 4][32];
 #if SK_PDL_EARLY
@@ -139,7 +139,7 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
     const int tile0 = sl.tile0, gb = sl.gb, ge = sl.ge;
 
     // B operand rows: token 8 nt + g; rows >= M read row M - 1 and their results are never stored
-    const float* xrow[SK_MT];
+    const sk_x_t* xrow[SK_MT];
 #pragma unroll
     for (int nt = 0; nt < SK_MT; ++nt) xrow[nt] = X + (size_t)min(nt * 8 + g, M - 1) * K + 4 * t;
 
@@ -207,8 +207,8 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
                     const int b = min((G + u) * 4 + j0 + jj, nb - 1);
 #pragma unroll
                     for (int nt = 0; nt < SK_MT; ++nt) {
-                        xv[jj][nt][0] = __ldg(reinterpret_cast<const float4*>(xrow[nt] + b * QK));
-                        xv[jj][nt][1] = __ldg(reinterpret_cast<const float4*>(xrow[nt] + b * QK + 16));
+                        xv[jj][nt][0] = sk_load_x4(xrow[nt] + b * QK);
+                        xv[jj][nt][1] = sk_load_x4(xrow[nt] + b * QK + 16);
                     }
                 }
 #pragma unroll
@@ -254,7 +254,7 @@ static __device__ __forceinline__ void skinny_f16(const float* __restrict__ X, c
             const int q = i % 8, bl = i / 8;  // q = 4 s + t
             const int b = cta_b0 + bl;
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);  // padding blocks past K: zeros
-            if (b < nb) v = __ldg(reinterpret_cast<const float4*>(X + (size_t)r * K + b * QK + 4 * q));
+            if (b < nb) v = sk_load_x4(X + (size_t)r * K + b * QK + 4 * q);
             xs[((bl * 2 + q / 4) * M + r) * 4 + q % 4] = make_uint2(f2_to_h2(v.x, v.z), f2_to_h2(v.y, v.w));
         }
     __syncthreads();

@@ -102,7 +102,7 @@ static __device__ __forceinline__ float sk_dw(const uint4& dq, int h, int j) {
 }
 
 template <typename SF>
-static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, const unsigned char* __restrict__ Wp,
+static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, const unsigned char* __restrict__ Wp,
                                                  float* __restrict__ C, int M, int N, int K) {
     __shared__ float red[SK_WARPS][SK_R * 4][32];
     // per warp, per step parity: quantized activations as B fragments, and {d, sum q} per block and token
@@ -137,7 +137,7 @@ static __device__ __forceinline__ void skinny_i8(const float* __restrict__ X, co
             const int b = min(min(G + u, ge - 1) * 4 + jl, nb - 1);
 #pragma unroll
             for (int m = 0; m < SK_MQ; ++m)
-                if (SK_MQ == 1 || m < M) xv[u][m] = __ldg(reinterpret_cast<const float4*>(X + (size_t)m * K + b * QK + 4 * wl));
+                if (SK_MQ == 1 || m < M) xv[u][m] = sk_load_x4(X + (size_t)m * K + b * QK + 4 * wl);
         }
     };
     auto quantize = [&](const XSet& xv, int par) {

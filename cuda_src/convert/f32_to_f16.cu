@@ -8,60 +8,11 @@
 // convert_begin), and this kernel itself may
 // be launched while the previous op finishes: it waits for that before it reads X (the previous
 // op's output) or writes Y (a staging buffer the previous op's GEMM may still be reading).
+// The body is convert_to_f16 (common/convert.cuh), shared with bfloat16 input (convert/bf16_to_f16.cu).
 #include "common/convert.cuh"
-
-#ifndef CV_KPERM
-#define CV_KPERM 0
-#endif
-#define CV_VALUES 8  // per thread: the registry's grid is M * K / 2048 CTAs of 256
 
 extern "C" __global__ void __launch_bounds__(256)
 convert_f32_to_f16(const float* __restrict__ X, __half* __restrict__ Y, int M, int K, int* __restrict__ status,
                    float* __restrict__ Z, long long nz) {
-    convert_begin(Z, nz);  // PDL trigger and wait, the split-K output zeroed (common/convert.cuh)
-    const size_t total = (size_t)M * K;
-    const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * CV_VALUES;
-    if (i >= total) return;
-    int bad = 0;
-    // the tail of an [M, K] with K not a multiple of 8 (convert.f16 alone: the kperm16 launcher
-    // needs K % 16 == 0, so both lanes of every chunk reach the shuffles of store_kperm16)
-    if (i + CV_VALUES > total) {
-        for (size_t j = i; j < total; ++j) {
-            const __half h = __float2half_rn(X[j]);
-            if (!isfinite(X[j])) bad |= 1;
-            else if (isinf(__half2float(h))) bad |= 2;
-            Y[j] = h;
-        }
-        if (bad) atomicOr(status, bad);
-        return;
-    }
-    float v[CV_VALUES];
-    if ((((size_t)(X + i)) & 15) == 0) {
-#pragma unroll
-        for (int j = 0; j < CV_VALUES; j += 4) {
-            const float4 a = *(const float4*)(X + i + j);
-            v[j] = a.x, v[j + 1] = a.y, v[j + 2] = a.z, v[j + 3] = a.w;
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < CV_VALUES; ++j) v[j] = X[i + j];
-    }
-    __align__(16) __half h[CV_VALUES];
-#pragma unroll
-    for (int j = 0; j < CV_VALUES; ++j) {
-        h[j] = __float2half_rn(v[j]);
-        if (!isfinite(v[j])) bad |= 1;
-        else if (isinf(__half2float(h[j]))) bad |= 2;
-    }
-#if CV_KPERM
-    store_kperm16(Y, i, total, h);
-#else
-    if ((((size_t)(Y + i)) & 15) == 0) {
-        *(int4*)(Y + i) = *(const int4*)h;
-    } else {
-#pragma unroll
-        for (int j = 0; j < CV_VALUES; ++j) Y[i + j] = h[j];
-    }
-#endif
-    if (bad) atomicOr(status, bad);
+    convert_to_f16(X, Y, M, K, status, Z, nz);
 }

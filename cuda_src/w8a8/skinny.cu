@@ -1,9 +1,10 @@
-// Production decode: float32 activations, quantized to int8 per 32-block by the kernel itself, x
-// Q8_0 weights (repacked once by qgemm.packing into the skinny layout) on int8 tensor cores with
-// the tokens on the MMA's N side: the weight words are the A fragments (common/skinny_i8.cuh).
+// Production decode: float32 activations (float16 / bfloat16 by SK_X: common/skinny_common.cuh),
+// quantized to int8 per 32-block by the kernel itself, x Q8_0 weights (repacked once by
+// qgemm.packing into the skinny layout) on int8 tensor cores with the tokens on the MMA's N side:
+// the weight words are the A fragments (common/skinny_i8.cuh).
 #include "common/skinny_i8.cuh"
 
 extern "C" __global__ void SK_LAUNCH_BOUNDS
-w8a8_skinny(const float* __restrict__ X, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
+w8a8_skinny(const sk_x_t* __restrict__ X, const unsigned char* __restrict__ W, float* __restrict__ C, int M, int N, int K) {
     skinny_i8<SkI8Q8_0>(X, W, C, M, N, K);
 }
