@@ -34,6 +34,16 @@ def _poisoned(m):
     return c
 
 
+def same(got, want, p, what):
+    """Bit for bit -- unless the plan splits K across CTAs that add into C with atomics, whose
+    order (and so the last bits) changes from one launch to the next, float32 x included."""
+    kernel = qgemm.get(p.kernel)
+    if kernel.geometry(p.m, p.n, p.k, p.defines or kernel.config_for(p.m, p.n, p.k)).zero_output:
+        assert reference.relative_error(got, want) <= 1e-6, what
+    else:
+        assert np.array_equal(got, want), what
+
+
 @pytest.mark.parametrize("xd", ["f16", "bf16"])
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_every_path_equals_the_float32_path_bit_for_bit(fmt, xd, weights, rng):
@@ -49,7 +59,7 @@ def test_every_path_equals_the_float32_path_bit_for_bit(fmt, xd, weights, rng):
         got = qgemm.matmul(x, wt)  # host x
         want = qgemm.matmul(x32, wt)
         assert np.isfinite(got).all(), (m, packed, p.kernel)
-        assert np.array_equal(got, want), f"{p.quantizer} + {p.kernel} at M={m}: differs from the float32 path"
+        same(got, want, p, f"{p.quantizer} + {p.kernel} at M={m}: differs from the float32 path")
         exact = p.reference(x, w)  # the path's exact integer / fp16 math on the CPU
         assert reference.relative_error(got, exact) <= qgemm.spec(p.kernel).op.exact_tol, (m, p.kernel)
         # device x, out= poisoned: every element written, the same bits again
@@ -57,7 +67,7 @@ def test_every_path_equals_the_float32_path_bit_for_bit(fmt, xd, weights, rng):
         assert runtime.dtype_name(dx.dtype) == ("float16" if xd == "f16" else "bfloat16")
         dc = _poisoned(m)
         assert qgemm.matmul(dx, pw if packed else runtime.DeviceArray.from_host(w), out=dc) is dc
-        assert np.array_equal(dc.to_host(), want), (m, p.kernel)
+        same(dc.to_host(), want, p, f"device x, {p.kernel} at M={m}")
     if runtime.device_info().cc >= 80:  # the decode kernels reading x themselves were among the paths
         assert (None, f"w{fmt[1]}a8.skinny_{xd}") in seen and (None, f"w{fmt[1]}a16.skinny_{xd}") in seen, seen
 

@@ -41,21 +41,51 @@ typedef __nv_bfloat16 sk_x_t;
 #error "SK_X must be 0 (float32), 1 (float16) or 2 (bfloat16)"
 #endif
 
-// Four consecutive activations as floats: one 16-byte load of float32, one 8-byte load of the
-// 16-bit types (p is 16- or 8-byte aligned: K % 32 == 0 and the launcher checks X's base).
-static __device__ __forceinline__ float4 sk_load_x4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
-static __device__ __forceinline__ float4 sk_load_x4(const __half* p) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
-    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
-    return make_float4(lo.x, lo.y, hi.x, hi.y);
-}
-// a bfloat16 is the high half of a float32's bits, so the widening is a shift or a mask
-static __device__ __forceinline__ float4 sk_load_x4(const __nv_bfloat16* p) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
-    return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
-                       __uint_as_float(v.y & 0xFFFF0000u));
-}
+// Four consecutive activations (at a 16-byte boundary for float32, 8 for the 16-bit types: K % 32
+// == 0 and the launcher checks X's base): `raw` is what one load puts in registers (a float4, or
+// the 8 bytes of four 16-bit values, half the registers), `load` issues it, and the conversions
+// run where the values are used -- not at the load, whose latency they would then wait for:
+// `f4` the four as floats (exact), `h2` as the fp16 pairs (v0, v2), (v1, v3) of the skinny fp16
+// kernels' B fragments (their k permutation: common/skinny_f16.cuh), which for float16 input is
+// two byte permutes and no conversion at all.
+template <typename T> struct SkX;
+template <> struct SkX<float> {
+    typedef float4 raw;
+    static __device__ __forceinline__ raw load(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+    static __device__ __forceinline__ float4 f4(const raw& v) { return v; }
+    static __device__ __forceinline__ void h2(const raw& v, unsigned& lo, unsigned& hi) {
+        const __half2 a = __floats2half2_rn(v.x, v.z), b = __floats2half2_rn(v.y, v.w);
+        lo = *reinterpret_cast<const unsigned*>(&a), hi = *reinterpret_cast<const unsigned*>(&b);
+    }
+};
+template <> struct SkX<__half> {
+    typedef uint2 raw;
+    static __device__ __forceinline__ raw load(const __half* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+    static __device__ __forceinline__ float4 f4(const raw& v) {
+        const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+        const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+        return make_float4(lo.x, lo.y, hi.x, hi.y);
+    }
+    static __device__ __forceinline__ void h2(const raw& v, unsigned& lo, unsigned& hi) {
+        lo = __byte_perm(v.x, v.y, 0x5410), hi = __byte_perm(v.x, v.y, 0x7632);  // (v0 v2), (v1 v3)
+    }
+};
+template <> struct SkX<__nv_bfloat16> {  // a bfloat16 is the high half of a float32's bits
+    typedef uint2 raw;
+    static __device__ __forceinline__ raw load(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+    static __device__ __forceinline__ float4 f4(const raw& v) {
+        return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
+                           __uint_as_float(v.y & 0xFFFF0000u));
+    }
+    static __device__ __forceinline__ void h2(const raw& v, unsigned& lo, unsigned& hi) { SkX<float>::h2(f4(v), lo, hi); }
+};
+typedef SkX<sk_x_t> SkXT;
+
+// the four as floats at once (the skinny fp16 kernels' one-time staging of x in shared memory);
+// float32's form exactly the 16-byte __ldg the staging always had, so its code is unchanged
+static __device__ __forceinline__ float4 sk_load_f4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+template <typename T>
+static __device__ __forceinline__ float4 sk_load_f4(const T* p) { return SkX<T>::f4(SkX<T>::load(p)); }
 
 template <int PIECES>  // 16-byte pieces per lane per (tile, group): 2 (Q4_0), 4 (Q8_0)
 struct SkSlice {

@@ -201,14 +201,14 @@ static __device__ __forceinline__ void skinny_f16(const sk_x_t* __restrict__ X, 
                 {
                     const int j = j0;
 #else
-                float4 xv[XJ][SK_MT][2];
+                SkXT::raw xv[XJ][SK_MT][2];
 #pragma unroll
                 for (int jj = 0; jj < XJ; ++jj) {
                     const int b = min((G + u) * 4 + j0 + jj, nb - 1);
 #pragma unroll
                     for (int nt = 0; nt < SK_MT; ++nt) {
-                        xv[jj][nt][0] = sk_load_x4(xrow[nt] + b * QK);
-                        xv[jj][nt][1] = sk_load_x4(xrow[nt] + b * QK + 16);
+                        xv[jj][nt][0] = SkXT::load(xrow[nt] + b * QK);
+                        xv[jj][nt][1] = SkXT::load(xrow[nt] + b * QK + 16);
                     }
                 }
 #pragma unroll
@@ -218,10 +218,7 @@ static __device__ __forceinline__ void skinny_f16(const sk_x_t* __restrict__ X, 
 #pragma unroll
                     for (int nt = 0; nt < SK_MT; ++nt)
 #pragma unroll
-                        for (int s = 0; s < 2; ++s) {
-                            bf[nt][s][0] = f2_to_h2(xv[jj][nt][s].x, xv[jj][nt][s].z);  // the k permutation
-                            bf[nt][s][1] = f2_to_h2(xv[jj][nt][s].y, xv[jj][nt][s].w);
-                        }
+                        for (int s = 0; s < 2; ++s) SkXT::h2(xv[jj][nt][s], bf[nt][s][0], bf[nt][s][1]);  // the k permutation
 #endif
 #pragma unroll
                     for (int r = 0; r < SK_R; ++r) {
@@ -254,7 +251,7 @@ static __device__ __forceinline__ void skinny_f16(const sk_x_t* __restrict__ X, 
             const int q = i % 8, bl = i / 8;  // q = 4 s + t
             const int b = cta_b0 + bl;
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);  // padding blocks past K: zeros
-            if (b < nb) v = sk_load_x4(X + (size_t)r * K + b * QK + 4 * q);
+            if (b < nb) v = sk_load_f4(X + (size_t)r * K + b * QK + 4 * q);
             xs[((bl * 2 + q / 4) * M + r) * 4 + q % 4] = make_uint2(f2_to_h2(v.x, v.z), f2_to_h2(v.y, v.w));
         }
     __syncthreads();

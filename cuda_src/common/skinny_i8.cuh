@@ -127,7 +127,7 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
     // the loop body written out twice (a register move of a load in flight would wait for it).
     typedef typename SkSlice<SF::PIECES>::WSet WSet;
     typedef typename SkSlice<SF::PIECES>::DSet DSet;
-    typedef float4 XSet[SK_UNROLL][SK_MQ];
+    typedef SkXT::raw XSet[SK_UNROLL][SK_MQ];
     auto load_w = [&](WSet& wq, DSet& wd, int G) { sl.load(wq, wd, G); };
     // Blocks past K (the last group's padding) re-read block nb - 1: finite values whose weights
     // are d = 0, so they add exactly 0.
@@ -137,7 +137,7 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
             const int b = min(min(G + u, ge - 1) * 4 + jl, nb - 1);
 #pragma unroll
             for (int m = 0; m < SK_MQ; ++m)
-                if (SK_MQ == 1 || m < M) xv[u][m] = sk_load_x4(X + (size_t)m * K + b * QK + 4 * wl);
+                if (SK_MQ == 1 || m < M) xv[u][m] = SkXT::load(X + (size_t)m * K + b * QK + 4 * wl);
         }
     };
     auto quantize = [&](const XSet& xv, int par) {
@@ -146,7 +146,7 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
 #pragma unroll
             for (int m = 0; m < SK_MQ; ++m) {
                 if (SK_MQ > 1 && m >= M) break;  // warp-uniform (M >= 1 always)
-                const float4 v = xv[u][m];
+                const float4 v = SkXT::f4(xv[u][m]);
                 float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
                 for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
