@@ -779,8 +779,32 @@ def _skinny_x_variants() -> list:
         out.append(s)
         for suffix, op, sk_x, what in zip(("_f16", "_bf16"), variant_ops.get(s.name, ()), (1, 2), ("float16", "bfloat16")):
             out.append(dataclasses.replace(s, name=s.name + suffix, op=op, defines=dict(s.defines, SK_X=sk_x),
-                                           description=s.description.replace("f32", what, 1)))
+                                           description=s.description.replace("f32", what, 1),
+                                           config=_x16_config(s.name, s.config)))
     return out
+
+
+def _x16_config(base: str, config):
+    """The default configuration of a 16-bit-activation variant: its float32 kernel's, but where
+    the variant measured faster with another. Q4_0 only (kernel alone, `out/s41cfg.py`, three
+    alternating rounds, NVIDIA H200, session 41; Q8_0's variants were level or slower with these):
+    - w4a16.skinny_* at 9-16 tokens without the K split: two weight groups in flight and one
+      accumulator set instead of one group and two sets -- 16x4096x4096 f16 8.7 -> 8.0 us, bf16
+      9.1 -> 7.7; 12x4096x4096 8.3 -> 7.2 / 8.9 -> 7.5 (float32's kernel: level); with the K split
+      (K >= 8192) 22.6 -> 29.6, so not there.
+    - w4a8.skinny_* at one token: two 16-row tiles per CTA, 16 warps, one group in flight and the
+      first two requested before the wait -- 1x4096x4096 f16 3.64 -> 3.31, bf16 3.67 -> 3.33;
+      1x4096x14336 9.4 -> 8.45 / 9.6 -> 8.6 (float32's kernel: 3.44 -> 3.60, slower)."""
+    def x16(m: int, n: int, k: int, sm_count: int) -> dict:
+        d = config(m, n, k, sm_count)
+        if base == "w4a16.skinny" and d["SK_MT"] == 2 and d["SK_GSPLIT"] == 1 and d["SK_UNROLL"] == 1:
+            alt = {**d, "SK_UNROLL": 2, "SK_ACC": 1}
+            return alt if _skinny_ok(alt, "q4_0", m, k) else d
+        if base == "w4a8.skinny" and m == 1:
+            alt = {**d, "SK_R": 2, "SK_WARPS": 16, "SK_UNROLL": 1, "SK_MINB": 1, "SK_PRIME": 1}
+            return alt if _skinny_i8_ok(alt, "q4_0", m, k) else d
+        return d
+    return x16
 
 
 _SPECS = _skinny_x_variants()

@@ -139,8 +139,20 @@ def test_variant_kernels_are_their_float32_kernels_with_sk_x():
         assert s.op.a is F.F32 and "SK_X" not in s.defines
         for xd, sk_x, fmt in (("f16", 1, F.F16), ("bf16", 2, F.BF16)):
             v = registry.spec(f"{base}_{xd}")
-            assert (v.source, v.entry, v.config, v.max_m, v.weight_layout, v.pdl) == \
-                (s.source, s.entry, s.config, s.max_m, s.weight_layout, s.pdl)
+            assert (v.source, v.entry, v.candidates, v.max_m, v.weight_layout, v.pdl) == \
+                (s.source, s.entry, s.candidates, s.max_m, s.weight_layout, s.pdl)
+            # the default configuration is the float32 kernel's but where a Q4_0 variant measured
+            # faster with another (registry._x16_config)
+            for m in range(1, (s.max_m or 8) + 1):
+                for k in (4096, 14336):
+                    own, var = s.config(m, 4096, k, 132), v.config(m, 4096, k, 132)
+                    assert var in s.candidates(m, 4096, k), (v.name, m, k)
+                    if own == var:
+                        continue
+                    if s.name == "w4a16.skinny":
+                        assert 9 <= m <= 16 and k == 4096 and var == {**own, "SK_UNROLL": 2, "SK_ACC": 1}, (m, k, var)
+                    else:
+                        assert s.name == "w4a8.skinny" and m == 1 and var["SK_R"] == 2 and var["SK_WARPS"] == 16, (m, k, var)
             assert v.defines == {"SK_X": sk_x} and v.op.a is fmt and v.op.w is s.op.w
             assert v.op.exact is s.op.exact  # the reference widens 16-bit x itself
     for name, src in (("quantize.q8_1_bf16", "quantize/q8_1_bf16.cu"), ("convert.f16_bf16", "convert/bf16_to_f16.cu"),
