@@ -525,9 +525,10 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     x: float32, float16 or bfloat16 [..., K], C-contiguous; leading dimensions are rows of one GEMM,
     as in torch's F.linear (a 1-D x [K] returns [N]). bfloat16: torch / JAX device tensors, or a
     host array of ml_dtypes.bfloat16 (or of numpy's 2-byte void '|V2', as qgemm.formats.f32_to_bf16
-    makes). A 16-bit x gives bit for bit the result of the same values as float32: every path
-    widens it exactly (the decode kernels read it themselves; bfloat16 values past half's 65504 on an
-    fp16 tensor-core path are refused as float32 ones are).
+    makes). A 16-bit x is computed exactly as the same values as float32 (every path widens it
+    exactly; the decode kernels read it themselves), bit for bit where the kernel configuration is
+    the same; bfloat16 values past half's 65504 on an fp16 tensor-core path are refused as float32
+    ones are.
     - Host x and w: a new numpy array, synchronously. Host weights are uploaded on *every* call:
       for repeated use, pack them once (`qgemm.pack_weights`) or keep them on the device.
     - Device x and w (torch, CuPy, anything with `__cuda_array_interface__` or `__dlpack__`,

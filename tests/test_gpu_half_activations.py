@@ -1,7 +1,9 @@
-"""float16 and bfloat16 activations on the GPU: every path of qgemm.matmul gives bit for bit what
-it gives on the same values as float32 (each 16-bit value is exactly a float32, and every path
-widens it exactly: the decode kernels' SK_X variants, the bf16 prologues), on odd shapes, host and
-device operands, poisoned outputs; the errors for what a 16-bit type holds and float16 cannot.
+"""float16 and bfloat16 activations on the GPU: every path of qgemm.matmul computes exactly what it
+computes on the same values as float32 (each 16-bit value is exactly a float32, and every path
+widens it exactly: the decode kernels' SK_X variants, the bf16 prologues) -- bit for bit where the
+two run the same configuration, and a variant run with its float32 kernel's configuration gives
+that kernel's bits -- on odd shapes, host and device operands, poisoned outputs; the errors for
+what a 16-bit type holds and float16 cannot.
 
 (Each kernel alone against its references: tests/test_gpu_kernels.py, which validates every
 registered kernel, the *_f16 / *_bf16 variants and the bf16 prologues included.)
@@ -34,14 +36,43 @@ def _poisoned(m):
     return c
 
 
-def same(got, want, p, what):
-    """Bit for bit -- unless the plan splits K across CTAs that add into C with atomics, whose
-    order (and so the last bits) changes from one launch to the next, float32 x included."""
+def same(got, want, p, packed, what):
+    """Bit for bit where the 16-bit plan runs the float32 plan's kernel configuration and does not
+    split K across CTAs that add into C with atomics (their order changes from one launch to the
+    next, float32 x included); else within float32 summation-order differences. (A variant whose
+    own default configuration differs -- registry._x16_config -- sums in another order:
+    test_variants_give_their_float32_kernels_bits_in_one_configuration pins the math bit for bit.)"""
     kernel = qgemm.get(p.kernel)
-    if kernel.geometry(p.m, p.n, p.k, p.defines or kernel.config_for(p.m, p.n, p.k)).zero_output:
+    p32 = dispatch.plan(p.m, p.n, p.k, p.fmt, "f32", packed=packed)
+    atomic = kernel.geometry(p.m, p.n, p.k, p.defines or kernel.config_for(p.m, p.n, p.k)).zero_output
+    if atomic or p.defines != p32.defines:
         assert reference.relative_error(got, want) <= 1e-6, what
     else:
         assert np.array_equal(got, want), what
+
+
+@pytest.mark.parametrize("xd", ["f16", "bf16"])
+@pytest.mark.parametrize("base", ["w4a8.skinny", "w8a8.skinny", "w4a16.skinny", "w8a16.skinny"])
+def test_variants_give_their_float32_kernels_bits_in_one_configuration(base, xd, weights, rng):
+    """The variant on 16-bit x and its float32 kernel on the widened values, launched with the same
+    defines (the variant's default, and the float32 kernel's): the same bits, poisoned outputs."""
+    if runtime.device_info().cc < 80:
+        pytest.skip("the skinny kernels need sm_80")
+    fmt = "q4_0" if base.startswith("w4") else "q8_0"
+    pw = weights[fmt][1]
+    k16, k32 = qgemm.get(f"{base}_{xd}"), qgemm.get(base)
+    for m in ((1,) if "a8." in base else (2, 9, 16)):
+        x = F.from_float32(rng.standard_normal((m, K), dtype=np.float32), F.get_format(xd))
+        dx, dx32 = runtime.DeviceArray.from_host(x), runtime.DeviceArray.from_host(F.to_float32(x))
+        for d in {tuple(k16.config_for(m, N, K).items()), tuple(k32.config_for(m, N, K).items())}:
+            d = dict(d)
+            if k32.geometry(m, N, K, d).zero_output:
+                continue  # atomics: no two launches are bit-equal
+            c16, c32 = _poisoned(m), _poisoned(m)
+            k16.launch(dx, pw.packed, c16, m, N, K, defines=d)
+            k32.launch(dx32, pw.packed, c32, m, N, K, defines=d)
+            a, b = c16.to_host(), c32.to_host()
+            assert np.isfinite(a).all() and np.array_equal(a, b), (base, xd, m, d)
 
 
 @pytest.mark.parametrize("xd", ["f16", "bf16"])
@@ -59,7 +90,7 @@ def test_every_path_equals_the_float32_path_bit_for_bit(fmt, xd, weights, rng):
         got = qgemm.matmul(x, wt)  # host x
         want = qgemm.matmul(x32, wt)
         assert np.isfinite(got).all(), (m, packed, p.kernel)
-        same(got, want, p, f"{p.quantizer} + {p.kernel} at M={m}: differs from the float32 path")
+        same(got, want, p, packed, f"{p.quantizer} + {p.kernel} at M={m}: differs from the float32 path")
         exact = p.reference(x, w)  # the path's exact integer / fp16 math on the CPU
         assert reference.relative_error(got, exact) <= qgemm.spec(p.kernel).op.exact_tol, (m, p.kernel)
         # device x, out= poisoned: every element written, the same bits again
@@ -67,7 +98,7 @@ def test_every_path_equals_the_float32_path_bit_for_bit(fmt, xd, weights, rng):
         assert runtime.dtype_name(dx.dtype) == ("float16" if xd == "f16" else "bfloat16")
         dc = _poisoned(m)
         assert qgemm.matmul(dx, pw if packed else runtime.DeviceArray.from_host(w), out=dc) is dc
-        same(dc.to_host(), want, p, f"device x, {p.kernel} at M={m}")
+        same(dc.to_host(), want, p, packed, f"device x, {p.kernel} at M={m}")
     if runtime.device_info().cc >= 80:  # the decode kernels reading x themselves were among the paths
         assert (None, f"w{fmt[1]}a8.skinny_{xd}") in seen and (None, f"w{fmt[1]}a16.skinny_{xd}") in seen, seen
 
@@ -86,7 +117,8 @@ def test_bfloat16_beyond_half_is_refused_where_float16_cannot_hold_it(weights):
         qgemm.matmul(np.repeat(xb, 100, axis=0), pw)
     if runtime.device_info().cc >= 80:  # (sm_75's Q8_1 prologue: the block sum 1e5 + ... passes half too)
         one = xb[:1]
-        assert np.array_equal(qgemm.matmul(one, pw), qgemm.matmul(F.to_float32(one), pw))
+        got, want = qgemm.matmul(one, pw), qgemm.matmul(F.to_float32(one), pw)
+        assert np.isfinite(got).all() and reference.relative_error(got, want) <= 1e-6
 
 
 def test_device_activations_alignment(weights, rng):
@@ -115,7 +147,10 @@ def test_torch_half_and_bfloat16_tensors(weights, rng):
         x32 = torch.randn(m, K, device="cuda")
         for dt in (torch.float16, torch.bfloat16):
             x = x32.to(dt)
-            want = qgemm.matmul(x.float(), pw).to_host()
+            # the same values as a host array of that type (bfloat16: its bits as qgemm's '|V2'): the same path
+            host = x.view(torch.int16).cpu().numpy().view(np.float16 if dt is torch.float16 else F.BF16_DTYPE)
+            want = qgemm.matmul(host, pw)
+            assert reference.relative_error(want, qgemm.matmul(x.float(), pw).to_host()) <= 1e-6
             out = torch.full((m, N), float("nan"), device="cuda")
             assert qgemm.matmul(x, pw, out=out) is out
             torch.cuda.synchronize()

@@ -1028,7 +1028,7 @@ def test_matmul_packed_weights(fmt, m, rng):
     np.testing.assert_allclose(out.to_host(), c, rtol=1e-5, atol=1e-4)
 
 
-def test_skinny_needs_packed_weights_and_f32(rng):
+def test_skinny_needs_packed_weights_and_its_activation_type(rng):
     w = qgemm.quantize_q4_0(rng.standard_normal((64, 256), dtype=np.float32))
     x = rng.standard_normal((4, 256), dtype=np.float32)
     pw = qgemm.pack_weights(w)
@@ -1036,17 +1036,17 @@ def test_skinny_needs_packed_weights_and_f32(rng):
     p = qgemm.plan(4, 64, 256, "q4_0", path="w4a16.skinny")
     assert p.repack == "pack.q4_0" and p.packed
     np.testing.assert_array_equal(qgemm.matmul(x, w, path="w4a16.skinny"), qgemm.matmul(x, pw, path="w4a16.skinny"))
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="reads float32 activations itself, got float16 \\(its float16 variant is w4a16.skinny_f16\\)"):
         qgemm.matmul(x.astype(np.float16), pw, path="w4a16.skinny")
     with pytest.raises(ValueError, match="q8_0"):
         qgemm.get("w8a16.skinny")(qgemm.DeviceArray.from_host(x), pw)
     # the kernel object itself takes ggml blocks (it packs them) and PackedWeights alike
     k = qgemm.get("w4a16.skinny")
     np.testing.assert_array_equal(k(x, w), k(qgemm.DeviceArray.from_host(x), pw).to_host())
-    # fp16 activations with packed weights still work, through the blocks (no skinny kernel)
+    # fp16 activations with packed weights: the variant reading them (tests/test_gpu_half_activations.py)
     c16 = qgemm.matmul(x.astype(np.float16), pw)
     p16 = qgemm.plan(4, 64, 256, "q4_0", "f16", packed=True)
-    assert p16.kernel == "w4a8.gemv" and c16.shape == (4, 64)
+    assert p16.kernel == "w4a16.skinny_f16" and c16.shape == (4, 64)
     assert qgemm.reference.relative_error(c16, p16.reference(x.astype(np.float16), w)) <= 1e-5
 
 
