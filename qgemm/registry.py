@@ -786,8 +786,9 @@ def _skinny_x_variants() -> list:
 
 def _x16_config(base: str, config):
     """The default configuration of a 16-bit-activation variant: its float32 kernel's, but where
-    the variant measured faster with another. Q4_0 only (kernel alone, `out/s41cfg.py`, three
-    alternating rounds, NVIDIA H200, session 41; Q8_0's variants were level or slower with these):
+    the variant measured faster with another. Q4_0 only (kernel alone, three alternating rounds,
+    session 41: chosen on an H200, `out/s41cfg.py`, the figures below; confirmed on an H100,
+    `out/s41cfg2.py`, docs/production.md; Q8_0's variants were level or slower with these):
     - w4a16.skinny_* at 9-16 tokens without the K split: two weight groups in flight and one
       accumulator set instead of one group and two sets -- 16x4096x4096 f16 8.7 -> 8.0 us, bf16
       9.1 -> 7.7; 12x4096x4096 8.3 -> 7.2 / 8.9 -> 7.5 (float32's kernel: level); with the K split
