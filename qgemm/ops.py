@@ -75,7 +75,8 @@ W8A16S = Op("w8a16s", "W8A16 skinny (f32 in, fp16 MMA)", "gemm", F.F32, F.Q8_0, 
 W4A8S = Op("w4a8s", "W4A8 skinny (f32 in, int8 MMA)", "gemm", F.F32, F.Q4_0, F.F32, "imma", 1e-5, 2e-2, reference.exact_w4a8s)
 W8A8S = Op("w8a8s", "W8A8 skinny (f32 in, int8 MMA)", "gemm", F.F32, F.Q8_0, F.F32, "imma", 1e-5, 1e-3, reference.exact_w8a8s)
 # the same kernels reading float16 / bfloat16 activations (SK_X): the values widened to float32
-# exactly, so each variant's result is bit for bit the float32 kernel's on the same values
+# exactly, so in one configuration each variant's result is bit for bit the float32 kernel's on
+# the same values (the exact references are the float32 kernels', which widen 16-bit x themselves)
 W4A16S_F16 = Op("w4a16s_f16", "W4A16 skinny (f16 in, fp16 MMA)", "gemm", F.F16, F.Q4_0, F.F32, "hmma", 5e-5, 2e-2, reference.exact_w4a16s)
 W8A16S_F16 = Op("w8a16s_f16", "W8A16 skinny (f16 in, fp16 MMA)", "gemm", F.F16, F.Q8_0, F.F32, "hmma", 5e-5, 1e-3, reference.exact_w8a16s)
 W4A8S_F16 = Op("w4a8s_f16", "W4A8 skinny (f16 in, int8 MMA)", "gemm", F.F16, F.Q4_0, F.F32, "imma", 1e-5, 2e-2, reference.exact_w4a8s)
