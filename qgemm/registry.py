@@ -595,6 +595,11 @@ def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), min(m, 65535), cdiv(m, 65535)), block=(256, 1, 1))
 
 
+def _convert_values(m: int, n: int, k: int) -> Launch:
+    # convert.*: 8 values per thread, 256 threads per CTA, over the M x K values in one line (common/convert.cuh)
+    return Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1))
+
+
 def _pack_geometry(n: int, _unused: int, k: int) -> Launch:
     """pack.*: a CTA per tile of 16 rows x 16 groups of 4 blocks (cuda_src/pack/skinny.cu), for the
     weights [N, K] of an MxNxK product -- called as geometry(N, 0, K); grid.y is the tile, so one
@@ -613,23 +618,23 @@ _SPECS = [
     KernelSpec("quantize.q8_1", ops.QUANTIZE_Q8_1, 2, "quantize/q8_1.cu", "quantize_q8_1", _quantize_rows,
                "float32 activations -> Q8_1 blocks (d, s = sum x), as ggml-cuda's quantize_q8_1", pdl=True),
     KernelSpec("convert.f16", ops.CONVERT_F16, 2, "convert/f32_to_f16.cu", "convert_f32_to_f16",
-               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
+               _convert_values,
                "float32 activations -> float16 (round to nearest even), the prologue of the fp16 tensor-core path",
                pdl=True, zeroes=True),
     KernelSpec("convert.f16k", ops.CONVERT_F16K, 2, "convert/f32_to_f16.cu", "convert_f32_to_f16",
-               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
+               _convert_values,
                "float32 activations -> float16 in the kperm16 layout (k deinterleaved inside every 16), the prologue "
                "of the Hopper prefill kernels", defines={"CV_KPERM": 1}, pdl=True, zeroes=True),
     KernelSpec("convert.f16k_f16", ops.PERMUTE_F16K, 2, "convert/f16_kperm.cu", "convert_f16_kperm",
-               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
+               _convert_values,
                "float16 activations -> the kperm16 layout of the Hopper prefill kernels (the values unchanged)",
                pdl=True, zeroes=True),
     KernelSpec("convert.f16_bf16", ops.CONVERT_F16_BF16, 2, "convert/bf16_to_f16.cu", "convert_bf16_to_f16",
-               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
+               _convert_values,
                "bfloat16 activations -> float16 (round to nearest even), the prologue of the fp16 tensor-core path",
                pdl=True, zeroes=True),
     KernelSpec("convert.f16k_bf16", ops.CONVERT_F16K_BF16, 2, "convert/bf16_to_f16.cu", "convert_bf16_to_f16",
-               lambda m, n, k: Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1)),
+               _convert_values,
                "bfloat16 activations -> float16 in the kperm16 layout, the prologue of the Hopper prefill kernels",
                defines={"CV_KPERM": 1}, pdl=True, zeroes=True),
     KernelSpec("pack.q4_0", ops.PACK_Q4_0, 6, "pack/skinny.cu", "pack_skinny", _pack_geometry,
