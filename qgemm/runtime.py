@@ -153,6 +153,8 @@ def dtype_name(dt) -> str:
         return "bfloat16"
     if dt.kind == "V" and dt.names is None:
         return f"an opaque {dt.itemsize}-byte type ({dt.str})"
+    if dt.names is not None:  # numpy would say "void16"
+        return f"a {dt.itemsize}-byte structured type {dt.descr}"
     if not dt.isnative:
         return f"{dt.name} in non-native byte order ({dt.str})"
     return dt.name

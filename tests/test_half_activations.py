@@ -180,6 +180,8 @@ def test_half_activations_refused_before_any_gpu(rng):
         qgemm.matmul(x, w)
     with pytest.raises(ValueError, match=r"float32, float16 or bfloat16 \[..., K\], got an opaque 4-byte type"):
         qgemm.matmul(np.zeros((2, 64), "V4"), w)
+    with pytest.raises(ValueError, match=r"got a 2-byte structured type \[\('a', '\|u1'\), \('b', '\|u1'\)\]"):
+        qgemm.matmul(np.zeros((2, 64), [("a", "u1"), ("b", "u1")]), w)  # 2 bytes, but no bfloat16
     with pytest.raises(ValueError, match="K mismatch: x has K=32"):
         qgemm.matmul(F.f32_to_bf16(np.ones((2, 32), np.float32)), w)
     k = qgemm.get("w4a8.skinny_bf16")
