@@ -135,11 +135,15 @@ def to_float32(x) -> np.ndarray:
 
 
 def from_float32(x: np.ndarray, fmt: "Format") -> np.ndarray:
-    """float32 values in a float format (f32, f16 or bf16: each rounded to nearest even)."""
+    """float32 values in a float format (f32, f16 or bf16: each rounded to nearest even; past the
+    format's range, inf)."""
     fmt = get_format(fmt)
     if fmt.quantized:
         raise ValueError(f"from_float32: {fmt.name} is a block format; use quantize")
-    return f32_to_bf16(x) if fmt is BF16 else np.asarray(x, dtype=np.float32).astype(fmt.dtype)
+    if fmt is BF16:
+        return f32_to_bf16(x)
+    with np.errstate(over="ignore"):
+        return np.asarray(x, dtype=np.float32).astype(fmt.dtype)
 
 
 # --------------------------------------------------------------------------------------------
