@@ -25,9 +25,9 @@
 // SK_X: the element type of the activations X the kernel reads: 0 float32, 1 float16, 2 bfloat16
 // (registry variants `*.skinny_f16`, `*.skinny_bf16`). The kernels work in float32 from the load
 // on: every float16 and bfloat16 value is exactly a float32, so a 16-bit X gives bit for bit the
-// result of the same values passed as float32 -- the conversion a caller would otherwise run as a
-// kernel of its own (one more launch and round trip per decode op) costs one or two instructions
-// per value here.
+// result of the same values passed as float32 in the same configuration. The conversion a caller
+// would otherwise run as a kernel of its own (one more launch and round trip per decode op) costs
+// one or two instructions per value here.
 #ifndef SK_X
 #define SK_X 0
 #endif
