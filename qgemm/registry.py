@@ -791,21 +791,29 @@ def _skinny_x_variants() -> list:
 
 def _x16_config(base: str, config):
     """The default configuration of a 16-bit-activation variant: its float32 kernel's, but where
-    the variant measured faster with another. Q4_0 only (kernel alone, three alternating rounds,
+    the variant measured faster with another (kernel alone, three alternating rounds,
     session 41: chosen on an H200, `out/s41cfg.py`, the figures below; confirmed on an H100,
-    `out/s41cfg2.py`, docs/production.md; Q8_0's variants were level or slower with these):
+    `out/s41cfg2.py`, docs/production.md; Q8_0's variants were level or slower with these two):
     - w4a16.skinny_* at 9-16 tokens without the K split: two weight groups in flight and one
       accumulator set instead of one group and two sets -- 16x4096x4096 f16 8.7 -> 8.0 us, bf16
       9.1 -> 7.7; 12x4096x4096 8.3 -> 7.2 / 8.9 -> 7.5 (float32's kernel: level); with the K split
       (K >= 8192) 22.6 -> 29.6, so not there.
     - w4a8.skinny_* at one token: two 16-row tiles per CTA, 16 warps, one group in flight and the
       first two requested before the wait -- 1x4096x4096 f16 3.64 -> 3.31, bf16 3.67 -> 3.33;
-      1x4096x14336 9.4 -> 8.45 / 9.6 -> 8.6 (float32's kernel: 3.44 -> 3.60, slower)."""
+      1x4096x14336 9.4 -> 8.45 / 9.6 -> 8.6 (float32's kernel: 3.44 -> 3.60, slower).
+    And Q8_0 at two tokens (H100, `out/s41cfg3.py`: every candidate, then the default against the
+    three fastest, alternating): w8a16.skinny_* with the activations staged in shared memory, one
+    group in flight, one accumulator set -- 2x4096x4096 f16 5.90-5.95 -> 5.35-5.38, bf16 6.07-6.20
+    -> 5.30-5.49 (at 4 tokens 6.07 -> 6.52: not there). Q4_0's variants at 2-8 tokens: float32's
+    configuration is the fastest candidate."""
     def x16(m: int, n: int, k: int, sm_count: int) -> dict:
         d = config(m, n, k, sm_count)
         if base == "w4a16.skinny" and d["SK_MT"] == 2 and d["SK_GSPLIT"] == 1 and d["SK_UNROLL"] == 1:
             alt = {**d, "SK_UNROLL": 2, "SK_ACC": 1}
             return alt if _skinny_ok(alt, "q4_0", m, k) else d
+        if base == "w8a16.skinny" and m == 2 and k < 8192:  # (measured at K = 4096 only)
+            alt = {**d, "SK_XSMEM": 1, "SK_UNROLL": 1, "SK_ACC": 1}
+            return alt if _skinny_ok(alt, "q8_0", m, k) else d
         if base == "w4a8.skinny" and m == 1:
             alt = {**d, "SK_R": 2, "SK_WARPS": 16, "SK_UNROLL": 1, "SK_MINB": 1, "SK_PRIME": 1}
             return alt if _skinny_i8_ok(alt, "q4_0", m, k) else d

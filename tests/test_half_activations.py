@@ -151,6 +151,8 @@ def test_variant_kernels_are_their_float32_kernels_with_sk_x():
                         continue
                     if s.name == "w4a16.skinny":
                         assert 9 <= m <= 16 and k == 4096 and var == {**own, "SK_UNROLL": 2, "SK_ACC": 1}, (m, k, var)
+                    elif s.name == "w8a16.skinny":
+                        assert m == 2 and k == 4096 and var == {**own, "SK_XSMEM": 1, "SK_UNROLL": 1, "SK_ACC": 1}, (m, k, var)
                     else:
                         assert s.name == "w4a8.skinny" and m == 1 and var["SK_R"] == 2 and var["SK_WARPS"] == 16, (m, k, var)
             assert v.defines == {"SK_X": sk_x} and v.op.a is fmt and v.op.w is s.op.w
