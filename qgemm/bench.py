@@ -747,15 +747,14 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
             "x_dtype": x_dtype}
 
 
-_X_TYPE_NAMES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
-
-
 def sweep_markdown(data: dict, command: str) -> str:
+    from .dispatch import _X_NAMES  # "bf16" -> "bfloat16"
+
     env = data["environment"]
     out = [f"- device: **{env['device']}** ({env['arch']}), driver {env['driver']}, NVRTC {env['nvrtc']}"
            + (f", torch {env['torch']}" if "torch" in env else ""),
            f"- date: {env['date']}", f"- command: `{command}`",
-           *([f"- qgemm's activations: {_X_TYPE_NAMES[data['x_dtype']]} (--x-dtype; the peers are timed as in every run)"]
+           *([f"- qgemm's activations: {_X_NAMES[data['x_dtype']]} (--x-dtype; the peers are timed as in every run)"]
              if data.get("x_dtype", "f32") != "f32" else []),
            f"- measured copy bandwidth: {data['copy_bandwidth_gbps']:.0f} GB/s (read + write)"
            + (" -- the higher of {:.0f} before the sweep and {:.0f} after it".format(*data["copy_bandwidth_runs_gbps"])
