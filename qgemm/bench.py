@@ -595,7 +595,7 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
     for arr in xs + ws + cs + ([] if staged is None else qs) + (ps if p.repack else []):
         arr.free()
     return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "x_dtype": p.x_dtype, "kernel": p.kernel, "packed": p.packed,
-            "repack": p.repack, "config": p.defines, "config_source": p.source,
+            "quantizer": p.quantizer, "repack": p.repack, "config": p.defines, "config_source": p.source,
             "matmul_us": med, "kernel_us": kmed, "quantize_us": max(med - kmed, 0.0), "tflops": 2 * m * n * k / med / 1e6,
             "weight_gbps": wq.nbytes / med / 1e3, "buffer_sets": sets, "method": how["method"]}
 

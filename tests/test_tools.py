@@ -23,7 +23,8 @@ def test_probe_defines_parses_variants():
     assert pd.parse_variant("base") == ("base", {})
     assert pd.parse_variant("g4=RS_GROUPS=4") == ("g4", {"RS_GROUPS": 4})
     assert pd.parse_variant("both=RS_A=1;RS_B=0") == ("both", {"RS_A": 1, "RS_B": 0})
-    for bad in ("x=RS_A", "x=RS_A=one", "x==1"):
+    assert pd.parse_variant("f32cfg=@w8a16.skinny") == ("f32cfg", {"@": "w8a16.skinny"})
+    for bad in ("x=RS_A", "x=RS_A=one", "x==1", "x=@", "=@w8a16.skinny"):
         with pytest.raises((SystemExit, ValueError)):
             pd.parse_variant(bad)
 
@@ -677,3 +678,39 @@ def test_api_doc_check_fails_on_a_stale_page(tmp_path):
     assert "python tools/api_doc.py -o" in r.stderr
     r = subprocess.run([*tool, "--check", str(tmp_path / "missing.md")], capture_output=True, text=True)
     assert r.returncode == 1 and "+# API reference" in r.stdout
+
+
+def test_compare_paths_parses_shapes_and_paths():
+    cp = _load("compare_paths")
+    assert cp.parse_shape("8x4096x14336") == (8, 4096, 14336, False)
+    assert cp.parse_shape("1x4096x4096@cold") == (1, 4096, 4096, True)
+    for bad in ("8x4096", "0x4096x4096", "1x4096x4096@hot", "ax1x1"):
+        with pytest.raises(SystemExit):
+            cp.parse_shape(bad)
+    assert cp.parse_paths("default,blocks@f16,w4a16.wgmma", ["f32", "bf16"]) == [
+        ("default", ["f32", "bf16"]), ("blocks", ["f16"]), ("w4a16.wgmma", ["f32", "bf16"])]
+    assert cp.parse_paths("default@f16+bf16", ["f32"]) == [("default", ["f16", "bf16"])]
+    for bad in ("default@fp8", "@f16", ","):
+        with pytest.raises(SystemExit):
+            cp.parse_paths(bad, ["f32"])
+    with pytest.raises(SystemExit, match="--x-dtypes"):
+        cp.main(["--shapes", "1x64x64", "--x-dtypes", "f32,int8"])
+
+
+def test_compare_paths_markdown_ranges_and_kernels():
+    cp = _load("compare_paths")
+    rows = []
+    for rep, (a, b) in enumerate([(3.381, 5.55), (3.472, 5.73)]):
+        rows.append(dict(shape="1x4096x4096", fmt="q4_0", path="default", x_dtype_asked="f32", matmul_us=a,
+                         kernels="w4a8.skinny"))
+        rows.append(dict(shape="1x4096x4096", fmt="q4_0", path="blocks", x_dtype_asked="f16", matmul_us=b,
+                         kernels="quantize.q8_1_f16 + w4a8.gemv"))
+    rows.append(dict(shape="1x4096x4096@cold", fmt="q4_0", path="default", x_dtype_asked="f32", matmul_us=4.03,
+                     kernels="w4a8.skinny"))
+    text = cp.markdown(rows, {"device": "GPU X", "date": "D"}, "python tools/compare_paths.py --shapes s")
+    lines = text.splitlines()
+    assert lines[0] == "GPU X, D, `python tools/compare_paths.py --shapes s`"
+    assert lines[2] == "| MxNxK | type | matmul, float32 x µs | ggml blocks, float16 x µs |"
+    assert lines[4] == "| 1x4096x4096 | q4_0 | 3.38-3.47 | 5.55-5.73 |"
+    assert lines[5] == "| 1x4096x4096 cold | q4_0 | 4.03 | - |"  # one repeat, and no blocks cell
+    assert "| 1x4096x4096 | q4_0 | `w4a8.skinny` | `quantize.q8_1_f16 + w4a8.gemv` |" in lines

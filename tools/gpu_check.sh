@@ -13,6 +13,7 @@
 #   QGEMM_CHECK="rs" bash tools/gpu_check.sh                   # Hopper prefill: wgmma_rs vs wgmma, tests, tune
 #   QGEMM_CHECK="l2" bash tools/gpu_check.sh                   # prefill: warpgroups per CTA, L2 throughput (ncu) vs cuBLAS
 #   QGEMM_CHECK="kvcache" bash tools/gpu_check.sh              # Mustafar: its GPU tests, the kvcache bench vs dense torch
+#   QGEMM_CHECK="xtypes" bash tools/gpu_check.sh               # float32 / float16 / bfloat16 activations: whole op, configurations
 #   other steps: precompile (every default configuration of the bench shapes, in parallel: run it
 #   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, pdl,
 #   host (an eager qgemm.matmul call's host time against torch's: docs/pytorch.md's table)
@@ -96,6 +97,21 @@ for step in $STEPS; do
                   run $PY -m qgemm tune $k --shape $s --iters 10 --dry-run; done; done
               run $PY tools/compare_paths.py --shapes "$Q8_SHAPES" --repeats 2 \
                   --paths default,w4a8.skinny_q8_1,w8a8.skinny_q8_1 --json "$OUT/q8_paths.json" ;;
+    xtypes)   # activation types: the whole op with float32 / float16 / bfloat16 x and the ggml-blocks path
+              # float16 x took before session 41 (docs/production.md's table: tools/compare_paths.py
+              # --markdown), then, kernel alone, each 16-bit variant's own configuration
+              # (registry._x16_config) against its float32 kernel's, and the float32 Q8_0 kernel at
+              # 2-4 tokens with the variants' two-token configuration
+              XT_SHAPES=${QGEMM_XT_SHAPES:-1x4096x4096,1x4096x4096@cold,1x4096x14336,2x4096x4096,8x4096x4096,16x4096x4096}
+              run $PY tools/compare_paths.py --shapes "$XT_SHAPES" --x-dtypes f32,f16,bf16 --paths default,blocks@f16 \
+                  --repeats 2 --iters 30 --json "$OUT/xtypes.json" --markdown "$OUT/xtypes.md"
+              for x in f16 bf16; do
+                  run $PY tools/probe_defines.py w8a16.skinny_$x 2x4096x4096 base f32cfg=@w8a16.skinny --reps 3
+                  run $PY tools/probe_defines.py w4a16.skinny_$x 9x4096x4096,12x4096x4096,16x4096x4096 base f32cfg=@w4a16.skinny --reps 3
+                  run $PY tools/probe_defines.py w4a8.skinny_$x 1x4096x4096,1x4096x14336 base f32cfg=@w4a8.skinny --reps 3
+              done
+              run $PY tools/probe_defines.py w8a16.skinny 2x4096x4096,3x4096x4096,4x4096x4096 base "xs=SK_XSMEM=1;SK_UNROLL=1;SK_ACC=1" --reps 3
+              run $PY tools/probe_defines.py w8a16.skinny 2x4096x4096 base "xs=SK_XSMEM=1;SK_UNROLL=1;SK_ACC=1" --reps 3 --cold ;;
     pack)     # the weights' repacking on the GPU (pack.q4_0 / pack.q8_0): their GPU tests and the matmul
               # tests around them, then the kernels' speed and matmul on ggml blocks with and without
               # the per-call repacking (tools/repack_probe.py: the rule in qgemm.dispatch)

@@ -11,7 +11,12 @@ or with --cold weight sets rotated through more than twice the L2.
     python tools/probe_defines.py w4a16.skinny 1x4096x4096 base u2=SK_UNROLL=2 --reps 3
     python tools/probe_defines.py w4a8.skinny 1x4096x4096 base early=SK_PDL_EARLY=1 --cold
 
-A variant is `label` (the configuration as is) or `label=KEY=INT[;KEY=INT...]`.
+A variant is `label` (the configuration as is), `label=KEY=INT[;KEY=INT...]`, or `label=@KERNEL`:
+another registered kernel's launch configuration at each shape -- e.g. a 16-bit-activation variant
+launched with its float32 kernel's configuration (`f32cfg=@w8a16.skinny` beside `w8a16.skinny_f16`),
+or a float32 kernel with its variant's:
+
+    python tools/probe_defines.py w8a16.skinny_f16 2x4096x4096 base f32cfg=@w8a16.skinny --reps 3
 """
 import argparse
 import statistics
@@ -24,6 +29,10 @@ from qgemm import bench, check, registry, runtime
 def parse_variant(text: str) -> tuple[str, dict]:
     label, _, rest = text.partition("=")
     defines = {}
+    if rest.startswith("@"):  # another kernel's launch configuration at each shape
+        if not label or not rest[1:]:
+            raise SystemExit(f"variant {text!r}: expected label=@KERNEL")
+        return label, {"@": rest[1:]}
     for kv in filter(None, rest.split(";")):
         key, _, val = kv.partition("=")
         if not key or not val or not val.strip().lstrip("-").isdigit():
@@ -59,6 +68,8 @@ def main() -> None:
               f"{' '.join(f'{a}={b}' for a, b in base.items())}", flush=True)
         for rep in range(args.reps):
             for label, extra in variants:
+                if "@" in extra:
+                    extra = registry.get(extra["@"]).config_for(m, n, kk)
                 d = {**base, **extra}
                 dc.fill_bytes(0xFF)
                 k.launch(da, dw, dc, m, n, kk, defines=d)

@@ -80,7 +80,10 @@ static __device__ __forceinline__ void cv_load_aligned(const float* p, float (&v
     }
 }
 static __device__ __forceinline__ void cv_load_aligned(const __nv_bfloat16* p, float (&v)[CV_VALUES]) {
-    const uint4 a = *(const uint4*)p;  // 8 bfloat16: each the high half of a float32's bits
+    // 8 bfloat16, each the high half of a float32's bits: a shift or a mask widens it (written out, as
+    // in skinny_common.cuh's SkX: with __bfloat1622float2 NVRTC 13.5's sm_90 SASS of convert.f16_bf16
+    // grows from 680 to 688 instructions, convert.f16k_bf16's stays at 736)
+    const uint4 a = *(const uint4*)p;
     const unsigned w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[2 * j] = __uint_as_float(w[j] << 16), v[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
