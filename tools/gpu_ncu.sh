@@ -16,7 +16,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 QGEMM_CAC
 NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
 [ -n "$NCU" ] || { echo "ncu not found"; exit 2; }
 run() {  # kernel shape
-    local name=$1 shape=$2 entry=${1/./_}
+    local name=$1 shape=$2 entry
+    # the kernel's entry point: a variant (w4a16.skinny_f16) shares its float32 kernel's source and entry
+    entry=$(python3 -c "from qgemm import registry; print(registry.spec('$name').entry)") || return 1
     local rep="$OUT/ncu-${name}-${shape}${DEFINES:+-${DEFINES//[=,]/_}}"
     python3 -m qgemm compile "$name" > /dev/null  # compile outside the profiled process
     # DEFINES (KEY=INT,...) go on top of the launch configuration (tools/probe_defines.py does the launch)
