@@ -684,13 +684,23 @@ def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters:
     return out
 
 
+# Seconds the GPU idles between the sweep's hot and cold passes. The hot pass ends with its largest
+# prefill rows, and the cold pass's first row (Q4_0 1x4096x4096, a ~4 µs op) then ran while the SM
+# clock recovered from them: 1380-1530 MHz in sessions 36 and 42's benches (73-76% of the copy
+# bandwidth) against 1980 MHz and ~80% when that row runs alone; an idle pause of 0.5-2 s after a
+# prefill row brought the clock back to 1980 MHz (session 38).
+SETTLE_S = 2.0
+
+
 def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes=(False, True), peers: bool = True,
-          progress=None, iters: int = 30, clocks: bool = False, sustain_s: float = 0.0, x_dtype: str = "f32") -> dict:
+          progress=None, iters: int = 30, clocks: bool = False, sustain_s: float = 0.0, x_dtype: str = "f32",
+          settle_s: float = SETTLE_S) -> dict:
     """Everything `qgemm bench` reports, as a dict (environment, copy bandwidth, rows, and with an
     M = 1 row the read ceilings at its weight bytes; `progress` is called after each). clocks: each
     row also gets the SM clock and power during its qgemm.matmul / kernel timings (`ClockSampler`).
     sustain_s: every timing (qgemm's and the peers') runs back to back for at least that long.
-    x_dtype: qgemm's activations ("f32", "f16" or "bf16"; the peers take theirs in fp16 / bf16 / int8)."""
+    x_dtype: qgemm's activations ("f32", "f16" or "bf16"; the peers take theirs in fp16 / bf16 / int8).
+    settle_s: the GPU idles this long before the cold pass (see SETTLE_S)."""
     rng = np.random.default_rng(0)
     weights = {}
     for fmt in fmts:
@@ -711,7 +721,9 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     peer_cache: dict = {}
     sampler = ClockSampler() if clocks else None
     try:
-        for cold, k, m, fmt in jobs:
+        for i, (cold, k, m, fmt) in enumerate(jobs):
+            if i and cold and not jobs[i - 1][0]:
+                time.sleep(settle_s)
             t0 = time.time()
             r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, sustain_s=sustain_s, x_dtype=x_dtype)
             if sampler is not None:
@@ -744,7 +756,7 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     copies = [copy_start / 1e9, measure_copy_bandwidth() / 1e9]
     return {"environment": environment(), "copy_bandwidth_gbps": max(copies), "copy_bandwidth_runs_gbps": copies,
             "pack_ms": pack_ms, "pack_method": PACK_METHOD, "rows": rows, "read_ceilings": ceilings, "l2_reset": l2_mode(), "sustain_s": sustain_s,
-            "x_dtype": x_dtype}
+            "x_dtype": x_dtype, "settle_s": settle_s if len(set(modes)) > 1 else None}
 
 
 def sweep_markdown(data: dict, command: str) -> str:
@@ -778,6 +790,9 @@ def sweep_markdown(data: dict, command: str) -> str:
         out.append(f"- every timing (qgemm's and torch's) ran its samples back to back for at least "
                    f"{data['sustain_s']:g} s (`--sustain`), as llama.cpp's `test-backend-ops perf` runs each op for "
                    "at least a second; the median of all of them")
+    if data.get("settle_s"):
+        out.append(f"- the GPU idled {data['settle_s']:g} s between the hot and the cold pass (`--settle`), so the cold "
+                   "pass does not start at the clock the hot pass's prefill rows left")
     clk = [r["clock"] for r in data["rows"] if r.get("clock")]
     if clk:
         mhz, watts = [c["sm_mhz"] for c in clk], [c["power_w"] for c in clk]

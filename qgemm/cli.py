@@ -640,6 +640,10 @@ def bench(
                                        "0: off."),
     x_dtype: str = typer.Option("f32", "--x-dtype", help="gemm suite: qgemm's activations, f32, f16 or bf16 (the peers "
                                 "are timed as always)."),
+    settle: Optional[float] = typer.Option(None, "--settle", min=0.0, max=60.0,
+                                           help="gemm suite: seconds the GPU idles between the hot and the cold pass, so "
+                                                "the cold rows do not start at the clock the hot prefill rows left "
+                                                "(default 2)."),
 ):
     """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold;
     with M = 1 in the sweep, also the read ceilings at the decode rows' weight bytes (what a kernel
@@ -661,6 +665,8 @@ def bench(
             _fail("--sustain is for the gemm suite; --suite kvcache times --iters samples")
         if clocks:
             _fail("--clocks is for the gemm suite (--suite kvcache records no clocks)")
+        if settle is not None:
+            _fail("--settle is for the gemm suite")
         _need_gpu("bench")
         from . import kvcache_bench
 
@@ -691,7 +697,8 @@ def bench(
     total = len(ms) * len(ks) * 2 * len(modes) + (len(ks) * 2 * len(modes) if 1 in ms else 0)  # rows, read ceilings
     with typer.progressbar(length=total, label="qgemm bench") as bar:
         data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters, clocks=clocks,
-                       sustain_s=sustain, x_dtype=x_dtype)
+                       sustain_s=sustain, x_dtype=x_dtype,
+                       settle_s=B.SETTLE_S if settle is None else settle)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = _command_line()
     data["command"] = cmd

@@ -351,7 +351,7 @@ def test_sweep_measures_read_ceilings_at_the_decode_weights(monkeypatch):
 
     monkeypatch.setattr(bench, "read_ceiling", read_ceiling)
     seen = []
-    data = bench.sweep(ms=(1, 8), ks=(64, 128), n=32, fmts=("q4_0", "q8_0"), peers=False, progress=seen.append)
+    data = bench.sweep(ms=(1, 8), ks=(64, 128), n=32, fmts=("q4_0", "q8_0"), peers=False, progress=seen.append, settle_s=0.0)
     assert len(seen) == 16 + 8  # every row, then every ceiling
     sizes = {("q4_0", 64): 36, ("q4_0", 128): 72, ("q8_0", 64): 68, ("q8_0", 128): 136}  # 32 rows x blocks x bytes/block
     assert sorted(asked) == sorted((32 * b, cold) for b in sizes.values() for cold in (False, True))
@@ -361,7 +361,7 @@ def test_sweep_measures_read_ceilings_at_the_decode_weights(monkeypatch):
     assert "| q4_0 | 32x64 | 0.00 | cold | 4.07 | 3.00 (0) | 4.80 (0) |" in md
     assert "| q8_0 | 32x128 | 0.00 | hot | 3.50 | 1.30 (3) | 2.00 (2) |" in md  # 4352 B in 1.3 and 2.0 us
     asked.clear()
-    data = bench.sweep(ms=(8,), ks=(64,), n=32, fmts=("q4_0",), peers=False)
+    data = bench.sweep(ms=(8,), ks=(64,), n=32, fmts=("q4_0",), peers=False, settle_s=0.0)
     assert asked == [] and data["read_ceilings"] == [] and "Read ceilings" not in bench.sweep_markdown(data, "qgemm bench")
     data["read_ceilings"] = [{**read_ceiling(36 * 32, True), "fmt": "q4_0", "N": 32, "K": 64, "pdl": False}]
     assert "Here launches were plain" in bench.sweep_markdown(data, "qgemm bench")
@@ -478,10 +478,43 @@ def test_sweep_measures_the_copy_bandwidth_before_and_after(monkeypatch):
     monkeypatch.setattr(bench, "time_matmul", time_matmul)
     monkeypatch.setattr(bench, "read_ceiling", lambda nbytes, cold, iters=20, sustain_s=0.0: {
         "bytes": nbytes, "cold": cold, "independent_us": 0.5, "dependent_us": 0.8, "pdl": True})
-    data = bench.sweep(ms=(1, 2), ks=(64,), n=32, fmts=("q4_0",), peers=False)
+    data = bench.sweep(ms=(1, 2), ks=(64,), n=32, fmts=("q4_0",), peers=False, settle_s=0.0)
     assert next(copies, None) is None and len(timed) == 4  # both measured, every row timed
     assert data["copy_bandwidth_runs_gbps"] == [2583.0, 2749.0] and data["copy_bandwidth_gbps"] == 2749.0
     assert "2749 GB/s (read + write) -- the higher of 2583 before the sweep and 2749 after it" in bench.sweep_markdown(data, "qgemm bench")
+
+
+def test_sweep_idles_between_the_hot_and_cold_passes(monkeypatch):
+    """The cold pass's first row (a ~4 µs decode op) ran at the clock the hot pass's prefill rows
+    left (1380-1530 MHz in two published benches): the sweep idles `settle_s` once, after the last
+    hot row and before the first cold one, and the report says so; a hot-only sweep never waits."""
+    import types
+
+    from qgemm import bench, packing
+
+    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a: 2.0e12)
+    monkeypatch.setattr(bench, "environment", lambda: {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"})
+    fake = types.SimpleNamespace(free=lambda: None)
+    monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=fake, blocks=fake))
+    events = []
+
+    def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0, x_dtype="f32"):
+        events.append(("cold" if cold else "hot", m))
+        return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": False, "matmul_us": 1.0, "kernel_us": 1.0,
+                "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}
+
+    monkeypatch.setattr(bench, "time_matmul", time_matmul)
+    monkeypatch.setattr(bench, "read_ceiling", lambda nbytes, cold, iters=20, sustain_s=0.0: {
+        "bytes": nbytes, "cold": cold, "independent_us": 0.5, "dependent_us": 0.8, "pdl": True})
+    monkeypatch.setattr(bench.time, "sleep", lambda s: events.append(("sleep", s)))
+    data = bench.sweep(ms=(1, 2), ks=(64,), n=32, fmts=("q4_0",), peers=False)
+    assert events == [("hot", 1), ("hot", 2), ("sleep", bench.SETTLE_S), ("cold", 1), ("cold", 2)]
+    assert data["settle_s"] == bench.SETTLE_S == 2.0
+    assert "idled 2 s between the hot and the cold pass (`--settle`)" in bench.sweep_markdown(data, "qgemm bench")
+    events.clear()
+    data = bench.sweep(ms=(1,), ks=(64,), n=32, fmts=("q4_0",), peers=False, modes=(False,), settle_s=5.0)
+    assert events == [("hot", 1)] and data["settle_s"] is None
+    assert "--settle" not in bench.sweep_markdown(data, "qgemm bench")
 
 
 def test_perf_report_judges_cold_decode_and_the_prefill_peers():
