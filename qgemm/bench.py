@@ -684,12 +684,11 @@ def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters:
     return out
 
 
-# Seconds the GPU idles before each pass of the sweep over M (one per K, hot then cold) but the
-# first. A pass ends with its largest prefill rows, and the next pass's first rows -- decode ops of
-# a few µs -- ran while the SM clock recovered from them: the cold Q4_0 1x4096x4096 row at 1380-1530
-# MHz in sessions 36 and 42's benches (73-76% of the copy bandwidth, ~80% at 1980 MHz), the hot Q4_0
-# 1x4096x14336 row at 1740-1900 MHz (1770 with --sustain 1: 10.3 µs against 9.7 at full clock).
-# An idle pause of 0.5-2 s after a prefill row brought the clock back to 1980 MHz (session 38).
+# Seconds the GPU idles between the sweep's hot and cold passes. The hot pass ends with its largest
+# prefill rows, and the cold pass's first row (Q4_0 1x4096x4096, a ~4 µs op) then ran while the SM
+# clock recovered from them: 1380-1530 MHz in sessions 36 and 42's benches (73-76% of the copy
+# bandwidth) against 1980 MHz and ~80% when that row runs alone; an idle pause of 0.5-2 s after a
+# prefill row brought the clock back to 1980 MHz (session 38).
 SETTLE_S = 2.0
 
 
@@ -701,7 +700,7 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     row also gets the SM clock and power during its qgemm.matmul / kernel timings (`ClockSampler`).
     sustain_s: every timing (qgemm's and the peers') runs back to back for at least that long.
     x_dtype: qgemm's activations ("f32", "f16" or "bf16"; the peers take theirs in fp16 / bf16 / int8).
-    settle_s: the GPU idles this long before each pass over M but the first (see SETTLE_S)."""
+    settle_s: the GPU idles this long before the cold pass (see SETTLE_S)."""
     rng = np.random.default_rng(0)
     weights = {}
     for fmt in fmts:
@@ -723,7 +722,7 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     sampler = ClockSampler() if clocks else None
     try:
         for i, (cold, k, m, fmt) in enumerate(jobs):
-            if i and jobs[i][:2] != jobs[i - 1][:2]:  # a new pass over M (another K, or hot -> cold)
+            if i and cold and not jobs[i - 1][0]:
                 time.sleep(settle_s)
             t0 = time.time()
             r = time_matmul(fmt, m, n, k, cold, rng, weights, iters=iters, sustain_s=sustain_s, x_dtype=x_dtype)
@@ -757,7 +756,7 @@ def sweep(ms=SWEEP_M, ks=SWEEP_K, n: int = SWEEP_N, fmts=("q4_0", "q8_0"), modes
     copies = [copy_start / 1e9, measure_copy_bandwidth() / 1e9]
     return {"environment": environment(), "copy_bandwidth_gbps": max(copies), "copy_bandwidth_runs_gbps": copies,
             "pack_ms": pack_ms, "pack_method": PACK_METHOD, "rows": rows, "read_ceilings": ceilings, "l2_reset": l2_mode(), "sustain_s": sustain_s,
-            "x_dtype": x_dtype, "settle_s": settle_s if len(set(modes)) * len(set(ks)) > 1 else None}
+            "x_dtype": x_dtype, "settle_s": settle_s if len(set(modes)) > 1 else None}
 
 
 def sweep_markdown(data: dict, command: str) -> str:
@@ -792,8 +791,8 @@ def sweep_markdown(data: dict, command: str) -> str:
                    f"{data['sustain_s']:g} s (`--sustain`), as llama.cpp's `test-backend-ops perf` runs each op for "
                    "at least a second; the median of all of them")
     if data.get("settle_s"):
-        out.append(f"- the GPU idled {data['settle_s']:g} s before each pass over M (`--settle`: one pass per K, hot then "
-                   "cold), so a pass's decode rows do not start at the clock the previous pass's prefill rows left")
+        out.append(f"- the GPU idled {data['settle_s']:g} s between the hot and the cold pass (`--settle`), so the cold "
+                   "pass does not start at the clock the hot pass's prefill rows left")
     clk = [r["clock"] for r in data["rows"] if r.get("clock")]
     if clk:
         mhz, watts = [c["sm_mhz"] for c in clk], [c["power_w"] for c in clk]

@@ -641,9 +641,9 @@ def bench(
     x_dtype: str = typer.Option("f32", "--x-dtype", help="gemm suite: qgemm's activations, f32, f16 or bf16 (the peers "
                                 "are timed as always)."),
     settle: Optional[float] = typer.Option(None, "--settle", min=0.0, max=60.0,
-                                           help="gemm suite: seconds the GPU idles before each pass over M (one per K, "
-                                                "hot then cold), so its decode rows do not start at the clock the "
-                                                "previous pass's prefill rows left (default 2)."),
+                                           help="gemm suite: seconds the GPU idles between the hot and the cold pass, so "
+                                                "the cold rows do not start at the clock the hot prefill rows left "
+                                                "(default 2)."),
 ):
     """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold;
     with M = 1 in the sweep, also the read ceilings at the decode rows' weight bytes (what a kernel
