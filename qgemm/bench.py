@@ -685,10 +685,13 @@ def torch_peer_times(m: int, n: int, k: int, cold: bool, warmup: int = 5, iters:
 
 
 # Seconds the GPU idles between the sweep's hot and cold passes. The hot pass ends with its largest
-# prefill rows, and the cold pass's first row (Q4_0 1x4096x4096, a ~4 µs op) then ran while the SM
-# clock recovered from them: 1380-1530 MHz in sessions 36 and 42's benches (73-76% of the copy
-# bandwidth) against 1980 MHz and ~80% when that row runs alone; an idle pause of 0.5-2 s after a
-# prefill row brought the clock back to 1980 MHz (session 38).
+# prefill rows, and the cold pass's first row (Q4_0 1x4096x4096, a ~4 µs op, the one judged against
+# the copy bandwidth) then ran while the SM clock recovered from them: 1380-1530 MHz in sessions 36
+# and 42's benches (73-76% of the copy bandwidth) against 1980 MHz and 80% after the pause, as when
+# that row runs alone. Not before the hot K = 14336 pass, whose first row follows the 4096-token
+# rows too: after 2 s idle the hot Q4_0 1x4096x14336 row ran at 1980 MHz but at ~123 W and slower,
+# 10.2-10.5 µs against 9.6-10.1 without the pause (session 42, H100): the idle GPU's low power
+# state costs a 33 MB hot row more than the clock gains, while the cold rows stream from DRAM.
 SETTLE_S = 2.0
 
 
