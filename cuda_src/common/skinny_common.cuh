@@ -48,10 +48,24 @@ typedef __nv_bfloat16 sk_x_t;
 // `f4` the four as floats (exact), `h2` as the fp16 pairs (v0, v2), (v1, v3) of the skinny fp16
 // kernels' B fragments (their k permutation: common/skinny_f16.cuh), which for float16 input is
 // two byte permutes and no conversion at all.
+#ifndef SK_XLD  // experiment (session 42): 0 __ldg, 1 plain load, 2 __ldcg (L2 only), 3 __ldlu
+#define SK_XLD 0
+#endif
+template <typename V> static __device__ __forceinline__ V sk_xld(const V* p) {
+#if SK_XLD == 1
+    return *p;
+#elif SK_XLD == 2
+    return __ldcg(p);
+#elif SK_XLD == 3
+    return __ldlu(p);
+#else
+    return __ldg(p);
+#endif
+}
 template <typename T> struct SkX;
 template <> struct SkX<float> {
     typedef float4 raw;
-    static __device__ __forceinline__ raw load(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+    static __device__ __forceinline__ raw load(const float* p) { return sk_xld(reinterpret_cast<const float4*>(p)); }
     static __device__ __forceinline__ float4 f4(const raw& v) { return v; }
     static __device__ __forceinline__ void h2(const raw& v, unsigned& lo, unsigned& hi) {
         const __half2 a = __floats2half2_rn(v.x, v.z), b = __floats2half2_rn(v.y, v.w);
@@ -60,7 +74,7 @@ template <> struct SkX<float> {
 };
 template <> struct SkX<__half> {
     typedef uint2 raw;
-    static __device__ __forceinline__ raw load(const __half* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+    static __device__ __forceinline__ raw load(const __half* p) { return sk_xld(reinterpret_cast<const uint2*>(p)); }
     static __device__ __forceinline__ float4 f4(const raw& v) {
         const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
         const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
@@ -76,7 +90,7 @@ template <> struct SkX<__half> {
 // 792 -> 824 (w4a16.skinny_bf16, 8 tokens), 1544 -> 1608 (w8a16.skinny_bf16, 8 tokens), level for w4a8.
 template <> struct SkX<__nv_bfloat16> {
     typedef uint2 raw;
-    static __device__ __forceinline__ raw load(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+    static __device__ __forceinline__ raw load(const __nv_bfloat16* p) { return sk_xld(reinterpret_cast<const uint2*>(p)); }
     static __device__ __forceinline__ float4 f4(const raw& v) {
         return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
                            __uint_as_float(v.y & 0xFFFF0000u));
