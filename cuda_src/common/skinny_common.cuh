@@ -49,7 +49,7 @@ typedef __nv_bfloat16 sk_x_t;
 // kernels' B fragments (their k permutation: common/skinny_f16.cuh), which for float16 input is
 // two byte permutes and no conversion at all.
 #ifndef SK_XLD  // experiment (session 42): 0 __ldg, 1 plain load, 2 __ldcg (L2 only), 3 __ldlu
-#define SK_XLD 0
+#define SK_XLD (SK_X == 0 ? 0 : 1)
 #endif
 template <typename V> static __device__ __forceinline__ V sk_xld(const V* p) {
 #if SK_XLD == 1
