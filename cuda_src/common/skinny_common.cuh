@@ -47,25 +47,19 @@ typedef __nv_bfloat16 sk_x_t;
 // run where the values are used -- not at the load, whose latency they would then wait for:
 // `f4` the four as floats (exact), `h2` as the fp16 pairs (v0, v2), (v1, v3) of the skinny fp16
 // kernels' B fragments (their k permutation: common/skinny_f16.cuh), which for float16 input is
-// two byte permutes and no conversion at all.
-#ifndef SK_XLD  // experiment (session 42): 0 __ldg, 1 plain load, 2 __ldcg (L2 only), 3 __ldlu
-#define SK_XLD (SK_X == 0 ? 0 : 1)
-#endif
-template <typename V> static __device__ __forceinline__ V sk_xld(const V* p) {
-#if SK_XLD == 1
-    return *p;
-#elif SK_XLD == 2
-    return __ldcg(p);
-#elif SK_XLD == 3
-    return __ldlu(p);
-#else
-    return __ldg(p);
-#endif
-}
+// two byte permutes and no conversion at all. float32 is read through the non-coherent path
+// (`__ldg`, LDG.128.CONSTANT); the 16-bit types by plain loads (LDG.64), which measured faster in
+// the fp16 kernels: H100, kernel alone, session 42 -- w4a16.skinny_f16 2 / 4 / 8 / 12 / 16 tokens
+// 4.05 / 4.14 / 5.00 / 6.60 / 6.91 µs against 4.29 / 4.41 / 5.33 / 7.41 / 7.94 with `__ldg`,
+// w8a16.skinny_f16 4 / 8 / 16 tokens 5.82 / 6.27-6.81 / 7.80 against 6.16 / 6.78-7.13 / 8.42,
+// bfloat16 alike; level in the int8 kernels and at K = 14336 (w4a16.skinny_bf16 8x4096x14336 3%
+// slower, w8a16.skinny_f16 3% faster); float32 with plain loads measured within -2% / +1%, so it
+// keeps `__ldg` (X is read only after the programmatic-dependent-launch wait and nothing writes
+// it while the kernel runs, so the non-coherent path is safe).
 template <typename T> struct SkX;
 template <> struct SkX<float> {
     typedef float4 raw;
-    static __device__ __forceinline__ raw load(const float* p) { return sk_xld(reinterpret_cast<const float4*>(p)); }
+    static __device__ __forceinline__ raw load(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
     static __device__ __forceinline__ float4 f4(const raw& v) { return v; }
     static __device__ __forceinline__ void h2(const raw& v, unsigned& lo, unsigned& hi) {
         const __half2 a = __floats2half2_rn(v.x, v.z), b = __floats2half2_rn(v.y, v.w);
@@ -74,7 +68,7 @@ template <> struct SkX<float> {
 };
 template <> struct SkX<__half> {
     typedef uint2 raw;
-    static __device__ __forceinline__ raw load(const __half* p) { return sk_xld(reinterpret_cast<const uint2*>(p)); }
+    static __device__ __forceinline__ raw load(const __half* p) { return *reinterpret_cast<const uint2*>(p); }
     static __device__ __forceinline__ float4 f4(const raw& v) {
         const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
         const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
@@ -90,7 +84,7 @@ template <> struct SkX<__half> {
 // 792 -> 824 (w4a16.skinny_bf16, 8 tokens), 1544 -> 1608 (w8a16.skinny_bf16, 8 tokens), level for w4a8.
 template <> struct SkX<__nv_bfloat16> {
     typedef uint2 raw;
-    static __device__ __forceinline__ raw load(const __nv_bfloat16* p) { return sk_xld(reinterpret_cast<const uint2*>(p)); }
+    static __device__ __forceinline__ raw load(const __nv_bfloat16* p) { return *reinterpret_cast<const uint2*>(p); }
     static __device__ __forceinline__ float4 f4(const raw& v) {
         return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
                            __uint_as_float(v.y & 0xFFFF0000u));
