@@ -793,20 +793,21 @@ def _x16_config(base: str, config):
     """The default configuration of a 16-bit-activation variant: its float32 kernel's, but where
     the variant measured faster with another (kernel alone, alternating rounds; chosen in session
     41 on an H200 and an H100 among `qgemm tune --dry-run`'s candidates, and measured again on an
-    H100 in session 42 by `QGEMM_CHECK=xtypes bash tools/gpu_check.sh`, i.e. `tools/probe_defines.py
-    VARIANT SHAPE base f32cfg=@KERNEL`; docs/production.md has the table). Variant's / float32's
-    configuration, float16 x, µs (bfloat16 alike):
+    H100 in session 42, with the 16-bit types' plain loads, by `QGEMM_CHECK=xtypes bash
+    tools/gpu_check.sh`, i.e. `tools/probe_defines.py VARIANT SHAPE base f32cfg=@KERNEL`;
+    docs/production.md has the table). Variant's / float32's configuration, float16 x, µs:
     - w4a16.skinny_* at 9-16 tokens without the K split: two weight groups in flight and one
-      accumulator set instead of one group and two sets -- 9x4096x4096 7.1 / 8.3, 12x 8.7 / 9.5,
-      16x 7.8 / 8.5 (float32's kernel: level); with the K split (K >= 8192) 29.6 / 22.6
-      (session 41), so not there.
+      accumulator set instead of one group and two sets -- 9x4096x4096 6.6 / 7.6, 12x 7.5 / 8.5,
+      16x 6.9 / 8.1 (bfloat16: level at 9 tokens, 1.5-4% faster at 12 and 16; float32's kernel:
+      level); with the K split (K >= 8192) 29.6 / 22.6 (session 41), so not there.
     - w4a8.skinny_* at one token: two 16-row tiles per CTA, 16 warps, one group in flight and the
-      first two requested before the wait -- 1x4096x4096 3.4 / 3.5-3.6, 1x4096x14336 8.4-8.5 /
-      9.2-9.3 (the float32 kernel with it: 3.44 -> 3.60, slower).
+      first two requested before the wait -- 1x4096x4096 3.4 / 3.6, 1x4096x14336 8.4-8.5 /
+      9.3-9.4, bfloat16 alike (the float32 kernel with it: 3.44 -> 3.60, slower).
     - w8a16.skinny_* at two tokens below K = 8192: the activations staged in shared memory, one
-      group in flight, one accumulator set -- 2x4096x4096 5.2-5.3 / 6.0 (at 4 tokens 6.52 / 6.07,
-      so not there; the float32 kernel with it: 6.1-6.2 against 6.0-6.1, slower).
-    Q4_0's variants at 2-8 tokens: float32's configuration is the fastest candidate."""
+      group in flight, one accumulator set -- 2x4096x4096 5.1-5.2 / 5.7 (bfloat16 5.1-5.2 / 5.9;
+      at 4 tokens 6.52 / 6.07, so not there; the float32 kernel with it: 6.2 against 5.9, slower).
+    Q4_0's variants at 2-8 tokens: float32's configuration is the fastest candidate (session 41,
+    with the `__ldg` loads of then)."""
     def x16(m: int, n: int, k: int, sm_count: int) -> dict:
         d = config(m, n, k, sm_count)
         if base == "w4a16.skinny" and d["SK_MT"] == 2 and d["SK_GSPLIT"] == 1 and d["SK_UNROLL"] == 1:
