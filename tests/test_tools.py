@@ -18,6 +18,26 @@ def _load(name):
     return mod
 
 
+def _sweep_without_a_gpu(monkeypatch, copy_bandwidth=lambda *a: 2.0e12):
+    """`qgemm.bench.sweep` with its GPU parts stood in for: the copy bandwidth, the environment and
+    the weights' repacking (the timings are each test's own `time_matmul`)."""
+    import types
+
+    from qgemm import bench, packing
+
+    monkeypatch.setattr(bench, "measure_copy_bandwidth", copy_bandwidth)
+    monkeypatch.setattr(bench, "environment", lambda: {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"})
+    nothing = types.SimpleNamespace(free=lambda: None)
+    monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=nothing, blocks=nothing))
+    return bench
+
+
+def _row(fmt, m, n, k, cold, packed=False, matmul_us=1.0):
+    """A `time_matmul` result as the sweep reads it."""
+    return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": packed, "matmul_us": matmul_us, "kernel_us": 1.0,
+            "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}
+
+
 def test_probe_defines_parses_variants():
     pd = _load("probe_defines")
     assert pd.parse_variant("base") == ("base", {})
@@ -166,20 +186,12 @@ def test_sustained_timing_runs_for_the_time_asked(monkeypatch):
     assert len(times) == 3 * bench._SUSTAIN_CHUNK
 
     # the sweep hands it to every timing, qgemm's and the peers', and says so
-    import types
-
-    from qgemm import packing
-
-    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a: 2.0e12)
-    monkeypatch.setattr(bench, "environment", lambda: {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"})
-    nothing = types.SimpleNamespace(free=lambda: None)
-    monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=nothing, blocks=nothing))
+    _sweep_without_a_gpu(monkeypatch)
     asked = []
 
     def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0, x_dtype="f32"):
         asked.append(("qgemm", sustain_s, x_dtype))
-        return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": packed, "matmul_us": 1.0, "kernel_us": 1.0,
-                "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}
+        return _row(fmt, m, n, k, cold, packed=packed)
 
     def peers(m, n, k, cold, iters=30, sustain_s=0.0):
         asked.append(("torch", sustain_s))
@@ -330,18 +342,9 @@ def test_sweep_measures_read_ceilings_at_the_decode_weights(monkeypatch):
     """The bench measures the read ceilings at each M = 1 row's weight bytes, hot and cold as its
     rows are, in the same run, and its markdown puts them beside the decode rows; without an
     M = 1 row it measures none."""
-    import types
-
-    from qgemm import bench, packing
-
-    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a: 2800e9)
-    monkeypatch.setattr(bench, "environment", lambda: {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"})
-    fake = types.SimpleNamespace(free=lambda: None)
-    monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=fake, blocks=fake))
+    bench = _sweep_without_a_gpu(monkeypatch, lambda *a: 2800e9)
     monkeypatch.setattr(bench, "time_matmul", lambda fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0,
-                        x_dtype="f32": {
-        "fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": False, "matmul_us": 4.07 if cold else 3.5,
-        "kernel_us": 1.0, "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0})
+                        x_dtype="f32": _row(fmt, m, n, k, cold, matmul_us=4.07 if cold else 3.5))
     asked = []
 
     def read_ceiling(nbytes, cold, iters=20, sustain_s=0.0):
@@ -459,21 +462,13 @@ def test_sweep_measures_the_copy_bandwidth_before_and_after(monkeypatch):
     """The copy bandwidth moves by up to ~10% between runs on one GPU: the sweep measures it before
     and after its rows and reports the higher (a row's share of it is never flattered), with both
     figures in the JSON and the markdown."""
-    import types
-
-    from qgemm import bench, packing
-
     copies = iter([2583e9, 2749e9])
-    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a: next(copies))
-    monkeypatch.setattr(bench, "environment", lambda: {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"})
-    fake = types.SimpleNamespace(free=lambda: None)
-    monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=fake, blocks=fake))
+    bench = _sweep_without_a_gpu(monkeypatch, lambda *a: next(copies))
     timed = []
 
     def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0, x_dtype="f32"):
         timed.append((fmt, m, k, cold))
-        return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": False, "matmul_us": 1.0, "kernel_us": 1.0,
-                "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}
+        return _row(fmt, m, n, k, cold)
 
     monkeypatch.setattr(bench, "time_matmul", time_matmul)
     monkeypatch.setattr(bench, "read_ceiling", lambda nbytes, cold, iters=20, sustain_s=0.0: {
@@ -488,20 +483,12 @@ def test_sweep_idles_between_the_hot_and_cold_passes(monkeypatch):
     """The cold pass's first row (a ~4 µs decode op) ran at the clock the hot pass's prefill rows
     left (1380-1530 MHz in two published benches): the sweep idles `settle_s` once, after the last
     hot row and before the first cold one, and the report says so; a hot-only sweep never waits."""
-    import types
-
-    from qgemm import bench, packing
-
-    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a: 2.0e12)
-    monkeypatch.setattr(bench, "environment", lambda: {"device": "X", "arch": "sm_90", "driver": "1", "nvrtc": "13.0", "date": "today"})
-    fake = types.SimpleNamespace(free=lambda: None)
-    monkeypatch.setattr(packing, "pack_weights", lambda w: types.SimpleNamespace(pack_seconds=0.001, packed=fake, blocks=fake))
+    bench = _sweep_without_a_gpu(monkeypatch)
     events = []
 
     def time_matmul(fmt, m, n, k, cold, rng, weights, iters=30, packed=True, sustain_s=0.0, x_dtype="f32"):
         events.append(("cold" if cold else "hot", m))
-        return {"fmt": fmt, "M": m, "N": n, "K": k, "cold": cold, "packed": False, "matmul_us": 1.0, "kernel_us": 1.0,
-                "kernel": "w4a8.skinny", "tflops": 0.1, "weight_gbps": 1.0}
+        return _row(fmt, m, n, k, cold)
 
     monkeypatch.setattr(bench, "time_matmul", time_matmul)
     monkeypatch.setattr(bench, "read_ceiling", lambda nbytes, cold, iters=20, sustain_s=0.0: {
