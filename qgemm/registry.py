@@ -806,6 +806,7 @@ def _x16_config(base: str, config):
     - w8a16.skinny_* at two tokens below K = 8192: the activations staged in shared memory, one
       group in flight, one accumulator set -- 2x4096x4096 5.1-5.2 / 5.7 (bfloat16 5.1-5.2 / 5.9;
       at 4 tokens 6.52 / 6.07, so not there; the float32 kernel with it: 6.2 against 5.9, slower).
+      Cold (weights from DRAM) this one costs 1-4% (8.4 / 8.1); the other two hold cold too.
     Q4_0's variants at 2-8 tokens: float32's configuration is the fastest candidate (session 41,
     with the `__ldg` loads of then)."""
     def x16(m: int, n: int, k: int, sm_count: int) -> dict:
