@@ -53,9 +53,11 @@ typedef __nv_bfloat16 sk_x_t;
 // 4.05 / 4.14 / 5.00 / 6.60 / 6.91 µs against 4.29 / 4.41 / 5.33 / 7.41 / 7.94 with `__ldg`,
 // w8a16.skinny_f16 4 / 8 / 16 tokens 5.82 / 6.27-6.81 / 7.80 against 6.16 / 6.78-7.13 / 8.42,
 // bfloat16 0-12% faster; level in the int8 kernels and at K = 14336 (w4a16.skinny_bf16 8x4096x14336 3%
-// slower, w8a16.skinny_f16 3% faster); float32 with plain loads measured within -2% / +1%, so it
-// keeps `__ldg` (X is read only after the programmatic-dependent-launch wait and nothing writes
-// it while the kernel runs, so the non-coherent path is safe).
+// slower, w8a16.skinny_f16 3% faster). float32 keeps `__ldg` (X is read only after the
+// programmatic-dependent-launch wait and nothing writes it while the kernel runs, so the
+// non-coherent path is safe): plain loads measured within -2% / +1% on one H100 and level to 7%
+// faster on another (Q4_0 2 tokens 4.17-4.21 against 4.51-4.55 µs; the rest within 3%), not
+// enough to move the published float32 rows this session (a lead: docs/perf/NOTES.md, session 42).
 template <typename T> struct SkX;
 template <> struct SkX<float> {
     typedef float4 raw;
