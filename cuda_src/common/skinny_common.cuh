@@ -56,8 +56,8 @@ typedef __nv_bfloat16 sk_x_t;
 // slower, w8a16.skinny_f16 3% faster). float32 keeps `__ldg` (X is read only after the
 // programmatic-dependent-launch wait and nothing writes it while the kernel runs, so the
 // non-coherent path is safe): plain loads measured within -2% / +1% on one H100 and level to 7%
-// faster on another (Q4_0 2 tokens 4.17-4.21 against 4.51-4.55 µs; the rest within 3%), not
-// enough to move the published float32 rows this session (a lead: docs/perf/NOTES.md, session 42).
+// faster on another (Q4_0 2 tokens 4.17-4.21 against 4.51-4.55 µs; the rest within 3%): not
+// adopted in session 42, whose published float32 runs measured `__ldg` (a lead: docs/perf/NOTES.md).
 template <typename T> struct SkX;
 template <> struct SkX<float> {
     typedef float4 raw;
