@@ -605,7 +605,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if m > 65535 or (p.repack is not None and not _repack_fits(n, k)):  # only then can a grid pass CUDA's limits
         p.check_launch()  # (grid.y <= 65535 row tiles; a path= repacking too many rows); not on the hot path
     # what can be checked without the GPU is, first: a bad input says so on any machine
-    if not x_on_device and not np.isfinite(F.to_float32(dx)).all():
+    x32 = None if x_on_device else F.to_float32(dx)  # host x as float32 (no copy for float32), for the checks
+    if x32 is not None and not np.isfinite(x32).all():
         raise ValueError("matmul: activations must be finite")
     if p.op.unit == "hmma":  # the weights are dequantized by one float16 multiply each
         bad = packed.f16_overflow if packed is not None else (None if w_on_device else F.f16_dequant_overflow(wb, fmt))
@@ -628,7 +629,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     if not x_on_device:
         if p.quantizer is None and p.op.a.name in ("f32", "bf16") and p.op.unit == "hmma" and dx.size:
             # these kernels round x to float16 themselves, with no prologue to flag what overflows
-            amax = float(np.abs(F.to_float32(dx)).max())
+            amax = float(np.abs(x32).max())
             if amax >= F.F16_INF_FROM:
                 raise ValueError(f"matmul: the activations overflow the GPU format of this path ({p.kernel} rounds them "
                                  f"to float16): |x| max {amax:g} is beyond half's range (65504); scale them down")

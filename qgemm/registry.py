@@ -4,11 +4,9 @@ launch geometry, minimum arch. Adding a kernel is one .cu file under cuda_src/ a
 
 from __future__ import annotations
 
-import dataclasses
-
 import difflib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from . import ops
@@ -771,7 +769,6 @@ def _mustafar_specs() -> list:
     return out
 
 
-
 def _skinny_x_variants() -> list:
     """_SPECS with, after each skinny decode kernel, its variants reading float16 / bfloat16
     activations themselves: the float32 kernel's source with SK_X (common/skinny_common.cuh), named
@@ -783,9 +780,9 @@ def _skinny_x_variants() -> list:
     for s in _SPECS:
         out.append(s)
         for suffix, op, sk_x, what in zip(("_f16", "_bf16"), variant_ops.get(s.name, ()), (1, 2), ("float16", "bfloat16")):
-            out.append(dataclasses.replace(s, name=s.name + suffix, op=op, defines=dict(s.defines, SK_X=sk_x),
-                                           description=s.description.replace("f32", what, 1),
-                                           config=_x16_config(s.name, s.config)))
+            out.append(replace(s, name=s.name + suffix, op=op, defines=dict(s.defines, SK_X=sk_x),
+                               description=s.description.replace("f32", what, 1),
+                               config=_x16_config(s.name, s.config)))
     return out
 
 
