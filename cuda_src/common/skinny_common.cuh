@@ -61,7 +61,11 @@ typedef __nv_bfloat16 sk_x_t;
 template <typename T> struct SkX;
 template <> struct SkX<float> {
     typedef float4 raw;
+#if defined(SK_XLD32) && SK_XLD32  // experiment (session 42): float32 by plain loads
+    static __device__ __forceinline__ raw load(const float* p) { return *reinterpret_cast<const float4*>(p); }
+#else
     static __device__ __forceinline__ raw load(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+#endif
     static __device__ __forceinline__ float4 f4(const raw& v) { return v; }
     static __device__ __forceinline__ void h2(const raw& v, unsigned& lo, unsigned& hi) {
         const __half2 a = __floats2half2_rn(v.x, v.z), b = __floats2half2_rn(v.y, v.w);
