@@ -47,21 +47,32 @@ typedef __nv_bfloat16 sk_x_t;
 // run where the values are used -- not at the load, whose latency they would then wait for:
 // `f4` the four as floats (exact), `h2` as the fp16 pairs (v0, v2), (v1, v3) of the skinny fp16
 // kernels' B fragments (their k permutation: common/skinny_f16.cuh), which for float16 input is
-// two byte permutes and no conversion at all. float32 is read through the non-coherent path
-// (`__ldg`, LDG.128.CONSTANT); the 16-bit types by plain loads (LDG.64), which measured faster in
-// the fp16 kernels: H100, kernel alone, session 42 -- w4a16.skinny_f16 2 / 4 / 8 / 12 / 16 tokens
-// 4.05 / 4.14 / 5.00 / 6.60 / 6.91 µs against 4.29 / 4.41 / 5.33 / 7.41 / 7.94 with `__ldg`,
-// w8a16.skinny_f16 4 / 8 / 16 tokens 5.82 / 6.27-6.81 / 7.80 against 6.16 / 6.78-7.13 / 8.42,
-// bfloat16 0-12% faster; level in the int8 kernels and at K = 14336 (w4a16.skinny_bf16 8x4096x14336 3%
-// slower, w8a16.skinny_f16 3% faster). float32 keeps `__ldg` (X is read only after the
-// programmatic-dependent-launch wait and nothing writes it while the kernel runs, so the
-// non-coherent path is safe): plain loads measured within -2% / +1% on one H100 and level to 7%
-// faster on another (Q4_0 2 tokens 4.17-4.21 against 4.51-4.55 µs; the rest within 3%): not
-// adopted in session 42, whose published float32 runs measured `__ldg` (a lead: docs/perf/NOTES.md).
+// two byte permutes and no conversion at all. The 16-bit types are read by plain loads (LDG.64),
+// which measured faster in the fp16 kernels: H100, kernel alone, session 42 -- w4a16.skinny_f16
+// 2 / 4 / 8 / 12 / 16 tokens 4.05 / 4.14 / 5.00 / 6.60 / 6.91 µs against 4.29 / 4.41 / 5.33 /
+// 7.41 / 7.94 with `__ldg`, w8a16.skinny_f16 4 / 8 / 16 tokens 5.82 / 6.27-6.81 / 7.80 against
+// 6.16 / 6.78-7.13 / 8.42, bfloat16 0-12% faster; level in the int8 kernels and at K = 14336
+// (w4a16.skinny_bf16 8x4096x14336 3% slower, w8a16.skinny_f16 3% faster).
+// SK_XLD32: how float32 X is read -- 0 (the default) through the non-coherent path (`__ldg`,
+// LDG.128.CONSTANT: X is read only after the programmatic-dependent-launch wait and nothing
+// writes it while the kernel runs, so that path is safe), 1 by plain loads (LDG.128). Each kernel
+// source picks; only w4a16/skinny.cu takes 1. Plain against `__ldg`, kernel alone, H100,
+// `tools/probe_defines.py KERNEL SHAPES base plain=SK_XLD32=1 --reps 3`, session 43 (session 42:
+// level to 7% faster on a second H100, within -2% / +1% on a third):
+// - w4a16.skinny hot: 2 / 3 / 4 / 8 tokens 4.13-4.20 / 4.26-4.29 / 4.37-4.42 / 4.79-4.85 against
+//   4.56-4.65 / 4.36-4.44 / 4.47-4.53 / 4.91-5.05, 12 and 16 level, 8x4096x14336 18.04-18.15
+//   against 18.26-18.33; cold 2x 5.16-5.19 against 5.39-5.42, 8x level, 16x 1% faster.
+// - w8a16.skinny: hot 1% slower at 2-4 tokens, 1-2% faster at 8-16 and at K = 14336, cold 2%
+//   slower (2x 8.39-8.47 against 8.25-8.27, 8x 8.71-8.74 / 8.56-8.59); a decode op reads its
+//   weights cold in a model, so it keeps `__ldg`.
+// - the int8 kernels at one token (w4a8.skinny, w8a8.skinny), hot and cold: level; they keep `__ldg`.
+#ifndef SK_XLD32
+#define SK_XLD32 0
+#endif
 template <typename T> struct SkX;
 template <> struct SkX<float> {
     typedef float4 raw;
-#if defined(SK_XLD32) && SK_XLD32  // experiment (session 42): float32 by plain loads
+#if SK_XLD32
     static __device__ __forceinline__ raw load(const float* p) { return *reinterpret_cast<const float4*>(p); }
 #else
     static __device__ __forceinline__ raw load(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
