@@ -47,15 +47,21 @@ typedef __nv_bfloat16 sk_x_t;
 // run where the values are used -- not at the load, whose latency they would then wait for:
 // `f4` the four as floats (exact), `h2` as the fp16 pairs (v0, v2), (v1, v3) of the skinny fp16
 // kernels' B fragments (their k permutation: common/skinny_f16.cuh), which for float16 input is
-// two byte permutes and no conversion at all. The 16-bit types are read by plain loads (LDG.64),
-// which measured faster in the fp16 kernels: H100, kernel alone, session 42 -- w4a16.skinny_f16
-// 2 / 4 / 8 / 12 / 16 tokens 4.05 / 4.14 / 5.00 / 6.60 / 6.91 µs against 4.29 / 4.41 / 5.33 /
-// 7.41 / 7.94 with `__ldg`, w8a16.skinny_f16 4 / 8 / 16 tokens 5.82 / 6.27-6.81 / 7.80 against
-// 6.16 / 6.78-7.13 / 8.42, bfloat16 0-12% faster; level in the int8 kernels and at K = 14336
-// (w4a16.skinny_bf16 8x4096x14336 3% slower, w8a16.skinny_f16 3% faster).
-// SK_XLD32: how float32 X is read -- 0 (the default) through the non-coherent path (`__ldg`,
-// LDG.128.CONSTANT: X is read only after the programmatic-dependent-launch wait and nothing
-// writes it while the kernel runs, so that path is safe), 1 by plain loads (LDG.128). Each kernel
+// two byte permutes and no conversion at all. Either way of loading -- a plain C++ load or the
+// `__ldg` intrinsic -- becomes the same non-coherent load (LDG.E.128.CONSTANT, LDG.E.64.CONSTANT:
+// NVVM proves a load through `const __restrict__` X read-only by itself, and X is read only after
+// the programmatic-dependent-launch wait, with nothing writing it while the kernel runs). What
+// differs is the address: `__ldg` is an inline-asm load that takes one 64-bit register per load,
+// while the compiler's own load folds the constant part of the offset into the instruction
+// (`[R106.64+0x40]` for the second 16 values of a block), so the plain form needs fewer LEA / IMAD:
+// sm_90 SASS, NVRTC 13.5, default configurations, w4a16.skinny_f16 16x4096x4096 2296 -> 2136
+// instructions (LEA 261 -> 197), w4a16.skinny 16x4096x4096 1464 -> 1384 (LEA 103 -> 87). The 16-bit
+// types are read the plain way, which measured faster in the fp16 kernels: H100, kernel alone,
+// session 42 -- w4a16.skinny_f16 2 / 4 / 8 / 12 / 16 tokens 4.05 / 4.14 / 5.00 / 6.60 / 6.91 µs
+// against 4.29 / 4.41 / 5.33 / 7.41 / 7.94 with `__ldg`, w8a16.skinny_f16 4 / 8 / 16 tokens 5.82
+// / 6.27-6.81 / 7.80 against 6.16 / 6.78-7.13 / 8.42, bfloat16 0-12% faster; level in the int8
+// kernels and at K = 14336 (w4a16.skinny_bf16 8x4096x14336 3% slower, w8a16.skinny_f16 3% faster).
+// SK_XLD32: how float32 X is loaded -- 0 (the default) by `__ldg`, 1 the plain way. Each kernel
 // source picks; only w4a16/skinny.cu takes 1. Plain against `__ldg`, kernel alone, H100,
 // `tools/probe_defines.py KERNEL SHAPES base plain=SK_XLD32=1 --reps 3`, session 43 (session 42:
 // level to 7% faster on a second H100, within -2% / +1% on a third):
