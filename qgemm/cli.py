@@ -16,7 +16,7 @@ from typing import List, Optional
 import numpy as np
 import typer
 
-from . import jit, registry, runtime
+from . import jit, registry, runtime, sass
 from .errors import CompileError, NoGPUError, QgemmError, SetupError
 
 app = typer.Typer(
@@ -288,6 +288,12 @@ def compile(
     define: Optional[List[str]] = typer.Option(
         None, "--define", "-D", help="KEY=VALUE, a #define on top (repeatable), e.g. -D SK_UNROLL=1: the registers "
                                      "and spills of any configuration `qgemm tune` would try."),
+    show_sass: bool = typer.Option(
+        False, "--sass", help="Also count each kernel's SASS instructions by opcode (needs NVIDIA's nvdisasm: the CUDA "
+                              "toolkit or `pip install nvidia-cuda-nvdisasm`)."),
+    sass_dir: Optional[Path] = typer.Option(
+        None, "--sass-dir", help="Write each kernel's SASS listing to DIR/NAME.ARCH.sass (implies --sass), e.g. to diff "
+                                 "two -D settings."),
 ):
     """Compile with NVRTC and print registers, shared memory, spills, cubin size, time, cache hit."""
     specs = _specs(names, all_)
@@ -301,6 +307,13 @@ def compile(
             _fail(f"--define: {key.strip()!r} is not a macro name (letters, digits and _, not starting with a digit)")
         value = value.strip()
         extra[key.strip()] = int(value) if re.fullmatch(r"-?\d+", value) else value
+    nvdisasm = None
+    if show_sass or sass_dir is not None:  # before any compile: a missing tool is said at once
+        nvdisasm = sass.find_nvdisasm()
+        if nvdisasm is None:
+            _fail(f"--sass needs NVIDIA's nvdisasm, which was not found: {sass.INSTALL_HINT}")
+        if sass_dir is not None and sass_dir.exists() and not sass_dir.is_dir():
+            _fail(f"--sass-dir: {sass_dir} exists and is not a directory")
     if arch is None:
         if not runtime.gpu_available():
             _fail("no GPU to take the architecture from: pass --arch, e.g. --arch sm_90")
@@ -310,7 +323,7 @@ def compile(
         jit.check_arch_supported(arch)
     except ValueError as e:
         _fail(str(e))
-    rows, failed = [], 0
+    rows, failed, listings = [], 0, []
     configured = bool(mnk or extra)
     named = set(names or []) & set(registry.names())  # kernels asked for by name, not through a family or --all
     for s in specs:
@@ -337,6 +350,8 @@ def compile(
             failed += s.name in named  # asked for by name: not compiling it is a failure
             continue
         r = ck.resources[s.entry]
+        if nvdisasm is not None:
+            listings.append((s, ck))
         rows.append([s.name, ck.arch, str(r.registers), f"{r.smem_static}", f"{r.spill_stores}/{r.spill_loads}",
                      f"{r.stack_frame}", f"{ck.cubin_size}", f"{(ck.compile_seconds if not ck.from_cache else wall) * 1e3:.0f} ms",
                      "cache" if ck.from_cache else "compiled",
@@ -345,6 +360,20 @@ def compile(
     if not configured:  # the configuration column only when --shape or -D chose one
         headers, rows = headers[:-1], [row[:-1] for row in rows]
     typer.echo(_table(headers, rows, right={2, 3, 4, 5, 6, 7}))
+    if listings:
+        typer.echo("\nSASS (NOPs of the alignment padding not counted):")
+    for s, ck in listings:
+        try:
+            text = sass.disassemble(ck.cubin, nvdisasm)
+        except SetupError as e:
+            _fail(str(e))
+        if sass_dir is not None:
+            sass_dir.mkdir(parents=True, exist_ok=True)
+            (sass_dir / f"{s.name}.{ck.arch}.sass").write_text(text)
+        for function, counts in sass.by_function(text).items():
+            typer.echo(f"  {s.name} ({ck.arch}) {function}: {counts.line()}")
+    if sass_dir is not None and listings:
+        typer.echo(f"listings in {sass_dir}/")
     if failed:
         raise typer.Exit(1)
 

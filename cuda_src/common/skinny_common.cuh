@@ -54,8 +54,9 @@ typedef __nv_bfloat16 sk_x_t;
 // differs is the address: `__ldg` is an inline-asm load that takes one 64-bit register per load,
 // while the compiler's own load folds the constant part of the offset into the instruction
 // (`[R106.64+0x40]` for the second 16 values of a block), so the plain form needs fewer LEA / IMAD:
-// sm_90 SASS, NVRTC 13.5, default configurations, w4a16.skinny_f16 16x4096x4096 2296 -> 2136
-// instructions (LEA 261 -> 197), w4a16.skinny 16x4096x4096 1464 -> 1384 (LEA 103 -> 87). The 16-bit
+// `qgemm compile w4a16.skinny --arch sm_90 --shape 16x4096x4096 --sass [-D SK_XLD32=0]` (NVRTC
+// 13.5) counts 1375 instructions against 1455 with `__ldg` (LEA 129 / 161), w4a16.skinny_f16 2125
+// against 2284 (LEA 197 / 261; its `__ldg` form is commit c535293's source). The 16-bit
 // types are read the plain way, which measured faster in the fp16 kernels: H100, kernel alone,
 // session 42 -- w4a16.skinny_f16 2 / 4 / 8 / 12 / 16 tokens 4.05 / 4.14 / 5.00 / 6.60 / 6.91 µs
 // against 4.29 / 4.41 / 5.33 / 7.41 / 7.94 with `__ldg`, w8a16.skinny_f16 4 / 8 / 16 tokens 5.82
