@@ -29,6 +29,10 @@ _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z]
 # The label that starts a function's code: ".text.w4a16_skinny:"
 _FUNCTION = re.compile(r"^\.text\.([A-Za-z_]\w*):")
 
+# The memory opcodes whose full forms `SassCounts.line` lists: global / shared loads and stores,
+# asynchronous copies (cp.async, TMA), ldmatrix / stmatrix, atomics and reductions.
+MEMORY = ("LDG", "STG", "LDS", "STS", "LDGSTS", "UTMALDG", "UTMASTG", "LDSM", "STSM", "ATOMG", "ATOMS", "RED", "REDG")
+
 INSTALL_HINT = "install the CUDA toolkit, or `pip install nvidia-cuda-nvdisasm`"
 
 
@@ -79,7 +83,7 @@ class SassCounts:
     def total(self) -> int:
         return sum(self.opcodes.values())
 
-    def line(self, top: int = 8, detail: tuple[str, ...] = ("LDG", "STG", "LDS", "STS")) -> str:
+    def line(self, top: int = 8, detail: tuple[str, ...] = MEMORY) -> str:
         """'1384 instructions: LOP3 177, IMAD 124, ...; LDG.E.128.CONSTANT 38, ...' -- the most
         frequent opcodes, then the full forms of the memory opcodes (what a load compiled to)."""
         head = ", ".join(f"{op} {n}" for op, n in self.opcodes.most_common(top))

@@ -72,7 +72,8 @@ typedef __nv_bfloat16 sk_x_t;
 // - w8a16.skinny: hot 1% slower at 2-4 tokens, 1-2% faster at 8-16 and at K = 14336, cold 2%
 //   slower (2x 8.39-8.47 against 8.25-8.27, 8x 8.71-8.74 / 8.56-8.59); a decode op reads its
 //   weights cold in a model, so it keeps `__ldg`.
-// - the int8 kernels at one token (w4a8.skinny, w8a8.skinny), hot and cold: level; they keep `__ldg`.
+// - the int8 kernels at one token (w4a8.skinny, w8a8.skinny), hot and cold: level -- their SASS is
+//   the same either way -- so they keep `__ldg`.
 #ifndef SK_XLD32
 #define SK_XLD32 0
 #endif
