@@ -368,8 +368,11 @@ def compile(
         except SetupError as e:
             _fail(str(e))
         if sass_dir is not None:
-            sass_dir.mkdir(parents=True, exist_ok=True)
-            (sass_dir / f"{s.name}.{ck.arch}.sass").write_text(text)
+            try:
+                sass_dir.mkdir(parents=True, exist_ok=True)
+                (sass_dir / f"{s.name}.{ck.arch}.sass").write_text(text)
+            except OSError as e:
+                _fail(f"--sass-dir: cannot write the listing: {e}")
         for function, counts in sass.by_function(text).items():
             typer.echo(f"  {s.name} ({ck.arch}) {function}: {counts.line()}")
     if sass_dir is not None and listings:
