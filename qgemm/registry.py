@@ -805,7 +805,8 @@ def _x16_config(base: str, config):
       at 4 tokens 6.52 / 6.07, so not there; the float32 kernel with it: 6.2 against 5.9, slower).
       Cold (weights from DRAM) this one costs 1-4% (8.4 / 8.1); the other two hold cold too.
     Q4_0's variants at 2-8 tokens: float32's configuration is the fastest candidate (session 41,
-    with the `__ldg` loads of then)."""
+    with the `__ldg` loads of then; at 8 tokens again in session 43, with plain loads in both:
+    `QGEMM_CHECK=tune-dry`, 180 candidates)."""
     def x16(m: int, n: int, k: int, sm_count: int) -> dict:
         d = config(m, n, k, sm_count)
         if base == "w4a16.skinny" and d["SK_MT"] == 2 and d["SK_GSPLIT"] == 1 and d["SK_UNROLL"] == 1:

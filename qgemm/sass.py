@@ -70,10 +70,10 @@ def disassemble(cubin: bytes, nvdisasm: str | None = None) -> str:
     return run.stdout
 
 
-@dataclass(frozen=True)
+@dataclass
 class SassCounts:
-    """Instructions of a function: `opcodes` by bare opcode (LDG), `forms` by opcode with its
-    modifiers (LDG.E.128.CONSTANT). NOPs are not counted: nvdisasm lists the alignment padding
+    """Instructions of a function (by_function fills the counters): `opcodes` by bare opcode (LDG),
+    `forms` by opcode with its modifiers (LDG.E.128.CONSTANT). NOPs are not counted: nvdisasm lists the alignment padding
     after a function's last instruction as NOPs, never executed."""
 
     opcodes: Counter
