@@ -390,16 +390,18 @@ def _stream_key(stream):
 
 _queue_locks: dict = {}
 _thread_queue = threading.local()
+_ASK = object()
 
 
-def _queue_lock(stream) -> threading.Lock:
+def _queue_lock(stream, skey=_ASK) -> threading.Lock:
     """One lock per stream, held while an op takes the stream's scratch and queues its kernels (and,
     for a host call, until it has read the status word back). Two threads sharing a stream would
     otherwise interleave their launches -- quantize A, quantize B, GEMM A -- and A's GEMM would read
     B's activations from the one staging buffer, or A read B's overflow flag. Consecutive ops of one
     thread need no more: the stream orders them, and a PDL-launched prologue writes the staging
-    buffer only after its wait for the previous kernel."""
-    key = _stream_key(stream)
+    buffer only after its wait for the previous kernel. skey: _stream_key(stream), when the
+    caller has it (a driver handle read and a few Python calls: matmul asks once per call)."""
+    key = _stream_key(stream) if skey is _ASK else skey
     if isinstance(key, tuple):  # the per-thread default stream is this thread's alone, and so is its lock:
         lock = getattr(_thread_queue, "lock", None)  # kept in the table, its key would hold every finished Thread
         if lock is None:
@@ -412,21 +414,21 @@ def _queue_lock(stream) -> threading.Lock:
     return lock
 
 
-_ASK = object()
-
-
-def _scratch(tag: str, shape, dtype, stream=None, cid=_ASK) -> runtime.DeviceArray:
+def _scratch(tag: str, shape, dtype, stream=None, cid=_ASK, skey=_ASK) -> runtime.DeviceArray:
     """Reusable device scratch (staged activations, status word), one per stream: no cuMemAlloc
     per call, and ops queued on two streams at once never share a staging buffer. During a CUDA
     graph capture, one per capture instead: the graph's replays may run on any stream, beside
     eager calls on the capturing one or replays of another graph captured there. `cid`: the
-    stream's capture id (runtime.capture_id) when the caller already asked."""
+    stream's capture id (runtime.capture_id) when the caller already asked; `skey`: its
+    _stream_key, likewise."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if cid is _ASK:
         cid = runtime.capture_id(stream)
+    if skey is _ASK:
+        skey = _stream_key(stream)
     if cid is not None:
-        return _graph_scratch(tag, nbytes, shape, dtype, stream, cid)
-    key = (tag, _stream_key(stream))
+        return _graph_scratch(tag, nbytes, shape, dtype, stream, cid, skey)
+    key = (tag, skey)
     with _workspace_lock:
         buf = _workspace.get(key)
         if buf is None or buf.nbytes < nbytes:
@@ -446,12 +448,12 @@ def _scratch(tag: str, shape, dtype, stream=None, cid=_ASK) -> runtime.DeviceArr
 _graph_buffers: dict = {}
 
 
-def _graph_scratch(tag: str, nbytes: int, shape, dtype, stream, cid: int) -> runtime.DeviceArray:
+def _graph_scratch(tag: str, nbytes: int, shape, dtype, stream, cid: int, skey=_ASK) -> runtime.DeviceArray:
     """Scratch private to one capture: never handed to eager calls or to another capture, and held
     as long as the graph can be replayed (runtime.hold_for_capture: with a qgemm Graph, until it is
     deleted; with a caller's capture, torch.cuda.graph, for the process -- qgemm cannot see that
     graph go). Ops of one capture share it: the graph orders them as the stream did."""
-    key = (tag, _stream_key(stream), cid)
+    key = (tag, _stream_key(stream) if skey is _ASK else skey, cid)
     with _workspace_lock:
         buf = _graph_buffers.get(key)
         if buf is None or buf.nbytes < nbytes:
@@ -651,11 +653,12 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         result = runtime.DeviceArray.empty(shape_c, np.float32)
     dc = result if len(shape_c) == 2 else result.reshape(m, n)
     staged = p.staged_format
-    with _queue_lock(stream):
+    skey = _stream_key(stream)
+    with _queue_lock(stream, skey):
         cid = runtime.capture_id(stream)  # one driver query for both buffers
-        dq = _scratch("prologue", *staged, stream, cid) if staged else None
-        dpack = _scratch("repacked", (p.packed_weights_bytes,), np.uint8, stream, cid) if p.repack else None
-        status = _scratch("status", (1,), np.int32, stream, cid)
+        dq = _scratch("prologue", *staged, stream, cid, skey) if staged else None
+        dpack = _scratch("repacked", (p.packed_weights_bytes,), np.uint8, stream, cid, skey) if p.repack else None
+        status = _scratch("status", (1,), np.int32, stream, cid, skey)
         if not x_on_device:  # only a host call reads the prologue's flags; a device call queues no memset, which
             status.fill_bytes(0, stream)  # would stand between this op's kernels and the previous op's (PDL)
         p.launch(dx, wb, dq, dc, status, stream=stream, dpack=dpack)

@@ -272,7 +272,7 @@ class Kernel:
         self.op: Op = spec.op
         self._arch = arch
         self._loaded: dict[tuple, runtime.LoadedKernel] = {}
-        self._launches: dict[tuple, tuple] = {}  # (M, N, K, defines) -> (module, Launch): launch()'s memo
+        self._launches: dict[tuple, tuple] = {}  # (M, N, K, defines) -> (module, Launch, int32 M N K): launch()'s memo
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -529,12 +529,13 @@ class Kernel:
             defines = self.config_for(m, n, k)
         key = (m, n, k, tuple(defines.items()))
         hit = self._launches.get(key)
-        if hit is None:  # the module and geometry of a shape and configuration, worked out once
-            hit = runtime.remember(self._launches, key, (self._module(defines), self.geometry(m, n, k, defines)), 1024)
-        mod, g = hit
+        if hit is None:  # the module, geometry and int32 shape arguments of a shape and configuration, made once
+            hit = runtime.remember(self._launches, key, (self._module(defines), self.geometry(m, n, k, defines),
+                                                         (np.int32(m), np.int32(n), np.int32(k))), 1024)
+        mod, g, dims = hit
         if g.zero_output and not zeroed:
             dc.fill_bytes(0, stream)
-        args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr), np.int32(m), np.int32(n), np.int32(k))
+        args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr)) + dims
         # programmatic dependent launch unless the zeroing of C was queued right before it (a
         # memset, not a kernel: nothing to overlap)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -441,8 +442,6 @@ def check_capture_stream(stream, what: str) -> None:
     torch captures on a non-blocking stream (the legacy default stream, stream=None, stays free).
     So while torch captures its current stream (when torch is imported at all), qgemm's stream
     must be a capturing one."""
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is None:
         return
@@ -648,7 +647,7 @@ class DeviceArray:
     def __init__(self, ptr: int, shape: tuple[int, ...], dtype, owner=None, owns: bool = False):
         self._ptr = int(ptr)
         self._freed = False
-        self.shape = tuple(int(s) for s in shape)
+        self.shape = tuple(map(int, shape))
         self.dtype = np.dtype(dtype)
         self._owner = owner  # keeps a foreign array alive while we point into it
         self._owned = [self._ptr] if owns and self._ptr else []  # claimed by one list.pop(): see free()
@@ -1066,16 +1065,61 @@ def _ingested_dtype(obj, dtype: np.dtype) -> np.dtype:
     return dtype
 
 
+# torch dtypes the fast path reads, as numpy holds them (what their __cuda_array_interface__
+# typestr becomes in _from_cai); filled at the first torch tensor, torch being optional
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_array(obj) -> DeviceArray | None:
+    """A plain CUDA torch.Tensor as a DeviceArray read from the tensor's own accessors; None for
+    anything else, which takes the general path. Why: torch builds `__cuda_array_interface__` in
+    Python on every access (a dict, its typestr, a contiguity test), and with `_from_cai`'s
+    parsing that was ~10 us per operand of an eager call on an H100 host (out/s44host.py in
+    session 44's NOTES), two or three operands per call. Only what the interface would have said
+    the same way is taken here: a `torch.Tensor` itself (a subclass may export something else),
+    strided, C-contiguous, not requiring grad (torch's interface refuses that one: the general
+    path raises torch's own error), of a dtype in _TORCH_DTYPES. The device check is the general
+    path's (`_check_pointer_device`), so another GPU's tensor is refused alike."""
+    torch = _mods.get("torch")
+    if torch is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "Tensor"):
+            return None
+        _mods["torch"] = torch
+        for name, np_dtype in (("float32", "<f4"), ("float16", "<f2"), ("bfloat16", BF16_DTYPE),
+                               ("float64", "<f8"), ("uint8", "|u1"), ("int8", "|i1"), ("int16", "<i2"),
+                               ("int32", "<i4"), ("int64", "<i8")):
+            if hasattr(torch, name):
+                _TORCH_DTYPES[getattr(torch, name)] = np.dtype(np_dtype)
+    if type(obj) is not torch.Tensor:
+        return None
+    dtype = _TORCH_DTYPES.get(obj.dtype)
+    if (dtype is None or not obj.is_cuda or obj.requires_grad or obj.layout is not torch.strided
+            or not obj.is_contiguous()):
+        return None
+    shape = tuple(obj.shape)
+    ptr = obj.data_ptr()
+    if math.prod(shape) > 0:  # (the interface's data pointer is 0 for an empty tensor, as data_ptr())
+        if ptr == 0:
+            raise ValueError("device array has a null data pointer")
+        _check_pointer_device(ptr, "Tensor")
+    return DeviceArray(ptr, shape, dtype, owner=obj)
+
+
 def device_array_or_none(obj, stream=None) -> DeviceArray | None:
     """as_device_array(obj) for a device array (is_device_array), None for anything else (numpy,
     CPU tensors, lists): the two calls in one, reading the array interface once. (torch builds
     `__cuda_array_interface__` anew on every access, a few microseconds each: an eager decode
-    call is host-bound, so it asks once.)"""
+    call is host-bound, so it asks once -- and a plain CUDA tensor is read without it,
+    `_torch_array`.)"""
     if isinstance(obj, DeviceArray):
         obj.ptr  # a freed array raises here, before any launch
         return obj
     if isinstance(obj, np.ndarray):
         return None
+    arr = _torch_array(obj)
+    if arr is not None:
+        return arr
     cai = getattr(obj, "__cuda_array_interface__", _NO_CAI)  # a CPU tensor's property raises AttributeError
     if cai is not _NO_CAI:
         return DeviceArray._from_cai(obj, cai)
@@ -1096,6 +1140,9 @@ def as_device_array(obj, stream=None) -> DeviceArray:
     if isinstance(obj, DeviceArray):
         obj.ptr  # a freed array raises here, before any launch
         return obj
+    arr = _torch_array(obj)
+    if arr is not None:
+        return arr
     cai = getattr(obj, "__cuda_array_interface__", _NO_CAI)
     if cai is not _NO_CAI:
         return DeviceArray._from_cai(obj, cai)

@@ -163,6 +163,39 @@ def test_torch_tensors_without_copy(rng):
     assert t.data_ptr() == dc.ptr
 
 
+def test_torch_fast_path_matches_the_array_interface():
+    """runtime._torch_array reads a plain CUDA tensor from its accessors: the DeviceArray must be
+    the one torch's own __cuda_array_interface__ gives, for every dtype it takes; what it leaves
+    to the general path is refused (or taken) there as before."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from qgemm import runtime
+
+    base = torch.randn(6, 64, device="cuda")
+    taken = [base, base[2:], base[1], base.half(), base.bfloat16(), base.double(), base.view(torch.int32),
+             (base * 10).to(torch.int8), (base * 10).to(torch.uint8), (base * 10).to(torch.int16),
+             (base * 10).to(torch.int64), torch.empty(0, 64, device="cuda"), base.view(2, 3, 64)]
+    for t in taken:
+        fast = runtime._torch_array(t)
+        assert fast is not None, (t.dtype, t.shape)
+        general = runtime.DeviceArray._from_cai(t, t.__cuda_array_interface__)
+        assert (fast._ptr, fast.shape, fast.dtype, fast.readonly) == (general._ptr, general.shape, general.dtype,
+                                                                      general.readonly), (t.dtype, t.shape)
+    grad = base.clone().requires_grad_()
+    left = [base.t(), grad, torch.nn.Parameter(base.clone(), requires_grad=False), base.cpu(),
+            base > 0, torch.randn(4, 8, device="cuda", dtype=torch.complex64)]
+    for t in left:
+        assert runtime._torch_array(t) is None, (type(t).__name__, t.dtype)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        runtime.as_device_array(base.t())
+    with pytest.raises(RuntimeError, match="requires grad"):  # torch's own refusal
+        runtime.as_device_array(grad)
+    p = runtime.as_device_array(torch.nn.Parameter(base.clone(), requires_grad=False))  # the general path
+    assert p.shape == (6, 64) and p.dtype == np.float32
+    assert runtime.device_array_or_none(base.cpu()) is None
+
+
 def test_cupy_arrays(rng):
     cp = pytest.importorskip("cupy")
     a = cp.asarray(rng.standard_normal((3, 64), dtype=np.float32))

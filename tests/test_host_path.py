@@ -111,6 +111,96 @@ def test_device_array_or_none_reads_the_interface_once(monkeypatch):
         runtime.device_array_or_none(freed)
 
 
+class _FakeDtype:
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):  # what runtime._owner_says_bf16 reads
+        return f"torch.{self.name}"
+
+
+class _FakeTorch(types.ModuleType):
+    """Enough of torch for runtime._torch_array: a Tensor class whose accessors and
+    __cuda_array_interface__ say the same things, as torch's do (torch/_tensor.py)."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.strided, self.sparse_coo = object(), object()
+        self._typestr = {}
+        for name, ts in (("float32", "<f4"), ("float16", "<f2"), ("bfloat16", "<V2"), ("uint8", "|u1"),
+                         ("int32", "<i4"), ("bool", "|b1"), ("complex64", "<c8")):
+            dt = _FakeDtype(name)
+            setattr(self, name, dt)
+            self._typestr[id(dt)] = ts
+        torch = self
+
+        class Tensor:
+            def __init__(self, shape, dtype, ptr=0x7000, cuda=True, grad=False, layout=None, contiguous=True):
+                self.shape, self.dtype, self._ptr, self.is_cuda = tuple(shape), dtype, ptr, cuda
+                self.requires_grad, self.layout, self._contiguous = grad, layout or torch.strided, contiguous
+                self.cai_reads = 0
+
+            def is_contiguous(self):
+                return self._contiguous
+
+            def data_ptr(self):
+                return self._ptr if int(np.prod(self.shape)) else 0
+
+            @property
+            def __cuda_array_interface__(self):
+                self.cai_reads += 1
+                if not self.is_cuda:
+                    raise AttributeError("Can't get __cuda_array_interface__ on non-CUDA tensor")
+                if self.requires_grad:
+                    raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad")
+                ts = torch._typestr[id(self.dtype)]
+                strides = None if self._contiguous else tuple(reversed([np.dtype(ts).itemsize * 3 ** i
+                                                                        for i in range(len(self.shape))]))
+                return {"typestr": ts, "shape": self.shape, "strides": strides, "data": (self.data_ptr(), False),
+                        "version": 2}
+
+        self.Tensor = Tensor
+
+
+def test_torch_tensors_are_read_without_their_array_interface(monkeypatch):
+    """A plain CUDA torch tensor is read from its accessors (the interface is rebuilt by torch on
+    each access: ~10 us per operand with its parsing); the DeviceArray is the one the interface
+    gives, and everything else -- a subclass, a tensor requiring grad, non-contiguous, sparse, on
+    the CPU, of a dtype outside the table -- goes the general way, with its errors."""
+    torch = _FakeTorch()
+    monkeypatch.setitem(__import__("sys").modules, "torch", torch)
+    monkeypatch.setattr(runtime, "_mods", {k: v for k, v in runtime._mods.items() if k != "torch"})
+    monkeypatch.setattr(runtime, "_TORCH_DTYPES", {})
+    monkeypatch.setattr(runtime, "gpu_available", lambda: False)  # no pointer check without a GPU
+    for dtype, shape in ((torch.float32, (3, 64)), (torch.float16, (5,)), (torch.bfloat16, (2, 3, 32)),
+                         (torch.uint8, (7, 18)), (torch.int32, (1,)), (torch.float32, (0, 64))):
+        t = torch.Tensor(shape, dtype)
+        fast = runtime.device_array_or_none(t)
+        general = runtime.DeviceArray._from_cai(t, t.__cuda_array_interface__)
+        assert t.cai_reads == 1  # only the line above read it
+        assert (fast._ptr, fast.shape, fast.dtype, fast.readonly) == (general._ptr, general.shape, general.dtype,
+                                                                      general.readonly)
+        assert fast._owner is t and runtime.as_device_array(t).shape == shape and t.cai_reads == 1
+    assert runtime.device_array_or_none(torch.Tensor((2, 32), torch.bfloat16)).dtype == qgemm.formats.BF16_DTYPE
+
+    class Sub(torch.Tensor):
+        pass
+
+    others = {"subclass": Sub((2, 32), torch.float32), "bool": torch.Tensor((4,), torch.bool),
+              "complex": torch.Tensor((4,), torch.complex64), "sparse": torch.Tensor((4,), torch.float32,
+                                                                                   layout=torch.sparse_coo)}
+    for name, t in others.items():
+        assert runtime._torch_array(t) is None, name
+        runtime.device_array_or_none(t)
+        assert t.cai_reads == 1, name  # the general path read the interface
+    cpu = torch.Tensor((2, 32), torch.float32, cuda=False)
+    assert runtime._torch_array(cpu) is None and runtime.device_array_or_none(cpu) is None
+    with pytest.raises(RuntimeError, match="requires grad"):  # torch's own refusal, as before
+        runtime.device_array_or_none(torch.Tensor((2, 32), torch.float32, grad=True))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        runtime.as_device_array(torch.Tensor((2, 32), torch.float32, contiguous=False))
+
+
 def _stand_in_driver(monkeypatch, count):
     """gpu_available, `count` devices, a cuPointerGetAttribute that counts its calls (addresses in
     `known` are memory of context 7), and a context -> device query that counts its calls."""
@@ -292,6 +382,7 @@ def test_kernel_launch_memo_follows_the_configuration(monkeypatch):
 
         def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
             self.launched = (grid, block, shmem)
+            self.args = args
 
     monkeypatch.setattr(k, "_module", lambda defines=None: Mod(defines))
     a = types.SimpleNamespace(ptr=0x1000)
@@ -301,8 +392,9 @@ def test_kernel_launch_memo_follows_the_configuration(monkeypatch):
         k.launch(a, a, a, 8, 4096, 4096, defines=d)
     assert [m.d for m in modules] == [d1, d2]
     assert modules[1].launched[0] == k.geometry(8, 4096, 4096, d2).grid
-    k.launch(a, a, a, 9, 4096, 4096, defines=d1)  # another shape: its own geometry
-    assert len(modules) == 3
+    assert modules[0].args[3:] == (8, 4096, 4096) and all(type(v) is np.int32 for v in modules[0].args[3:])
+    k.launch(a, a, a, 9, 4096, 4096, defines=d1)  # another shape: its own geometry, its own int32 M N K
+    assert len(modules) == 3 and modules[2].args[3:] == (9, 4096, 4096)
 
 
 def test_kvcache_plan_memo_follows_the_rows(monkeypatch, clean_memos):
