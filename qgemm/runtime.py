@@ -1074,8 +1074,8 @@ def _torch_array(obj) -> DeviceArray | None:
     """A plain CUDA torch.Tensor as a DeviceArray read from the tensor's own accessors; None for
     anything else, which takes the general path. Why: torch builds `__cuda_array_interface__` in
     Python on every access (a dict, its typestr, a contiguity test), and with `_from_cai`'s
-    parsing that was ~10 us per operand of an eager call on an H100 host (out/s44host.py in
-    session 44's NOTES), two or three operands per call. Only what the interface would have said
+    parsing that was 5-10 us per operand of an eager call on H100 hosts, two or three operands
+    per call (docs/pytorch.md, "Host time per call"). Only what the interface would have said
     the same way is taken here: a `torch.Tensor` itself (a subclass may export something else),
     strided, C-contiguous, not requiring grad (torch's interface refuses that one: the general
     path raises torch's own error), of a dtype in _TORCH_DTYPES. The device check is the general

@@ -638,7 +638,7 @@ def test_pytorch_doc_host_time_tables_are_the_tools():
     page = (root / "docs" / "pytorch.md").read_text(encoding="utf-8")
     blocks = re.findall(r"<!-- host-overhead table: (\S+) (gemm|kvcache) -->\n(.*?)<!-- end host-overhead table -->",
                         page, re.S)
-    assert len(blocks) == 4, "the gemm and kvcache tables of the current run and of the run before"
+    assert len(blocks) == 6, "the gemm and kvcache tables of the current run and of the two runs before"
     for path, suite, body in blocks:
         data = json.loads((root / path).read_text())
         assert body == ho.markdown(data, suite), (path, suite)
