@@ -1085,12 +1085,12 @@ def _torch_array(obj) -> DeviceArray | None:
         torch = sys.modules.get("torch")
         if torch is None or not hasattr(torch, "Tensor"):
             return None
-        _mods["torch"] = torch
         for name, np_dtype in (("float32", "<f4"), ("float16", "<f2"), ("bfloat16", BF16_DTYPE),
                                ("float64", "<f8"), ("uint8", "|u1"), ("int8", "|i1"), ("int16", "<i2"),
                                ("int32", "<i4"), ("int64", "<i8")):
             if hasattr(torch, name):
                 _TORCH_DTYPES[getattr(torch, name)] = np.dtype(np_dtype)
+        _mods["torch"] = torch  # (after the table: a thread seeing it sees the table filled)
     if type(obj) is not torch.Tensor:
         return None
     dtype = _TORCH_DTYPES.get(obj.dtype)
@@ -1098,11 +1098,12 @@ def _torch_array(obj) -> DeviceArray | None:
             or not obj.is_contiguous()):
         return None
     shape = tuple(obj.shape)
+    if math.prod(shape) == 0:  # the interface's data pointer of an empty tensor is 0 (an empty view's
+        return DeviceArray(0, shape, dtype, owner=obj)  # data_ptr() may point into its storage)
     ptr = obj.data_ptr()
-    if math.prod(shape) > 0:  # (the interface's data pointer is 0 for an empty tensor, as data_ptr())
-        if ptr == 0:
-            raise ValueError("device array has a null data pointer")
-        _check_pointer_device(ptr, "Tensor")
+    if ptr == 0:
+        raise ValueError("device array has a null data pointer")
+    _check_pointer_device(ptr, "Tensor")
     return DeviceArray(ptr, shape, dtype, owner=obj)
 
 

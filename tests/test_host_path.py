@@ -143,8 +143,11 @@ class _FakeTorch(types.ModuleType):
             def is_contiguous(self):
                 return self._contiguous
 
-            def data_ptr(self):
-                return self._ptr if int(np.prod(self.shape)) else 0
+            def data_ptr(self):  # an empty view may point into its storage (torch.randn(6, 4)[6:])
+                return self._ptr
+
+            def numel(self):
+                return int(np.prod(self.shape))
 
             @property
             def __cuda_array_interface__(self):
@@ -156,8 +159,8 @@ class _FakeTorch(types.ModuleType):
                 ts = torch._typestr[id(self.dtype)]
                 strides = None if self._contiguous else tuple(reversed([np.dtype(ts).itemsize * 3 ** i
                                                                         for i in range(len(self.shape))]))
-                return {"typestr": ts, "shape": self.shape, "strides": strides, "data": (self.data_ptr(), False),
-                        "version": 2}
+                return {"typestr": ts, "shape": self.shape, "strides": strides,
+                        "data": (self.data_ptr() if self.numel() > 0 else 0, False), "version": 2}
 
         self.Tensor = Tensor
 
