@@ -1079,7 +1079,10 @@ def _torch_array(obj) -> DeviceArray | None:
     the same way is taken here: a `torch.Tensor` itself (a subclass may export something else),
     strided, C-contiguous, not requiring grad (torch's interface refuses that one: the general
     path raises torch's own error), of a dtype in _TORCH_DTYPES. The device check is the general
-    path's (`_check_pointer_device`), so another GPU's tensor is refused alike."""
+    path's (`_check_pointer_device`), so another GPU's tensor is refused alike. A tensor (or
+    subclass) with torch's lazy negation or conjugation bit set is refused: its memory holds the
+    values before that operation (`z.conj().imag` is -Im z), and the interface exports the memory
+    as it is -- a silently wrong operand either way."""
     torch = _mods.get("torch")
     if torch is None:
         torch = sys.modules.get("torch")
@@ -1091,6 +1094,12 @@ def _torch_array(obj) -> DeviceArray | None:
             if hasattr(torch, name):
                 _TORCH_DTYPES[getattr(torch, name)] = np.dtype(np_dtype)
         _mods["torch"] = torch  # (after the table: a thread seeing it sees the table filled)
+    if not isinstance(obj, torch.Tensor):
+        return None
+    if _lazy_bit(obj, "is_neg") or _lazy_bit(obj, "is_conj"):
+        raise ValueError(f"a torch tensor with its lazy {'negation' if _lazy_bit(obj, 'is_neg') else 'conjugation'} "
+                         "bit set holds the values before that operation in memory; call .resolve_neg() / "
+                         ".resolve_conj() (or .clone()) first")
     if type(obj) is not torch.Tensor:
         return None
     dtype = _TORCH_DTYPES.get(obj.dtype)
@@ -1105,6 +1114,12 @@ def _torch_array(obj) -> DeviceArray | None:
         raise ValueError("device array has a null data pointer")
     _check_pointer_device(ptr, "Tensor")
     return DeviceArray(ptr, shape, dtype, owner=obj)
+
+
+def _lazy_bit(t, name: str) -> bool:
+    """torch's is_neg() / is_conj() (absent in old releases: False)."""
+    fn = getattr(t, name, None)
+    return bool(fn()) if fn is not None else False
 
 
 def device_array_or_none(obj, stream=None) -> DeviceArray | None:

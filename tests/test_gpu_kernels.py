@@ -194,6 +194,15 @@ def test_torch_fast_path_matches_the_array_interface():
     p = runtime.as_device_array(torch.nn.Parameter(base.clone(), requires_grad=False))  # the general path
     assert p.shape == (6, 64) and p.dtype == np.float32
     assert runtime.device_array_or_none(base.cpu()) is None
+    # a lazily negated view (the imaginary part of a conjugate) holds -x in memory: refused
+    z = torch.randn(8, 64, dtype=torch.complex64, device="cuda")
+    neg = z.conj().imag
+    assert neg.is_neg()
+    with pytest.raises(ValueError, match="negation bit"):
+        qgemm.matmul(neg, qgemm.pack_weights(qgemm.quantize_q4_0(np.ones((32, 64), np.float32))))
+    with pytest.raises(ValueError, match="conjugation bit"):
+        runtime.as_device_array(z.conj())
+    assert runtime._torch_array(neg.resolve_neg().contiguous()) is not None
 
 
 def test_cupy_arrays(rng):

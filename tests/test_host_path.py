@@ -127,18 +127,27 @@ class _FakeTorch(types.ModuleType):
         super().__init__("torch")
         self.strided, self.sparse_coo = object(), object()
         self._typestr = {}
-        for name, ts in (("float32", "<f4"), ("float16", "<f2"), ("bfloat16", "<V2"), ("uint8", "|u1"),
-                         ("int32", "<i4"), ("bool", "|b1"), ("complex64", "<c8")):
+        for name, ts in (("float32", "<f4"), ("float16", "<f2"), ("bfloat16", "<V2"), ("float64", "<f8"),
+                         ("uint8", "|u1"), ("int8", "|i1"), ("int16", "<i2"), ("int32", "<i4"), ("int64", "<i8"),
+                         ("bool", "|b1"), ("complex64", "<c8")):
             dt = _FakeDtype(name)
             setattr(self, name, dt)
             self._typestr[id(dt)] = ts
         torch = self
 
         class Tensor:
-            def __init__(self, shape, dtype, ptr=0x7000, cuda=True, grad=False, layout=None, contiguous=True):
+            def __init__(self, shape, dtype, ptr=0x7000, cuda=True, grad=False, layout=None, contiguous=True,
+                         neg=False, conj=False):
                 self.shape, self.dtype, self._ptr, self.is_cuda = tuple(shape), dtype, ptr, cuda
                 self.requires_grad, self.layout, self._contiguous = grad, layout or torch.strided, contiguous
+                self._neg, self._conj = neg, conj
                 self.cai_reads = 0
+
+            def is_neg(self):
+                return self._neg
+
+            def is_conj(self):
+                return self._conj
 
             def is_contiguous(self):
                 return self._contiguous
@@ -176,7 +185,8 @@ def test_torch_tensors_are_read_without_their_array_interface(monkeypatch):
     monkeypatch.setattr(runtime, "_TORCH_DTYPES", {})
     monkeypatch.setattr(runtime, "gpu_available", lambda: False)  # no pointer check without a GPU
     for dtype, shape in ((torch.float32, (3, 64)), (torch.float16, (5,)), (torch.bfloat16, (2, 3, 32)),
-                         (torch.uint8, (7, 18)), (torch.int32, (1,)), (torch.float32, (0, 64))):
+                         (torch.uint8, (7, 18)), (torch.int32, (1,)), (torch.float32, (0, 64)), (torch.int8, (4, 2)),
+                         (torch.int16, (6,)), (torch.int64, (2, 2)), (torch.float64, (3,))):
         t = torch.Tensor(shape, dtype)
         fast = runtime.device_array_or_none(t)
         general = runtime.DeviceArray._from_cai(t, t.__cuda_array_interface__)
@@ -202,6 +212,22 @@ def test_torch_tensors_are_read_without_their_array_interface(monkeypatch):
         runtime.device_array_or_none(torch.Tensor((2, 32), torch.float32, grad=True))
     with pytest.raises(ValueError, match="C-contiguous"):
         runtime.as_device_array(torch.Tensor((2, 32), torch.float32, contiguous=False))
+    # lazily negated / conjugated views hold the values before the operation: refused, subclasses too
+    for t in (torch.Tensor((2, 32), torch.float32, neg=True), Sub((2, 32), torch.float32, neg=True),
+              torch.Tensor((4,), torch.complex64, conj=True), torch.Tensor((2, 32), torch.float32, neg=True, cuda=False)):
+        with pytest.raises(ValueError, match="lazy (negation|conjugation) bit"):
+            runtime.device_array_or_none(t)
+        with pytest.raises(ValueError, match="resolve_neg"):
+            runtime.as_device_array(t)
+    # the device check is the general path's, with the same name in its messages
+    checked = []
+    monkeypatch.setattr(runtime, "gpu_available", lambda: True)
+    monkeypatch.setattr(runtime, "_check_pointer_device", lambda ptr, what: checked.append((ptr, what)))
+    runtime.device_array_or_none(torch.Tensor((2, 32), torch.float32, ptr=0x9100))
+    runtime.device_array_or_none(torch.Tensor((0, 32), torch.float32, ptr=0x9200))  # empty: nothing to check
+    assert checked == [(0x9100, "Tensor")]
+    with pytest.raises(ValueError, match="null data pointer"):
+        runtime.device_array_or_none(torch.Tensor((2, 32), torch.float32, ptr=0))
 
 
 def _stand_in_driver(monkeypatch, count):
