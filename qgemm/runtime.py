@@ -1099,7 +1099,7 @@ def _torch_array(obj) -> DeviceArray | None:
     if _lazy_bit(obj, "is_neg") or _lazy_bit(obj, "is_conj"):
         raise ValueError(f"a torch tensor with its lazy {'negation' if _lazy_bit(obj, 'is_neg') else 'conjugation'} "
                          "bit set holds the values before that operation in memory; call .resolve_neg() / "
-                         ".resolve_conj() (or .clone()) first")
+                         ".resolve_conj() first")
     if type(obj) is not torch.Tensor:
         return None
     dtype = _TORCH_DTYPES.get(obj.dtype)
