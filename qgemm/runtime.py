@@ -1081,8 +1081,10 @@ def _torch_array(obj) -> DeviceArray | None:
     path raises torch's own error), of a dtype in _TORCH_DTYPES. The device check is the general
     path's (`_check_pointer_device`), so another GPU's tensor is refused alike. A tensor (or
     subclass) with torch's lazy negation or conjugation bit set is refused: its memory holds the
-    values before that operation (`z.conj().imag` is -Im z), and the interface exports the memory
-    as it is -- a silently wrong operand either way."""
+    values before that operation (`z.conj().imag` is -Im z, read from Im z's memory). Most such
+    views are strided, and the general path refuses them as non-contiguous, but the interface
+    exports a contiguous one (`torch._neg_view(x)`, a one-element `.imag`) as its memory is: a
+    silently wrong operand."""
     torch = _mods.get("torch")
     if torch is None:
         torch = sys.modules.get("torch")

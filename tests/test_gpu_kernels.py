@@ -202,6 +202,11 @@ def test_torch_fast_path_matches_the_array_interface():
         qgemm.matmul(neg, qgemm.pack_weights(qgemm.quantize_q4_0(np.ones((32, 64), np.float32))))
     with pytest.raises(ValueError, match="conjugation bit"):
         runtime.as_device_array(z.conj())
+    if hasattr(torch, "_neg_view"):  # a contiguous negated view: the case the interface exported as it is
+        contiguous_neg = torch._neg_view(base)
+        assert contiguous_neg.is_contiguous()
+        with pytest.raises(ValueError, match="negation bit"):
+            runtime.as_device_array(contiguous_neg)
     assert runtime._torch_array(neg.resolve_neg().contiguous()) is not None
 
 
