@@ -374,13 +374,21 @@ def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", pat
 _workspace_lock = threading.Lock()
 _workspace: OrderedDict[tuple, runtime.DeviceArray] = OrderedDict()
 _WORKSPACE_STREAMS = 8  # per tag: the least recently used stream's buffer is freed beyond this
+# the views _scratch handed out, by ((tag, stream key), (shape, dtype)) -> (buffer, view): an eager
+# call takes the same one to three views every time, and making each anew (its byte count, a
+# DeviceArray) was ~4 us of host time apiece. A view is reused only while its buffer is still the
+# stream's current one for the tag; the entries of an evicted buffer go with it.
+_scratch_views: dict = {}
 
 
 _PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD
 
 
 def _stream_key(stream):
-    handle = int(runtime.as_stream(stream).handle)
+    return _handle_key(int(runtime.as_stream(stream).handle))
+
+
+def _handle_key(handle: int):
     # the per-thread default stream (cuda.core's default under CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1)
     # is one handle for a different stream in each thread: its ops run concurrently, so no shared scratch.
     # Keyed by the Thread object, not its ident: an ident is reused once a thread ends, perhaps with its
@@ -421,26 +429,36 @@ def _scratch(tag: str, shape, dtype, stream=None, cid=_ASK, skey=_ASK) -> runtim
     eager calls on the capturing one or replays of another graph captured there. `cid`: the
     stream's capture id (runtime.capture_id) when the caller already asked; `skey`: its
     _stream_key, likewise."""
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if cid is _ASK:
         cid = runtime.capture_id(stream)
     if skey is _ASK:
         skey = _stream_key(stream)
     if cid is not None:
-        return _graph_scratch(tag, nbytes, shape, dtype, stream, cid, skey)
+        return _graph_scratch(tag, math.prod(shape) * np.dtype(dtype).itemsize, shape, dtype, stream, cid, skey)
     key = (tag, skey)
+    vkey = (key, tuple(shape), dtype)
     with _workspace_lock:
+        hit = _scratch_views.get(vkey)
+        if hit is not None and _workspace.get(key) is hit[0]:
+            _workspace.move_to_end(key)
+            return hit[1]
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         buf = _workspace.get(key)
         if buf is None or buf.nbytes < nbytes:
             buf = runtime.DeviceArray.empty((max(nbytes, 1),), np.uint8)
             _workspace[key] = buf
             same_tag = [k for k in _workspace if k[0] == tag]
+            gone = {key} | set(same_tag[:-_WORKSPACE_STREAMS])  # the replaced buffer's views, the evicted ones'
+            for v in [v for v in _scratch_views if v[0] in gone]:
+                del _scratch_views[v]
             for old in same_tag[:-_WORKSPACE_STREAMS]:
                 del _workspace[old]  # freed once no view holds it (cuMemFree waits for the GPU)
                 if not any(k[1] == old[1] for k in _workspace):  # that stream's last buffer: its lock goes too
                     _queue_locks.pop(old[1], None)  # (a later op there makes a new one; a holder keeps its own)
         _workspace.move_to_end(key)
-    return runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
+        view = runtime.DeviceArray(buf.ptr, tuple(shape), dtype, owner=buf)
+        runtime.remember(_scratch_views, vkey, (buf, view), 256)
+    return view
 
 
 # the buffer each capture's ops share, by (tag, stream, capture id); a capture that needs more
@@ -653,9 +671,10 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         result = runtime.DeviceArray.empty(shape_c, np.float32)
     dc = result if len(shape_c) == 2 else result.reshape(m, n)
     staged = p.staged_format
-    skey = _stream_key(stream)
+    handle = stream.handle  # a cuda.core Stream here; reading its handle costs ~1 us, so once
+    skey = _handle_key(int(handle))
     with _queue_lock(stream, skey):
-        cid = runtime.capture_id(stream)  # one driver query for both buffers
+        cid = runtime.stream_capture_id(handle)  # one driver query for all the buffers (prepare_call made the context current)
         dq = _scratch("prologue", *staged, stream, cid, skey) if staged else None
         dpack = _scratch("repacked", (p.packed_weights_bytes,), np.uint8, stream, cid, skey) if p.repack else None
         status = _scratch("status", (1,), np.int32, stream, cid, skey)

@@ -403,10 +403,14 @@ def capture_id(stream=None) -> int | None:
     """The id of the CUDA graph capture `stream` is in (unique within the process), None when it is
     not being captured; 0 for the legacy stream while a blocking stream captures (CAPTURE_IMPLICIT:
     it cannot take work, and the launch will say so)."""
-    driver = _cuda_driver()
-
     ensure_current()  # the legacy stream means the current context's: a fresh thread has none
-    handle = as_stream(stream).handle
+    return stream_capture_id(as_stream(stream).handle)
+
+
+def stream_capture_id(handle) -> int | None:
+    """capture_id of a stream handle (a cuda.core Stream's .handle or an int), in a thread where
+    qgemm's context is already current (qgemm.matmul asks once per call, after prepare_call)."""
+    driver = _cuda_driver()
     # cuStreamIsCapturing first: the capture info (several objects built by the bindings) is only
     # needed while a capture is on, and this runs in every matmul
     err, status = driver.cuStreamIsCapturing(handle)

@@ -740,6 +740,7 @@ def _fake_device_buffers(monkeypatch, weak: bool = False) -> list:
 
     monkeypatch.setattr(runtime, "_capture_buffers", {})
     monkeypatch.setattr(dispatch, "_graph_buffers", {})
+    monkeypatch.setattr(dispatch, "_scratch_views", {})
     made = []
 
     class FakeBuf:
@@ -749,6 +750,43 @@ def _fake_device_buffers(monkeypatch, weak: bool = False) -> list:
 
     monkeypatch.setattr(runtime.DeviceArray, "empty", classmethod(lambda cls, shape, dtype: FakeBuf(int(np.prod(shape)))))
     return made
+
+
+def test_scratch_views_are_reused_only_while_their_buffer_is_current(monkeypatch):
+    """An eager matmul takes the same scratch views every call: _scratch hands back the view it
+    made (no byte count, no new DeviceArray), but only while that view's buffer is still the
+    stream's buffer for the tag -- a grown buffer gives a new view, a buffer evicted with its stream
+    is freed (the memo does not hold it), and a table replaced under it serves no stale view."""
+    import gc
+    import types
+
+    from qgemm import dispatch
+
+    monkeypatch.setattr(runtime, "capture_id", lambda s=None: None)
+    monkeypatch.setattr(runtime, "as_stream", lambda s=None: types.SimpleNamespace(handle=s or 0))
+    monkeypatch.setattr(dispatch, "_workspace", type(dispatch._workspace)())
+    made = _fake_device_buffers(monkeypatch, weak=True)
+    a = dispatch._scratch("prologue", (4, 8), np.float16, 1)
+    assert dispatch._scratch("prologue", (4, 8), np.float16, 1) is a and len(made) == 1
+    b = dispatch._scratch("prologue", (2, 8), np.float32, 1)  # another shape or type: its own view, same buffer
+    assert b is not a and (b.ptr, b.shape, b.dtype) == (a.ptr, (2, 8), np.float32) and len(made) == 1
+    assert dispatch._scratch("prologue", (4, 8), np.float16, 2) is not a  # another stream
+    grown = dispatch._scratch("prologue", (64, 8), np.float16, 1)
+    again = dispatch._scratch("prologue", (4, 8), np.float16, 1)  # the old view's buffer is no longer stream 1's
+    assert again is not a and again.ptr == grown.ptr != a.ptr
+    del a, b
+    gc.collect()
+    assert made[0]() is None  # the replaced buffer: freed once its views are gone, the memo's (2, 8) one too
+    del again, grown
+    for s in range(3, 3 + dispatch._WORKSPACE_STREAMS):  # streams 1 and 2 evicted
+        dispatch._scratch("prologue", (4, 8), np.float16, s)
+    gc.collect()
+    assert [r() is None for r in made[:3]] == [True, True, True]  # stream 2's and stream 1's grown one: freed
+    assert not any(v[0][1] in (1, 2) for v in dispatch._scratch_views)
+    kept = dispatch._scratch("status", (1,), np.int32, 3)
+    monkeypatch.setattr(dispatch, "_workspace", type(dispatch._workspace)())  # emptied under the memo
+    fresh = dispatch._scratch("status", (1,), np.int32, 3)
+    assert fresh is not kept and fresh.ptr != kept.ptr
 
 
 def test_matmul_scratch_is_per_stream(monkeypatch):
