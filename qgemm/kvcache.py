@@ -1030,7 +1030,7 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     return LaunchPlan(defines, grid, (32 * warps, 1, 1), shmem, per, rows)
 
 
-_call_plans: dict = {}  # MustafarRunner.launch's plan_for memo (the plans are only read)
+_call_plans: dict = {}  # MustafarRunner.launch's memo: (plan_for's plan, the kernel's module, its int32 arguments)
 
 
 # Why a result of finite operands can still come back inf / NaN. The kernels sum the products of one
@@ -1166,23 +1166,30 @@ class MustafarRunner:
         from . import runtime
 
         b, s, d = dkv.shape
+        # every address read before anything else (DeviceKV.ptr refuses a freed copy): a free() fails
+        # here, not after a module load, nor between the value op's zeroing (which would have cleared
+        # out=) and its kernel. Pointers go as Python ints: cuda.core passes an int as a pointer-sized
+        # argument (a numpy scalar each cost ~0.25 us).
+        ptrs = (dkv.ptr("bmp"), dkv.ptr("offs"), dkv.ptr("scl"), dkv.ptr("zer"), dkv.ptr("data"), dx.ptr, dout.ptr)
         if plan_ is None:
             info = runtime.device_info() if runtime.gpu_available() else None
-            key = (self.kind, self.bits, tuple(dkv.shape), rows, info.sm_count if info else 132, dkv.max_step,
-                   info.cc if info else 90, dkv.density)
-            plan_ = _call_plans.get(key)
-            if plan_ is None:  # a pure function of the key: worked out once per cache shape and row count
-                plan_ = runtime.remember(_call_plans, key, plan_for(*key[:6], cc=key[6], density=key[7]), 1024)
-        # every address read before anything is queued (DeviceKV.ptr refuses a freed copy): a free()
-        # fails here, not between the value op's zeroing (which would have cleared out=) and its kernel
-        args = (np.uint64(dkv.ptr("bmp")), np.uint64(dkv.ptr("offs")), np.uint64(dkv.ptr("scl")), np.uint64(dkv.ptr("zer")),
-                np.uint64(dkv.ptr("data")), np.uint64(dx.ptr), np.uint64(dout.ptr), np.int32(s), np.int32(rows),
-                np.int32(plan_.per_cta))
-        mod = kernel._module(plan_.defines)
+            key = (kernel.name, self.kind, self.bits, tuple(dkv.shape), rows, info.sm_count if info else 132,
+                   dkv.max_step, info.cc if info else 90, dkv.density)
+            # the plan is a pure function of the key, worked out once per kernel, cache shape and row
+            # count; its module is kept beside it (Kernel._module looks it up by the sorted #defines)
+            hit = _call_plans.get(key)
+            if hit is None:
+                plan_ = plan_for(*key[1:7], cc=key[7], density=key[8])
+                hit = runtime.remember(_call_plans, key, (plan_, kernel._module(plan_.defines),
+                                                          (np.int32(s), np.int32(rows), np.int32(plan_.per_cta))), 1024)
+            plan_, mod, ints = hit
+        else:
+            mod, ints = kernel._module(plan_.defines), (np.int32(s), np.int32(rows), np.int32(plan_.per_cta))
+        args = ptrs + ints
         n = dout.nbytes // 4
         if self.kind == "value" and n:
             mod.launch(ZERO_ENTRY, (min(-(-n // ZERO_THREADS), 1024), 1, 1), (ZERO_THREADS, 1, 1), 0,
-                       (np.uint64(dout.ptr), np.int32(n)), stream=stream, pdl=kernel.spec.pdl)
+                       (dout.ptr, np.int32(n)), stream=stream, pdl=kernel.spec.pdl)
         mod.launch(kernel.spec.entry, plan_.grid, plan_.block, plan_.shmem, args, stream=stream, pdl=kernel.spec.pdl)
 
     # -- validation ------------------------------------------------------------------------------

@@ -535,7 +535,9 @@ class Kernel:
         mod, g, dims = hit
         if g.zero_output and not zeroed:
             dc.fill_bytes(0, stream)
-        args = (np.uint64(da.ptr), np.uint64(dw.ptr), np.uint64(dc.ptr)) + dims
+        # pointers as Python ints: cuda.core passes an int as a pointer-sized argument (its fast path;
+        # a numpy scalar per pointer cost ~0.25 us each)
+        args = (da.ptr, dw.ptr, dc.ptr) + dims
         # programmatic dependent launch unless the zeroing of C was queued right before it (a
         # memset, not a kernel: nothing to overlap)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream,
@@ -604,7 +606,7 @@ class Kernel:
                              f"address {dp.ptr:#x}")
         mod = self._module()
         g = self.spec.geometry(n, 0, k)
-        args = (np.uint64(dw.ptr), np.uint64(dp.ptr), np.int32(n), np.int32(k), np.uint64(status.ptr if status is not None else 0))
+        args = (dw.ptr, dp.ptr, np.int32(n), np.int32(k), status.ptr if status is not None else 0)  # (ints: pointers)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream, pdl=self.spec.pdl)
 
     # -- quantizers ----------------------------------------------------------------------------
@@ -652,9 +654,9 @@ class Kernel:
         where it can (KernelSpec.zeroes), else by a memset first."""
         mod = self._module()
         g = self.spec.geometry(m, 0, k)
-        args = (np.uint64(dx.ptr), np.uint64(dy.ptr), np.int32(m), np.int32(k), np.uint64(status.ptr))
+        args = (dx.ptr, dy.ptr, np.int32(m), np.int32(k), status.ptr)  # (Python ints: pointers, as in Kernel.launch)
         if self.spec.zeroes:
-            args += (np.uint64(zero.ptr if zero is not None else 0), np.int64(zero.size if zero is not None else 0))
+            args += (zero.ptr if zero is not None else 0, np.int64(zero.size if zero is not None else 0))
         elif zero is not None:
             zero.fill_bytes(0, stream)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream, pdl=self.spec.pdl)

@@ -450,3 +450,33 @@ def test_kvcache_plan_memo_follows_the_rows(monkeypatch, clean_memos):
     assert [a[3] for a, _ in planned] == [4, 8] and len(launched) == 4
     assert launched[0] == launched[1] and launched[0][1] == real("key", 2, (32, 4096, 128), 4, 132, 600, cc=90,
                                                                     density=0.3).grid
+
+
+def test_kvcache_launch_keeps_each_kernels_module(monkeypatch, clean_memos):
+    """The launch memo keeps the kernel's module beside its plan (no lookup by the sorted #defines
+    per call), per kernel: key_q2 and the compact key_q2c share a plan key but not a module; a plan
+    passed in explicitly (kv_probe, the bench) still gets its own defines' module."""
+    monkeypatch.setattr(runtime, "gpu_available", lambda: False)
+    launched, looked_up = [], []
+
+    class Mod:
+        def __init__(self, name, defines):
+            self.name, self.defines = name, defines
+
+        def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
+            launched.append((self.name, entry, dict(self.defines)))
+
+    kerns = [qgemm.get("mustafar.key_q2"), qgemm.get("mustafar.key_q2c")]
+    for k in kerns:
+        monkeypatch.setattr(k, "_module", lambda defines=None, name=k.name: looked_up.append(name) or Mod(name, defines))
+    dkv = types.SimpleNamespace(shape=(32, 4096, 128), max_step=600, density=0.3, ptr=lambda part: 0x1000)
+    dx, dout = types.SimpleNamespace(ptr=0x2000), types.SimpleNamespace(ptr=0x3000, nbytes=0)
+    for _ in range(3):
+        for k in kerns:
+            k.spec.runner.launch(k, dkv, dx, dout, 4)
+    assert looked_up == ["mustafar.key_q2", "mustafar.key_q2c"]  # once each
+    assert [n for n, _, _ in launched] == ["mustafar.key_q2", "mustafar.key_q2c"] * 3
+    assert [e for _, e, _ in launched] == [k.spec.entry for k in kerns] * 3
+    other = kv.plan_for("key", 2, (32, 4096, 128), 8, 132, 600, cc=90, density=0.3)
+    kerns[0].spec.runner.launch(kerns[0], dkv, dx, dout, 8, plan_=other)
+    assert looked_up[-1] == "mustafar.key_q2" and launched[-1][2] == other.defines
