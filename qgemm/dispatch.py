@@ -374,7 +374,7 @@ def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", pat
 _workspace_lock = threading.Lock()
 _workspace: OrderedDict[tuple, runtime.DeviceArray] = OrderedDict()
 _WORKSPACE_STREAMS = 8  # per tag: the least recently used stream's buffer is freed beyond this
-# the views _scratch handed out, by ((tag, stream key), (shape, dtype)) -> (buffer, view): an eager
+# the views _scratch handed out, by ((tag, stream key), shape, dtype) -> (buffer, view): an eager
 # call takes the same one to three views every time, and making each anew (its byte count, a
 # DeviceArray) was ~4 us of host time apiece. A view is reused only while its buffer is still the
 # stream's current one for the tag; the entries of an evicted buffer go with it.

@@ -1173,10 +1173,11 @@ class MustafarRunner:
         ptrs = (dkv.ptr("bmp"), dkv.ptr("offs"), dkv.ptr("scl"), dkv.ptr("zer"), dkv.ptr("data"), dx.ptr, dout.ptr)
         if plan_ is None:
             info = runtime.device_info() if runtime.gpu_available() else None
-            key = (kernel.name, self.kind, self.bits, tuple(dkv.shape), rows, info.sm_count if info else 132,
+            key = (kernel, self.kind, self.bits, tuple(dkv.shape), rows, info.sm_count if info else 132,
                    dkv.max_step, info.cc if info else 90, dkv.density)
-            # the plan is a pure function of the key, worked out once per kernel, cache shape and row
-            # count; its module is kept beside it (Kernel._module looks it up by the sorted #defines)
+            # the plan is a pure function of the key, worked out once per kernel (the object: a module
+            # belongs to it), cache shape and row count; its module is kept beside it (Kernel._module
+            # looks it up by the sorted #defines)
             hit = _call_plans.get(key)
             if hit is None:
                 plan_ = plan_for(*key[1:7], cc=key[7], density=key[8])
