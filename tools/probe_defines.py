@@ -5,7 +5,9 @@ anything the source understands, including compile-time switches that are not tu
 experiment's toggles, or timing probes that skip part of the work and so give wrong results: each
 variant's first launch is checked against the exact reference and the line says `ok` or `WRONG`).
 Variants alternate within each repetition, in one process, hot (graph-batched, as `qgemm bench`)
-or with --cold weight sets rotated through more than twice the L2.
+or with --cold weight sets rotated through more than twice the L2 (--cold-weights: only the weights
+rotated, x and C the same buffers every launch -- a decode op in a model reads the previous op's
+fresh output from the L2 and its weights from DRAM).
 
     python tools/probe_defines.py w4a16.wgmma_rs 512x4096x4096,2048x4096x4096 base st3=RS_STAGES=3 ws0=RS_WS=0
     python tools/probe_defines.py w4a16.skinny 1x4096x4096 base u2=SK_UNROLL=2 --reps 3
@@ -49,6 +51,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cold", action="store_true", help="rotate weight / activation / output sets through > 2x L2")
+    ap.add_argument("--cold-weights", action="store_true",
+                    help="rotate weight sets only; x and C stay the same buffers (in the L2)")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     k = registry.get(args.kernel)
@@ -59,12 +63,16 @@ def main() -> None:
         exact = k.op.exact(inp.a, inp.w)
         da, dw = k.upload_activations(inp.a), k.upload_weights(inp.w)
         dc = runtime.DeviceArray.empty((m, n), np.float32)
-        sets = bench._sets_for(inp.a.nbytes + inp.w.nbytes + m * n * 4, args.cold)
-        das = [da] + [k.upload_activations(inp.a) for _ in range(sets - 1)]
+        if args.cold_weights:
+            sets = bench._sets_for(inp.w.nbytes, True)
+            das, dcs = [da] * sets, [dc] * sets
+        else:
+            sets = bench._sets_for(inp.a.nbytes + inp.w.nbytes + m * n * 4, args.cold)
+            das = [da] + [k.upload_activations(inp.a) for _ in range(sets - 1)]
+            dcs = [dc] + [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets - 1)]
         dws = [dw] + [k.upload_weights(inp.w) for _ in range(sets - 1)]
-        dcs = [dc] + [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets - 1)]
         base = k.config_for(m, n, kk)
-        print(f"{args.kernel} {shape} {'cold, ' + str(sets) + ' sets' if args.cold else 'hot'}: configuration "
+        print(f"{args.kernel} {shape} {('cold weights, ' if args.cold_weights else 'cold, ') + str(sets) + ' sets' if args.cold or args.cold_weights else 'hot'}: configuration "
               f"{' '.join(f'{a}={b}' for a, b in base.items())}", flush=True)
         for rep in range(args.reps):
             for label, extra in variants:

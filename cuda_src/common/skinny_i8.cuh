@@ -69,6 +69,16 @@
 #ifndef SK_PRIME
 #define SK_PRIME 0
 #endif
+// SK_STAGE (experiment): 1 copies the warp's whole weight slice (at most SK_SGMAX groups) into
+// shared memory with cp.async before the PDL wait, so the bytes in flight cost no registers and a
+// kernel of few registers (SK_MINB = 3, 4) leaves room on every SM for the next op's CTAs, which
+// then stream their weights while this op computes.
+#ifndef SK_STAGE
+#define SK_STAGE 0
+#endif
+#ifndef SK_SGMAX
+#define SK_SGMAX 4
+#endif
 #define SK_MQP (SK_MQ < 2 ? 2 : SK_MQ)  // token slots of the scale rows: a lane reads tokens 2t, 2t + 1
 #include "common/skinny_common.cuh"
 
@@ -108,6 +118,9 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
     // per warp, per step parity: quantized activations as B fragments, and {d, sum q} per block and token
     __shared__ uint2 xq_s[SK_WARPS][2][SK_UNROLL][4][SK_MQ][4];
     __shared__ float2 xd_s[SK_WARPS][2][SK_UNROLL][4][SK_MQP];
+#if SK_STAGE
+    __shared__ __align__(16) uint4 wst[SK_WARPS][SK_SGMAX][SK_R][SF::PIECES * 32 + 8];
+#endif
 #if SK_PDL_EARLY
     pdl_launch_dependents();
 #endif
@@ -128,7 +141,22 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
     typedef typename SkSlice<SF::PIECES>::WSet WSet;
     typedef typename SkSlice<SF::PIECES>::DSet DSet;
     typedef SkXT::raw XSet[SK_UNROLL][SK_MQ];
+#if SK_STAGE
+    auto load_w = [&](WSet& wq, DSet& wd, int G) {
+#pragma unroll
+        for (int u = 0; u < SK_UNROLL; ++u) {
+            const int i = min(G + u, ge - 1) - gb;
+#pragma unroll
+            for (int r = 0; r < SK_R; ++r) {
+#pragma unroll
+                for (int p = 0; p < SF::PIECES; ++p) wq[u][r][p] = wst[warp][i][r][p * 32 + lane];
+                wd[u][r] = wst[warp][i][r][SF::PIECES * 32 + g];
+            }
+        }
+    };
+#else
     auto load_w = [&](WSet& wq, DSet& wd, int G) { sl.load(wq, wd, G); };
+#endif
     // Blocks past K (the last group's padding) re-read block nb - 1: finite values whose weights
     // are d = 0, so they add exactly 0.
     auto load_x = [&](XSet& xv, int G) {
@@ -201,13 +229,39 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
     WSet wqA, wqB;
     DSet wdA, wdB;
     XSet xA, xB;
+#if SK_STAGE
+    for (int i = 0; i < min(ge - gb, SK_SGMAX); ++i) {
+#pragma unroll
+        for (int r = 0; r < SK_R; ++r) {
+            const size_t base = (size_t)min(tile0 + r, sl.ntiles - 1) * sl.ngroups + gb + i;
+            const uint4* q = sl.qs + base * SkSlice<SF::PIECES>::GROUP_PIECES + lane;
+#pragma unroll
+            for (int p = 0; p < SF::PIECES; ++p) {
+                const unsigned sa = (unsigned)__cvta_generic_to_shared(&wst[warp][i][r][p * 32 + lane]);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(q + p * 32) : "memory");
+            }
+            if (lane < 8) {
+                const unsigned sa = (unsigned)__cvta_generic_to_shared(&wst[warp][i][r][SF::PIECES * 32 + lane]);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(sl.ds + base * 8 + lane) : "memory");
+            }
+        }
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#else
     if (gb < ge) load_w(wqA, wdA, gb);  // in flight while the previous kernel finishes (PDL)
     if (SK_PRIME && gb + SK_UNROLL < ge) load_w(wqB, wdB, gb + SK_UNROLL);
+#endif
     // The weights are the only memory read above this line (no kernel of an op chain writes them);
     // X and C only after the wait (common/pdl.cuh).
     pdl_wait();
     if (gb < ge) load_x(xA, gb);
     if (SK_PRIME && gb + SK_UNROLL < ge) load_x(xB, gb + SK_UNROLL);
+#if SK_STAGE
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncwarp();  // the scale rows were copied by lanes 0..7 for the whole warp
+    if (gb < ge) load_w(wqA, wdA, gb);
+    if (SK_PRIME && gb + SK_UNROLL < ge) load_w(wqB, wdB, gb + SK_UNROLL);
+#endif
     for (int G = gb; G < ge; G += 2 * SK_UNROLL) {
         if (!SK_PRIME && G + SK_UNROLL < ge) {
             load_w(wqB, wdB, G + SK_UNROLL);
