@@ -79,6 +79,17 @@
 #ifndef SK_SGMAX
 #define SK_SGMAX 4
 #endif
+// SK_DBG (timing probe, wrong results): 1 no quantization (x's bits as the int8 words), 2 no
+// cross-warp reduction (warp 0 stores its own sums), 4 no weight loads after the PDL wait (every
+// step computes on the first step's registers), 8 no activation loads (constant x)
+#ifndef SK_DBG
+#define SK_DBG 0
+#endif
+// SK_QAHEAD (experiment): both sets' activations quantized before either set's MMAs, so the second
+// set's quantization latency overlaps the first set's MMAs instead of following them
+#ifndef SK_QAHEAD
+#define SK_QAHEAD 0
+#endif
 #define SK_MQP (SK_MQ < 2 ? 2 : SK_MQ)  // token slots of the scale rows: a lane reads tokens 2t, 2t + 1
 #include "common/skinny_common.cuh"
 
@@ -165,7 +176,8 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
             const int b = min(min(G + u, ge - 1) * 4 + jl, nb - 1);
 #pragma unroll
             for (int m = 0; m < SK_MQ; ++m)
-                if (SK_MQ == 1 || m < M) xv[u][m] = SkXT::load(X + (size_t)m * K + b * QK + 4 * wl);
+                if (SK_DBG & 8) xv[u][m] = SkXT::raw{1.0f + b, 2.0f, 3.0f, (float)wl};
+                else if (SK_MQ == 1 || m < M) xv[u][m] = SkXT::load(X + (size_t)m * K + b * QK + 4 * wl);
         }
     };
     auto quantize = [&](const XSet& xv, int par) {
@@ -175,6 +187,11 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
             for (int m = 0; m < SK_MQ; ++m) {
                 if (SK_MQ > 1 && m >= M) break;  // warp-uniform (M >= 1 always)
                 const float4 v = SkXT::f4(xv[u][m]);
+                if (SK_DBG & 1) {
+                    reinterpret_cast<unsigned*>(&xq_s[warp][par][u][jl][m][wl % 4])[wl / 4] = __float_as_uint(v.x) ^ __float_as_uint(v.y);
+                    if (wl == 0) xd_s[warp][par][u][jl][m] = make_float2(v.z, 0.0f);
+                    continue;
+                }
                 float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
                 for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -264,24 +281,34 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
 #endif
     for (int G = gb; G < ge; G += 2 * SK_UNROLL) {
         if (!SK_PRIME && G + SK_UNROLL < ge) {
-            load_w(wqB, wdB, G + SK_UNROLL);
+            if (!(SK_DBG & 4)) load_w(wqB, wdB, G + SK_UNROLL);
             load_x(xB, G + SK_UNROLL);
         }
-        quantize(xA, 0);
+        if (SK_QAHEAD) {
+            __syncwarp();  // every lane's reads of the previous step's buffers before they are rewritten
+            quantize(xA, 0);
+            if (G + SK_UNROLL < ge) quantize(xB, 1);
+        } else {
+            quantize(xA, 0);
+        }
         compute(wqA, wdA, G, 0);
         if (G + SK_UNROLL >= ge) break;
         if (G + 2 * SK_UNROLL < ge) {
-            load_w(wqA, wdA, G + 2 * SK_UNROLL);
+            if (!(SK_DBG & 4)) load_w(wqA, wdA, G + 2 * SK_UNROLL);
             load_x(xA, G + 2 * SK_UNROLL);
         }
-        quantize(xB, 1);
-        compute(wqB, wdB, G + SK_UNROLL, 1);
+        if (!SK_QAHEAD) quantize(xB, 1);
+        if (SK_DBG & 4) compute(wqA, wdA, G + SK_UNROLL, 1); else compute(wqB, wdB, G + SK_UNROLL, 1);
         if (SK_PRIME && G + 3 * SK_UNROLL < ge) {
             load_w(wqB, wdB, G + 3 * SK_UNROLL);
             load_x(xB, G + 3 * SK_UNROLL);
         }
     }
 
+    if (SK_DBG & 2) {
+        if (warp == 0 && t == 0) C[tile0 * 16 + g] = acc[0][0] + acc[0][2];
+        return;
+    }
     // C fragment: acc[r][0..1] -> W row g, tokens 2t, 2t+1; acc[r][2..3] -> row g + 8
     sk_reduce_store<1>(red, [&](int r, int, int i) { return acc[r][i]; }, C, M, N, tile0);
 }
