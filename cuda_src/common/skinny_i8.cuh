@@ -69,27 +69,6 @@
 #ifndef SK_PRIME
 #define SK_PRIME 0
 #endif
-// SK_STAGE (experiment): 1 copies the warp's whole weight slice (at most SK_SGMAX groups) into
-// shared memory with cp.async before the PDL wait, so the bytes in flight cost no registers and a
-// kernel of few registers (SK_MINB = 3, 4) leaves room on every SM for the next op's CTAs, which
-// then stream their weights while this op computes.
-#ifndef SK_STAGE
-#define SK_STAGE 0
-#endif
-#ifndef SK_SGMAX
-#define SK_SGMAX 4
-#endif
-// SK_DBG (timing probe, wrong results): 1 no quantization (x's bits as the int8 words), 2 no
-// cross-warp reduction (warp 0 stores its own sums), 4 no weight loads after the PDL wait (every
-// step computes on the first step's registers), 8 no activation loads (constant x)
-#ifndef SK_DBG
-#define SK_DBG 0
-#endif
-// SK_QAHEAD (experiment): both sets' activations quantized before either set's MMAs, so the second
-// set's quantization latency overlaps the first set's MMAs instead of following them
-#ifndef SK_QAHEAD
-#define SK_QAHEAD 0
-#endif
 #define SK_MQP (SK_MQ < 2 ? 2 : SK_MQ)  // token slots of the scale rows: a lane reads tokens 2t, 2t + 1
 #include "common/skinny_common.cuh"
 
@@ -129,9 +108,6 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
     // per warp, per step parity: quantized activations as B fragments, and {d, sum q} per block and token
     __shared__ uint2 xq_s[SK_WARPS][2][SK_UNROLL][4][SK_MQ][4];
     __shared__ float2 xd_s[SK_WARPS][2][SK_UNROLL][4][SK_MQP];
-#if SK_STAGE
-    __shared__ __align__(16) uint4 wst[SK_WARPS][SK_SGMAX][SK_R][SF::PIECES * 32 + 8];
-#endif
 #if SK_PDL_EARLY
     pdl_launch_dependents();
 #endif
@@ -152,22 +128,7 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
     typedef typename SkSlice<SF::PIECES>::WSet WSet;
     typedef typename SkSlice<SF::PIECES>::DSet DSet;
     typedef SkXT::raw XSet[SK_UNROLL][SK_MQ];
-#if SK_STAGE
-    auto load_w = [&](WSet& wq, DSet& wd, int G) {
-#pragma unroll
-        for (int u = 0; u < SK_UNROLL; ++u) {
-            const int i = min(G + u, ge - 1) - gb;
-#pragma unroll
-            for (int r = 0; r < SK_R; ++r) {
-#pragma unroll
-                for (int p = 0; p < SF::PIECES; ++p) wq[u][r][p] = wst[warp][i][r][p * 32 + lane];
-                wd[u][r] = wst[warp][i][r][SF::PIECES * 32 + g];
-            }
-        }
-    };
-#else
     auto load_w = [&](WSet& wq, DSet& wd, int G) { sl.load(wq, wd, G); };
-#endif
     // Blocks past K (the last group's padding) re-read block nb - 1: finite values whose weights
     // are d = 0, so they add exactly 0.
     auto load_x = [&](XSet& xv, int G) {
@@ -176,8 +137,7 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
             const int b = min(min(G + u, ge - 1) * 4 + jl, nb - 1);
 #pragma unroll
             for (int m = 0; m < SK_MQ; ++m)
-                if (SK_DBG & 8) xv[u][m] = SkXT::raw{1.0f + b, 2.0f, 3.0f, (float)wl};
-                else if (SK_MQ == 1 || m < M) xv[u][m] = SkXT::load(X + (size_t)m * K + b * QK + 4 * wl);
+                if (SK_MQ == 1 || m < M) xv[u][m] = SkXT::load(X + (size_t)m * K + b * QK + 4 * wl);
         }
     };
     auto quantize = [&](const XSet& xv, int par) {
@@ -187,11 +147,6 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
             for (int m = 0; m < SK_MQ; ++m) {
                 if (SK_MQ > 1 && m >= M) break;  // warp-uniform (M >= 1 always)
                 const float4 v = SkXT::f4(xv[u][m]);
-                if (SK_DBG & 1) {
-                    reinterpret_cast<unsigned*>(&xq_s[warp][par][u][jl][m][wl % 4])[wl / 4] = __float_as_uint(v.x) ^ __float_as_uint(v.y);
-                    if (wl == 0) xd_s[warp][par][u][jl][m] = make_float2(v.z, 0.0f);
-                    continue;
-                }
                 float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
                 for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -246,69 +201,33 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
     WSet wqA, wqB;
     DSet wdA, wdB;
     XSet xA, xB;
-#if SK_STAGE
-    for (int i = 0; i < min(ge - gb, SK_SGMAX); ++i) {
-#pragma unroll
-        for (int r = 0; r < SK_R; ++r) {
-            const size_t base = (size_t)min(tile0 + r, sl.ntiles - 1) * sl.ngroups + gb + i;
-            const uint4* q = sl.qs + base * SkSlice<SF::PIECES>::GROUP_PIECES + lane;
-#pragma unroll
-            for (int p = 0; p < SF::PIECES; ++p) {
-                const unsigned sa = (unsigned)__cvta_generic_to_shared(&wst[warp][i][r][p * 32 + lane]);
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(q + p * 32) : "memory");
-            }
-            if (lane < 8) {
-                const unsigned sa = (unsigned)__cvta_generic_to_shared(&wst[warp][i][r][SF::PIECES * 32 + lane]);
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(sl.ds + base * 8 + lane) : "memory");
-            }
-        }
-    }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-#else
     if (gb < ge) load_w(wqA, wdA, gb);  // in flight while the previous kernel finishes (PDL)
     if (SK_PRIME && gb + SK_UNROLL < ge) load_w(wqB, wdB, gb + SK_UNROLL);
-#endif
     // The weights are the only memory read above this line (no kernel of an op chain writes them);
     // X and C only after the wait (common/pdl.cuh).
     pdl_wait();
     if (gb < ge) load_x(xA, gb);
     if (SK_PRIME && gb + SK_UNROLL < ge) load_x(xB, gb + SK_UNROLL);
-#if SK_STAGE
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    __syncwarp();  // the scale rows were copied by lanes 0..7 for the whole warp
-    if (gb < ge) load_w(wqA, wdA, gb);
-    if (SK_PRIME && gb + SK_UNROLL < ge) load_w(wqB, wdB, gb + SK_UNROLL);
-#endif
     for (int G = gb; G < ge; G += 2 * SK_UNROLL) {
         if (!SK_PRIME && G + SK_UNROLL < ge) {
-            if (!(SK_DBG & 4)) load_w(wqB, wdB, G + SK_UNROLL);
+            load_w(wqB, wdB, G + SK_UNROLL);
             load_x(xB, G + SK_UNROLL);
         }
-        if (SK_QAHEAD) {
-            __syncwarp();  // every lane's reads of the previous step's buffers before they are rewritten
-            quantize(xA, 0);
-            if (G + SK_UNROLL < ge) quantize(xB, 1);
-        } else {
-            quantize(xA, 0);
-        }
+        quantize(xA, 0);
         compute(wqA, wdA, G, 0);
         if (G + SK_UNROLL >= ge) break;
         if (G + 2 * SK_UNROLL < ge) {
-            if (!(SK_DBG & 4)) load_w(wqA, wdA, G + 2 * SK_UNROLL);
+            load_w(wqA, wdA, G + 2 * SK_UNROLL);
             load_x(xA, G + 2 * SK_UNROLL);
         }
-        if (!SK_QAHEAD) quantize(xB, 1);
-        if (SK_DBG & 4) compute(wqA, wdA, G + SK_UNROLL, 1); else compute(wqB, wdB, G + SK_UNROLL, 1);
+        quantize(xB, 1);
+        compute(wqB, wdB, G + SK_UNROLL, 1);
         if (SK_PRIME && G + 3 * SK_UNROLL < ge) {
             load_w(wqB, wdB, G + 3 * SK_UNROLL);
             load_x(xB, G + 3 * SK_UNROLL);
         }
     }
 
-    if (SK_DBG & 2) {
-        if (warp == 0 && t == 0) C[tile0 * 16 + g] = acc[0][0] + acc[0][2];
-        return;
-    }
     // C fragment: acc[r][0..1] -> W row g, tokens 2t, 2t+1; acc[r][2..3] -> row g + 8
     sk_reduce_store<1>(red, [&](int r, int, int i) { return acc[r][i]; }, C, M, N, tile0);
 }
