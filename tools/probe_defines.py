@@ -50,9 +50,10 @@ def main() -> None:
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--cold", action="store_true", help="rotate weight / activation / output sets through > 2x L2")
-    ap.add_argument("--cold-weights", action="store_true",
-                    help="rotate weight sets only; x and C stay the same buffers (in the L2)")
+    cold = ap.add_mutually_exclusive_group()
+    cold.add_argument("--cold", action="store_true", help="rotate weight / activation / output sets through > 2x L2")
+    cold.add_argument("--cold-weights", action="store_true",
+                      help="rotate weight sets only; x and C stay the same buffers (in the L2)")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     k = registry.get(args.kernel)
@@ -72,7 +73,8 @@ def main() -> None:
             dcs = [dc] + [runtime.DeviceArray.empty((m, n), np.float32) for _ in range(sets - 1)]
         dws = [dw] + [k.upload_weights(inp.w) for _ in range(sets - 1)]
         base = k.config_for(m, n, kk)
-        print(f"{args.kernel} {shape} {('cold weights, ' if args.cold_weights else 'cold, ') + str(sets) + ' sets' if args.cold or args.cold_weights else 'hot'}: configuration "
+        mode = f"cold weights, {sets} sets" if args.cold_weights else f"cold, {sets} sets" if args.cold else "hot"
+        print(f"{args.kernel} {shape} {mode}: configuration "
               f"{' '.join(f'{a}={b}' for a, b in base.items())}", flush=True)
         for rep in range(args.reps):
             for label, extra in variants:
