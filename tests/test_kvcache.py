@@ -30,10 +30,14 @@ def compress(kind, x, bits, compact=False, sparsity=None):
 @pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.7, 0.9])
 def test_prune_keeps_the_largest_per_token(rng, sparsity):
     x = cache(rng, 3, 50, 64)
+    x[0, 0, 5] = 0  # exact zeros (a float16 cache may hold them: tiny values round to 0)
+    x[1, 2, 4:] = 0  # a token with fewer non-zeros than any sparsity keeps
     p = kv.prune(x, sparsity)
     keep = kv.kept_per_token(64, sparsity)
     assert p.dtype == np.float16 and p.shape == x.shape
-    assert ((p != 0).sum(-1) == keep).all()
+    # `keep` entries per token; those of a token with fewer non-zeros include zeros
+    assert ((p != 0).sum(-1) == np.minimum(keep, (x != 0).sum(-1))).all()
+    assert (p != 0).sum(-1)[1, 2] == min(keep, 4)
     assert ((p == x) | (p == 0)).all()
     kept_min = np.where(p != 0, np.abs(p.astype(np.float32)), np.inf).min(-1)
     dropped_max = np.where(p == 0, np.abs(x.astype(np.float32)), -np.inf).max(-1)
