@@ -1033,6 +1033,11 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
 _call_plans: dict = {}  # MustafarRunner.launch's memo: (plan_for's plan, the kernel's module, its int32 arguments)
 
 
+def _int_args(s: int, rows: int, plan_) -> tuple:
+    """The kernels' three int32 arguments after the pointers: S, R and the plan's per_cta."""
+    return np.int32(s), np.int32(rows), np.int32(plan_.per_cta)
+
+
 # Why a result of finite operands can still come back inf / NaN. The kernels sum the products of one
 # 32-position bitmap word in half2 (fp32 across words: docs/mustafar.md), so a partial sum past 65504
 # overflows even where the whole dot product fits; key scores are float16 besides.
@@ -1180,12 +1185,11 @@ class MustafarRunner:
             # looks it up by the sorted #defines)
             hit = _call_plans.get(key)
             if hit is None:
-                plan_ = plan_for(*key[1:7], cc=key[7], density=key[8])
-                hit = runtime.remember(_call_plans, key, (plan_, kernel._module(plan_.defines),
-                                                          (np.int32(s), np.int32(rows), np.int32(plan_.per_cta))), 1024)
+                p = plan_for(*key[1:7], cc=key[7], density=key[8])
+                hit = runtime.remember(_call_plans, key, (p, kernel._module(p.defines), _int_args(s, rows, p)), 1024)
             plan_, mod, ints = hit
         else:
-            mod, ints = kernel._module(plan_.defines), (np.int32(s), np.int32(rows), np.int32(plan_.per_cta))
+            mod, ints = kernel._module(plan_.defines), _int_args(s, rows, plan_)
         args = ptrs + ints
         n = dout.nbytes // 4
         if self.kind == "value" and n:
