@@ -852,7 +852,8 @@ def read_ceiling_table(data: dict) -> list[str]:
 
 
 def sweep_plots(data: dict, directory) -> list[str]:
-    """TFLOPS vs M and weight GB/s vs M (with the measured copy bandwidth). Needs matplotlib."""
+    """TFLOPS vs M and weight GB/s vs M (with the measured copy bandwidth), one PNG per mode (hot,
+    cold) in `directory`; returns the paths. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -863,31 +864,52 @@ def sweep_plots(data: dict, directory) -> list[str]:
     directory.mkdir(parents=True, exist_ok=True)
     files = []
     for cold in (False, True):
-        rows = [r for r in data["rows"] if r["cold"] == cold]
-        if not rows:
+        fig = _sweep_figure(data, cold)
+        if fig is None:
             continue
-        tag = "cold" if cold else "hot"
-        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-        for (fmt, k) in sorted({(r["fmt"], r["K"]) for r in rows}):
-            sel = sorted((r for r in rows if r["fmt"] == fmt and r["K"] == k), key=lambda r: r["M"])
-            ms = [r["M"] for r in sel]
-            axes[0].plot(ms, [r["tflops"] for r in sel], marker="o", label=f"qgemm {fmt} K={k}")
-            axes[1].plot(ms, [r["weight_gbps"] for r in sel], marker="o", label=f"qgemm {fmt} K={k}")
-            if fmt == "q4_0" and "torch_fp16_us" in sel[0]:
-                axes[0].plot(ms, [2 * r["M"] * r["N"] * r["K"] / r["torch_fp16_us"] / 1e6 for r in sel], ls="--", label=f"torch fp16 K={k}")
-        # the figure the cold-decode target is judged against (tools/perf_report.py): read + write
-        # bytes of a device copy per second -- what the memory system moves, so a read-only stream
-        # can approach it (a line at half of it, the copy's reads alone, was once drawn here)
-        axes[1].axhline(data["copy_bandwidth_gbps"], color="k", ls=":", label="measured copy bandwidth (read + write)")
-        for ax, title in zip(axes, ("TFLOPS vs M", "weight bytes / time (GB/s) vs M")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("M (tokens)")
-            ax.set_title(f"{title}, {tag}, {data['environment']['device']}")
-            ax.legend(fontsize=7)
-            ax.grid(alpha=0.3)
-        p = directory / f"bench-{tag}.png"
-        fig.tight_layout()
+        p = directory / f"bench-{'cold' if cold else 'hot'}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         files.append(str(p))
     return files
+
+
+def _sweep_figure(data: dict, cold: bool):
+    """The figure of one mode (None without rows): a series per (format, K), drawn in the same
+    colour on both panels (a reader matches a TFLOPS curve to its GB/s curve by colour), and
+    torch fp16 per K dashed in grey, since its weights are fp16, not the format's blocks."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["rows"] if r["cold"] == cold]
+    if not rows:
+        return None
+    tag = "cold" if cold else "hot"
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    series = sorted({(r["fmt"], r["K"]) for r in rows})
+    ks = sorted({k for _, k in series})
+    peer_grey = {k: str(0.15 + 0.45 * i / max(1, len(ks) - 1)) for i, k in enumerate(ks)}
+    for i, (fmt, k) in enumerate(series):
+        sel = sorted((r for r in rows if r["fmt"] == fmt and r["K"] == k), key=lambda r: r["M"])
+        ms = [r["M"] for r in sel]
+        style = dict(marker="o", color=f"C{i}", label=f"qgemm {fmt} K={k}")
+        axes[0].plot(ms, [r["tflops"] for r in sel], **style)
+        axes[1].plot(ms, [r["weight_gbps"] for r in sel], **style)
+    for k in ks:  # the peer once per K (every format's rows time the same torch matmul)
+        sel = sorted((r for r in rows if r["K"] == k and "torch_fp16_us" in r and r["fmt"] == series[0][0]),
+                     key=lambda r: r["M"])
+        if sel:
+            axes[0].plot([r["M"] for r in sel], [2 * r["M"] * r["N"] * r["K"] / r["torch_fp16_us"] / 1e6 for r in sel],
+                         ls="--", color=peer_grey[k], label=f"torch fp16 K={k}")
+    # the figure the cold-decode target is judged against (tools/perf_report.py): read + write
+    # bytes of a device copy per second -- what the memory system moves, so a read-only stream
+    # can approach it (a line at half of it, the copy's reads alone, was once drawn here)
+    axes[1].axhline(data["copy_bandwidth_gbps"], color="k", ls=":", label="measured copy bandwidth (read + write)")
+    for ax, title, ylabel in zip(axes, ("TFLOPS vs M", "weight bytes / time (GB/s) vs M"), ("TFLOPS", "GB/s of weight bytes")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}, {tag}, {data['environment']['device']}")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

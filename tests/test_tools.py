@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-TOOLS = pathlib.Path(__file__).resolve().parents[1] / "tools"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
 
 
 def _load(name):
@@ -456,6 +457,51 @@ def test_perf_report_says_by_how_much_a_target_is_missed():
     line = {ln.split(" | ")[0][2:] + " " + ln.split(" | ")[1]: ln for ln in text.splitlines() if ln.startswith("| q")}
     over, under = (line[f"{r['fmt']} {r['M']}x{r['N']}x{r['K']}"] for r in rows[:2])
     assert over.endswith("| no (0.3% over) |") and under.endswith("| yes |"), (over, under)
+
+
+def test_sweep_plots_draw_each_series_in_one_colour_on_both_panels(tmp_path):
+    """`qgemm bench`'s plots, from the published run's JSON: a (format, K) series has the same colour
+    in the TFLOPS and the GB/s panel and no other series shares it (the panels once coloured by
+    their own drawing order: q4_0 K=14336 was green on the left, orange on the right), the torch
+    fp16 peer is drawn once per K, and one PNG per mode is written."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from qgemm import bench
+
+    data = json.loads((pathlib.Path(__file__).parent.parent / "docs/perf/bench-h100.json").read_text())
+    for cold in (False, True):
+        fig = bench._sweep_figure(data, cold)
+        left, right = ({ln.get_label(): ln.get_color() for ln in ax.get_lines()} for ax in fig.axes)
+        plt.close(fig)
+        ours = sorted(lb for lb in left if lb.startswith("qgemm "))
+        assert ours == sorted(lb for lb in right if lb.startswith("qgemm ")) and len(ours) == 4, (left, right)
+        assert all(left[lb] == right[lb] for lb in ours), (left, right)
+        assert len({left[lb] for lb in left}) == len(left), left  # no two lines of a panel alike
+        assert sorted(lb for lb in left if lb.startswith("torch")) == ["torch fp16 K=14336", "torch fp16 K=4096"]
+    files = bench.sweep_plots(data, tmp_path)
+    assert [pathlib.Path(f).name for f in files] == ["bench-hot.png", "bench-cold.png"]
+    assert all(pathlib.Path(f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in files)
+    hot_only = {**data, "rows": [r for r in data["rows"] if not r["cold"]]}
+    assert [pathlib.Path(f).name for f in bench.sweep_plots(hot_only, tmp_path / "h")] == ["bench-hot.png"]
+    # perf_report.py --plots redraws the published pair from the JSON (how docs/perf's PNGs are made)
+    pr = _load("perf_report")
+    page = tmp_path / "performance.md"
+    assert pr.main([str(ROOT / "docs/perf/profile-h100-512x4096x4096-hot.json"), "--bench", str(ROOT / "docs/perf/bench-h100.json"),
+                    "--plots", str(tmp_path / "p"), "-o", str(page)]) == 0
+    assert sorted(f.name for f in (tmp_path / "p").iterdir()) == ["bench-cold.png", "bench-hot.png"]
+    assert "![bench hot](perf/bench-hot.png)" in page.read_text()
+
+
+def test_perf_report_plots_need_the_bench_json(tmp_path, capsys):
+    """`--plots` draws from `--bench`'s JSON: without one (or with a path that is not there) it
+    says so and fails before writing anything, whether matplotlib is installed or not."""
+    pr = _load("perf_report")
+    hot = str(ROOT / "docs/perf/profile-h100-512x4096x4096-hot.json")
+    for extra in ([], ["--bench", str(tmp_path / "missing.json")]):
+        assert pr.main([hot, *extra, "--plots", str(tmp_path / "p"), "-o", str(tmp_path / "page.md")]) == 1
+        assert "--plots draws from the --bench JSON" in capsys.readouterr().err
+        assert not (tmp_path / "p").exists() and not (tmp_path / "page.md").exists()
 
 
 def test_sweep_measures_the_copy_bandwidth_before_and_after(monkeypatch):

@@ -5,6 +5,9 @@
     python tools/perf_report.py docs/perf/profile-*-hot.json docs/perf/profile-*-cold.json \
         --bench docs/perf/bench-h100.json --sustained-bench docs/perf/bench-sustained-h100.json \
         --notes docs/performance-notes.md -o docs/performance.md
+
+With `--plots docs/perf` it also redraws the bench's two plots (bench-hot.png, bench-cold.png, which
+the page shows) from the `--bench` JSON, as `qgemm bench` draws them (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -214,7 +217,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", type=Path, help="qgemm bench's bench.json: adds the sweep and the llama.cpp comparison")
     ap.add_argument("--sustained-bench", type=Path,
                     help="a `qgemm bench --sustain` run's bench.json: adds the targets timed llama.cpp's way")
+    ap.add_argument("--plots", type=Path, metavar="DIR",
+                    help="redraw bench-hot.png / bench-cold.png from --bench's JSON into DIR (needs matplotlib)")
     args = ap.parse_args(argv)
+    if args.plots and not (args.bench and args.bench.is_file()):
+        print("perf_report: --plots draws from the --bench JSON: give an existing one", file=sys.stderr)
+        return 1
     parts = [HEADER]
     for p in args.json:
         if not p.is_file():
@@ -222,7 +230,16 @@ def main(argv=None) -> int:
             return 1
         parts.append(section(json.loads(p.read_text())))
     if args.bench and args.bench.is_file():
-        parts.append(bench_section(json.loads(args.bench.read_text())))
+        bench_data = json.loads(args.bench.read_text())
+        parts.append(bench_section(bench_data))
+        if args.plots:
+            from qgemm.bench import sweep_plots
+
+            try:
+                print("perf_report: wrote " + ", ".join(sweep_plots(bench_data, args.plots)), file=sys.stderr)
+            except ImportError:
+                print("perf_report: --plots needs matplotlib (pip install matplotlib)", file=sys.stderr)
+                return 1
     if args.sustained_bench:
         if not args.sustained_bench.is_file():
             print(f"perf_report: {args.sustained_bench} does not exist", file=sys.stderr)
