@@ -160,6 +160,9 @@ def step5(echo: Echo, shape) -> None:
     echo("  vec_dot: llama.cpp's vec_dot_q4_0_q8_1 computes d_w * (d_a * sumi - 8 * s_a) per block, split over lanes;")
     echo("  qgemm's kernels compute the same formula. Differences are float rounding only:")
     if _gpu(echo):
+        from .dispatch import plan
+        from .llamacpp import matmul_timer
+
         rng = np.random.default_rng()
         a = F.quantize_q8_1(rng.standard_normal((64, 4096), dtype=np.float32))
         w = F.quantize_q4_0(rng.standard_normal((256, 4096), dtype=np.float32))
@@ -170,18 +173,26 @@ def step5(echo: Echo, shape) -> None:
         info = runtime.device_info()
         dev = "h200" if "H200" in info.name else "h100"
         figs = [f for f in llamacpp_figures(dev) if f["type"] in ("q4_0", "q8_0")]
-        echo(f"  best registered kernel vs llama.cpp MMQ (whole op incl. activation quantization) on {dev.upper()} "
-             f"(qgemm/data/ggml-test-backend-ops-perf-mul_mat-{dev}.txt); this GPU: {info.name}")
+        echo(f"  llama.cpp MMQ (whole op incl. activation quantization) on {dev.upper()} "
+             f"(qgemm/data/ggml-test-backend-ops-perf-mul_mat-{dev}.txt) against this GPU ({info.name}): the fastest")
+        echo("  Step 4 rung (DP4A) + quantize.q8_1, and qgemm.matmul -- the production kernels (tensor cores), on the same")
+        echo("  ggml blocks, timed the same way (whole op, back to back)")
         best = {"q4_0": ["w4a8.vec_dp4a", "w4a8.tiled_dp4a"], "q8_0": ["w8a8.tiled_dp4a"]}
-        echo(f"  {'type':<5} {'MxNxK':<16} {'llama.cpp us':>13} {'qgemm us':>10} {'(kernel + quantize.q8_1)':>26}")
+        timer = matmul_timer(warmup=3, iters=10)
+        echo(f"  {'type':<5} {'MxNxK':<15} {'llama.cpp us':>12} {'Step 4 us':>10} {'(rung + quantize)':>18} "
+             f"{'matmul us':>10} {'llama.cpp / matmul':>19}  matmul's GEMM kernel")
         for f in figs:
             if f["M"] < 64:
                 continue
             shp = (f["M"], f["N"], f["K"])
             kern = min(_time_kernel(nm, shp, iters=10) for nm in best[f["type"]])
             quant = _time_kernel("quantize.q8_1", shp, iters=10)
-            echo(f"  {f['type']:<5} {'x'.join(map(str, shp)):<16} {f['us']:>13.1f} {kern + quant:>10.1f} "
-                 f"{'(' + f'{kern:.1f} + {quant:.1f}' + ')':>26}")
+            op = timer(f["type"], *shp)
+            echo(f"  {f['type']:<5} {'x'.join(map(str, shp)):<15} {f['us']:>12.1f} {kern + quant:>10.1f} "
+                 f"{'(' + f'{kern:.1f} + {quant:.1f}' + ')':>18} {op:>10.1f} {f['us'] / op:>18.2f}x  "
+                 f"{plan(*shp, f['type']).kernel}")
+        echo("  (matmul repacks ggml blocks on every call where that pays; weights packed once by qgemm.pack_weights")
+        echo("  are faster still: qgemm bench, docs/performance.md)")
 
 
 STEPS = {1: step1, 2: step2, 3: step3, 4: step4, 5: step5}

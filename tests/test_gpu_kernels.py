@@ -1326,7 +1326,8 @@ def test_matmul_overflow_and_two_streams(rng):
 
 def test_tutorial_gpu_parts_run():
     """`qgemm tutorial 4 5` on a GPU: every W4A8 rung checked and both ladders timed, and Step 5's
-    comparison with llama.cpp's figures (the CPU halves are tested without a GPU)."""
+    comparison with llama.cpp's figures -- the DP4A rung and qgemm.matmul, with a ratio and the GEMM
+    kernel matmul ran, on every shipped shape of >= 64 tokens (the CPU halves are tested without a GPU)."""
     from typer.testing import CliRunner
 
     from qgemm.cli import app
@@ -1335,6 +1336,16 @@ def test_tutorial_gpu_parts_run():
     assert r.exit_code == 0, r.output
     assert "w4a8.vec_dp4a" in r.output and "w8a8.tiled_dp4a" in r.output and "llama.cpp" in r.output, r.output
     assert "w4a8.gemv" not in r.output
+    from qgemm import tutorial
+
+    shapes = {f"{f['M']}x{f['N']}x{f['K']}" for f in tutorial.llamacpp_figures("h200" if "H200" in qgemm.runtime.device_info().name
+                                                                             else "h100") if f["M"] >= 64}
+    rows = [ln.split() for ln in r.output.splitlines() if ln.split()[:1] in (["q4_0"], ["q8_0"])]
+    assert shapes and {row[1] for row in rows} == shapes, r.output
+    for row in rows:  # type, shape, llama.cpp, Step 4, (rung + quantize), matmul, ratio, kernel
+        llama, step4, op, ratio = float(row[2]), float(row[3]), float(row[-3]), float(row[-2].rstrip("x"))
+        assert 0 < op and 0 < step4 and abs(ratio - llama / op) <= 0.01 * ratio + 0.01, row
+        assert row[-1] in qgemm.registry.REGISTRY, row
 
 
 def test_quantize_q8_1_blocks_below_float32_division(rng):
