@@ -143,6 +143,10 @@ class Plan:
         x = np.asarray(x)
         if x.ndim != 2 or x.shape != (self.m, self.k):
             raise ValueError(f"plan.reference: x must be [M, K] = [{self.m}, {self.k}] for this plan, got shape {x.shape}")
+        w = F.as_blocks(w, F.get_format(self.fmt), "W")
+        if w.shape != (self.n, self.k // F.QK):
+            raise ValueError(f"plan.reference: w must be {self.fmt} blocks [N, K/32] = [{self.n}, {self.k // F.QK}] for "
+                             f"this plan, got shape {w.shape}")
         staged = registry.get(self.quantizer).op.cpu(x) if self.quantizer else x
         if kernel.act_layout is not None:  # the kernel's k order is the op's, permuted alike on both sides
             staged = unkperm16(staged)
@@ -209,9 +213,11 @@ _X_SUFFIX = {"f32": "", "f16": "_f16", "bf16": "_bf16"}
 
 
 def _np_dtype_name(dt) -> str | None:
+    if not isinstance(dt, (type, np.dtype)):  # np.dtype(None) is float64, np.dtype({}) a void type
+        return None
     try:
         dt = np.dtype(dt)
-    except TypeError:
+    except (TypeError, ValueError):
         return None
     return "bfloat16" if F.is_bf16(dt) else dt.name
 
@@ -225,8 +231,8 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
     path: a registered GEMM kernel to run instead of the default choice (`explain` lists them).
     arch: plan for this architecture (e.g. "sm_90") instead of the GPU's -- the untuned defaults,
     so a plan for an H100 can be read on a machine without one. With neither a GPU nor `arch`,
-    the plan is sm_80's (the Hopper-only wgmma paths never appear: pass arch="sm_90" to read an
-    H100's).
+    the default choice is sm_80's (the Hopper-only wgmma paths never appear: pass arch="sm_90" to
+    read an H100's), and a `path` is not checked against any architecture.
 
     ValueError for another format or x dtype, M, N or K not a positive int below 2^31, K not a
     multiple of 32, or a `path` that does not compute this product (UnknownNameError, a
@@ -243,13 +249,17 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
     if fmt not in _DEFAULTS:
         raise ValueError(f"{who}: weights must be q4_0 or q8_0 blocks, got {fmt}")
     named = x_dtype if isinstance(x_dtype, str) else _np_dtype_name(x_dtype)
-    x_dtype = _X_DTYPES.get(named, x_dtype)
+    given = x_dtype
+    x_dtype = _X_DTYPES.get(named, named)
     if x_dtype not in _X_NAMES:
         raise ValueError(f"{who}: x_dtype must be 'f32', 'f16' or 'bf16' (float32, float16 or bfloat16 activations), "
-                         f"got {named or x_dtype!r}")
+                         f"got {named or given!r}")
     for what, v in (("M", m), ("N", n), ("K", k)):
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 0 < v < 2**31:
             raise ValueError(f"{who}: {what} must be a positive integer below 2^31, got {v!r}")
+    # numpy integers pass the check above, but the configuration arithmetic needs Python ints: an
+    # unsigned ceil division wraps and M*K overflows int32
+    m, n, k = int(m), int(n), int(k)
     if k % F.QK:
         raise ValueError(f"{who}: K must be a multiple of {F.QK} (the block size), got K={k}")
     if arch is not None:

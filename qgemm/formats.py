@@ -315,9 +315,14 @@ def as_blocks(a: np.ndarray, fmt: str | Format, what: str = "array") -> np.ndarr
     f = get_format(fmt, what)
     if not f.quantized:
         raise ValueError(f"{what}: {f.name} is not a block format")
+    if isinstance(a, np.void) and a.dtype == f.dtype:  # blocks[i, j]: one block, refused below as 0-d
+        a = np.asarray(a)
     if not isinstance(a, np.ndarray):  # a list of blocks (e.g. .tolist()) cannot become blocks again
         raise ValueError(f"{what}: expected a numpy array of {f.name} blocks (or raw uint8 bytes), got {type(a).__name__}")
     if a.dtype == f.dtype:
+        if a.ndim == 0:  # a lone block (np.zeros((), dtype)): every user indexes the last axis
+            raise ValueError(f"{what}: expected an array of {f.name} blocks [..., K/32], got a 0-d block; "
+                             "a single block is shape (1,)")
         return a
     if a.dtype == np.uint8 and a.ndim >= 1:
         if a.shape[-1] % f.dtype.itemsize:

@@ -271,9 +271,17 @@ class CompressedKV:
         return "fp16" if self.bits == 16 else f"q{self.bits}" + ("c" if self.compact else "")
 
     def __repr__(self) -> str:
-        b, s, d = self.shape
-        return (f"<CompressedKV {self.kind} {self.layout} [B={b}, S={s}, D={d}]: {self.nbytes} bytes "
-                f"({100 * self.ratio:.1f}% of dense fp16), {self.nnz} non-zeros>")
+        try:
+            b, s, d = self.shape
+            return (f"<CompressedKV {self.kind} {self.layout} [B={b}, S={s}, D={d}]: {self.nbytes} bytes "
+                    f"({100 * self.ratio:.1f}% of dense fp16), {self.nnz} non-zeros>")
+        except Exception:  # printing a damaged cache while debugging it must not raise
+            try:
+                validate_compressed(self)
+                why = "its parts cannot be summed"
+            except Exception as e:
+                why = str(e)
+            return f"<CompressedKV {self.kind!r} bits={self.bits!r} shape={self.shape!r}: not a valid compressed cache ({why})>"
 
     def validate(self) -> "CompressedKV":
         """validate_compressed(self) (ValueError unless the parts agree), then self."""
@@ -916,7 +924,7 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     if not isinstance(shape, (tuple, list)) or len(shape) != 3:
         raise ValueError(f"plan_for: shape must be the cache's (B, S, D), got {shape!r}")
     b, s, d = shape
-    if kind not in ("key", "value") or bits not in (16, 4, 2) or d not in (64, 128, 256):
+    if kind not in ("key", "value") or bits not in (16, 4, 2) or not _positive_int(d) or d not in (64, 128, 256):
         raise ValueError(f"plan_for: kind must be 'key' or 'value', bits 16 / 4 / 2 and D 64 / 128 / 256, got "
                          f"kind={kind!r} bits={bits!r} D={d!r}")
     if isinstance(cc, (bool, np.bool_)) or not isinstance(cc, (int, np.integer)):

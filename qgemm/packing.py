@@ -144,6 +144,13 @@ def unpack(buf: np.ndarray, fmt: str, n: int, k: int) -> np.ndarray:
     else:
         qs = qpart.reshape(tiles, groups, 2, 2, 8, 4, 2, 2, 4).transpose(0, 2, 4, 1, 3, 6, 7, 5, 8).reshape(n16, nb4, qb)
     d = dpart.view(np.float16).reshape(tiles, groups, 8, 2, 4).transpose(0, 3, 2, 1, 4).reshape(n16, nb4)
+    # the padded size fits several shapes (n rounded up to 16, K/32 to 4): what is dropped must be the
+    # padding pack writes (d = +0, quants that decode to 0), or the buffer was packed for another shape
+    dbits = d.view(np.uint16)
+    if (np.any(dbits[n:]) or np.any(dbits[:n, nb:]) or np.any(qs[n:] != _ZERO_QS[fmt])
+            or np.any(qs[:n, nb:] != _ZERO_QS[fmt])):
+        raise ValueError(f"unpack: the buffer holds data past a {n}x{k} {fmt} matrix (in rows {n}..{n16 - 1} or "
+                         f"blocks {nb}..{nb4 - 1}, where pack writes only padding): it was packed for another shape")
     out = np.empty((n, nb), dtype=F.get_format(fmt).dtype)
     out["d"] = d[:n, :nb]
     out["qs"] = qs[:n, :nb].view(out.dtype["qs"].base).reshape(n, nb, qb)

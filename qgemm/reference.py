@@ -49,9 +49,10 @@ def exact_w8a16(a: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
 
 def dequantize_to_f16(w: np.ndarray, fmt: str) -> np.ndarray:
     """Weights as the fp16 tensor-core kernels see them: d * (q - 8) (Q4_0) or d * q (Q8_0)
-    computed from the half d and rounded once to float16 (HMUL2, round to nearest even)."""
+    computed from the half d and rounded once to float16 (HMUL2, round to nearest even).
+    w: blocks [N, K/32] (ValueError for another rank: a 1-D array would read as one row of K)."""
     f = F.get_format(fmt)
-    b = F.as_blocks(w, f, "W")
+    b = _blocks_2d(w, f, "W", "dequantize_to_f16")
     q = F.unpack_q4_0(b).astype(np.float32) - 8 if f.name == "q4_0" else b["qs"].reshape(b.shape[0], -1).astype(np.float32)
     d = np.repeat(b["d"].astype(np.float32), F.QK, axis=-1).reshape(q.shape)
     return (d * q).astype(np.float16)  # the float32 product of two halves is exact; one rounding

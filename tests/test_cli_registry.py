@@ -945,6 +945,28 @@ def test_plan_and_matmul_name_what_they_expected_before_any_gpu(rng):
         qgemm.quantize(np.ones((2, 64), np.float32), None)
 
 
+def test_plan_takes_numpy_integers_as_the_ints_they_are():
+    """plan / explain accept numpy integers for M, N, K and must plan exactly as for Python ints:
+    the configuration arithmetic once ran on the numpy scalars, so np.uint32(16) wrapped a ceil
+    division (SK_MT=3758096386), np.int64(1) had no bit_length, and np.int32 products overflowed
+    into a negative launch grid. x_dtype values that are not a dtype say what came."""
+    from qgemm import dispatch
+
+    for m, n, k, packed, arch in ((1, 4096, 4096, True, "sm_90"), (16, 4096, 4096, True, "sm_90"),
+                                  (64, 4096, 4096, False, "sm_80"), (60000, 60000, 59968, False, "sm_80")):
+        want = dispatch.plan(m, n, k, packed=packed, arch=arch)
+        for t in (np.int32, np.int64, np.uint32, np.uint64):
+            got = dispatch.plan(t(m), t(n), t(k), packed=packed, arch=arch)
+            assert (got.kernel, got.defines, got.quantizer) == (want.kernel, want.defines, want.quantizer), (t, m)
+            assert all(type(v) is int for v in (got.m, got.n, got.k))
+            got.check_launch()
+    assert dispatch.explain(np.uint32(16), 4096, 4096, packed=True, arch="sm_90") == \
+        dispatch.explain(16, 4096, 4096, packed=True, arch="sm_90")
+    for bad, shown in ((None, "None"), ([1, 2], "[1, 2]"), ({}, "{}"), (np.float64, "'float64'")):
+        with pytest.raises(ValueError, match=f"x_dtype must be 'f32', 'f16' or 'bf16'.*got {re.escape(shown)}$"):
+            dispatch.plan(8, 64, 64, x_dtype=bad)
+
+
 def test_bad_operands_say_so_before_any_gpu(rng, tmp_path):
     """Audit of session 31: operands and arguments that reached numpy, the kernels or CUDA before
     an error now get one that names what was expected -- non-finite host operands of a kernel call

@@ -146,6 +146,18 @@ def test_byte_accounting(rng, kind, bits, compact):
     assert "% of dense" in repr(ck)
 
 
+def test_a_damaged_cache_still_prints_and_a_float_head_dim_is_refused(rng):
+    """repr of a CompressedKV with missing parts raised AttributeError (printing it while debugging
+    crashed); it now says why it is not valid. plan_for took D = 128.0 (128.0 in (64, 128, 256)) and
+    would have compiled -DMF_D=128.0."""
+    ck = kv.compress_keys(rng.standard_normal((1, 70, 64)).astype(np.float16), 4)
+    bad = kv.CompressedKV("key", 4, ck.shape, ck.bitmaps)
+    assert "not a valid compressed cache" in repr(bad) and "'packed'" in repr(bad)
+    with pytest.raises(ValueError, match="D=128.0"):
+        kv.plan_for("key", 4, (2, 70, 128.0), 4)
+    assert kv.plan_for("key", 4, (2, 70, 128), 4).defines["MF_D"] == 128
+
+
 @pytest.mark.parametrize("kind", ["key", "value"])
 def test_size_target_70pct_2bit_at_most_20pct_of_dense(rng, kind):
     ck = compress(kind, cache(rng, 4, 1024, 128), 2, sparsity=0.7)

@@ -47,6 +47,20 @@ def test_pack_rejects_bad_input():
         packing.unpack(np.zeros(10, np.uint8), "q4_0", 16, 128)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_unpack_refuses_a_shape_that_would_drop_data(fmt):
+    """The packed size of 20x96 is also that of 17..32 rows and K up to 128: unpack once returned
+    (20, 2) or (17, 3) blocks of a 20x96 buffer, dropping real data. What it drops must be pack's
+    padding, so the true shape and the full padded one pass and the others are refused."""
+    b = _blocks(fmt, 20, 96)
+    buf = packing.pack(b, fmt)
+    assert packing.unpack(buf, fmt, 20, 96).tobytes() == b.tobytes()
+    assert packing.unpack(buf, fmt, 32, 128)[:20, :3].tobytes() == b.tobytes()
+    for n, k in ((20, 64), (17, 96), (19, 32)):
+        with pytest.raises(ValueError, match=f"data past a {n}x{k} {fmt} matrix.*packed for another shape"):
+            packing.unpack(buf, fmt, n, k)
+
+
 # --- emulation of the kernel: what each lane loads, the fragments it builds, what the MMA sums ---
 
 

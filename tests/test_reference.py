@@ -408,3 +408,26 @@ def test_references_refuse_operands_of_different_k():
         dispatch.plan(4, 8, 64, arch="sm_90").reference(a32, F.quantize_q4_0(w64))
     with pytest.raises(ValueError, match="K a multiple of 32"):
         R.quantize_rows_i8(np.ones((2, 48), np.float32))
+
+
+def test_weights_of_another_rank_or_n_are_refused(rng):
+    """dequantize_to_f16 (so exact_w4a16h / exact_w8a16h) read a 1-D row of Q8_0 blocks as rows of
+    K = 32 and answered with the wrong shape; Plan.reference took weights of another N; a 0-d
+    block array raised IndexError in dequantize."""
+    x16 = np.ones((3, 64), np.float16)
+    for fmt, ref in (("q4_0", R.exact_w4a16h), ("q8_0", R.exact_w8a16h)):
+        w = qgemm.quantize(rng.standard_normal((5, 64), dtype=np.float32), fmt)
+        assert ref(x16, w).shape == (3, 5)
+        for bad in (w[0], w.reshape(1, 5, 2)):
+            with pytest.raises(ValueError, match=r"dequantize_to_f16: W must be 2-D \[rows, K/32\]"):
+                ref(x16, bad)
+        for one in (w[0, 0], w[0, 0, ...]):  # a numpy.void block and a 0-d array of one
+            with pytest.raises(ValueError, match="got a 0-d block; a single block is shape"):
+                qgemm.dequantize(one, fmt)
+        assert qgemm.dequantize(w[0, :1], fmt).shape == (32,)
+    p = qgemm.plan(2, 5, 64)
+    w = qgemm.quantize_q4_0(rng.standard_normal((5, 64), dtype=np.float32))
+    x = rng.standard_normal((2, 64), dtype=np.float32)
+    assert p.reference(x, w).shape == (2, 5)
+    with pytest.raises(ValueError, match=r"plan.reference: w must be q4_0 blocks \[N, K/32\] = \[5, 2\].*got shape \(4, 2\)"):
+        p.reference(x, w[:4])
