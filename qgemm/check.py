@@ -35,6 +35,8 @@ def parse_shape(text: str, dims: int = 3, form: str | None = None) -> tuple[int,
     if len(vals) != dims or any(v <= 0 for v in vals):
         raise ValueError(f"shape must be {form or 'x'.join('MNK'[:dims])} with positive integers (e.g. "
                          f"{'32x16384x128' if form == 'BxSxD' else '512x4096x4096'}), got {text!r}")
+    if any(v >= 2**31 for v in vals):  # the kernels take their sizes as int32 (plan / explain refuse them too)
+        raise ValueError(f"shape {text!r}: every size must be below 2^31")
     return vals
 
 

@@ -168,6 +168,10 @@ def _writable_file(path: Optional[Path], what: str) -> None:
         return
     if path.exists() and path.is_dir():
         _fail(f"{what} {path} is a directory; give a file name")
+    if path.is_symlink() and not path.exists():
+        _fail(f"{what} {path} is a link to {os.readlink(path)}, which does not exist")
+    if path.exists() and not os.access(path, os.W_OK):
+        _fail(f"{what} {path} exists and is not writable")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         _fail(f"{what} {path}: the directory {parent} does not exist or is not writable")
@@ -179,8 +183,19 @@ def _writable_dir(path: Path, what: str) -> None:
         existing = existing.parent
     if path.exists() and not path.is_dir():
         _fail(f"{what} {path} exists and is not a directory")
+    if not existing.is_dir():  # a/b with a a file: mkdir would fail only after the work
+        _fail(f"{what} {path}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK):
         _fail(f"{what} {path}: {existing} is not writable")
+
+
+def _write(path: Path, text: str, what: str) -> None:
+    """Write a result file; an OSError the checks above could not foresee (a full disk, a device
+    file) is one line, not a traceback after the work."""
+    try:
+        path.write_text(text)
+    except OSError as e:
+        _fail(f"{what}: could not write {path}: {e}", code=1)
 
 
 def _precheck(specs, shape_of, all_: bool, sparsity: float, gg) -> None:
@@ -255,7 +270,13 @@ def info():
         lines.append(f"CUDA headers:     not found ({e})")
     cache = jit.default_cache()
     lines.append(f"kernel sources:   {jit.cuda_src_dir()}")
-    lines.append(f"cache directory:  {cache.requested}" + ("  (disabled by QGEMM_DISABLE_CACHE)" if jit.env_flag("QGEMM_DISABLE_CACHE") else ""))
+    if jit.env_flag("QGEMM_DISABLE_CACHE"):
+        lines.append(f"cache directory:  {cache.requested}  (disabled by QGEMM_DISABLE_CACHE)")
+    else:
+        used = cache.usable_root()
+        lines.append(f"cache directory:  {used.parent if used else cache.requested}" + (
+            "" if used == cache.requested / jit.CACHE_LAYOUT_VERSION else
+            f"  (the fallback: {cache.requested} is not a writable directory)" if used else "  (not writable: no cache)"))
     try:
         import cuda.bindings
         import cuda.core
@@ -312,8 +333,8 @@ def compile(
         nvdisasm = sass.find_nvdisasm()
         if nvdisasm is None:
             _fail(f"--sass needs NVIDIA's nvdisasm, which was not found: {sass.INSTALL_HINT}")
-        if sass_dir is not None and sass_dir.exists() and not sass_dir.is_dir():
-            _fail(f"--sass-dir: {sass_dir} exists and is not a directory")
+        if sass_dir is not None:
+            _writable_dir(sass_dir, "--sass-dir")
     if arch is None:
         if not runtime.gpu_available():
             _fail("no GPU to take the architecture from: pass --arch, e.g. --arch sm_90")
@@ -348,6 +369,11 @@ def compile(
         except ValueError as e:
             rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", f"skipped: {e}", ""])
             failed += s.name in named  # asked for by name: not compiling it is a failure
+            continue
+        except FileNotFoundError as e:  # a QGEMM_CUDA_SRC tree without this kernel's file
+            failed += 1
+            typer.echo(f"error: {e}", err=True)
+            rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", "NO SOURCE", ""])
             continue
         r = ck.resources[s.entry]
         if nvdisasm is not None:
@@ -431,7 +457,7 @@ def validate(
     for d in details:
         typer.echo("\n" + d)
     if as_json:
-        as_json.write_text(json.dumps({"command": _command_line(), "results": results}, indent=1))
+        _write(as_json, json.dumps({"command": _command_line(), "results": results}, indent=1), "--json")
     if failed:
         typer.echo(f"\n{failed} of {len(specs)} FAILED", err=True)
         raise typer.Exit(1)
@@ -510,9 +536,9 @@ def profile(
     typer.echo(_table(["kernel", "median us", "min us", "max us", "TFLOPS", "MB moved", "GB/s", "% roofline", "note"], rows,
                       right={1, 2, 3, 4, 5, 6}))
     if as_json:
-        as_json.write_text(json.dumps({"command": _command_line(), "environment": env, "shape": mnk if gemms else shape_of(runners[0]), "cold": cold,
-                                       "warmup": warmup, "iters": iters, "copy_bandwidth_gbps": bw / 1e9,
-                                       "results": results, "peers": peer_rows}, indent=1))
+        _write(as_json, json.dumps({"command": _command_line(), "environment": env, "shape": mnk if gemms else shape_of(runners[0]),
+                                    "cold": cold, "warmup": warmup, "iters": iters, "copy_bandwidth_gbps": bw / 1e9,
+                                    "results": results, "peers": peer_rows}, indent=1), "--json")
 
 
 _TUTORIAL_MAX_VALUES = 1 << 28  # 2 GiB of float64 per operand set: the CPU references' footprint
@@ -662,8 +688,8 @@ def bench(
     hot_only: bool = typer.Option(False, "--hot-only", help="Skip the cold-cache pass."),
     iters: int = typer.Option(30, "--iters", min=1, help="Timed samples per point."),
     suite: str = typer.Option("gemm", "--suite", help="gemm: the matmul sweep; kvcache: Mustafar sparse KV-cache attention vs dense torch."),
-    m_list: str = typer.Option("", "--m", help="Comma-separated M values instead of the sweep's (e.g. 1,8,64)."),
-    k_list: str = typer.Option("", "--k", help="Comma-separated K values instead of the sweep's (e.g. 4096)."),
+    m_list: Optional[str] = typer.Option(None, "--m", help="Comma-separated M values instead of the sweep's (e.g. 1,8,64)."),
+    k_list: Optional[str] = typer.Option(None, "--k", help="Comma-separated K values instead of the sweep's (e.g. 4096)."),
     clocks: bool = typer.Option(False, "--clocks", help="gemm suite: record the SM clock and power per row (nvidia-smi, "
                                                          "every 20 ms)."),
     sustain: float = typer.Option(0.0, "--sustain", min=0.0, max=60.0,
@@ -691,8 +717,10 @@ def bench(
     if suite == "kvcache":
         if x_dtype != "f32":
             _fail("--x-dtype is for the gemm suite (the KV-cache kernels take float16 queries and probabilities)")
-        if m_list or k_list:
+        if m_list is not None or k_list is not None:
             _fail("--m and --k choose the GEMM sweep's shapes; --suite kvcache has its own (S, Lq, sparsity, bits)")
+        if not peers:
+            _fail("--no-peers is for the gemm suite; --suite kvcache times dense torch attention as its baseline")
         if sustain:
             _fail("--sustain is for the gemm suite; --suite kvcache times --iters samples")
         if clocks:
@@ -702,7 +730,10 @@ def bench(
         _need_gpu("bench")
         from . import kvcache_bench
 
-        kvcache_bench.run_cli(out_dir, quick=quick, iters=iters, cold=not hot_only, echo=typer.echo, command=_command_line())
+        try:
+            kvcache_bench.run_cli(out_dir, quick=quick, iters=iters, cold=not hot_only, echo=typer.echo, command=_command_line())
+        except OSError as e:
+            _fail(f"--out: could not write the results: {e}", code=1)
         return
 
     def ints(text: str, what: str) -> tuple[int, ...]:
@@ -714,8 +745,8 @@ def bench(
             _fail(f"--{what.lower()} must be comma-separated positive integers{' (multiples of 32)' if what == 'K' else ''}, got {text!r}")
         return vals
 
-    ms = ints(m_list, "M") if m_list else ((1, 8, 64, 512) if quick else B.SWEEP_M)
-    ks = ints(k_list, "K") if k_list else ((4096,) if quick else B.SWEEP_K)
+    ms = ints(m_list, "M") if m_list is not None else ((1, 8, 64, 512) if quick else B.SWEEP_M)
+    ks = ints(k_list, "K") if k_list is not None else ((4096,) if quick else B.SWEEP_K)
     modes = (False,) if hot_only else (False, True)
     _need_gpu("bench")
     # the largest row's operands, at least twice over (qgemm's float32 x, staging and C, the Q8_0 weights
@@ -731,13 +762,16 @@ def bench(
         data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters, clocks=clocks,
                        sustain_s=sustain, x_dtype=x_dtype,
                        settle_s=B.SETTLE_S if settle is None else settle)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cmd = _command_line()
     data["command"] = cmd
-    (out_dir / "bench.json").write_text(json.dumps(data, indent=1))
     md = B.sweep_markdown(data, cmd)
-    (out_dir / "bench.md").write_text(md)
-    typer.echo(md)
+    typer.echo(md)  # first: the sweep's table is on the screen even if the files below cannot be written
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _fail(f"--out: could not make {out_dir}: {e}", code=1)
+    _write(out_dir / "bench.json", json.dumps(data, indent=1), "--out")
+    _write(out_dir / "bench.md", md, "--out")
     try:
         files = B.sweep_plots(data, out_dir)
         typer.echo("plots: " + ", ".join(files))
@@ -754,7 +788,13 @@ def cache_cmd(
     import shutil
 
     c = jit.default_cache()
-    entries = c.entries()
+    entries = c.entries()  # probes the directory: c.root is then the one in use
+    if c.root is None:
+        _fail(f"no usable cache directory ({c.requested} is not writable, nor is the fallback): kernels are compiled "
+              "in every process", code=1)
+    if c.root != c.requested / jit.CACHE_LAYOUT_VERSION:  # the one asked for (QGEMM_CACHE_DIR) is not usable
+        typer.echo(f"note: {c.requested} is not a writable directory, so qgemm uses (and this command "
+                   f"{'clears' if clear else 'shows'}) the fallback {c.root}; {c.requested} is left as it is")
     if clear:
         for e in entries:
             shutil.rmtree(e, ignore_errors=True)
@@ -834,6 +874,9 @@ def compare_llamacpp(
 
     if (test_backend_ops is None) == (from_file is None):
         _fail("pass exactly one of --test-backend-ops PATH (run your build) or --from-file TXT (a saved output)")
+    if from_file is not None and backend is not None:
+        _fail("--backend is passed to the test-backend-ops binary; with --from-file nothing is run (the file's lines "
+              "name their backend)")
     if not math.isfinite(timeout) or timeout <= 0:
         _fail(f"--timeout must be a positive number of seconds, got {timeout}")
     if types.strip().lower() != "all" and not [t for t in types.split(",") if t.strip()]:
@@ -871,7 +914,8 @@ def compare_llamacpp(
                           [[r["type"], shape(r), f"{r['us']:.2f}", f"{r['tflops']:.2f}" if r["tflops"] is not None else "-",
                             str(r["runs"])] for r in selected], right={2, 3, 4}))
         if as_json:
-            as_json.write_text(json.dumps({"command": _command_line(), "llamacpp_device": llama_dev, "rows": selected}, indent=1))
+            _write(as_json, json.dumps({"command": _command_line(), "llamacpp_device": llama_dev, "rows": selected}, indent=1),
+                   "--json")
         typer.echo(f"\nThe qgemm column needs an NVIDIA GPU, and none is usable here ({runtime.gpu_unavailable_reason()}); "
                    "run this on the GPU the llama.cpp figures come from.")
         return
@@ -899,11 +943,20 @@ def compare_llamacpp(
                           f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-", r["note"]] for r in res],
                       right={3, 4, 5} if several else {2, 3, 4}))
     if as_json:
-        as_json.write_text(json.dumps({"command": _command_line(), "llamacpp_device": llama_dev, "qgemm_device": info.name,
-                                       "rows": res}, indent=1))
+        _write(as_json, json.dumps({"command": _command_line(), "llamacpp_device": llama_dev, "qgemm_device": info.name,
+                                    "rows": res}, indent=1), "--json")
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """The CLI's warnings as one line each ("warning: ..."): Python's default form names the
+    library's source line (e.g. typer/main.py:1445) and repeats it, which tells a user nothing."""
+    typer.echo(f"warning: {message}", err=True)
 
 
 def main() -> None:
+    import warnings
+
+    warnings.showwarning = _one_line_warning
     try:
         app()
     except (NoGPUError, SetupError, jit.NVRTCNotFoundError) as e:  # this machine, not the command line

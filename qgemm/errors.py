@@ -16,7 +16,7 @@ class CompileError(QgemmError):
         self.kernel = kernel
         self.arch = arch
         self.options = list(options)
-        self.log = log
+        self.log = log = log.rstrip("\x00")  # NVRTC's log buffer is a C string: its terminating NUL came along
         self.listing = listing
         msg = [f"NVRTC failed to compile kernel {kernel!r} for {arch}", "options: " + " ".join(options), "NVRTC log:", log.rstrip()]
         if listing:

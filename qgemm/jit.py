@@ -212,7 +212,8 @@ def read_source(rel: str) -> str:
     try:
         return path.read_text()
     except FileNotFoundError:
-        raise FileNotFoundError(f"qgemm: kernel source cuda_src/{rel} does not exist") from None
+        raise FileNotFoundError(f"qgemm: kernel source {rel} does not exist in the kernel source tree {cuda_src_dir()}"
+                                + (" (QGEMM_CUDA_SRC)" if os.environ.get("QGEMM_CUDA_SRC") else "")) from None
 
 
 def project_headers(rel: str, text: str | None = None) -> dict[str, str]:
@@ -389,6 +390,11 @@ class DiskCache:
         self.root: Path | None = self.requested / CACHE_LAYOUT_VERSION
         self._checked = False
         self._check_lock = threading.Lock()
+
+    def usable_root(self) -> Path | None:
+        """The directory entries go to: `requested`/v1, else the per-user fallback under the
+        temporary directory (with one warning), else None (no writable directory). Probed once."""
+        return self._usable_root()
 
     def _usable_root(self) -> Path | None:
         if self._checked:

@@ -191,10 +191,10 @@ def run_cli(out_dir, quick: bool = False, iters: int = 20, cold: bool = True, ec
     data = suite(iters=iters, cold=cold, echo=echo, **kw)
     data["command"] = command
     out = Path(out_dir)
+    md = markdown(data, command)
+    echo("\n" + md)  # first: the table is on the screen even if the files cannot be written (OSError)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kvcache.json").write_text(json.dumps(data, indent=1))
-    md = markdown(data, command)
     (out / "kvcache.md").write_text(md)
-    echo("\n" + md)
     echo(f"wrote {out / 'kvcache.json'} and {out / 'kvcache.md'}")
     return data

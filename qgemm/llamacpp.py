@@ -131,7 +131,9 @@ def run_test_backend_ops(path: str | os.PathLike, timeout: float = 600.0, extra_
         raise PermissionError(f"{p}: is a directory, expected the test-backend-ops binary{hint}")
     if not os.access(p, os.X_OK):
         raise PermissionError(f"{p}: not executable (chmod +x {p}?)")
-    cmd = [str(p), "perf", "-o", "MUL_MAT", *extra_args]
+    # the file checked above: a bare relative name ("./test-backend-ops" becomes "test-backend-ops")
+    # would be looked up on PATH by subprocess, running another program or none
+    cmd = [str(p if p.is_absolute() else p.absolute()), "perf", "-o", "MUL_MAT", *extra_args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
     except subprocess.TimeoutExpired as e:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -1114,6 +1115,73 @@ def test_compile_cli_rejects_bad_defines_shapes_and_archs():
             jit.check_arch_supported(arch)
         r = runner.invoke(app, ["explain", "--shape", "8x4096x4096", "--arch", arch])
         assert r.exit_code == 2 and "variant" in r.output, r.output
+
+
+def test_cli_review_findings_of_session_47(tmp_path, monkeypatch, capsys):
+    """A CLI audit (session 47): every case below once ran the wrong program, printed a traceback
+    (after the work, for the result files), or accepted an input it then ignored."""
+    import stat
+    import warnings
+
+    from qgemm import cli, errors
+
+    monkeypatch.chdir(tmp_path)
+    # ./NAME runs that file, not a namesake on PATH (subprocess looked "true" up as /bin/true)
+    line = ("MUL_MAT(type_a=q4_0,type_b=f32,m=4096,n=512,k=4096,bs=[1,1],nr=[1,1],per=[0,1,2,3],v=0,o=1):"
+            "    1000 runs -    91.61 us/run - 17.18 GFLOP/run - 187.53 TFLOPS")
+    fake = tmp_path / "true"
+    fake.write_text(f"#!/bin/sh\necho '{line}'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    r = runner.invoke(app, ["compare-llamacpp", "--test-backend-ops", "./true"])
+    assert "512x4096x4096" in r.output and "91.61" in r.output, r.output
+    h100 = str(pathlib.Path(qgemm.__file__).parent / "data/ggml-test-backend-ops-perf-mul_mat-h100.txt")
+    r = runner.invoke(app, ["compare-llamacpp", "--from-file", h100, "-b", "CUDA0"])
+    assert r.exit_code == 2 and "with --from-file nothing is run" in r.output
+    # result files: a dangling link and a full device are one line, never a traceback
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "nodir" / "x.json")
+    r = runner.invoke(app, ["compare-llamacpp", "--from-file", h100, "--json", "dangling.json"])
+    assert r.exit_code == 2 and "is a link to" in r.output and "does not exist" in r.output, r.output
+    if pathlib.Path("/dev/full").exists():
+        r = runner.invoke(app, ["compare-llamacpp", "--from-file", h100, "--json", "/dev/full"])
+        assert r.exit_code == 1 and "--json: could not write /dev/full" in r.output, r.output
+    (tmp_path / "afile").write_text("")
+    r = runner.invoke(app, ["bench", "--out", "afile/sub"])
+    assert r.exit_code == 2 and "--out afile/sub: afile is a file, not a directory" in r.output, r.output
+    from qgemm import sass
+
+    if sass.find_nvdisasm() is not None:  # --sass-dir is checked with the tool it needs
+        r = runner.invoke(app, ["compile", "w4a8.naive", "--arch", "sm_90", "--sass-dir", "afile/sub"])
+        assert r.exit_code == 2 and "--sass-dir afile/sub: afile is a file" in r.output and "w4a8.naive  sm_90" not in r.output
+    # a kernel source tree without the kernel's file: a row and the tree named, exit 1
+    (tmp_path / "src" / "common").mkdir(parents=True)
+    monkeypatch.setenv("QGEMM_CUDA_SRC", str(tmp_path / "src"))
+    jit.cuda_src_dir.cache_clear()  # read once per process
+    try:
+        r = runner.invoke(app, ["compile", "w4a8.naive", "--arch", "sm_90", "--no-cache"])
+        assert r.exit_code == 1 and "NO SOURCE" in r.output and isinstance(r.exception, SystemExit), r.output
+        assert f"w4a8/naive.cu does not exist in the kernel source tree {tmp_path / 'src'} (QGEMM_CUDA_SRC)" in r.output
+    finally:
+        monkeypatch.delenv("QGEMM_CUDA_SRC")
+        jit.cuda_src_dir.cache_clear()
+    assert "\x00" not in str(errors.CompileError("k", "sm_90", ["-arch"], "error: x\n\x00"))
+    # an unusable QGEMM_CACHE_DIR: the fallback in use is named, and what --clear clears
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(tmp_path / "afile"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = runner.invoke(app, ["cache"])
+        assert r.exit_code == 0 and f"note: {tmp_path / 'afile'} is not a writable directory" in r.output, r.output
+        r = runner.invoke(app, ["info"])
+        assert "(the fallback: " in r.output, r.output
+    monkeypatch.delenv("QGEMM_CACHE_DIR")
+    cli._one_line_warning(RuntimeWarning("qgemm: something"), RuntimeWarning, "/x/typer/main.py", 1445)
+    assert capsys.readouterr().err == "warning: qgemm: something\n"
+    # inputs that were silently taken
+    for args, said in ((["bench", "--m", ""], "--m must be comma-separated positive integers, got ''"),
+                       (["bench", "--suite", "kvcache", "--no-peers"], "--no-peers is for the gemm suite"),
+                       (["validate", "w4a8.naive", "--shape", "2147483648x1x32"], "every size must be below 2^31"),
+                       (["profile", "w4a8.naive", "--shape", "1x1x2147483648"], "every size must be below 2^31")):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2 and said in r.output, (args, r.output)
 
 
 def test_validate_profile_tune_bench_check_their_inputs_before_the_gpu(tmp_path):
