@@ -53,3 +53,17 @@ class SetupError(QgemmError, FileNotFoundError):
 
 class NoGPUError(QgemmError, RuntimeError):
     """No usable NVIDIA GPU/driver. Raised by anything that must run on the GPU."""
+
+
+def run_tool(main, prog: str):
+    """The entry point of the scripts under tools/: `sys.exit(run_tool(main, "probe_defines"))`.
+    What the user can act on -- no GPU, a bad name, shape or file (qgemm's errors, ValueError,
+    OSError) -- is one line on stderr and exit status 2 (1 for a file that could not be written),
+    not a traceback; anything else is a bug and keeps its traceback."""
+    import sys
+
+    try:
+        return main()
+    except (QgemmError, ValueError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, OSError) and not isinstance(e, (SetupError, FileNotFoundError)) else 2

@@ -906,6 +906,36 @@ def test_validate_and_profile_on_gguf_weights(tmp_path):
     assert r.exit_code == 0 and "w8a16.mma" in r.output, r.output
 
 
+def test_bench_cli_writes_what_it_shows(tmp_path, monkeypatch):
+    """`qgemm bench` end to end on a small sweep, both suites: exit 0, the JSON's rows the ones
+    asked for, with positive times, and the markdown file the table printed (session 47 moved the
+    printing before the writing, so a failed write still shows the sweep)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from qgemm import kvcache_bench
+    from qgemm.cli import app
+
+    out = tmp_path / "gemm"
+    r = CliRunner().invoke(app, ["bench", "--m", "1,33", "--k", "4096", "--hot-only", "--no-peers", "--iters", "3",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "bench.json").read_text())
+    assert sorted((row["fmt"], row["M"], row["K"]) for row in data["rows"]) == \
+        [("q4_0", 1, 4096), ("q4_0", 33, 4096), ("q8_0", 1, 4096), ("q8_0", 33, 4096)]
+    assert all(row["matmul_us"] > 0 and row["kernel_us"] > 0 and not row["cold"] for row in data["rows"])
+    assert (out / "bench.md").read_text().strip() in r.output
+    real = kvcache_bench.suite  # the quick kvcache sweep cut to one S and two layouts
+    monkeypatch.setattr(kvcache_bench, "suite", lambda **kw: real(**{**kw, "ss": (1024,), "layouts": kvcache_bench.LAYOUTS[1:3]}))
+    out = tmp_path / "kv"
+    r = CliRunner().invoke(app, ["bench", "--suite", "kvcache", "--quick", "--iters", "3", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "kvcache.json").read_text())
+    assert data["rows"] and {row["S"] for row in data["rows"]} == {1024}, data["rows"][:2]
+    assert (out / "kvcache.md").read_text().strip() in r.output
+
+
 # ------------------------------------------------------------------------------------------
 # skinny kernels (tokens on the MMA's N side, weights in the skinny layout) and packed matmul
 

@@ -742,8 +742,9 @@ def test_api_doc_check_fails_on_a_stale_page(tmp_path):
     assert r.returncode == 1
     assert "\n-### `qgemm.matmul_v0`\n+### `qgemm.matmul`\n" in r.stdout and r.stdout.startswith(f"--- {stale}")
     assert "python tools/api_doc.py -o" in r.stderr
+    # a mistyped path: said so, not a diff of the whole page against nothing
     r = subprocess.run([*tool, "--check", str(tmp_path / "missing.md")], capture_output=True, text=True)
-    assert r.returncode == 1 and "+# API reference" in r.stdout
+    assert r.returncode == 1 and "missing.md: no such file" in r.stderr and r.stdout == ""
 
 
 def test_compare_paths_parses_shapes_and_paths():
@@ -780,3 +781,70 @@ def test_compare_paths_markdown_ranges_and_kernels():
     assert lines[4] == "| 1x4096x4096 | q4_0 | 3.38-3.47 | 5.55-5.73 |"
     assert lines[5] == "| 1x4096x4096 cold | q4_0 | 4.03 | - |"  # one repeat, and no blocks cell
     assert "| 1x4096x4096 | q4_0 | `w4a8.skinny` | `quantize.q8_1_f16 + w4a8.gemv` |" in lines
+
+
+def test_run_tool_turns_what_a_user_can_fix_into_one_line():
+    """tools/*.py end in `sys.exit(run_tool(main, NAME))`: no GPU, a bad name or a bad file is one
+    line and exit 2 (1 for a file that could not be written); a bug keeps its traceback."""
+    from qgemm import errors
+
+    def raises(e):
+        def main():
+            raise e
+        return main
+
+    assert errors.run_tool(lambda: 0, "t") == 0
+    assert errors.run_tool(raises(errors.NoGPUError("no GPU here")), "t") == 2
+    assert errors.run_tool(raises(ValueError("bad shape")), "t") == 2
+    assert errors.run_tool(raises(FileNotFoundError("x.csv")), "t") == 2
+    assert errors.run_tool(raises(PermissionError("read-only")), "t") == 1
+    with pytest.raises(ZeroDivisionError):
+        errors.run_tool(raises(ZeroDivisionError("a bug")), "t")
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["probe_defines.py", "mustafar.key_q2", "1x4096x4096", "base"], "tools/kv_probe.py times it"),
+    (["probe_defines.py", "w4a16.skinny", "1x4096", "base"], "shape must be MxNxK"),
+    (["probe_defines.py", "w4a16.skinny", "1x4096x4096", "base", "f=@nosuch"], "no kernel named 'nosuch'"),
+    (["kv_probe.py", "w4a16.skinny", "32x16384x128", "base"], "is not a mustafar.* kernel"),
+    (["kv_probe.py", "mustafar.key_q2", "32x16384x96", "base"], "head dim D must be one of"),
+    (["pdl_probe.py", "8x4096x4096:q5_0"], "must be q4_0 or q8_0"),
+    (["compare_paths.py", "--shapes", "1x4096x4096", "--fmts", "q4_0", "--paths", "w8a16.skinny"], "it would time nothing"),
+    (["compare_paths.py", "--shapes", "1x4096x4096", "--json", "/nonexistent/x.json"], "not a writable directory"),
+    (["sweep_order.py", "--shapes", "1x2"], "shape must be MxNxK"),
+    (["precompile.py", "w4a8.naive", "--shapes", "1x64x64", "--arch", "sm_99"], "sm_99 is not supported"),
+    (["precompile.py", "mustafar.key_q2", "--shapes", "1x64x64", "--arch", "sm_90"], "is a mustafar.* kernel"),
+    (["api_doc.py", "--check", "/nonexistent.md"], "no such file"),
+    (["perf_report.py", "docs/perf/profile-h100-512x4096x4096-hot.json", "--bench", "docs/perf/bench-h10.json"],
+     "--bench docs/perf/bench-h10.json does not exist"),
+    (["host_overhead.py", "--table", "docs/perf/bench-h100.json"], "not a host_overhead.py --json file"),
+    (["ncu_source_top.py", "/nonexistent.csv"], "No such file"),
+    (["repack_probe.py", "--ms", "1,a"], "--ms / --ks must be comma-separated integers"),
+])
+def test_tools_say_what_is_wrong_in_one_line(argv, said):
+    """A tools/ audit (session 47): each of these printed a traceback, crashed later with an unrelated
+    error, or timed nothing and exited 0. Now: a non-zero exit and one line that says what to fix
+    (before any GPU is needed, where the input is wrong)."""
+    r = subprocess.run([sys.executable, str(TOOLS / argv[0]), *argv[1:]], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode != 0, (r.stdout, r.stderr)
+    assert said in r.stderr + r.stdout and "Traceback" not in r.stderr, r.stderr
+
+
+def test_check_scripts_fail_when_they_would_run_nothing(tmp_path):
+    """gpu_check_kvcache.sh said PASS for a misspelt step, an unknown bench setting or `ab` without
+    its old tree; gpu_ncu.sh returned its last grep's status whatever ncu did."""
+    env = {**os.environ, "OUT": str(tmp_path / "kv")}
+    for extra, said in (({"QGEMM_KV_STEPS": "bogus"}, "unknown step bogus"),
+                        ({"QGEMM_KV_STEPS": "ab"}, "step ab needs QGEMM_KV_OLD_SRC"),
+                        ({"QGEMM_KV_STEPS": "bench", "QGEMM_KV_BENCH": "fast"}, "QGEMM_KV_BENCH must be quick, full or none")):
+        r = subprocess.run(["bash", str(TOOLS / "gpu_check_kvcache.sh")], capture_output=True, text=True,
+                           env={**env, **extra}, timeout=60)
+        assert r.returncode == 1 and said in r.stdout and "gpu_check_kvcache: FAIL" in r.stdout, r.stdout
+    fake = tmp_path / "ncu"
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    fake.chmod(0o755)
+    r = subprocess.run(["bash", str(TOOLS / "gpu_ncu.sh")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "NCU": str(fake), "OUT": str(tmp_path / "ncu"), "KERNELS": "w4a8.naive",
+                            "SHAPE": "1x64x64", "QGEMM_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 1 and "!! w4a8.naive" in r.stderr, (r.stdout, r.stderr)

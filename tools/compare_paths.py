@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
@@ -107,8 +108,24 @@ def main(argv=None) -> int:
     paths = parse_paths(a.paths, x_dtypes)
     shapes = [(s.strip(), parse_shape(s)) for s in a.shapes.split(",") if s.strip()]
     command = "python tools/compare_paths.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if a.repeats < 1 or a.iters < 1:
+        raise SystemExit(f"--repeats and --iters must be at least 1, got {a.repeats} and {a.iters}")
+    for out in filter(None, (a.json, a.markdown)):  # before the timings, not after them
+        d = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(d) or not os.access(d, os.W_OK):
+            raise SystemExit(f"cannot write {out}: {d} is not a writable directory")
 
     from qgemm import bench, formats as F, registry
+
+    fmts = [f.strip() for f in a.fmts.split(",") if f.strip()]
+    if not fmts or any(f not in ("q4_0", "q8_0") for f in fmts):
+        raise SystemExit(f"--fmts {a.fmts!r}: expected a comma-separated list of q4_0, q8_0")
+    for p, _ in paths:  # a kernel path must be a GEMM of one of the formats, or nothing is timed for it
+        if p not in ("default", "blocks"):
+            spec = registry.spec(p)
+            if spec.op.kind != "gemm" or spec.op.w is None or spec.op.w.name not in fmts:
+                raise SystemExit(f"--paths {p}: not a GEMM on {' or '.join(fmts)} weights (its op: {spec.op}); "
+                                 "it would time nothing")
 
     rng = np.random.default_rng(0)
     rows = []
@@ -116,7 +133,7 @@ def main(argv=None) -> int:
     print(f"device: {env['device']}; whole op (us), median of {a.iters} graph-batched samples; {env['date']}")
     weights = {}
     for shape, (m, n, k, cold) in shapes:
-        for fmt in a.fmts.split(","):
+        for fmt in fmts:
             if (fmt, n, k) not in weights:
                 weights[(fmt, n, k)] = F.quantize(rng.standard_normal((n, k), dtype=np.float32), fmt)
             mine = [(p, xds) for p, xds in paths if p in ("default", "blocks") or registry.spec(p).op.w.name == fmt]
@@ -143,4 +160,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "compare_paths"))

@@ -16,7 +16,8 @@
 #   QGEMM_CHECK="xtypes" bash tools/gpu_check.sh               # float32 / float16 / bfloat16 activations: whole op, configurations
 #   other steps: precompile (every default configuration of the bench shapes, in parallel: run it
 #   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, pdl,
-#   host (an eager qgemm.matmul call's host time against torch's: docs/pytorch.md's table)
+#   pack (the GPU repacking: its tests and matmul on blocks against packed weights), host (an eager
+#   qgemm.matmul call's host time against torch's: docs/pytorch.md's table)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check}
@@ -181,8 +182,10 @@ for step in $STEPS; do
                   --out "$OUT/sustained"
               [ -f "$OUT/sustained/bench.json" ] && mv "$OUT/sustained/bench.json" "$OUT/bench-sustained.json"
               rm -rf "$OUT/sustained" ;;
-    report)   sust=(); [ -f "$OUT/bench-sustained.json" ] && sust=(--sustained-bench "$OUT/bench-sustained.json")
-              run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" --bench "$OUT/bench.json" \
+    report)   # the bench sections from this run's JSON where the bench steps ran (perf_report refuses a missing file)
+              sust=(); [ -f "$OUT/bench-sustained.json" ] && sust=(--sustained-bench "$OUT/bench-sustained.json")
+              bnch=(); [ -f "$OUT/bench.json" ] && bnch=(--bench "$OUT/bench.json")
+              run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" ${bnch[@]+"${bnch[@]}"} \
                   ${sust[@]+"${sust[@]}"} --notes docs/performance-notes.md -o "$OUT/performance.md" ;;
     *) echo "unknown step $step" | tee -a "$LOG"; rc=1 ;;
   esac

@@ -16,6 +16,13 @@ BENCH=${QGEMM_KV_BENCH:-quick}
 STEPS=${QGEMM_KV_STEPS:-"compile tests validate profile bench"}
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 rc=0
+# a misspelt step or setting would otherwise run nothing and still say PASS
+for s in $STEPS; do
+  case $s in compile|tests|validate|profile|ab|bench) ;; *) echo "!! unknown step $s (compile tests validate profile ab bench)"; rc=1 ;; esac
+done
+case $BENCH in quick|full|none) ;; *) echo "!! QGEMM_KV_BENCH must be quick, full or none, got $BENCH"; rc=1 ;; esac
+if has ab && [ -z "${QGEMM_KV_OLD_SRC:-}" ]; then echo "!! step ab needs QGEMM_KV_OLD_SRC (an older cuda_src tree)"; rc=1; fi
+[ $rc = 0 ] || { echo "gpu_check_kvcache: FAIL"; exit 1; }
 step() { local name=$1 lim=$2; shift 2; echo "== $name"; timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local r=$?; [ $r = 0 ] || { echo "!! $name exit $r"; rc=1; }; return $r; }
 
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>/dev/null | head -1

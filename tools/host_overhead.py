@@ -17,6 +17,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import sys
 import time
@@ -147,10 +148,26 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.table:
         with open(a.table) as f:
-            print(markdown(json.load(f), a.suite), end="")
+            data = json.load(f)
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise ValueError(f"--table {a.table}: not a host_overhead.py --json file (no 'rows')")
+        try:
+            print(markdown(data, a.suite), end="")
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"--table {a.table}: not a host_overhead.py --json file of the {a.suite} suite "
+                             f"(missing {e})") from None
         return 0
-
-    import torch
+    if a.calls < 4:  # the 512-token rows take a quarter of the calls
+        raise ValueError(f"--calls must be at least 4, got {a.calls}")
+    if a.json:  # before the timings, not after them
+        d = os.path.dirname(os.path.abspath(a.json))
+        if not os.path.isdir(d) or not os.access(d, os.W_OK):
+            raise ValueError(f"--json {a.json}: {d} is not a writable directory")
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("host_overhead: needs torch (its rows time qgemm with torch operands against torch's own "
+                         "F.linear): pip install torch") from None
 
     import qgemm
     from qgemm import formats as F, runtime
@@ -218,4 +235,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "host_overhead"))

@@ -18,11 +18,13 @@ launch). To compare source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
 import argparse
 import dataclasses
 import statistics
+import sys
 
 from probe_defines import parse_variant  # the same `label=KEY=INT[;KEY=INT...]` variants (tools/ is on sys.path)
 
 from qgemm import kvcache as kv
 from qgemm import registry, runtime
+from qgemm.check import parse_shape
 
 
 def plan(runner, ck, rows: int, overrides: dict) -> tuple:
@@ -71,8 +73,15 @@ def main() -> None:
                     help="time on one buffer set (the cache stays in L2 where it fits) instead of rotating "
                          "buffer sets through > 2x L2")
     args = ap.parse_args()
-    shape = tuple(int(v) for v in args.shape.lower().split("x"))
+    shape = parse_shape(args.shape, form="BxSxD")
     variants = [parse_variant(v) for v in args.variants]
+    for name in args.kernels.split(","):  # every name, before the GPU
+        runner = getattr(registry.spec(name), "runner", None)
+        if runner is None:
+            raise ValueError(f"{name} is not a mustafar.* kernel (tools/probe_defines.py times the GEMM kernels)")
+        why = runner.shape_problem(shape)
+        if why:
+            raise ValueError(f"{name}: {why}")
     opts = {"lq": args.lq, "groups": args.groups, "sparsity": args.sparsity}
     print(f"{runtime.device_info().name}; shape {args.shape}, lq {args.lq}, groups {args.groups}, "
           f"sparsity {args.sparsity}; {'hot' if args.hot else 'cold'}, median of {args.iters} (us)")
@@ -99,4 +108,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "kv_probe"))

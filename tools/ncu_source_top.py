@@ -10,6 +10,7 @@ import argparse
 import csv
 import io
 import re
+import sys
 from collections import Counter
 
 
@@ -39,8 +40,11 @@ def main() -> None:
     rows = list(csv.reader(io.StringIO(text[start:])))
     header, body = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
     col = {h: i for i, h in enumerate(header)}
-    src = next(i for h, i in col.items() if h.strip() == "Source")
-    samp = next(i for h, i in col.items() if "Stall Sampling (All" in h)
+    src = next((i for h, i in col.items() if h.strip() == "Source"), None)
+    samp = next((i for h, i in col.items() if "Stall Sampling (All" in h), None)
+    if src is None or samp is None:
+        raise SystemExit(f"{args.csv}: no 'Source' or 'Warp Stall Sampling (All Samples)' column; profile with "
+                         "--section SourceCounters (tools/gpu_ncu.sh with SOURCE=1)")
     nis = next((i for h, i in col.items() if "Stall Sampling (Not" in h), None)
     reasons = [(h, i) for h, i in col.items() if h.startswith("stall_") and "Not Issued" not in h]
     total = sum(_num(r[samp]) for r in body) or 1.0
@@ -65,4 +69,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "ncu_source_top"))

@@ -10,21 +10,41 @@ import sys
 import numpy as np
 
 from qgemm import bench, formats as F
+from qgemm.check import parse_shape
 
-if len(sys.argv) > 2 or (len(sys.argv) == 2 and (sys.argv[1].startswith("-") or ":" not in sys.argv[1])):
-    raise SystemExit(__doc__.strip() + "\n\n(the argument is a comma-separated list of MxNxK:FMT, FMT q4_0 or q8_0)")
-shapes = [tuple(int(v) for v in s.split("x")) + (f,) for s, f in
-          (x.split(":") for x in (sys.argv[1] if len(sys.argv) > 1 else
-           "1x4096x4096:q4_0,1x4096x4096:q8_0,8x4096x4096:q4_0,8x4096x14336:q8_0,64x4096x4096:q4_0,64x4096x14336:q4_0,512x4096x4096:q4_0").split(","))]
-reps = int(os.environ.get("REPS", "3"))
-rng = np.random.default_rng(0)
-weights = {}
-tag = os.environ.get("TAG", "")
-for m, n, k, fmt in shapes:
-    if (fmt, n, k) not in weights:
-        weights[(fmt, n, k)] = F.quantize(rng.standard_normal((n, k), dtype=np.float32), fmt)
-    for rep in range(reps):
-        for pdl in ("1", "0"):
-            os.environ["QGEMM_PDL"] = pdl
-            r = bench.time_matmul(fmt, m, n, k, False, rng, weights, iters=20)
-            print(f"{tag:8s} {fmt} {m}x{n}x{k} pdl={pdl} rep={rep} op={r['matmul_us']:.2f} kernel={r['kernel_us']:.2f} {r['kernel']} [{r['method'][:60]}]", flush=True)
+DEFAULT = "1x4096x4096:q4_0,1x4096x4096:q8_0,8x4096x4096:q4_0,8x4096x14336:q8_0,64x4096x4096:q4_0,64x4096x14336:q4_0,512x4096x4096:q4_0"
+
+
+def main() -> int:
+    if len(sys.argv) == 2 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    if len(sys.argv) > 2 or (len(sys.argv) == 2 and (sys.argv[1].startswith("-") or ":" not in sys.argv[1])):
+        print(__doc__.strip() + "\n\n(the argument is a comma-separated list of MxNxK:FMT, FMT q4_0 or q8_0)", file=sys.stderr)
+        return 2
+    shapes = []
+    for item in (sys.argv[1] if len(sys.argv) > 1 else DEFAULT).split(","):
+        shape, _, fmt = item.partition(":")
+        if fmt not in ("q4_0", "q8_0"):
+            raise ValueError(f"{item!r}: the format after ':' must be q4_0 or q8_0, got {fmt!r}")
+        shapes.append(parse_shape(shape) + (fmt,))
+    reps = int(os.environ.get("REPS", "3"))
+    rng = np.random.default_rng(0)
+    weights = {}
+    tag = os.environ.get("TAG", "")
+    for m, n, k, fmt in shapes:
+        if (fmt, n, k) not in weights:
+            weights[(fmt, n, k)] = F.quantize(rng.standard_normal((n, k), dtype=np.float32), fmt)
+        for rep in range(reps):
+            for pdl in ("1", "0"):
+                os.environ["QGEMM_PDL"] = pdl
+                r = bench.time_matmul(fmt, m, n, k, False, rng, weights, iters=20)
+                print(f"{tag:8s} {fmt} {m}x{n}x{k} pdl={pdl} rep={rep} op={r['matmul_us']:.2f} kernel={r['kernel_us']:.2f} "
+                      f"{r['kernel']} [{r['method'][:60]}]", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "pdl_probe"))

@@ -223,13 +223,17 @@ def main(argv=None) -> int:
     if args.plots and not (args.bench and args.bench.is_file()):
         print("perf_report: --plots draws from the --bench JSON: give an existing one", file=sys.stderr)
         return 1
+    for what, p in (("--bench", args.bench), ("--notes", args.notes)):  # a page without its section is no report
+        if p is not None and not p.is_file():
+            print(f"perf_report: {what} {p} does not exist", file=sys.stderr)
+            return 1
     parts = [HEADER]
     for p in args.json:
         if not p.is_file():
             print(f"perf_report: {p} does not exist", file=sys.stderr)
             return 1
         parts.append(section(json.loads(p.read_text())))
-    if args.bench and args.bench.is_file():
+    if args.bench:
         bench_data = json.loads(args.bench.read_text())
         parts.append(bench_section(bench_data))
         if args.plots:
@@ -249,7 +253,7 @@ def main(argv=None) -> int:
             print(f"perf_report: {args.sustained_bench} is not from `qgemm bench --sustain`", file=sys.stderr)
             return 1
         parts.append(sustained_section(sustained))
-    if args.notes and args.notes.is_file():
+    if args.notes:
         parts.append(args.notes.read_text())
     text = "\n".join(parts)
     if args.output:
@@ -260,4 +264,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "perf_report"))

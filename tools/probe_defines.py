@@ -22,6 +22,7 @@ or a float32 kernel with its variant's:
 """
 import argparse
 import statistics
+import sys
 
 import numpy as np
 
@@ -57,9 +58,15 @@ def main() -> None:
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     k = registry.get(args.kernel)
+    if getattr(k.spec, "runner", None) is not None:
+        raise ValueError(f"{args.kernel} takes a compressed KV cache, not MxNxK operands: tools/kv_probe.py times it")
+    for label, extra in variants:  # another kernel's configuration: named right, before any timing
+        if "@" in extra:
+            registry.spec(extra["@"])
+    shapes = [check.parse_shape(s) for s in args.shapes.split(",")]
     rng = np.random.default_rng(0)
-    for shape in args.shapes.split(","):
-        m, n, kk = (int(v) for v in shape.split("x"))
+    for m, n, kk in shapes:
+        shape = f"{m}x{n}x{kk}"
         inp = check.make_inputs(k.op, m, n, kk, rng)
         exact = k.op.exact(inp.a, inp.w)
         da, dw = k.upload_activations(inp.a), k.upload_weights(inp.w)
@@ -94,4 +101,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "probe_defines"))

@@ -9,6 +9,7 @@ The numbers in docs/formats.md come from this script:
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
@@ -52,4 +53,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "quant_error"))

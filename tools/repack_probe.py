@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import numpy as np
@@ -29,12 +31,23 @@ def main() -> None:
     ap.add_argument("--no-cold", action="store_true", help="hot timings only")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args()
+    try:
+        ms = [int(v) for v in a.ms.split(",")]
+        ks = [int(v) for v in a.ks.split(",")]
+    except ValueError:
+        raise ValueError(f"--ms / --ks must be comma-separated integers, got {a.ms!r} / {a.ks!r}") from None
+    if min(ms) < 1 or min(ks) < 32 or any(k % 32 for k in ks):
+        raise ValueError(f"--ms must be positive and --ks positive multiples of 32, got {a.ms!r} / {a.ks!r}")
+    if a.json:  # before the timings, not after them
+        d = os.path.dirname(os.path.abspath(a.json))
+        if not os.path.isdir(d) or not os.access(d, os.W_OK):
+            raise ValueError(f"--json {a.json}: {d} is not a writable directory")
     rng = np.random.default_rng(0)
     info = runtime.device_info()
     res = {"device": info.name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "pack": [], "rows": []}
     weights = {}
     for fmt in ("q4_0", "q8_0"):
-        for k in (int(v) for v in a.ks.split(",")):
+        for k in ks:
             weights[(fmt, 4096, k)] = F.quantize(rng.standard_normal((4096, k), dtype=np.float32), fmt)
     for (fmt, n, k), w in weights.items():
         kern = qgemm.get(f"pack.{fmt}")
@@ -54,7 +67,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         res["pack"].append(row)
     for (fmt, n, k) in weights:
-        for m in (int(v) for v in a.ms.split(",")):
+        for m in ms:
             for cold in (False,) if a.no_cold else (False, True):
                 keep = mm.REPACK_MIN_M
                 mm.REPACK_MIN_M = {f: 2**31 for f in keep}  # the plan without the per-call repacking
@@ -76,4 +89,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "repack_probe"))

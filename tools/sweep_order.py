@@ -35,55 +35,59 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from qgemm import bench, formats as F, runtime
+    from qgemm.check import parse_shape
 
+    shapes = [parse_shape(s) for s in a.shapes.split(",")]  # before the sampler starts
     sampler = bench.ClockSampler() if a.clocks else None
+    try:
+        def clocks(t0: float, t1: float) -> str:
+            """Median SM clock (MHz) and power (W) sampled in [t0, t1]."""
+            if sampler is None:
+                return ""
+            w = sampler.window(t0, t1)
+            return f" [SM {w['sm_mhz']:.0f} MHz, {w['power_w']:.0f} W, {w['samples']} samples]" if w else " [no clock samples]"
 
-    def clocks(t0: float, t1: float) -> str:
-        """Median SM clock (MHz) and power (W) sampled in [t0, t1]."""
-        if sampler is None:
-            return ""
-        w = sampler.window(t0, t1)
-        return f" [SM {w['sm_mhz']:.0f} MHz, {w['power_w']:.0f} W, {w['samples']} samples]" if w else " [no clock samples]"
+        def idle():
+            if a.idle_ms > 0:
+                runtime.synchronize()
+                time.sleep(a.idle_ms / 1e3)
 
-    def idle():
-        if a.idle_ms > 0:
-            runtime.synchronize()
-            time.sleep(a.idle_ms / 1e3)
-
-    rng = np.random.default_rng(0)
-    print(f"device: {runtime.device_info().name}; hot, us (median of {a.iters} graph-batched samples)")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    fmts = a.fmts.split(",")
-    weights = {(f, n, k): F.quantize(rng.standard_normal((n, k), dtype=np.float32), f) for (_, n, k) in shapes for f in fmts}
-    for rnd in range(a.rounds):
-        for (m, n, k) in shapes:
-            for f in fmts:
-                idle()
-                t0 = time.time()
-                r = bench.time_matmul(f, m, n, k, False, rng, weights, iters=a.iters)
-                line = (f"round {rnd} {m}x{n}x{k} {f}: packed op {r['matmul_us']:.2f} kernel {r['kernel_us']:.2f} ({r['kernel']})"
-                        + clocks(t0, time.time()))
-                if not a.no_blocks:
+        rng = np.random.default_rng(0)
+        print(f"device: {runtime.device_info().name}; hot, us (median of {a.iters} graph-batched samples)")
+        fmts = a.fmts.split(",")
+        weights = {(f, n, k): F.quantize(rng.standard_normal((n, k), dtype=np.float32), f) for (_, n, k) in shapes for f in fmts}
+        for rnd in range(a.rounds):
+            for (m, n, k) in shapes:
+                for f in fmts:
                     idle()
-                    rb = bench.time_matmul(f, m, n, k, False, rng, weights, iters=a.iters, packed=False)
-                    line += f"; blocks op {rb['matmul_us']:.2f} ({rb['kernel']})"
-                print(line, flush=True)
-            if not a.no_peers:
-                t0 = time.time()
-                p = bench.torch_peer_times(m, n, k, False, iters=a.iters)
-                print(f"round {rnd} {m}x{n}x{k} peers: " + ", ".join(f"{key} {v:.1f}" for key, v in p.items())
-                      + clocks(t0, time.time()), flush=True)
-                if a.after_peers == "reset-l2":
-                    runtime.reset_persisting_l2()
-                elif a.after_peers == "flush":
-                    junk = runtime.DeviceArray.empty((2 * runtime.device_info().l2_bytes,), np.uint8)
-                    junk.fill_bytes(0)
-                    runtime.synchronize()
-                    junk.free()
-    if sampler is not None:
-        sampler.close()
+                    t0 = time.time()
+                    r = bench.time_matmul(f, m, n, k, False, rng, weights, iters=a.iters)
+                    line = (f"round {rnd} {m}x{n}x{k} {f}: packed op {r['matmul_us']:.2f} kernel {r['kernel_us']:.2f} ({r['kernel']})"
+                            + clocks(t0, time.time()))
+                    if not a.no_blocks:
+                        idle()
+                        rb = bench.time_matmul(f, m, n, k, False, rng, weights, iters=a.iters, packed=False)
+                        line += f"; blocks op {rb['matmul_us']:.2f} ({rb['kernel']})"
+                    print(line, flush=True)
+                if not a.no_peers:
+                    t0 = time.time()
+                    p = bench.torch_peer_times(m, n, k, False, iters=a.iters)
+                    print(f"round {rnd} {m}x{n}x{k} peers: " + ", ".join(f"{key} {v:.1f}" for key, v in p.items())
+                          + clocks(t0, time.time()), flush=True)
+                    if a.after_peers == "reset-l2":
+                        runtime.reset_persisting_l2()
+                    elif a.after_peers == "flush":
+                        junk = runtime.DeviceArray.empty((2 * runtime.device_info().l2_bytes,), np.uint8)
+                        junk.fill_bytes(0)
+                        runtime.synchronize()
+                        junk.free()
+    finally:  # an nvidia-smi left sampling would run on after this process
+        if sampler is not None:
+            sampler.close()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "sweep_order"))
