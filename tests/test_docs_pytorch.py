@@ -27,7 +27,9 @@ def test_docs_pytorch_examples_run(capsys):
     if qgemm.gpu_available() and torch is not None and torch.cuda.is_available():
         assert "torch.Size([8, 256]) torch.float32 True" in out
         assert "torch.Size([2, 4, 256]) True" in out
-        assert out.count("True") >= 4  # the last: a CUDA graph replay
+        # the two bare checks: the out= result against the reference, and the CUDA graph replay's (a
+        # count of "True" anywhere let one of them print False while the other lines held the count)
+        assert [ln.strip() for ln in out.splitlines() if ln.strip() in ("True", "False")] == ["True", "True"], out
         assert ("None w4a16.mma" in out) != ("pack.q4_0 w4a16.wgmma_rs" in out), out  # the plan of 300 tokens
     if qgemm.gpu_available() and ns.get("cp") is not None:
         assert "(4, 32) (4, 1152) True" in out

@@ -1075,23 +1075,31 @@ def test_attention_chain_with_pdl(bits, rng, monkeypatch, pdl_launches):
     ck = kv.compress_keys(cache(rng, b, s, d), bits, sparsity=0.7)
     cv = kv.compress_values(cache(rng, b, s, d), bits, sparsity=0.7)
     dk, dv = ck.to_device(), cv.to_device()
-    q = (rng.standard_normal((b * g, 1, d), dtype=np.float32) / 8).astype(np.float16)  # scores ~ N(0, 1)
+    # new queries every round and each round's value output kept apart, so a value kernel that read
+    # the scores before its key kernel wrote them (the previous round's, or the NaN poison), or a key
+    # kernel that overwrote them while the value kernel before it still read them, leaves a round's
+    # output matching another round's scores, not its own (the same queries every round could not tell)
+    qs = [(rng.standard_normal((b * g, 1, d), dtype=np.float32) / 8).astype(np.float16) for _ in range(3)]  # ~ N(0, 1)
     ps = [kv.random_probs(rng, (b * g, 1, s)) for _ in range(3)]
-    dq, dps = qgemm.DeviceArray.from_host(q), [qgemm.DeviceArray.from_host(p) for p in ps]
+    dqs, dps = [qgemm.DeviceArray.from_host(q) for q in qs], [qgemm.DeviceArray.from_host(p) for p in ps]
     sc = qgemm.DeviceArray.empty((b * g, 1, s), np.float16)
-    o_sc, o = (qgemm.DeviceArray.empty((b * g, 1, d), np.float32) for _ in range(2))
-    for a in (sc, o_sc, o):
+    o_scs = [qgemm.DeviceArray.empty((b * g, 1, d), np.float32) for _ in range(3)]
+    o = qgemm.DeviceArray.empty((b * g, 1, d), np.float32)
+    for a in (sc, o, *o_scs):
         a.fill_bytes(0xFF)  # NaN
-    for _ in range(3):
-        kv.scores(dq, dk, out=sc)
-        kv.attend(sc, dv, out=o_sc)
+    for r in range(3):
+        kv.scores(dqs[r], dk, out=sc)
+        kv.attend(sc, dv, out=o_scs[r])
         for dp in dps:
             kv.attend(dp, dv, out=o)
     runtime.synchronize()
+    keys, values = kv.decompress(ck), kv.decompress(cv)
     got = sc.to_host()
-    assert kv.rel_error(got, kv.reference_scores(q, kv.decompress(ck))) < 5e-3
-    assert kv.rel_error(o_sc.to_host(), kv.reference_output(got, kv.decompress(cv))) < 5e-3
-    assert kv.rel_error(o.to_host(), kv.reference_output(ps[-1], kv.decompress(cv))) < 5e-3
+    assert kv.rel_error(got, kv.reference_scores(qs[-1], keys)) < 5e-3
+    for r in range(3):  # each round's output from its own scores (the reference's, rounded to fp16 as the kernel's)
+        want = kv.reference_output(kv.reference_scores(qs[r], keys).astype(np.float16), values)
+        assert kv.rel_error(o_scs[r].to_host(), want) < 5e-3, r
+    assert kv.rel_error(o.to_host(), kv.reference_output(ps[-1], values)) < 5e-3
     pdl_launches.check()
 
 
@@ -1345,12 +1353,22 @@ def test_one_value_tiles_decode_exactly_on_the_gpu(name, rng):
         assert got[0, 0, 3] == -65504.0 and got[0, 0, 64] == 60000.0
         q = (np.abs(rng.standard_normal((2, 1, 64))) * 1e-3).astype(np.float16)  # same signs: no cancellation
         got, want = qgemm.get(name)(q, c), kv.reference_scores(q, xd)
+        # the ordinary tokens on their own: the planted ones set max|want|, and so the tolerance below
+        ordinary = np.ones((2, 65), bool)
+        ordinary[0, [3, 64]] = False
+        g, w = got[:, 0, :][ordinary].astype(np.float64), want[:, 0, :][ordinary]
+        np.testing.assert_allclose(g, w, rtol=5e-3, atol=5e-3 * np.abs(w).max())
     else:
         p = np.zeros((2, 1, 65), np.float16)
         p[:, :, 64] = 1.0  # output channel d = the decoded v[64, d], one exact product
         got = qgemm.get(name)(p, c)
         np.testing.assert_array_equal(got[:, 0, :], xd[:, 64, :].astype(np.float32))
         p = (rng.random((2, 1, 65)) / 65).astype(np.float16)
+        # the ordinary tokens on their own (no weight on token 64, whose 60000 sets max|want| below)
+        p0 = p.copy()
+        p0[:, :, 64] = 0
+        w = kv.reference_output(p0, xd)
+        np.testing.assert_allclose(qgemm.get(name)(p0, c).astype(np.float64), w, rtol=5e-3, atol=5e-3 * np.abs(w).max())
         got, want = qgemm.get(name)(p, c), kv.reference_output(p, xd)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=5e-3, atol=5e-3 * np.abs(want).max())
