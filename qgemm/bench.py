@@ -781,6 +781,11 @@ def sweep_markdown(data: dict, command: str) -> str:
                    + ", ".join(f"{k} {v:.1f} ms" for k, v in data["pack_ms"].items()))
     out.append("- `qgemm.matmul µs` takes packed weights; `ggml blocks µs` is the same call on raw ggml blocks "
                "(where that picks another kernel; `pack.*` + a kernel: the blocks repacked on the GPU in every call)")
+    out.append("- every figure is the median of CUDA-graph samples of back-to-back launches (~1 ms each) after 5 "
+               "warm-up launches; `kernel µs` is the GEMM kernel timed on its own in a separate graph, not a part "
+               "of the op's time (two timings, each with its own spread: at small M it can come out a little above "
+               "the op's); "
+               "`torch int8` is `torch._int_mm`, which takes M > 16 only")
     reset = data.get("l2_reset")
     if reset == "off":
         out.append("- hot timings start from the L2 the previous row left (`QGEMM_BENCH_L2=off`, the default): with "
@@ -908,7 +913,7 @@ def _sweep_figure(data: dict, cold: bool):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (tokens)")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{title}, {tag}, {data['environment']['device']}")
+        ax.set_title(f"{title}, {tag}\n{data['environment']['device']}, {data['environment'].get('date', '')}", fontsize=10)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
