@@ -176,7 +176,8 @@ def step5(echo: Echo, shape) -> None:
         echo(f"  llama.cpp MMQ (whole op incl. activation quantization) on {dev.upper()} "
              f"(qgemm/data/ggml-test-backend-ops-perf-mul_mat-{dev}.txt) against this GPU ({info.name}): the fastest")
         echo("  Step 4 rung (DP4A) + quantize.q8_1, and qgemm.matmul -- the production kernels (tensor cores), on the same")
-        echo("  ggml blocks, timed the same way (whole op, back to back)")
+        echo("  ggml blocks, as the same kind of measurement (whole op, hot, back to back) but in ~1 ms samples where")
+        echo("  llama.cpp runs >= 1 s (qgemm compare-llamacpp --sustain 1 times it that way)")
         best = {"q4_0": ["w4a8.vec_dp4a", "w4a8.tiled_dp4a"], "q8_0": ["w8a8.tiled_dp4a"]}
         timer = matmul_timer(warmup=3, iters=10)
         echo(f"  {'type':<5} {'MxNxK':<15} {'llama.cpp us':>12} {'Step 4 us':>10} {'(rung + quantize)':>18} "
