@@ -355,9 +355,13 @@ class GGUFFile:
         t = self.info(name)
         fmt = self._require_supported(t)
         if len(t.shape) != 2:
-            what = "a vector" if len(t.shape) == 1 else f"{len(t.shape)}-D (stacked matrices: load it and index one)"
+            what = ("a vector" if len(t.shape) == 1 else "a scalar" if not t.shape
+                    else f"{len(t.shape)}-D (stacked matrices: load it and index one)")
             raise ValueError(f"{self.path}: tensor {name!r} has shape [{t.shape_str}], {what}; expected a 2-D weight [N, K]")
         n, k = t.shape
+        if n == 0 or k == 0:  # an empty GEMM would "pass" every check with nothing computed
+            raise ValueError(f"{self.path}: tensor {name!r} has shape [{t.shape_str}], an empty matrix; expected a 2-D "
+                             "weight [N, K] with N, K > 0")
         return n, k, fmt
 
 

@@ -165,6 +165,20 @@ def test_weight_shape(model):
         gguf_io.weight_shape(path, "blk.0.ffn_gate.weight")
 
 
+def test_weight_shape_refuses_an_empty_matrix(tmp_path):
+    """A [4 x 0] tensor passed as a weight and reached the GPU check of `qgemm validate --gguf`,
+    where an empty GEMM would have "passed" with nothing computed."""
+    path = tmp_path / "empty.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("w", np.zeros((4, 0), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"'w' has shape \[4 x 0\], an empty matrix"):
+        gguf_io.weight_shape(path, "w")
+
+
 @pytest.mark.parametrize("name,typ", [("blk.0.ffn_up.weight", "Q5_0"), ("blk.0.ffn_gate.weight", "Q4_K")])
 def test_unsupported_type_names_it_and_the_supported_ones(model, name, typ):
     path, _, _ = model
