@@ -67,3 +67,13 @@ def run_tool(main, prog: str):
     except (QgemmError, ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1 if isinstance(e, OSError) and not isinstance(e, (SetupError, FileNotFoundError)) else 2
+
+
+def check_output_path(path: str, what: str) -> None:
+    """For the scripts under tools/: ValueError unless the directory of a result file (`path`,
+    given as option `what`) exists and is writable -- checked before the measurements, not after."""
+    import os
+
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d) or not os.access(d, os.W_OK):
+        raise ValueError(f"{what} {path}: {d} is not a writable directory")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
@@ -110,12 +109,12 @@ def main(argv=None) -> int:
     command = "python tools/compare_paths.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if a.repeats < 1 or a.iters < 1:
         raise SystemExit(f"--repeats and --iters must be at least 1, got {a.repeats} and {a.iters}")
-    for out in filter(None, (a.json, a.markdown)):  # before the timings, not after them
-        d = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(d) or not os.access(d, os.W_OK):
-            raise SystemExit(f"cannot write {out}: {d} is not a writable directory")
-
     from qgemm import bench, formats as F, registry
+    from qgemm.errors import check_output_path
+
+    for what, out in (("--json", a.json), ("--markdown", a.markdown)):  # before the timings, not after them
+        if out:
+            check_output_path(out, what)
 
     fmts = [f.strip() for f in a.fmts.split(",") if f.strip()]
     if not fmts or any(f not in ("q4_0", "q8_0") for f in fmts):

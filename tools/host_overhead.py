@@ -17,7 +17,6 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import sys
 import time
@@ -160,9 +159,9 @@ def main(argv=None) -> int:
     if a.calls < 4:  # the 512-token rows take a quarter of the calls
         raise ValueError(f"--calls must be at least 4, got {a.calls}")
     if a.json:  # before the timings, not after them
-        d = os.path.dirname(os.path.abspath(a.json))
-        if not os.path.isdir(d) or not os.access(d, os.W_OK):
-            raise ValueError(f"--json {a.json}: {d} is not a writable directory")
+        from qgemm.errors import check_output_path
+
+        check_output_path(a.json, "--json")
     try:
         import torch
     except ImportError:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -39,9 +38,9 @@ def main() -> None:
     if min(ms) < 1 or min(ks) < 32 or any(k % 32 for k in ks):
         raise ValueError(f"--ms must be positive and --ks positive multiples of 32, got {a.ms!r} / {a.ks!r}")
     if a.json:  # before the timings, not after them
-        d = os.path.dirname(os.path.abspath(a.json))
-        if not os.path.isdir(d) or not os.access(d, os.W_OK):
-            raise ValueError(f"--json {a.json}: {d} is not a writable directory")
+        from qgemm.errors import check_output_path
+
+        check_output_path(a.json, "--json")
     rng = np.random.default_rng(0)
     info = runtime.device_info()
     res = {"device": info.name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "pack": [], "rows": []}
