@@ -14,6 +14,7 @@
 #   QGEMM_CHECK="l2" bash tools/gpu_check.sh                   # prefill: warpgroups per CTA, L2 throughput (ncu) vs cuBLAS
 #   QGEMM_CHECK="kvcache" bash tools/gpu_check.sh              # Mustafar: its GPU tests, the kvcache bench vs dense torch
 #   QGEMM_CHECK="xtypes" bash tools/gpu_check.sh               # float32 / float16 / bfloat16 activations: whole op, configurations
+#   QGEMM_CHECK="sanitize" bash tools/gpu_check.sh             # the GPU tests under compute-sanitizer (memcheck, racecheck, synccheck, initcheck)
 #   other steps: precompile (every default configuration of the bench shapes, in parallel: run it
 #   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, pdl,
 #   pack (the GPU repacking: its tests and matmul on blocks against packed weights), host (an eager
@@ -160,6 +161,46 @@ for step in $STEPS; do
               # docs/perf/kvcache-h100.json and docs/mustafar.md's tables come from it)
               run $PY -m pytest -q -m gpu tests/test_kvcache.py -p no:cacheprovider
               run $PY -m qgemm bench --suite kvcache --iters 10 --out "$OUT/kvcache" ;;
+    sanitize) # compute-sanitizer over the GPU tests, several processes side by side, one log each
+              # ($OUT/san-TOOL-PART.log): memcheck (out-of-bounds and misaligned accesses; qgemm allocates
+              # every array at its exact size, so a read one element past an operand is reported, not
+              # served from a neighbour), racecheck (shared-memory hazards between threads), synccheck
+              # (barriers under divergence) and initcheck (reads of global memory nothing wrote).
+              # QGEMM_SAN_JOBS picks some of TOOL:PART (default: all of them, below)
+              SAN=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+              if [ ! -x "$SAN" ]; then echo "!! no compute-sanitizer at $SAN (set SANITIZER)" | tee -a "$LOG"; rc=1; continue; fi
+              GK=tests/test_gpu_kernels.py
+              REFS=$GK::test_gemm_matches_references
+              SWEEPS="every_candidate_configuration or wgmma_configurations or mma_configurations"
+              PATHS="matmul or packed or kperm16 or gemv or quantizer or activation_edges or chain or out_as_raw"
+              san_args() {  # the pytest arguments of one part
+                case $1 in
+                  refs)     echo "$REFS -k 'not 4097'" ;;
+                  refs4097) echo "$REFS -k 4097" ;;
+                  sweeps)   echo "$GK --deselect $REFS -k '$SWEEPS'" ;;
+                  paths)    echo "$GK --deselect $REFS -k '$PATHS'" ;;
+                  kvcache)  echo "-m gpu tests/test_kvcache.py" ;;
+                  pack)     echo "tests/test_gpu_pack.py" ;;
+                  *)        return 1 ;;
+                esac; }
+              SAN_JOBS=${QGEMM_SAN_JOBS:-"memcheck:refs memcheck:refs4097 memcheck:sweeps memcheck:paths memcheck:kvcache memcheck:pack racecheck:sweeps racecheck:kvcache synccheck:sweeps synccheck:kvcache initcheck:paths initcheck:kvcache"}
+              pids=(); names=()
+              for job in $SAN_JOBS; do
+                tool=${job%%:*}; part=${job#*:}
+                case $tool in memcheck|racecheck|synccheck|initcheck) ;; *) echo "!! unknown sanitizer tool in $job" | tee -a "$LOG"; rc=1; continue ;; esac
+                if ! args=$(san_args "$part"); then echo "!! unknown sanitize part in $job" | tee -a "$LOG"; rc=1; continue; fi
+                echo "+ $SAN --tool $tool $PY -m pytest $args > $OUT/san-$tool-$part.log" | tee -a "$LOG"
+                eval "timeout ${QGEMM_SAN_TIMEOUT:-540} \"$SAN\" --tool $tool --error-exitcode 86 --print-limit 30 \
+                      $PY -m pytest -q -p no:cacheprovider -rfE $args" > "$OUT/san-$tool-$part.log" 2>&1 &
+                pids+=($!); names+=("$tool:$part")
+              done
+              for i in "${!pids[@]}"; do
+                wait "${pids[$i]}"; r=$?
+                log="$OUT/san-${names[$i]/:/-}.log"
+                case $r in 0) why=clean ;; 86) why="sanitizer errors" ;; 124) why="timed out" ;; *) why="tests failed" ;; esac
+                echo "== ${names[$i]}: exit $r, $why; $(grep -h 'ERROR SUMMARY' "$log" | tail -n 1); $(grep -hE '[0-9]+ (passed|failed)' "$log" | tail -n 1)" | tee -a "$LOG"
+                [ "$r" = 0 ] || rc=1
+              done ;;
     ncu)      OUT="$OUT" KERNELS="w4a16.skinny" SHAPE=8x4096x4096 run bash tools/gpu_ncu.sh
               OUT="$OUT" KERNELS="w4a16.mma" SHAPE=512x4096x4096 run bash tools/gpu_ncu.sh ;;
     validate) run $PY -m qgemm validate --all
