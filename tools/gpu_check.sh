@@ -171,19 +171,27 @@ for step in $STEPS; do
               if [ ! -x "$SAN" ]; then echo "!! no compute-sanitizer at $SAN (set SANITIZER)" | tee -a "$LOG"; rc=1; continue; fi
               GK=tests/test_gpu_kernels.py
               REFS=$GK::test_gemm_matches_references
-              SWEEPS="every_candidate_configuration or wgmma_configurations or mma_configurations"
+              EDU="fp32 or naive or tiled"  # the teaching kernels: slow under a sanitizer at the large shapes
               PATHS="matmul or packed or kperm16 or gemv or quantizer or activation_edges or chain or out_as_raw"
-              san_args() {  # the pytest arguments of one part
+              san_args() {  # the pytest arguments of one part (the GEMM references and the configuration
+                # sweeps in several parts: whole, none of them finished in nine minutes under memcheck)
                 case $1 in
-                  refs)     echo "$REFS -k 'not 4097'" ;;
-                  refs4097) echo "$REFS -k 4097" ;;
-                  sweeps)   echo "$GK --deselect $REFS -k '$SWEEPS'" ;;
-                  paths)    echo "$GK --deselect $REFS -k '$PATHS'" ;;
-                  kvcache)  echo "-m gpu tests/test_kvcache.py" ;;
-                  pack)     echo "tests/test_gpu_pack.py" ;;
-                  *)        return 1 ;;
+                  refs-edu)      echo "$REFS -k '($EDU) and not 4097'" ;;
+                  refs-prod)     echo "$REFS -k 'not ($EDU) and not 4097'" ;;
+                  refs4097-edu)  echo "$REFS -k '($EDU) and 4097'" ;;
+                  refs4097-prod) echo "$REFS -k 'not ($EDU) and 4097'" ;;
+                  skinny)        echo "$GK -k skinny_every_candidate_configuration" ;;
+                  skinny-i8)     echo "$GK -k skinny_i8_every_candidate_configuration" ;;
+                  skinny-q8)     echo "$GK -k skinny_q8_1_every_candidate_configuration" ;;
+                  wgmma)         echo "$GK -k wgmma_configurations" ;;
+                  mma)           echo "$GK -k 'mma_configurations and not wgmma'" ;;
+                  paths)         echo "$GK --deselect $REFS -k '$PATHS'" ;;
+                  kvcache)       echo "-m gpu tests/test_kvcache.py" ;;
+                  pack)          echo "tests/test_gpu_pack.py" ;;
+                  *)             return 1 ;;
                 esac; }
-              SAN_JOBS=${QGEMM_SAN_JOBS:-"memcheck:refs memcheck:refs4097 memcheck:sweeps memcheck:paths memcheck:kvcache memcheck:pack racecheck:sweeps racecheck:kvcache synccheck:sweeps synccheck:kvcache initcheck:paths initcheck:kvcache"}
+              SWEEP_PARTS="skinny skinny-i8 skinny-q8 wgmma mma"
+              SAN_JOBS=${QGEMM_SAN_JOBS:-"$(for p in refs-edu refs-prod refs4097-edu refs4097-prod $SWEEP_PARTS paths kvcache pack; do printf 'memcheck:%s ' $p; done)$(for t in racecheck synccheck; do for p in $SWEEP_PARTS kvcache; do printf '%s:%s ' $t $p; done; done)initcheck:paths initcheck:kvcache"}
               pids=(); names=()
               for job in $SAN_JOBS; do
                 tool=${job%%:*}; part=${job#*:}
@@ -191,14 +199,14 @@ for step in $STEPS; do
                 if ! args=$(san_args "$part"); then echo "!! unknown sanitize part in $job" | tee -a "$LOG"; rc=1; continue; fi
                 echo "+ $SAN --tool $tool $PY -m pytest $args > $OUT/san-$tool-$part.log" | tee -a "$LOG"
                 eval "timeout ${QGEMM_SAN_TIMEOUT:-540} \"$SAN\" --tool $tool --error-exitcode 86 --print-limit 30 \
-                      $PY -m pytest -q -p no:cacheprovider -rfE $args" > "$OUT/san-$tool-$part.log" 2>&1 &
+                      $PY -m pytest -q -p no:cacheprovider -rfE --durations=5 $args" > "$OUT/san-$tool-$part.log" 2>&1 &
                 pids+=($!); names+=("$tool:$part")
               done
               for i in "${!pids[@]}"; do
                 wait "${pids[$i]}"; r=$?
                 log="$OUT/san-${names[$i]/:/-}.log"
                 case $r in 0) why=clean ;; 86) why="sanitizer errors" ;; 124) why="timed out" ;; *) why="tests failed" ;; esac
-                echo "== ${names[$i]}: exit $r, $why; $(grep -h 'ERROR SUMMARY' "$log" | tail -n 1); $(grep -hE '[0-9]+ (passed|failed)' "$log" | tail -n 1)" | tee -a "$LOG"
+                echo "== ${names[$i]}: exit $r, $why; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -n 1); $(grep -hE '[0-9]+ (passed|failed)' "$log" | tail -n 1)" | tee -a "$LOG"
                 [ "$r" = 0 ] || rc=1
               done ;;
     ncu)      OUT="$OUT" KERNELS="w4a16.skinny" SHAPE=8x4096x4096 run bash tools/gpu_ncu.sh
