@@ -223,11 +223,7 @@ static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, uns
         wgmma_wait<1>();
         if (RELEASE && u == 1) {
             __syncwarp();
-#if RS_RACE_EXP & 4
-            if (release_bar) mbar_arrive(release_bar);
-#else
             if (release_bar && (threadIdx.x % 32) == 0) mbar_arrive(release_bar);
-#endif
         }
 #pragma unroll
         for (int i = 0; i < 16; ++i) wg_fence_operand(fr[u][i / 4][i % 4]);
@@ -339,11 +335,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     if (tid == 0)
         for (int b = 0; b < RS_STAGES; ++b) {
             mbar_init(bars + 8 * b, 128);
-#if RS_RACE_EXP & 4
-            mbar_init(bars + 8 * (RS_STAGES + b), RS_THREADS);
-#else
             mbar_init(bars + 8 * (RS_STAGES + b), RS_THREADS / 32);
-#endif
         }
     __syncthreads();
     if (wgi == RS_WGS) {
