@@ -74,9 +74,6 @@
 #ifndef RS_MINB
 #define RS_MINB 1  // CTAs per SM the registers must allow (2: <= 128 registers, twice the warps to hide latency)
 #endif
-#ifndef RS_RACE_EXP
-#define RS_RACE_EXP 0  // session 48 racecheck experiment (temporary)
-#endif
 #ifndef RS_WS
 #define RS_WS 0  // 1: warp-specialized -- one more warpgroup only copies; per-buffer mbarriers instead of CTA barriers
 #endif
@@ -361,23 +358,13 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
             }
         };
         // the first buffers' weights before waiting for the previous grid (see below)
-#if RS_RACE_EXP & 1
-        pdl_wait();
-#endif
         for (int s = 0; s < RS_STAGES && s < n_stages; ++s) copy(s, false, true);
-#if !(RS_RACE_EXP & 1)
         pdl_wait();
-#endif
         for (int s = 0; s < n_stages; ++s) {
             const int b = s % RS_STAGES;
             if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
             copy(s, true, s >= RS_STAGES);
-#if RS_RACE_EXP & 2
-            asm volatile("cp.async.wait_all;\n" ::: "memory");
-            mbar_arrive(bars + 8 * b);
-#else
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
-#endif
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         return;
