@@ -821,6 +821,15 @@ def test_run_tool_turns_what_a_user_can_fix_into_one_line():
     (["host_overhead.py", "--table", "docs/perf/bench-h100.json"], "not a host_overhead.py --json file"),
     (["ncu_source_top.py", "/nonexistent.csv"], "No such file"),
     (["repack_probe.py", "--ms", "1,a"], "--ms / --ks must be comma-separated integers"),
+    (["sanitize_configs.py", "racecheck", "w4a16.wgmma_rs", "--shapes", "7x33x32", "--sanitizer", "/nonexistent/cs"],
+     "no compute-sanitizer at /nonexistent/cs"),
+    (["sanitize_configs.py", "racecheck", "w4a16.wgmma_rs", "--shapes", "7x33x32", "-D", "RS_WS", "--sanitizer", "/bin/true"],
+     "-D 'RS_WS': expected KEY=INT"),
+    (["sanitize_configs.py", "racecheck", "mustafar.key_q2", "--shapes", "7x33x32", "--sanitizer", "/bin/true"],
+     "mustafar.key_q2 is not a GEMM kernel"),
+    (["sanitize_configs.py", "memcheck", "w4a16.wgmma_rs", "--shapes", "7x33", "--sanitizer", "/bin/true"], "shape must be MxNxK"),
+    (["sanitize_configs.py", "memcheck", "w4a16.wgmma_rs", "--shapes", "7x33x32", "--sanitizer", "/bin/true", "--jobs", "0"],
+     "--jobs must be at least 1"),
 ])
 def test_tools_say_what_is_wrong_in_one_line(argv, said):
     """A tools/ audit (session 47): each of these printed a traceback, crashed later with an unrelated
@@ -842,6 +851,15 @@ def test_check_scripts_fail_when_they_would_run_nothing(tmp_path):
         r = subprocess.run(["bash", str(TOOLS / "gpu_check_kvcache.sh")], capture_output=True, text=True,
                            env={**env, **extra}, timeout=60)
         assert r.returncode == 1 and said in r.stdout and "gpu_check_kvcache: FAIL" in r.stdout, r.stdout
+    # gpu_check.sh's sanitize step: a missing sanitizer, a misspelt job, and a "sanitizer" that
+    # runs nothing (exit 0 without a summary) each fail the step
+    for extra, said in (({"SANITIZER": "/nonexistent/cs"}, "no compute-sanitizer at /nonexistent/cs"),
+                        ({"SANITIZER": "/bin/true", "QGEMM_SAN_JOBS": "memcheck:pack"}, "no sanitizer summary in the log"),
+                        ({"SANITIZER": "/bin/true", "QGEMM_SAN_JOBS": "bogus:refs-edu"}, "unknown sanitizer tool in bogus:refs-edu"),
+                        ({"SANITIZER": "/bin/true", "QGEMM_SAN_JOBS": "memcheck:nope"}, "unknown sanitize part in memcheck:nope")):
+        r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "OUT": str(tmp_path / "san"), "QGEMM_CHECK": "sanitize", **extra})
+        assert r.returncode == 1 and said in r.stdout and "gpu_check: FAIL" in r.stdout, r.stdout
     fake = tmp_path / "ncu"
     fake.write_text("#!/bin/sh\nexit 3\n")
     fake.chmod(0o755)
@@ -849,3 +867,39 @@ def test_check_scripts_fail_when_they_would_run_nothing(tmp_path):
                        env={**os.environ, "NCU": str(fake), "OUT": str(tmp_path / "ncu"), "KERNELS": "w4a8.naive",
                             "SHAPE": "1x64x64", "QGEMM_CACHE_DIR": str(tmp_path / "cache")})
     assert r.returncode == 1 and "!! w4a8.naive" in r.stderr, (r.stdout, r.stderr)
+
+
+@pytest.mark.gpu
+def test_sanitize_configs_gives_every_configuration_a_line(tmp_path):
+    """tools/sanitize_configs.py under stand-ins for compute-sanitizer (run the program, then print a
+    summary and exit with the given status): every (shape, configuration) once, each launch checked
+    against the exact reference; a flagged configuration, or a "sanitizer" that prints no summary,
+    fails the run."""
+    import qgemm
+
+    def stand_in(name, rc, summary=True):
+        f = tmp_path / name
+        f.write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift 2; done\n"$@" || exit $?\n'
+                     + ('echo "========= ERROR SUMMARY: 0 errors"\n' if summary else "") + f"exit {rc}\n")
+        f.chmod(0o755)
+        return str(f)
+
+    spec = qgemm.spec("w4a8.mma")
+    expected = {(shape, json.dumps(d, sort_keys=True)) for shape in ("7x33x64", "9x40x96")
+                for d in [spec.config(*map(int, shape.split("x")), qgemm.runtime.device_info().sm_count)]
+                + spec.candidates(*map(int, shape.split("x")))}
+    tool = [sys.executable, str(TOOLS / "sanitize_configs.py"), "memcheck", "w4a8.mma", "--shapes", "7x33x64,9x40x96",
+            "--jobs", "4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([*tool, "--sanitizer", stand_in("clean", 0), "--log-dir", str(tmp_path / "logs")],
+                       capture_output=True, text=True, timeout=600, env=env)
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith(("clean", "FLAGGED", "WRONG", "TIMED", "UNCHECKED", "FAILED"))]
+    assert r.returncode == 0 and len(rows) == len(expected), r.stdout + r.stderr
+    assert all(ln.startswith("clean") and "| ok rel" in ln for ln in rows), r.stdout
+    assert f"{len(expected)} of {len(expected)} clean and correct under memcheck" in r.stdout
+    assert len(list((tmp_path / "logs").iterdir())) == len(expected)
+    r = subprocess.run([*tool, "--sanitizer", stand_in("flags", 86)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 1 and r.stdout.count("FLAGGED ") == len(expected), r.stdout
+    r = subprocess.run([*tool, "--sanitizer", stand_in("silent", 0, summary=False)], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 1 and r.stdout.count("UNCHECKED ") == len(expected), r.stdout

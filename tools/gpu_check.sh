@@ -184,29 +184,41 @@ for step in $STEPS; do
                   skinny-i8)     echo "$GK -k skinny_i8_every_candidate_configuration" ;;
                   skinny-q8)     echo "$GK -k skinny_q8_1_every_candidate_configuration" ;;
                   wgmma)         echo "$GK -k wgmma_configurations" ;;
+                  wgmma-smem)    echo "$GK -k 'wgmma_configurations and not wgmma_rs'" ;;
+                  wgmma-rs)      echo "(tools/sanitize_configs.py)" ;;
                   mma)           echo "$GK -k 'mma_configurations and not wgmma'" ;;
                   paths)         echo "$GK --deselect $REFS -k '$PATHS'" ;;
                   kvcache)       echo "-m gpu tests/test_kvcache.py" ;;
                   pack)          echo "tests/test_gpu_pack.py" ;;
                   *)             return 1 ;;
                 esac; }
-              SWEEP_PARTS="skinny skinny-i8 skinny-q8 wgmma mma"
-              SAN_JOBS=${QGEMM_SAN_JOBS:-"$(for p in refs-edu refs-prod refs4097-edu refs4097-prod $SWEEP_PARTS paths kvcache pack; do printf 'memcheck:%s ' $p; done)$(for t in racecheck synccheck; do for p in $SWEEP_PARTS kvcache; do printf '%s:%s ' $t $p; done; done)initcheck:paths initcheck:kvcache"}
+              # racecheck does not follow two synchronization rules the warp-specialized wgmma_rs relies on
+              # (cuda_src/common/wgmma_rs_f16.cuh, RS_SAN_ARRIVALS): its configurations run one per process
+              # with the arrivals it can follow (part wgmma-rs); pytest's racecheck takes the other wgmma kernels
+              SWEEP_PARTS="skinny skinny-i8 skinny-q8 mma"
+              SAN_JOBS=${QGEMM_SAN_JOBS:-"$(for p in refs-edu refs-prod refs4097-edu refs4097-prod $SWEEP_PARTS wgmma paths kvcache pack; do printf 'memcheck:%s ' $p; done)$(for p in $SWEEP_PARTS wgmma-smem wgmma-rs kvcache; do printf 'racecheck:%s ' $p; done)$(for p in $SWEEP_PARTS wgmma kvcache; do printf 'synccheck:%s ' $p; done)initcheck:paths initcheck:kvcache"}
               pids=(); names=()
               for job in $SAN_JOBS; do
                 tool=${job%%:*}; part=${job#*:}
                 case $tool in memcheck|racecheck|synccheck|initcheck) ;; *) echo "!! unknown sanitizer tool in $job" | tee -a "$LOG"; rc=1; continue ;; esac
                 if ! args=$(san_args "$part"); then echo "!! unknown sanitize part in $job" | tee -a "$LOG"; rc=1; continue; fi
-                echo "+ $SAN --tool $tool $PY -m pytest $args > $OUT/san-$tool-$part.log" | tee -a "$LOG"
-                eval "timeout ${QGEMM_SAN_TIMEOUT:-540} \"$SAN\" --tool $tool --error-exitcode 86 --print-limit 30 \
-                      $PY -m pytest -q -p no:cacheprovider -rfE --durations=5 $args" > "$OUT/san-$tool-$part.log" 2>&1 &
+                if [ "$part" = wgmma-rs ]; then  # the tool runs each configuration under the sanitizer itself
+                  cmd="$PY tools/sanitize_configs.py $tool w4a16.wgmma_rs w8a16.wgmma_rs --shapes ${QGEMM_SAN_RS_SHAPES:-300x257x1024} -D RS_SAN_ARRIVALS=1 --sanitizer \"$SAN\" --jobs 6"
+                else
+                  cmd="\"$SAN\" --tool $tool --error-exitcode 86 --print-limit 30 $PY -m pytest -q -p no:cacheprovider -rfE --durations=5 $args"
+                fi
+                echo "+ $cmd > $OUT/san-$tool-$part.log" | tee -a "$LOG"
+                eval "timeout ${QGEMM_SAN_TIMEOUT:-540} $cmd" > "$OUT/san-$tool-$part.log" 2>&1 &
                 pids+=($!); names+=("$tool:$part")
               done
               for i in "${!pids[@]}"; do
                 wait "${pids[$i]}"; r=$?
                 log="$OUT/san-${names[$i]/:/-}.log"
-                case $r in 0) why=clean ;; 86) why="sanitizer errors" ;; 124) why="timed out" ;; *) why="tests failed" ;; esac
-                echo "== ${names[$i]}: exit $r, $why; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -n 1); $(grep -hE '[0-9]+ (passed|failed)' "$log" | tail -n 1)" | tee -a "$LOG"
+                case $r in 0) why=clean ;; 86) why="sanitizer errors" ;; 124) why="timed out" ;; *) why="failed (see the log)" ;; esac
+                # exit 0 but no summary of the sanitizer (or of the tool running it): it checked nothing
+                if [ "$r" = 0 ] && ! grep -qE 'ERROR SUMMARY|RACECHECK SUMMARY|clean and correct under' "$log"; then
+                  r=1; why="no sanitizer summary in the log"; fi
+                echo "== ${names[$i]}: exit $r, $why; $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY|clean and correct under' "$log" | tail -n 1); $(grep -hE '[0-9]+ (passed|failed)' "$log" | tail -n 1)" | tee -a "$LOG"
                 [ "$r" = 0 ] || rc=1
               done ;;
     ncu)      OUT="$OUT" KERNELS="w4a16.skinny" SHAPE=8x4096x4096 run bash tools/gpu_ncu.sh

@@ -52,6 +52,15 @@
 // is free (RS_STAGES - 1 stages in flight instead of RS_STAGES - 2), and the MMA warps drop to ~132
 // registers (no copy addresses). Measured 8% faster at 512 and 2048 tokens (docs/perf/NOTES.md).
 //
+// RS_SAN_ARRIVALS = 1 (checking only, never tuned): the same ring with arrivals compute-sanitizer's
+// racecheck can follow. The production form relies on two rules of the PTX ISA that racecheck
+// does not model (session 48, docs/perf/NOTES.md): cp.async.mbarrier.arrive tracks *all* earlier
+// cp.async of the thread (the first buffers' weights are copied before any arrival), and one lane's
+// arrival on `empty` after __syncwarp releases the whole warp's reads of the buffer. Here each
+// producer thread waits for its copies and arrives plainly, and every MMA thread arrives on
+// `empty`; racecheck then reports no hazard in any configuration, which checks the ring's buffer
+// indices, phases and counts. tools/sanitize_configs.py passes it.
+//
 // K may be split across CTAs (blockIdx.z, RS_SPLITK) when the tile grid leaves SMs idle: those add
 // into a zeroed C with atomics.
 #pragma once
@@ -73,6 +82,9 @@
 #endif
 #ifndef RS_MINB
 #define RS_MINB 1  // CTAs per SM the registers must allow (2: <= 128 registers, twice the warps to hide latency)
+#endif
+#ifndef RS_SAN_ARRIVALS
+#define RS_SAN_ARRIVALS 0  // 1: racecheck-visible arrivals in the warp-specialized ring (see above)
 #endif
 #ifndef RS_WS
 #define RS_WS 0  // 1: warp-specialized -- one more warpgroup only copies; per-buffer mbarriers instead of CTA barriers
@@ -220,7 +232,7 @@ static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, uns
         wgmma_wait<1>();
         if (RELEASE && u == 1) {
             __syncwarp();
-            if (release_bar && (threadIdx.x % 32) == 0) mbar_arrive(release_bar);
+            if (release_bar && (RS_SAN_ARRIVALS || (threadIdx.x % 32) == 0)) mbar_arrive(release_bar);
         }
 #pragma unroll
         for (int i = 0; i < 16; ++i) wg_fence_operand(fr[u][i / 4][i % 4]);
@@ -332,7 +344,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
     if (tid == 0)
         for (int b = 0; b < RS_STAGES; ++b) {
             mbar_init(bars + 8 * b, 128);
-            mbar_init(bars + 8 * (RS_STAGES + b), RS_THREADS / 32);
+            mbar_init(bars + 8 * (RS_STAGES + b), RS_SAN_ARRIVALS ? RS_THREADS : RS_THREADS / 32);
         }
     __syncthreads();
     if (wgi == RS_WGS) {
@@ -364,7 +376,12 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
             const int b = s % RS_STAGES;
             if (s >= RS_STAGES) mbar_wait(bars + 8 * (RS_STAGES + b), ((s / RS_STAGES) - 1) & 1);
             copy(s, true, s >= RS_STAGES);
+#if RS_SAN_ARRIVALS
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            mbar_arrive(bars + 8 * b);
+#else
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bars + 8 * b) : "memory");
+#endif
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");
         return;
