@@ -166,7 +166,8 @@ for step in $STEPS; do
               # every array at its exact size, so a read one element past an operand is reported, not
               # served from a neighbour), racecheck (shared-memory hazards between threads), synccheck
               # (barriers under divergence) and initcheck (reads of global memory nothing wrote).
-              # QGEMM_SAN_JOBS picks some of TOOL:PART (default: all of them, below)
+              # QGEMM_SAN_JOBS picks some of TOOL:PART (default: all 27 below, which need two 10-minute
+              # device calls on an H100: docs/debugging.md has each part's time and the results)
               SAN=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
               if [ ! -x "$SAN" ]; then echo "!! no compute-sanitizer at $SAN (set SANITIZER)" | tee -a "$LOG"; rc=1; continue; fi
               GK=tests/test_gpu_kernels.py
