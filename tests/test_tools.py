@@ -891,11 +891,11 @@ def test_sanitize_configs_gives_every_configuration_a_line(tmp_path):
     tool = [sys.executable, str(TOOLS / "sanitize_configs.py"), "memcheck", "w4a8.mma", "--shapes", "7x33x64,9x40x96",
             "--jobs", "4"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([*tool, "--sanitizer", stand_in("clean", 0), "--log-dir", str(tmp_path / "logs")],
+    r = subprocess.run([*tool, "--sanitizer", stand_in("clean", 0), "--log-dir", str(tmp_path / "logs"), "--seed", "7"],
                        capture_output=True, text=True, timeout=600, env=env)
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith(("clean", "FLAGGED", "WRONG", "TIMED", "UNCHECKED", "FAILED"))]
     assert r.returncode == 0 and len(rows) == len(expected), r.stdout + r.stderr
-    assert all(ln.startswith("clean") and "| ok rel" in ln for ln in rows), r.stdout
+    assert all(ln.startswith("clean") and "| ok rel" in ln and ln.endswith("seed 7") for ln in rows), r.stdout
     assert f"{len(expected)} of {len(expected)} clean and correct under memcheck" in r.stdout
     assert len(list((tmp_path / "logs").iterdir())) == len(expected)
     r = subprocess.run([*tool, "--sanitizer", stand_in("flags", 86)], capture_output=True, text=True, timeout=600, env=env)

@@ -204,7 +204,7 @@ for step in $STEPS; do
                 case $tool in memcheck|racecheck|synccheck|initcheck) ;; *) echo "!! unknown sanitizer tool in $job" | tee -a "$LOG"; rc=1; continue ;; esac
                 if ! args=$(san_args "$part"); then echo "!! unknown sanitize part in $job" | tee -a "$LOG"; rc=1; continue; fi
                 if [ "$part" = wgmma-rs ]; then  # the tool runs each configuration under the sanitizer itself
-                  cmd="$PY tools/sanitize_configs.py $tool w4a16.wgmma_rs w8a16.wgmma_rs --shapes ${QGEMM_SAN_RS_SHAPES:-300x257x1024} -D RS_SAN_ARRIVALS=1 --sanitizer \"$SAN\" --jobs 6"
+                  cmd="$PY tools/sanitize_configs.py $tool w4a16.wgmma_rs w8a16.wgmma_rs --shapes ${QGEMM_SAN_RS_SHAPES:-300x257x1024} $([ $tool = racecheck ] && echo -D RS_SAN_ARRIVALS=1) --sanitizer \"$SAN\" --jobs 6"
                 else
                   cmd="\"$SAN\" --tool $tool --error-exitcode 86 --print-limit 30 $PY -m pytest -q -p no:cacheprovider -rfE --durations=5 $args"
                 fi

@@ -5,9 +5,9 @@ its own process, several side by side: which configurations does the tool flag?
     python3 tools/sanitize_configs.py racecheck w4a16.wgmma_rs w8a16.wgmma_rs --shapes 300x257x1024,7x33x32 -D RS_SAN_ARRIVALS=1
     python3 tools/sanitize_configs.py memcheck w4a8.skinny --shapes 1x33x160,8x4097x4128
 
-The GPU tests sweep the same configurations in one process (tests/test_gpu_kernels.py), which
-under a sanitizer takes longer than a device call may run, and reports one verdict for all of
-them. Here each (kernel, shape, configuration) -- the untuned default plus every candidate `qgemm
+The GPU tests sweep the same configurations in one process (tests/test_gpu_kernels.py) and get
+one verdict for all of them; under racecheck the wgmma_rs sweep did not finish within a 10-minute
+device call. Here each (kernel, shape, configuration) -- the untuned default plus every candidate `qgemm
 tune` may try -- is one launch on fresh inputs with a poisoned output, checked against the exact
 reference, and gets its own line: the tool's summary and the result. `-D KEY=INT` adds a
 #define to every configuration; the warp-specialized `wgmma_rs` needs `RS_SAN_ARRIVALS=1` under
@@ -32,7 +32,7 @@ FLAGGED = 86  # the sanitizer's exit status when it reports an error (--error-ex
 WRONG = 3     # the launch's own exit status when its result misses the exact reference
 
 
-def run_one(name: str, shape: str, defines_json: str) -> int:
+def run_one(name: str, shape: str, defines_json: str, seed_text: str) -> int:
     """The child: one launch of one configuration, poisoned output, against the exact reference."""
     import numpy as np
 
@@ -42,7 +42,8 @@ def run_one(name: str, shape: str, defines_json: str) -> int:
     m, n, k = check.parse_shape(shape)
     defines = json.loads(defines_json)
     kern = qgemm.get(name)
-    inp = check.make_inputs(kern.op, m, n, k, np.random.default_rng())
+    seed = int(seed_text) if seed_text != "-" else np.random.SeedSequence().entropy % 2**32  # printed: --seed repeats it
+    inp = check.make_inputs(kern.op, m, n, k, np.random.default_rng(seed))
     exact = kern.op.exact(inp.a, inp.w)
     da, dw = kern.upload_activations(inp.a), kern.upload_weights(inp.w)
     dc = qgemm.DeviceArray.empty((m, n), np.float32)
@@ -51,7 +52,7 @@ def run_one(name: str, shape: str, defines_json: str) -> int:
     out = dc.to_host()
     rel = qgemm.reference.relative_error(out, exact)
     ok = not np.isnan(out).any() and rel <= 1e-5
-    print(f"RESULT {'ok' if ok else 'WRONG'} rel {rel:.2e}")
+    print(f"RESULT {'ok' if ok else 'WRONG'} rel {rel:.2e} seed {seed}")
     return 0 if ok else WRONG
 
 
@@ -63,7 +64,7 @@ def sanitizer_path(given: str | None) -> str:
 
 
 def main() -> int:
-    if len(sys.argv) == 5 and sys.argv[1] == "--one":  # the child process, under the sanitizer
+    if len(sys.argv) == 6 and sys.argv[1] == "--one":  # the child process, under the sanitizer
         return run_one(*sys.argv[2:])
     import qgemm
     from qgemm import check, runtime
@@ -79,6 +80,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
     ap.add_argument("--sanitizer", default=None, help="default: compute-sanitizer on PATH, else CUDA's")
     ap.add_argument("--log-dir", default=None, help="keep each configuration's full output here")
+    ap.add_argument("--seed", type=int, default=None, help="the inputs' random seed (default: fresh per launch, printed)")
     a = ap.parse_args()
     if a.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {a.jobs}")
@@ -114,7 +116,8 @@ def main() -> int:
     def one(job):
         name, shape, d = job
         cmd = [san, "--tool", a.tool, "--error-exitcode", str(FLAGGED), "--print-limit", "20",
-               sys.executable, os.path.abspath(__file__), "--one", name, shape, json.dumps(d, sort_keys=True)]
+               sys.executable, os.path.abspath(__file__), "--one", name, shape, json.dumps(d, sort_keys=True),
+               "-" if a.seed is None else str(a.seed)]
         try:
             p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=a.timeout)
             rc, text = p.returncode, p.stdout
