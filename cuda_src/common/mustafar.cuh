@@ -10,7 +10,9 @@
 // consecutive tiles, whose codes / values are one contiguous byte range (the "window"), copied
 // to shared memory with 16-byte cp.async one step ahead while the metadata of the step after is
 // loaded into registers. Per word, the set bits are walked from the top (FLO), the codes from
-// the last one down, dequantized two at a time (one IMAD + one HFMA2) and multiplied with the R
+// the last one down, dequantized two at a time (version 2: a shift, mask, IMAD spread and OR, then
+// one HFMA2; version 3: one shift and one LOP3 -- plus a constant move where the constants are
+// immediates, MF_CREG -- then one HFMA2) and multiplied with the R
 // query / probability rows of their positions, gathered from shared memory:
 //   keys:   the queries of the row block, REP copies interleaved so the lanes of a half-warp
 //           (8-byte rows) or quarter-warp (16-byte rows) never hit the same bank;
@@ -26,7 +28,8 @@
 //   MF_REP    copies of the query rows in shared memory (key kernels: 16 for 4 rows, 8 for 8)
 //   MF_WARPS  warps per CTA
 //   MF_WIN2   bytes of one window stage (sized from the cache's largest step)
-//   MF_V3     1: version 3 (below; the 4/2-bit layouts), 0: version 2 (fp16)
+//   MF_V3     1 (default): version 3 (below; plan_for: the 4/2-bit layouts and the fp16 keys),
+//             0: version 2 (plan_for: the fp16 values only)
 //   MF_VMASK  version 2's fp16 values: 1 zeroes the values a lane reads past its own (mf_half_tile),
 //             0 relies on the window's zeroed pad and finite data below (plan_for: by density)
 //   MF_VTRIG  value kernels: when they release the next kernel (programmatic dependent launch):
@@ -40,7 +43,7 @@
 //             Released at entry, the next grid is released at its own entry too, and so on: the
 //             waiting CTAs of several grids fill the SMs unevenly
 //   MF_CREG   4/2-bit key kernels, version 3: 1 keeps the code mask and the 1.0 pair in registers
-//             (one LOP3 per slot instead of two: mf3_code_consts), 0 lets them fold into
+//             (one LOP3 per slot instead of a LOP3 and a constant move: mf3_code_consts), 0 lets them fold into
 //             immediates, -1 (default): 1 for 2-bit, 0 for 4-bit. H100, 32x16384x128, µs 1 / 0:
 //             q2 25.96 / 26.20 at 50%, 19.30 / 19.42 at 70%, 32x32768 50% 48.4 / 49.1; q4 28.70 /
 //             28.52 at 50%, 22.43 / 22.25 at 70% (q2c and q4c alike)
@@ -93,7 +96,9 @@ static_assert(MF_R == 4 || MF_R == 8, "MF_R must be 4 or 8 (more rows: row block
 static_assert(MF_D == 64 || MF_D == 128 || MF_D == 256, "MF_D must be 64, 128 or 256");
 static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_REP must be a power of 2 <= 16");
 
-#define MF_PAD 64  // zero bytes below each window stage (reads below a lane's first code / value stay finite)
+// zero bytes below each window stage of the value kernels and of version 3's keys (reads below a
+// lane's first code / value stay finite); version 2's keys have none and mask their fp16 reads
+#define MF_PAD 64
 
 // Shared memory of the key kernel's query copies: [D/32 blocks][33 positions][REP][R] halfs
 // (row 0 of every block is zeros, "position -1": lanes that ran out of non-zeros read it).
@@ -104,17 +109,20 @@ static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_R
 //   offs    fp16: counts [B, T+1] (value index of each tile, then the end)
 //           plain 4/2-bit: byte offset of each tile's codes [B, T]
 //           compact: byte offset of each group of 16 tiles of a tile row [B, G+1]
-//           (only the one of each warp step's first tile is read: the rest are prefix sums of
-//           the popcounts, which validate_compressed guarantees)
+//           (version 2 and the compact layouts read only the offset of each warp step's first
+//           tile / group and rebuild the rest as prefix sums of the popcounts, which
+//           validate_compressed guarantees; versions 3 and 4 read every plain / fp16 tile's own)
 //   scl     plain: scales [B, T] float; compact: dq [B, T] half2 (mult, add); fp16: unused
 //   zer     plain: zeros [B, T] float (zero points in code units); otherwise unused
 //   data    packed codes (uint8) or fp16 values; 16-byte aligned and padded to a multiple of 16
 //   x       key: queries [B, R, D] half; value: probabilities [B, R, S] half   (R = groups * Lq)
 //   out     key: scores [B, R, S] half; value: output [B, R, D] float (accumulated: zero it first)
 //   S, R    tokens, query rows per kv head
-//   per_cta key: warp steps (32 tokens) per CTA; value: channels per CTA (a multiple of MF_WARPS)
+//   per_cta key: warp steps (32 tokens) per CTA; value (versions 2 and 3): channels per CTA (a
+//           multiple of MF_WARPS); value version 4: 64-token tiles per CTA (a multiple of 16)
 // grid = (chunks * ceil(R / MF_R), B, 1) (keys) or (chunks * D / per_cta * ceil(R / MF_R), B, 1)
-// (values), the row block fastest.
+// (values, versions 2 and 3), the row block fastest; version 4: (ceil(tiles / per_cta) *
+// D / (8 MF_WARPS) * ceil(R / (8 MF_NT)), B, 1).
 #define MF_PARAMS                                                                                          \
     const uint32_t *__restrict__ bmp, const int *__restrict__ offs, const void *__restrict__ scl,          \
         const float *__restrict__ zer, const uint8_t *__restrict__ data, const __half *__restrict__ x,     \
@@ -126,8 +134,8 @@ static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_R
 //   - a value kernel accumulates into its output, so the launcher runs mustafar_zero_output
 //     (an entry of every value module) first. The zero kernel releases the value kernel at once,
 //     then waits for the kernel before it (which may still read or write the output) and zeroes.
-//     The value kernel loads its first metadata from the cache, which no qgemm kernel writes,
-//     then waits (for the zero kernel, so for everything before it) before it
+//     The value kernel (versions 2 and 3) loads its first metadata from the cache, which no
+//     qgemm kernel writes, then waits (for the zero kernel, so for everything before it) before it
 //     reads the probabilities -- the kernel before the zero kernel may write them -- and
 //     before its first atomicAdd. So the value kernel's start overlaps the previous kernel's
 //     end and the zeroing: H100, 32x16384x128 value q2 25.8 us with plain launches, 25.1 with
@@ -191,7 +199,10 @@ __device__ __forceinline__ uint32_t mf_opaque(uint32_t v) { return __shfl_sync(M
 __device__ __forceinline__ __half2 mf_as_h2(uint32_t u) { return *reinterpret_cast<__half2 *>(&u); }
 
 // a plain tile's float32 scale and zero point -> the (mult, add) fp16 pair the kernels dequantize
-// with, exactly as qgemm.kvcache.dequant_constants (float32 operations, no FMA, one rounding each)
+// with, exactly as qgemm.kvcache.dequant_constants (float32 operations, no FMA, one rounding each).
+// The kernels form h = 1 + q / 2^BITS (the code OR-ed into the mantissa of fp16 1.0), so
+// h * mult + add = (2^BITS s + q s) + (-z s - 2^BITS s) = (q - z) s with mult = 2^BITS s and
+// add = -z s - mult: one HFMA2 per pair of codes
 template <int BITS>
 __device__ __forceinline__ uint32_t mf_dq_pack(float scale, float zero) {
     const float mult = scale * (float)(1 << BITS);
@@ -333,6 +344,10 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
         constexpr int MB = 10 - BITS;                        // h = 1 + q / 2^BITS: code in mantissa bits [MB, 10)
         const int low = 32 - BITS * (j + 2);
         const uint32_t t = (cw >> low) & ((1u << (2 * BITS)) - 1u);
+        // t = (code k << BITS) | code k+1; the multiply puts code k+1 at mantissa bits [MB, 10) of
+        // the low half and code k at [16 + MB, 26) of the high half (the two partial products
+        // cover disjoint bits, so no carries); the mask keeps one code per half and 0x3C00 is
+        // fp16 1.0, so each half becomes 1 + q / 2^BITS exactly
         const uint32_t spread = t * ((1u << MB) + (1u << (16 + MB - BITS)));
         const uint32_t q = (1u << BITS) - 1u;
         const uint32_t h = (spread & ((q << MB) | (q << (16 + MB)))) | 0x3C003C00u;
@@ -345,7 +360,7 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
         typedef typename MfRow<MF_R>::T XT;
         auto gather = [&]() {
             const int pos = 31 - __clz(bits);                // FLO: -1 once no bit is left
-            bits &= ~__funnelshift_l(0u, 1u, pos);
+            bits &= ~__funnelshift_l(0u, 1u, pos);  // 1 << (pos & 31): defined for pos = -1 (bit 31, already clear)
             return MfRow<MF_R>::load(xrow0 + pos * xstride);
         };
         XT xa = gather(), xb = gather();
@@ -363,8 +378,9 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
                 // values, or below the stage whatever is there -- finite and multiplied by the
                 // zero row where the stage has MF_PAD zero bytes below it (PADDED: the lowest
                 // read is 64 bytes below the stage, lane 0 with no value and kmax 32), else zeroed
-                // here (4 of a pair's ~24 instructions: the value kernel 10-16% faster without at
-                // 55-70% sparsity, 3% slower at 50%: plan_for's MF_VMASK; H100, session 19)
+                // here (4 of a pair's ~24 instructions: the value kernel 10-12% faster without at
+                // 60-70% sparsity (32x16384x128; 16% at 32k), 5% at 55%, 3% slower at 50%:
+                // plan_for's MF_VMASK; H100, session 19)
                 const __half2 f = mf_as_h2(hp.pair(k0));
                 if (PADDED) {
                     va = __high2half2(f);
@@ -389,17 +405,19 @@ __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lp
 // (values: both words of one 64-token tile), so a warp step is 32 lanes x U tiles of consecutive
 // tiles (keys U = D/64, values U = MF_VALUE_U):
 //   - the per-step work (metadata loads, window bounds, the cp.async of the window) is amortized
-//     over 2-4x more non-zeros than half-tile lanes (the first version of these kernels);
+//     over 2-8x more non-zeros than half-tile lanes (the first version of these kernels; values
+//     2x, keys D/32 x);
 //   - keys need no reduction across lanes (a lane holds its token's R scores) and store them
 //     coalesced; values reduce a channel's R sums across the warp once per step with a
 //     reduce-scatter (log2 R halving exchanges, then a butterfly);
-//   - the only offset read per step is the step's first (counts / offsets / group offsets: one
+//   - version 2 (version 3 keeps this split; its differences are listed at its section): the
+//     only offset read per step is the step's first (counts / offsets / group offsets: one
 //     broadcast load); a lane's position in the window is an exclusive scan of the tiles' byte
 //     counts across the warp (the formats guarantee offsets == prefix sums of the popcounts);
 //   - the window stage holds MF_WIN2 bytes, sized by the launcher from the cache's largest step;
 //   - rows per CTA MF_R is 4 or 8 (more rows: row blocks, adjacent in the grid so that they read
 //     the same compressed bytes from L2).
-// The sparse dot product of a word is mf_half_tile.
+// The sparse dot product of a word is mf_half_tile (version 2) or mf3_pair (version 3).
 
 // value kernels: one tile per lane. Two (64-tile steps, 16-warp CTAs sharing twice the staged
 // probabilities) measured 10-15% slower on the H100 (docs/perf/NOTES.md, the version 3 session)
@@ -453,6 +471,7 @@ static __device__ __forceinline__ void mf_load_scale_zero_vec(uint32_t (&dq)[U],
         const uint4 v = __ldg(reinterpret_cast<const uint4 *>(sp));
         dq[0] = v.x;
         dq[1] = v.y;
+        // (i % U keeps the index inside the array where U == 2 makes this branch dead)
         dq[2 % U] = v.z;
         dq[3 % U] = v.w;
         if (!COMPACT) {
@@ -528,6 +547,10 @@ __device__ __forceinline__ int mf2_issue(const Mf2Meta<U> &m, const uint8_t *__r
     const int total = __shfl_sync(MF_FULL, incl, 31);
     constexpr int SC = BITS == 16 ? 2 : 1;
     const int start = m.base * SC, end = (m.base + total) * SC;
+    // cp.async moves 16-byte-aligned chunks (the data is 16-byte aligned and padded), so the
+    // window starts at start rounded down and the lanes' positions are offset by start - a. The
+    // min never binds for a plan made from this cache (MF_WIN2: at least the largest step + 48 bytes);
+    // it keeps a mismatched plan inside the warp's stage
     const int a = start & ~15;
     const int nchunk = min((end - a + 15) >> 4, MF_WIN2 / 16);
     for (int c = lane; c < nchunk; c += 32) mf_cp16(buf + 16 * c, data + a + 16 * c);
@@ -654,6 +677,8 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
     __syncthreads();
 
     __half *scores = reinterpret_cast<__half *>(out) + ((size_t)b * R + row0) * S;
+    // position 0 of dim block 0 (row 0, "position -1", is the zero row), copy lane % MF_REP of
+    // it: a half-warp's (quarter-warp's) gathers land on distinct banks whatever the positions
     const uint32_t xw0 = (uint32_t)__cvta_generic_to_shared(xs) + (MF_REP + (lane % MF_REP)) * MF_R * 2;
     int pcur = p0;
     // Step i: the window of step i+1 is issued from its metadata (loaded a step ago), the metadata
@@ -714,8 +739,9 @@ __device__ __forceinline__ void mf2_key(MF_PARAMS) {
 // the barrier, not the stores). The loads read 16 bytes of 32 lines, the other groups' items
 // (other warps) the rest of each line, from L1.
 //
-// In two parts, so that a kernel can issue the first item's loads before anything that waits on
-// memory (its first window needs the metadata first): mf_probs_load (registers), then
+// In two parts, so that a kernel can issue the first item's loads right after its PDL wait (the
+// probabilities may come from the previous kernel) and before the first instruction that waits
+// for step 0's metadata (its first window needs it): mf_probs_load (registers), then
 // mf_probs_stage (that item's stores, the other items, the zero row and the barrier that
 // publishes them). Eight rows are two quads, loaded and stored one after the other (32 registers
 // of loads held at once spilled at the 3-CTA register bound).
@@ -760,8 +786,9 @@ __device__ __forceinline__ void mf_probs_store(const MfProbs &pr, int i, int qua
     }
 }
 
-// Whether the kernels load the first item's first quad early (mf_probs_load before their
-// prologue's waits): with 8 rows the second quad's loads would wait for its stores anyway.
+// Whether the kernels load the first item's first quad early (mf_probs_load right after
+// pdl_wait, before the prologue's waits for the metadata): with 8 rows the second quad's loads
+// would wait for its stores anyway.
 #define MF_PROBS_EARLY (MF_R == 4)
 
 // The kernels' early part: quad 0 of item threadIdx.x, if MF_PROBS_EARLY (a no-op otherwise)
@@ -863,6 +890,8 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     };
 
     float *o = reinterpret_cast<float *>(out) + ((size_t)b * R + row0) * MF_D;
+    // position 0 (row 1 of the staged probabilities: NCOL columns of MF_R halfs), column = lane
+    // (word 0; word 1 is 32 columns on)
     const uint32_t xw0 = (uint32_t)__cvta_generic_to_shared(ps) + (NCOL + lane) * MF_R * 2;
     // prologue: steps 0 and 1's metadata loaded (above the wait: the cache), then the first item
     // of the probabilities with step 0's window request (it waits for the metadata), then the
@@ -910,8 +939,8 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
 
 
 // =============================================================================================
-// version 3 (MF_V3 = 1; qgemm.kvcache.plan_for uses it for the 4/2-bit layouts, version 2 above
-// for fp16, where version 3 measured slower on the value kernel): the same work split as
+// version 3 (MF_V3 = 1; qgemm.kvcache.plan_for uses it for the 4/2-bit layouts and the fp16 keys,
+// version 2 above for the fp16 values, where version 3 measured slower): the same work split as
 // version 2, with
 //   - a lane's words walked two at a time (mf3_pair): slot s takes the next set bit of each word,
 //     so every slot has two independent FLO chains and accumulator chains (the kernels are
@@ -920,7 +949,8 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
 //     each walk is bounded by the warp's largest word of the rank instead of by the fullest lane
 //     of one fixed word; the words' bitmaps and code ends go through shared memory records
 //     ([word][lane], conflict-free) so the walk loop stays one copy of code;
-//   - the unrolled slots entered through one computed branch at slot 32 - kmax (Duff's device,
+//   - the unrolled slots entered by a switch on 32 - kmax (Duff's device: one dispatch per pair
+//     of words -- ptxas 13.5 emits a compare tree of up to 6 branches, not a jump table -- and
 //     no loop test per slot), the codes read at compile-time bit positions of "virtual" code
 //     words whose top 32 - kmax codes are never used; the two words' code words merged with one
 //     PRMT so a slot's two codes sit 16 bits apart (one shift and a LOP3 per slot);
@@ -995,7 +1025,7 @@ struct Mf3Pair {
 
     __device__ __forceinline__ XT gather(uint32_t &bits, uint32_t xrow) {
         const int pos = 31 - __clz(bits);
-        bits &= ~__funnelshift_l(0u, 1u, pos);
+        bits &= ~__funnelshift_l(0u, 1u, pos);  // 1 << (pos & 31), one SHF: defined for pos = -1 (bit 31, already clear)
         return MfRow<MF_R>::load(xrow + pos * xstride);
     }
     template <int s>
@@ -1030,8 +1060,9 @@ struct Mf3Pair {
 };
 
 // The code mask of both halves and the pair (1.0, 1.0), as registers the compiler cannot see
-// through: as immediates (the constant folded in) a slot's (codes & mask) | 1.0 took two LOP3s,
-// since a LOP3 holds one immediate; with both in registers it is one (17 instead of 18
+// through: as immediates a slot's (codes & mask) | 1.0 costs one instruction more (a LOP3 holds
+// one 32-bit immediate: ptxas re-materializes the other constant with an IMAD.MOV per slot, or
+// splits the op into two LOP3s); with both in registers it is one LOP3 (17 instead of 18
 // instructions per slot of two codes). Made once per kernel, above the step loop, from `zero` (0
 // at run time, computed from a kernel argument) and through a shuffle: ptxas folds a shuffle of an
 // immediate, and splits a bare (constant | zero) back into an immediate and a register.
@@ -1386,13 +1417,17 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 
     __half *scores = reinterpret_cast<__half *>(out) + ((size_t)b * R + row0) * S;
     const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(xs) + (MF_REP + (lane % MF_REP)) * MF_R * 2);
-    const uint2 cc = mf3_code_consts<BITS, MF_CREG == 1 || (MF_CREG == -1 && BITS == 2)>(per_cta >> 30);  // per_cta <= S / 32 < 2^26: 0
+    const uint2 cc = mf3_code_consts<BITS, MF_CREG == 1 || (MF_CREG == -1 && BITS == 2)>(per_cta >> 30);  // per_cta < 2^27: 0 at run time, unknown to ptxas
     for (int i = 0; i < n; ++i) {
         if (i + 1 < n)
             mf3_prep<BITS, COMPACT, U>(m, tok(i + 1) < S ? U : 0, data, (i & 1) ? win0 : win1, lane, (i & 1) ? rec0 : rec1, dqn,
                                        keysn);
         mf_commit();
         if (i + 2 < n) meta(m, i + 2);
+        // wait_group 1: this step's window (the older group) has landed, the next one's may stay
+        // in flight; it covers only this lane's own copies and lanes read bytes other lanes
+        // copied, hence the __syncwarp. The one after the walk: the next iteration copies into
+        // the stage just walked, which no lane may start while another still reads it
         mf_wait1();
         __syncwarp();
         float acc[MF_R];
@@ -1495,9 +1530,12 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
 // out[r, d] = sum over tiles (d, u) of  mult * sum_s p[r, s] h[s] + add * sum_{s set} p[r, s]
 // (value = h * mult + add on the tile's set positions, h = 1 + q / L), so one MMA gives both sums
 // when its A rows are, per channel, the dense h (row g) and the dense occupancy (row g + 8):
-//   A  [16 x 16 tokens]  row g: h (0 where the bit is clear), row g + 8: 1 where set (x 1024 for 4-bit)
+//   A  [16 x 16 tokens]  row g: 2-bit h, 4-bit q (0 where the bit is clear);
+//                        row g + 8: the occupancy, 1 where set (2-bit) or 1024 (4-bit)
 //   B  [16 tokens x 8]   the probabilities of query rows 8 nt .. 8 nt + 7
-//   C  [16 x 8]          row g: sum p h, row g + 8: sum p, for channel g of the warp's eight
+//   C  [16 x 8]          row g: sum p h (2-bit) / sum p q (4-bit); row g + 8: sum p (2-bit) /
+//                        1024 sum p (4-bit), for channel g of the warp's eight (the scaling to
+//                        mult and add for 4-bit: ch and cs in mf4_value)
 // A warp owns 8 channels (lane quad g = lane / 4) and walks their 64-token tiles u = u0 .. u1 - 1;
 // lane c = lane % 4 of the quad decodes positions 16c .. 16c + 15 of the tile, four per k step j
 // (positions 16c + 4j .. + 3 land in the MMA's k slots 2c, 2c + 1, 2c + 8, 2c + 9: any order of
@@ -1505,7 +1543,8 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
 // Decoding four positions (one nibble m of the bitmap): the next four codes spread to one byte
 // each, then one PRMT per half2 puts code k of the nibble's set bits where the half needs it and
 // zero bytes (the sign-replicate selector 0x8 of a byte < 0x80) where the bit is clear; the
-// selectors and the code count are a 16-entry table in shared memory (conflict-free: 16 words).
+// selectors and the code count are a 16-entry table in shared memory (conflict-free: 16 8-byte
+// entries, 128 bytes, one bank pair each).
 //   2-bit: byte = 0x3C | q, the half's high byte: h = 0x3C00 | q << 8 = 1 + q / 4 exactly
 //   4-bit: byte = q, the half's low byte under 0x64: h = 1024 + q; minus the occupancy (1024) = q
 
@@ -1585,7 +1624,7 @@ struct Mf4Tile {
     int off;          // byte offset of the tile's codes
 };
 
-// The probabilities of chunks u0 .. u1 - 1, query rows row0 .. row0 + 8 MF_NT - 1 (zeros past R
+// The probabilities of tiles u0 .. u1 - 1, query rows row0 .. row0 + 8 MF_NT - 1 (zeros past R
 // and S), staged for the B fragments; the table; one barrier.
 template <int BITS>
 __device__ __forceinline__ void mf4_stage(const __half *__restrict__ x, uint8_t *smem, int b, int R, int row0, int S,
@@ -1614,7 +1653,7 @@ __device__ __forceinline__ void mf4_stage(const __half *__restrict__ x, uint8_t 
     __syncthreads();
 }
 
-// grid.x = (chunk range, channel block, row block), row block fastest; per_cta = chunks per CTA
+// grid.x = (tile range, channel block, row block), row block fastest; per_cta = 64-token tiles per CTA
 // (a multiple of 16 for the compact layouts: a range starts at a group offset)
 template <int BITS, bool COMPACT>
 __device__ __forceinline__ void mf4_value(MF_PARAMS) {
@@ -1698,6 +1737,8 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
     auto codes = [&](const Mf4Tile &t, uint32_t &m16, uint4 &xr) {
         const uint32_t w = c < 2 ? t.w0 : t.w1;
         m16 = (c & 1) ? (w >> 16) : (w & 0xFFFFu);
+        // codes before this lane's 16 positions: the set bits of its word's lower half (c odd)
+        // plus all of word 0 (c >= 2)
         const int pre = ((c & 1) ? __popc(w & 0xFFFFu) : 0) + (c >= 2 ? __popc(t.w0) : 0);
         const int nb = __popc(m16) * BITS;
         const size_t bit = (size_t)t.off * 8 + pre * BITS;
@@ -1782,7 +1823,9 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
             // the tile's dequantization constants (compact: stored; plain: made from scale and zero)
             const float2 f = __half22float2(mf_as_h2(COMPACT ? cur.dq : mf_dq_pack<BITS>(__uint_as_float(cur.dq), cur.zero)));
             const float mult = f.x, add = f.y;
-            // 2-bit: C = (sum p h, sum p); 4-bit: (sum p q, 1024 sum p), h = 1 + q / 16
+            // value = h mult + add. 2-bit: C = (sum p h, sum p) -> ch = mult, cs = add. 4-bit: C =
+            // (sum p q, 1024 sum p) and h = 1 + q / 16, so value = q mult / 16 + (mult + add):
+            // ch = mult / 16, cs = (mult + add) / 1024
             const float ch = BITS == 2 ? mult : mult * (1.0f / 16.0f);
             const float cs = BITS == 2 ? add : (mult + add) * (1.0f / 1024.0f);
 #pragma unroll
