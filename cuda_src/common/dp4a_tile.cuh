@@ -6,7 +6,7 @@
 //     Ws[word][n]  weights re-ordered so that word i pairs with A's word i (Q4_0: the low nibbles
 //                  of qs[4i..4i+3] go to word i (i < 4), the high nibbles to word i+4)
 // plus the per-block scales. The inner loop reads one int4 of A and one int4 of W per word
-// (16-byte shared loads, rows padded by 4 words to keep them aligned) and issues 16 DP4A; a
+// (16-byte shared loads; rows padded against the stagers' bank conflicts: DT_PAD) and issues 16 DP4A; a
 // block's integer sums are then folded into the float accumulators with its scales:
 //     W4A8: acc += d_w (d_a sumi - 8 s_a)        W8A8: acc += d_w d_a sumi
 #pragma once
@@ -18,6 +18,10 @@
 #define DT_BLOCKS 2                  // quant blocks per stage (a kernel may define more)
 #endif
 #define DT_WORDS (DT_BLOCKS * 8)     // int words per row per stage
+// Row pad. The stagers write column-wise (a warp: 8 rows r x 4 parts, one word each): with 64-word
+// rows the 4 parts of a row hit one bank (4-way conflicts), with 68 they spread over 16 banks
+// (2-way at DT_BLOCKS = 2). 4 words, not 1, so each row stays 16-byte aligned for dt_compute's
+// int4 loads.
 #define DT_PAD 4
 
 struct DTShared {

@@ -56,7 +56,9 @@ static __device__ __forceinline__ void gemv_stage(unsigned char* sh, const block
         if (vec) {
             for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x)
                 ((int4*)dst)[i] = ((const int4*)src)[i];
-            if (threadIdx.x < (bytes % 16) / 4)  // cnt % 4 != 0 only in the last chunk
+            // cnt * 36 bytes not a whole number of 16-byte pieces: only with a -D GEMV_CHUNK that
+            // is not a multiple of 4 (under `vec`, nb % 4 == 0), and then in every chunk
+            if (threadIdx.x < (bytes % 16) / 4)
                 ((int*)dst)[bytes / 4 - (bytes % 16) / 4 + threadIdx.x] = ((const int*)src)[bytes / 4 - (bytes % 16) / 4 + threadIdx.x];
         } else {
             for (int i = threadIdx.x; i < bytes / 4; i += blockDim.x) ((int*)dst)[i] = ((const int*)src)[i];

@@ -184,6 +184,10 @@ static __device__ __forceinline__ void mma_f16_gemm(const __half* __restrict__ A
                 unsigned af[MMA_MT][4];
 #pragma unroll
                 for (int i = 0; i < MMA_MT; ++i) {
+                    // ldmatrix.x4: lanes 8i .. 8i + 7 give the row addresses of matrix i. Lanes 0-15
+                    // point at rows 0-15, k 0-7 (a0: rows 0-7, a1: rows 8-15), lanes 16-31 at the same
+                    // rows, k 8-15 (a2, a3); each lane gets back (row g, k 2t, 2t + 1) of every
+                    // matrix: the m16n8k16 A fragment in register order
                     const int row = wm * MMA_WM + i * 16 + (lane % 16);
                     const int col = b * 32 + ks * 16 + (lane / 16) * 8;
                     ldmatrix_x4(af[i], a_st + row * HF_A_ROW + col * 2);

@@ -23,12 +23,14 @@
 // weight blocks), MMA_STAGES deep, and reads fragments from the raw layout. Row strides are
 // padded so the 8 rows (g) x 4 words (t) of a fragment load hit 32 distinct banks:
 // A 144 B = 36 words (4g + t), Q4_0 80 B = 20 words, Q8_0 144 B = 36 words.
-// Rows past M/N are clamped to the last row (valid memory; never stored). When rows are not
-// aligned for cp.async (K not a multiple of 128, or an odd base pointer) or the K tail is short,
-// a stage is filled with plain 2-byte loads and zero scales instead (correct, slower).
+// Rows past M/N are clamped to the last row (valid memory; never stored). When K is not a
+// multiple of 128 (nb % 4 != 0: the 36-byte Q8_1 rows are then not 16-byte aligned), or A / W do
+// not start on a 16- / 8-byte boundary, every stage is filled with plain 2-byte loads, the blocks
+// past K/32 as zeros (d = 0: they add nothing) -- correct, slower.
 //
 // Split-K: with MMA_SPLITK > 1, blockIdx.z takes a slice of the K blocks and atomically adds its
-// partial sums into C, which the host zeroes first: for grids that would not fill the GPU.
+// partial sums into C, which is zeroed before the kernel runs (by the convert.* prologue in
+// qgemm.matmul, else a memset the launcher queues): for grids that would not fill the GPU.
 #pragma once
 #include "common/quant_dot.cuh"
 
@@ -173,7 +175,7 @@ static __device__ __forceinline__ void mma_k_slice(int nb, int& s_begin, int& n_
 }
 
 // Write a warp's MT x NT accumulator fragments (c0,c1 = row g, cols 2t, 2t+1; c2,c3 = row g+8) to
-// C, or add them atomically under split-K (C zeroed by the host).
+// C, or add them atomically under split-K (C zeroed before the kernel: see the top of this file).
 static __device__ __forceinline__ void mma_store(const float (&acc)[MMA_MT][MMA_NT][4], float* __restrict__ C, int M, int N,
                                                  int m0, int n0, int wm, int wn, int g, int t) {
 #pragma unroll
@@ -237,6 +239,10 @@ static __device__ __forceinline__ void mma_gemm(const block_q8_1* __restrict__ A
     }
 
     for (int s = 0; s < n_stages; ++s) {
+        // STAGES - 1 + s groups have been committed (the prologue's STAGES - 1, then one per
+        // iteration); leaving STAGES - 2 pending means groups 0..s are complete: this thread's
+        // copies of stage s have landed. The barrier makes every thread's copies visible, and
+        // proves every warp has finished reading stage s - 1, whose buffer is refilled below
         cp_async_wait<MMA_STAGES - 2>();
         __syncthreads();
         // refill the buffer consumed in the previous iteration

@@ -106,7 +106,8 @@ template <> struct SkX<__half> {
 // A bfloat16 is the high half of a float32's bits, so widening a pair is a shift and a mask. Written
 // out rather than cuda_bf16.h's __bfloat1622float2, which NVRTC 13.5 compiles here to more
 // instructions (a PRMT and an IMAD.U32 where a LOP3 does): sm_90 SASS of the default configurations
-// 792 -> 824 (w4a16.skinny_bf16, 8 tokens), 1544 -> 1608 (w8a16.skinny_bf16, 8 tokens), level for w4a8.
+// 739 -> 765 (w4a16.skinny_bf16, 8 tokens), 1452 -> 1516 (w8a16.skinny_bf16, 8 tokens), level for
+// w4a8 (1142 / 1144 at one token); session 48's tree.
 template <> struct SkX<__nv_bfloat16> {
     typedef uint2 raw;
     static __device__ __forceinline__ raw load(const __nv_bfloat16* p) { return *reinterpret_cast<const uint2*>(p); }

@@ -241,8 +241,8 @@ static __device__ __forceinline__ void skinny_f16(const sk_x_t* __restrict__ X, 
     // Programmatic dependent launch (sm_90, qgemm.matmul): the weights are the only memory read
     // above this line -- no kernel of an op chain writes them (a per-call repacking does, and
     // the launcher then launches this kernel without the attribute: common/pdl.cuh) -- so this CTA may start streaming
-    // them while the previous kernel in the stream (which may produce X, or read the buffer C
-    // is) still runs; everything that touches X or C comes after the wait. Without the launch
+    // them while the previous kernel in the stream (which may produce X, or still read the buffer
+    // that C points to) still runs; everything that touches X or C comes after the wait. Without the launch
     // attribute the wait returns at once.
     pdl_wait();
 #if SK_XSMEM

@@ -16,9 +16,9 @@
 //       a0 = w & 0x0F0F0F0F and a2 = (w >> 4) & 0x0F0F0F0F: the stored nibbles 0..15, and the -8
 //       is compensated per block in integers: sum_k (w_k - 8) q_k = sumi - 8 sum_k q_k.
 //
-// Activations. Each warp quantizes the activations of its own K slice, one group (4 blocks, 128
-// values) per step, loaded one step ahead with the weights: lane l holds values 4(l % 8) .. +3 of
-// block l / 8 as a float4 and, per block of 32 (8 lanes, a 3-step xor butterfly for the max),
+// Activations. Each warp quantizes the activations of its own K slice, SK_UNROLL groups (4 blocks,
+// 128 values each) per step, loaded one step ahead with the weights: lane l holds, per group,
+// values 4(l % 8) .. +3 of block l / 8 as a float4 and, per block of 32 (8 lanes, a 3-step xor butterfly for the max),
 //     amax = max |x|,  q = rint(x * (127 / amax))  (IEEE division, round to nearest even),
 //     d = amax * fl(1/127)  (one rounding; q = 0 where amax < 2^-118, so 127 / amax stays finite)
 // d stays float32 (no half rounding as in Q8_1) and q sums exactly in DP4A, so the per-block
@@ -26,12 +26,14 @@
 // exact_w4a8s / exact_w8a8s are this arithmetic in numpy. The quantized words go through a
 // warp-private shared buffer (two of them, by step parity: one __syncwarp per step, no CTA
 // barrier) into the B fragment layout [block][token][t] = {word t, word t + 4}: one LDS.64 per
-// lane and block (for one token all lanes read the same 8 bytes: a broadcast).
+// lane and block (for one token the 8 lanes of each t read the same 8 bytes: 32 contiguous bytes
+// per warp, conflict-free).
 //
 // Every CTA quantizes the activations of its K range again (at M = 1 and K = 4096: 16 KB read from
 // L2 per CTA); the arithmetic is ~6 instructions per value, against ~30 per 16 weights that the fp16
 // kernel spends dequantizing, per 16-row tile. More tokens multiply the first and not the second,
-// which is why this kernel is for M <= 8 and is chosen per shape by measurement (qgemm.dispatch).
+// which is why qgemm.matmul uses it at M = 1 only (qgemm.dispatch.SKINNY_I8_MAX_M: from two tokens
+// the fp16 kernel measured faster); up to 8 tokens it runs by path=.
 //
 // Configuration (-D): SK_R, SK_WARPS, SK_UNROLL as in skinny_f16.cuh; SK_MQ = tokens compiled for
 // (1, 2, 4, 8; M <= SK_MQ); SK_PRIME (below); SK_PDL_EARLY as in skinny_f16.cuh (default here:
@@ -62,14 +64,17 @@
 // SK_PRIME: 1 requests the weights of the first two steps (both pipelined sets) before the PDL
 // wait, so a CTA that starts while the previous kernel finishes has two steps in flight instead
 // of one; the next set is then requested after a step is computed rather than before. For a lane
-// that streams one group per step (SK_UNROLL = 1: Q8_0 at M = 1, K < 8192) the launcher sets it
-// (qgemm.registry._skinny_i8_config). With two groups per step it requests four groups per warp
+// that streams one group per step (SK_UNROLL = 1) the launcher sets it (qgemm.registry:
+// _skinny_i8_prime for Q8_0 at M = 1, K < 8192; _x16_config for the float16 / bfloat16 Q4_0
+// variants at M = 1). With two groups per step it requests four groups per warp
 // before the wait -- at K = 4096 the warp's whole slice -- and measured slower: the next op's
 // loads then crowd out this op's (Q4_0 1x4096x4096 cold 4.05 -> 4.38 us).
 #ifndef SK_PRIME
 #define SK_PRIME 0
 #endif
-#define SK_MQP (SK_MQ < 2 ? 2 : SK_MQ)  // token slots of the scale rows: a lane reads tokens 2t, 2t + 1
+// token slots of the scale rows: a lane reads tokens 2t, 2t + 1 (at SK_MQ = 1 the second slot is
+// padding only: that path reads slot 0 for both of a lane's columns)
+#define SK_MQP (SK_MQ < 2 ? 2 : SK_MQ)
 #include "common/skinny_common.cuh"
 
 struct SkI8Q4_0 {
@@ -155,6 +160,9 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
                 const float d = __fmul_rn(amax, 0x1.020408p-7f);  // fl(1/127), exactly as the reference
                 const int q0 = __float2int_rn(__fmul_rn(v.x, id)), q1 = __float2int_rn(__fmul_rn(v.y, id));
                 const int q2 = __float2int_rn(__fmul_rn(v.z, id)), q3 = __float2int_rn(__fmul_rn(v.w, id));
+                // q0..q3's low bytes into one word, q0 in byte 0 (PRMT 0x0040: byte 0 of each of two
+                // ints; 0x5410: the two low halves). Word wl of the block goes to slot wl % 4, half
+                // wl / 4, so slot t holds {word t, word t + 4}: the B fragment {b0, b1} of lane (g, t)
                 const unsigned word = __byte_perm(__byte_perm(q0, q1, 0x0040), __byte_perm(q2, q3, 0x0040), 0x5410);
                 reinterpret_cast<unsigned*>(&xq_s[warp][par][u][jl][m][wl % 4])[wl / 4] = word;
                 int sum = 0;

@@ -5,7 +5,8 @@
 //
 // Why 4x4 per warp: DP4A is cheap, loads are not. With one output per warp every dp4a needs its
 // own A and W loads and the kernel is bound by L1 load wavefronts; with 4x4, each loaded A
-// fragment is reused for 4 W rows and vice versa (24 loads per 32 dp4a instead of ~2 per dp4a).
+// fragment is reused for 4 W rows and vice versa (24 loads per 32 dp4a, against 3 per dp4a with
+// one output: a0, a1, d/s and the two 16-bit halves of the W int plus its d for 2 dp4a).
 // The -8 compensation is linear in sumi, so each of the 4 lanes of a block applies its share,
 // 8/4 = 2 s_a (ggml: 8*vdr/QI4_0).
 #pragma once

@@ -60,7 +60,12 @@ static __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
 static __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
-// wait until the phase of parity `parity` has completed
+// wait until the phase of parity `parity` has completed. A ring's buffer b serves stages b,
+// b + STAGES, ... (round r = s / STAGES), and each of its mbarriers completes one phase per round:
+// stage s's data is phase r of full[b] (parity r & 1); refilling b for round r >= 1 needs the
+// consumers' release of round r - 1, phase r - 1 of empty[b]. One parity bit suffices because no
+// waiter can fall two phases behind: the other side cannot complete the next phase before this
+// one acts.
 static __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
     asm volatile(
         "{\n.reg .pred p;\nWAIT_%=:\n"

@@ -44,7 +44,8 @@
 // So the dequantization of one half-stage runs while the tensor core works on the previous one,
 // with one CTA barrier per stage, and the fragment registers are double-buffered per half.
 //
-// RS_WS = 1 (the default on the H100): warp specialization. A third warpgroup does all the copying
+// RS_WS = 1 (qgemm.registry._rs_config's choice above 64 tokens, and up to 64 tokens at K >= 8192;
+// the #define's default is 0): warp specialization. A third warpgroup does all the copying
 // (what the MMA threads copied above, each producer thread standing in for RS_WGS of them), and the MMA
 // warpgroups never copy and never meet at a CTA barrier: per buffer, an mbarrier `full` completes
 // when every producer thread's copies into it have landed (cp.async.mbarrier.arrive.noinc), and
@@ -259,11 +260,12 @@ static __device__ __forceinline__ void rs_mma_stage(const unsigned char* st, uns
 
 // The split-K end (RS_SPLITK > 1): this CTA's partial tile is added into C with atomics. C[token][n]
 // is contiguous along n, which the fragment spreads over lanes (lane g holds row g), so a scalar
-// atomic per element was 8192 (64 x 64) reductions per warpgroup -- probed at ~1 us of the 10 us of
+// atomic per element was one reduction per output (64 x RS_BN per warpgroup) -- probed at ~1 us of the 10 us of
 // 64x4096x4096 on the H100 (docs/perf/NOTES.md). The warpgroup instead writes its tile transposed
 // to shared memory (the pipeline buffers are free once every MMA warp has passed the named barrier:
 // all wgmma retired, no copy in flight) and adds 4 consecutive n per instruction
-// (red.global.add.v4.f32, sm_90): a quarter of the reductions, each a full 16-byte sector.
+// (red.global.add.v4.f32, sm_90): a quarter of the reductions, each one 16-byte vector (half a
+// 32-byte sector) instead of four 4-byte ones.
 // Rows are padded to 68 floats: the scatter (lanes g = n, t = token pairs) then hits 32 distinct
 // banks, and each row stays 16-byte aligned for the float4 reads. Vector adds need 16-byte aligned
 // C rows (N % 4 == 0 and C itself aligned: tested at run time); anything else takes scalar atomics.
@@ -398,7 +400,7 @@ static __device__ __forceinline__ void wgmma_rs_f16_gemm(const __half* __restric
 #else
     const RsCopier<SF> cp(tid, A, qs, ds, M, K, n0, m0, ntiles, ngroups, g_begin);
     // The weights of the first stages do not depend on the previous kernel (the activations'
-    // convert.f16): with programmatic dependent launch (qgemm.matmul) this CTA may already run
+    // convert.f16k): with programmatic dependent launch (qgemm.matmul) this CTA may already run
     // while that kernel finishes, so it starts their copies and only then waits for the grid it
     // depends on (griddepcontrol.wait returns at once when launched without the attribute).
     // Commit groups stay one per stage: group 0 holds the early weights too.

@@ -28,7 +28,9 @@
 //
 // Programmatic dependent launch (common/pdl.cuh): the output may be a buffer the previous
 // kernel in the stream still reads (qgemm.matmul repacks into a per-stream scratch that the
-// previous call's GEMM reads), so every store waits; the loads above the wait read only weights.
+// previous call's GEMM reads), so every store into P waits (the `status` atomics above the wait go
+// to the caller's own int[2], which no earlier kernel reads); the loads above the wait read only
+// weights.
 // (qgemm launches it without the attribute: released early behind the previous op's GEMM, the
 // Q8_0 repacking measured 30% slower on the H100 -- the wait is there for a launch that has it.)
 #include <cuda_fp16.h>

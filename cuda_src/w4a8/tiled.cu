@@ -3,8 +3,9 @@
 // A 16x16 CTA computes a 16x16 tile of C, one output per thread. Per K step (one block of 32)
 // the CTA stages 16 Q8_1 rows and 16 Q4_0 rows into shared memory, Q4_0 nibbles unpacked into
 // element order, so each block is fetched from global memory once per CTA instead of once per
-// thread. Rows are padded by 4 bytes (36 = 9 words): consecutive tx then read consecutive banks
-// modulo 32 instead of every 8th word landing on the same bank.
+// thread. Rows are padded by 4 bytes (36 = 9 words): the 16 tx of a warp then read banks 9 tx mod
+// 32, all distinct (9 is odd); with 32-byte rows (8 words) tx, tx + 4, tx + 8 and tx + 12 would
+// share a bank (a 4-way conflict).
 #include "common/quant_dot.cuh"
 
 #define T 16
