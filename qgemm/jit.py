@@ -12,7 +12,8 @@ Cache layout (one directory per key, under `cache_dir()/v1`):
                          report, cubin size and its sha256
 
 The key hashes the kernel source, every project header it includes (by path relative to
-cuda_src/, so a key is the same on every machine), the CUDA half-precision headers it pulls in,
+cuda_src/, so a key is the same on every machine), the CUDA toolkit headers it includes
+(cuda_fp16.h, cuda_bf16.h) with everything they pull in,
 the options, the arch and the NVRTC version. An entry is trusted only if meta.json parses, names
 this key and the cubin's sha256 matches; anything else is rebuilt. Entries are assembled in a
 temporary directory beside the final one and renamed into place under a per-key lock (fcntl),
@@ -239,14 +240,24 @@ def project_headers(rel: str, text: str | None = None) -> dict[str, str]:
 _ANY_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)  # system headers: <...> too
 
 
+def included_names(source: str, headers: dict[str, str]) -> tuple[str, ...]:
+    """Every name a kernel's source and its project headers #include (<cuda_fp16.h>,
+    <cuda_bf16.h>, "common/..."): the roots of system_header_digest (project headers are not in
+    the toolkit's directory, so the walk skips them)."""
+    names = set()
+    for text in (source, *headers.values()):
+        names.update(_ANY_INCLUDE_RE.findall(text))
+    return tuple(sorted(names))
+
+
 @lru_cache(maxsize=None)
-def system_header_digest() -> str:
-    """Digest of the CUDA headers the kernels include -- cuda_fp16.h and every header of that
-    directory it pulls in, transitively (vector_types.h, nv/target, ...): a toolkit update
-    changes the key."""
+def system_header_digest(roots: tuple[str, ...] = ("cuda_fp16.h", "cuda_fp16.hpp")) -> str:
+    """Digest of the CUDA headers a kernel includes -- `roots` (cache_key passes the kernel's own
+    #include names: cuda_fp16.h, cuda_bf16.h) and every header of that directory they pull in,
+    transitively (vector_types.h, nv/target, ...): a toolkit update changes the key."""
     h = hashlib.sha256()
     hdir = Path(cuda_header_dir())
-    todo, seen = ["cuda_fp16.h", "cuda_fp16.hpp"], set()
+    todo, seen = list(roots), set()
     while todo:
         name = todo.pop()
         p = hdir / name
@@ -289,7 +300,7 @@ def cache_key(source_rel: str, source: str, headers: dict[str, str], arch: str, 
         "options": list(options),
         "nvrtc": list(nvrtc_version()),
         "nvrtc_build": nvrtc_build(),
-        "system_headers": system_header_digest(),
+        "system_headers": system_header_digest(included_names(source, headers)),
     }
     h.update(json.dumps(parts, sort_keys=True).encode())
     h.update(b"\0" + source.encode())

@@ -431,6 +431,19 @@ def test_cache_audit_findings(cache, tmp_path, monkeypatch):
     (hdir / "nv" / "target").write_text("// 2\n")
     jit.system_header_digest.cache_clear()
     assert jit.system_header_digest() != d1
+    # ... and so is every toolkit header the kernel itself includes: cuda_bf16.h (the 16-bit
+    # activation kernels, session 41) was outside the key until session 48, so a toolkit update
+    # that changed only it kept the old cubins
+    (hdir / "cuda_bf16.h").write_text('#include "cuda_bf16.hpp"\n')
+    (hdir / "cuda_bf16.hpp").write_text("// bf16 1\n")
+    src = "#include <cuda_fp16.h>\n"
+    hdrs = {"common/x.cuh": "#include <cuda_bf16.h>\n"}
+    k1, k_fp16_only = jit.cache_key("x.cu", src, hdrs, "sm_80", []), jit.cache_key("x.cu", src, {}, "sm_80", [])
+    (hdir / "cuda_bf16.hpp").write_text("// bf16 2\n")
+    jit.system_header_digest.cache_clear()
+    assert jit.cache_key("x.cu", src, hdrs, "sm_80", []) != k1
+    assert jit.cache_key("x.cu", src, {}, "sm_80", []) == k_fp16_only
+    assert jit.included_names(src, hdrs) == ("cuda_bf16.h", "cuda_fp16.h")
     monkeypatch.setattr(jit, "cuda_header_dir", real_dir)
     jit.system_header_digest.cache_clear()
     build = jit.nvrtc_build()
