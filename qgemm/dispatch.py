@@ -4,10 +4,12 @@
     print(qgemm.explain(512, 4096, 4096, "q4_0"))  # which kernels, which configuration, and why
 
 With weights from `qgemm.pack_weights` (repacked once, at load):
-- M >= 17 on sm_90: `convert.f16k` (float16 activations: `convert.f16k_f16`) + `w4a16.wgmma_rs` /
+- M >= 17 on sm_90: `convert.f16k` (float16 / bfloat16 activations: `convert.f16k_f16` /
+  `convert.f16k_bf16`) + `w4a16.wgmma_rs` /
   `w8a16.wgmma_rs` (asynchronous warpgroup MMA, the weights dequantized into registers as its A
   operand);
-and with float32 activations on sm_80+, no prologue kernel:
+and on sm_80+, no prologue kernel (float32 activations; float16 / bfloat16: the `_f16` / `_bf16`
+variants of the same kernels):
 - M = 1: `w4a8.skinny` / `w8a8.skinny` alone -- int8 tensor cores with the token on the MMA's N side,
   the weight words used as fragments (Q4_0 after one mask), the activations quantized per block by
   the kernel;
@@ -21,10 +23,12 @@ Otherwise a prologue kernel prepares the activations on the GPU, then the GEMM r
   per-block float epilogue costs more than its MMAs, and closer to the float result than Q8_1);
   tile/split-K come from `qgemm tune` results when present, else the default heuristic;
 - below sm_80: the DP4A kernels `w4a8.vec_dp4a` / `w8a8.tiled_dp4a` after `quantize.q8_1`.
+(The prologues for 16-bit activations: `_PROLOGUES`.)
 Except on sm_90 from M = REPACK_MIN_M (17 for Q4_0, 256 for Q8_0): there the ggml blocks are
 repacked on the GPU first, in every call (`pack.q4_0` / `pack.q8_0` into a scratch copy as large
 as the weights, kept per stream and per CUDA graph capture), and the packed path's `wgmma_rs`
-kernel runs -- 1.0-1.4x faster than `w4a16.mma` on the blocks at those M, 2-2.5x from M = 512.
+kernel runs -- 1.0-1.4x faster than `w4a16.mma` on the blocks at those M (one 3% loss: Q4_0
+32x4096x14336), 1.8-2.5x from M = 512.
 `path=` overrides the GEMM kernel (any registered kernel taking these weights: `w4a8.mma`, ...; a
 skinny or wgmma kernel given ggml blocks repacks them per call the same way).
 """
@@ -51,7 +55,7 @@ _DEFAULTS = {
 }
 # the int8 tensor-core GEMMs: ggml blocks, float32 scales (what takes weights the fp16 paths cannot)
 _INT8_MMA = {"q4_0": "w4a8.mma", "q8_0": "w8a8.mma"}
-GEMV_MAX_M = 8
+GEMV_MAX_M = 8  # the GEMV kernels' most activation rows (GEMV_M <= 8, their registry max_m)
 # packed weights, float32 activations: the skinny kernels up to this M (H100: 2.5x faster than
 # w4a16.mma at M = 16, 1.35x at 32, slower at 64 where every CTA re-reads 64 rows of activations)
 SKINNY_MAX_M = 32  # (the kernels themselves take up to registry.SKINNY_MAX_M = 64 with path=)
@@ -79,6 +83,8 @@ SKINNY_I8_MAX_M = 1
 #   Q8_0 (twice the bytes to repack): K = 4096: 64 22.9 -> 24.2, 128 31.1 -> 29.5, 256 50.1 -> 36.8,
 #        512 91.9 -> 50.7 (30.1); K = 14336: 128 79.4 -> 83.9, 256 153 -> 107, 512 295 -> 152 (103)
 # The repacking alone, hot: 4.8 / 25.0 us for Q4_0 at K = 4096 / 14336, 10.9 / 47.8 for Q8_0.
+# Q8_0 at 128 tokens wins at K = 4096 but loses at K = 14336: 256 is the smallest M measured to win
+# at both.
 REPACK_MIN_M = {"q4_0": 17, "q8_0": 256}
 
 
@@ -107,7 +113,8 @@ class Plan:
     source: str = "default"  # "default", "tuned", "override"
     reason: str = ""
     packed: bool = False  # the kernel reads the skinny layout (qgemm.pack_weights), not ggml blocks -- False
-    # where a call with packed weights runs on their ggml-block copy (float16 x at M <= 8, say)
+    # where a call with packed weights runs on their ggml-block copy (below sm_80, or M > 32 off
+    # sm_90: w4a16.mma / the DP4A kernels)
     repack: str | None = None  # ggml blocks repacked on the GPU by this kernel first, on every call (pack.*)
 
     def __str__(self) -> str:
@@ -170,7 +177,11 @@ class Plan:
         that support it (KernelSpec.pdl) are launched with programmatic dependent launch: the GEMM
         streams its first weights while its prologue (or, without one, the previous op) finishes,
         and the prologue's launch overlaps the previous op's tail. The split-K zeroing of C is done
-        by the prologue (convert.f16) or queued before it, so nothing stands between two kernels.
+        by the prologue where it can (the convert.* prologues: KernelSpec.zeroes), so no memset
+        stands between two ops' kernels there. Otherwise a memset is queued first: before the GEMM
+        when there is no prologue (the skinny kernels' K split across CTAs, SK_GSPLIT > 1: their
+        default from 2 tokens at K >= 8192), or before quantize.q8_1 in front of a split int8
+        GEMM (path=); a GEMM right behind a memset is launched without PDL (Kernel.launch).
         With `repack`, `dw` is the ggml blocks and `dpack` the buffer they are repacked into; the
         GEMM then reads its weights after that kernel has completed (no programmatic dependent
         launch: it reads its weights above its pdl_wait, and here an earlier kernel wrote them)."""

@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 TILE = 64
-GROUP = 16  # tiles per compact group offset (a warp step is STEP_LANES tiles)
+# tiles per compact group offset (a warp step -- STEP_LANES tiles of a value channel, STEP_LANES x
+# D/64 of keys -- is a whole number of groups)
+GROUP = 16
 BITS = (16, 4, 2)
 HEAD_DIMS = (64, 128, 256)
 KINDS = ("key", "value")
@@ -714,7 +716,7 @@ class DeviceKV:
         self.kind, self.bits, self.shape, self.compact, self.layout = ck.kind, ck.bits, tuple(ck.shape), ck.compact, ck.layout
         self.nbytes = ck.nbytes  # the compressed form's bytes (what a launch reads, plus padding)
         self.max_step = step_bytes_max(ck)  # sizes the kernels' windows
-        self.density = density(ck)  # picks version 2's fp16 value walk (plan_for)
+        self.density = density(ck)  # whether version 2's fp16 value walk zeroes what it reads past a lane's values (MF_VMASK, plan_for)
         self.arrays = arrays
 
     @classmethod
@@ -870,8 +872,8 @@ def _plan_mma(kind: str, bits: int, shape, rows: int, sm_count: int, ctas_per_sm
     channels x a range of 64-token chunks, CTAs of up to 16 warps sharing the range's staged
     probabilities; the range sized for about one wave (a multiple of 16 chunks: the compact
     layout's group offsets) of two CTAs per SM. Two, not one, at every row count: on the H100
-    (32x16384x128, session 16) 32 rows ran 25-31% faster (q2 73.9 against 99.1 us, q4c 70.2
-    against 101.5) though 4 row tiles in 64 registers spill 24-92 bytes, 16 rows 4-6% faster;
+    (32x16384x128, session 16) 32 rows ran 25-30% faster (q2 73.8 against 98.7 us, q4c 69.6
+    against 99.7) though 4 row tiles in 64 registers spill 24-92 bytes, 16 rows 4-6% faster;
     one CTA's range was capped by its staged probabilities to 1.45 waves."""
     b, s, d = shape
     warps = min(16, d // 8)
@@ -893,8 +895,10 @@ def use_mma(kind: str, bits: int, rows: int, cc: int = 90) -> bool:
     """Whether plan_for uses the tensor-core value kernel ("version 4": tiles decoded densely and
     multiplied by mma.sync) instead of the bitmap walk: 4/2-bit value caches with more than 8
     query rows per kv head (groups x Lq), on sm_80+. On the H100 (32x16384x128, 70% sparsity) it
-    ran 20-25% faster than the walk at 32 rows and 30-45% slower at 4; a key version measured
-    slower than the keys' walk at every row count (docs/mustafar.md, the kernels)."""
+    ran 41-47% faster than the walk at 32 rows (two CTAs per SM, session 16: q2 73.8 against
+    125.3 us, q4c 69.6 against 131.7) and, at one CTA per SM (session 15), 30-45% slower at 4
+    rows; a key version measured slower than the keys' walk at every row count
+    (docs/mustafar.md, the kernels)."""
     return kind == "value" and bits != 16 and cc >= 80 and rows > 8
 
 

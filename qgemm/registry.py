@@ -161,6 +161,8 @@ def _hf_geometry(wfmt: str):
 
 
 def _hf_config(m: int, n: int, k: int, sm_count: int) -> dict:
+    # 3 stages: four 128x128 fp16 stages (176 / 208 KiB for Q4_0 / Q8_0) exceed the 163 KiB a block
+    # may use on sm_80, where this is the prefill path
     return {**_mma_config(m, n, k, sm_count), "MMA_STAGES": 3}
 
 
@@ -198,7 +200,7 @@ def _gemv_m(m: int) -> int:
 
 def _gemv_config(m: int, n: int, k: int, sm_count: int) -> dict:
     # Two weight rows per warp, activations staged 128 blocks at a time (half as many CTA barriers
-    # as 64). Session 29 (H100, `qgemm tune --dry-run`, then tools/probe_defines.py, kernel alone,
+    # as 64; 512 at exactly two tokens, below). Session 29 (H100, `qgemm tune --dry-run`, then tools/probe_defines.py, kernel alone,
     # hot): 8 warps x 4 iterations in flight against the earlier default (4 warps; 2 rows up to
     # M = 2, then 4; 64-block chunks), us:
     #   Q8_0 1x4096x4096 7.3-7.5 -> 6.95, 2x 9.5 -> 8.5, 4x 14.6 -> 10.2, 8x 18.9 -> 15.2-15.3,
@@ -213,8 +215,9 @@ def _gemv_config(m: int, n: int, k: int, sm_count: int) -> dict:
     #     128-block chunks: with 512 the kernel alone is faster (Q4_0 1x4096x14336 14.9 -> 13.6) but
     #     the op slower (16.5 -> 18.8): behind PDL the first chunk's staging waits for the quantizer.
     #   2-4 tokens: 16 warps (each CTA's staging serves twice the rows) and 8 in flight --
-    #     2x4096x4096 8.91 -> 7.45-7.62 / 10.06 -> 9.20, 2x4096x14336 (512-block chunks: 27.8 -> 25.7
-    #     with 128) 25.9-26.2 -> 18.9 / 35.3 -> 31.9; 4x4096x14336 30.8 -> 29.7 / 44.4 -> 43.1.
+    #     2x4096x4096 8.91 -> 7.45-7.62 / 10.06 -> 9.20, 2x4096x14336 (512-block chunks instead of
+    #     128: 27.8 -> 25.7; measured at 1 and 2 tokens only, so 3-4 tokens keep 128) 25.9-26.2 ->
+    #     18.9 / 35.3 -> 31.9; 4x4096x14336 30.8 -> 29.7 / 44.4 -> 43.1.
     #   5-8 tokens: 16 warps, 4 in flight -- 8x4096x4096 16.9-17.4 -> 15.4 / 18.0 -> 16.6,
     #     8x4096x14336 47.1 -> 43.5 / 60.2 -> 60.6 (8 in flight: 15.9 / 16.9, 44.9 / 64.3).
     #   Lost everywhere: 1 or 4 rows per warp with 16-32 warps, 32- and 64-block chunks at 4-8 tokens.
@@ -318,7 +321,7 @@ def _skinny_candidates(wfmt: str):
 
 
 # ---- skinny int8 MMA for decode (common/skinny_i8.cuh) ----------------------------------------
-SKINNY_I8_MAX_M = 8
+SKINNY_I8_MAX_M = 8  # what the kernels handle (SK_MQ <= 8; path= / a single-kernel call); matmul runs them at M = 1 only (dispatch.SKINNY_I8_MAX_M)
 
 
 def _skinny_i8_mq(m: int) -> int:
@@ -512,12 +515,15 @@ def _rs_wef(wfmt: str, m: int, n: int, k: int) -> int:
     NOTES.md session 14), us, without -> with the policy:
       faster: 512x4096x4096 Q8_0 31.2-31.4 -> 29.6, 384 Q8_0 31.4-31.5 -> 31.0-31.1, 640 Q8_0
               60.1-60.3 -> 57.6-58.5, 768 Q8_0 57.6-57.7 -> 55.2-55.3 / Q4_0 55.2-55.4 -> 53.9-54.7,
-              256x4096x14336 Q4_0 54.5 -> 51.3-52.1 / Q8_0 58.5 -> 54.5-54.9
-      slower (all outside the rule): 64 and 128 tokens (weights that fit stay resident without it),
+              256x4096x14336 Q4_0 54.5 -> 51.3-52.1 / Q8_0 58.5 -> 54.5-54.9, 128x4096x14336
+              (split-K 4) Q4_0 30.9-31.1 -> 29.4-29.7 / Q8_0 36.7-37.0 -> 32.6-32.7
+      slower (all outside the rule): 64 and 128 tokens at K = 4096 (weights that fit stay resident
+              without it),
               256x4096x4096, 1024x4096x4096, 2048x4096x4096 (+4%: token tiles in later waves
               re-read the weights), 384 and 512 x4096x14336 (activations alone over 32 MiB)
       at the edge (rule: off): 512x4096x4096 Q4_0 (29.0 MiB in all) 28.7-29.2 -> 28.4-28.6.
-    Only above 64 tokens (the split-K configurations below were not measured with it)."""
+    Only above 64 tokens: at 17-64 tokens of a long K, where the size test would fire, it was
+    never measured."""
     if m <= 64:
         return 0
     act = m * k * (4 + 2) + m * n * 4
@@ -536,7 +542,7 @@ def _rs_config(wfmt: str):
         # and 1 copying warpgroup (warp-specialized: 8% faster at 512 and 2048 tokens).
         #
         # Up to M = 64 (session 10, after the split-K end became vector reductions): one MMA warpgroup
-        # per CTA (64 weight rows), two CTAs per SM (87-100 KB of shared memory each), so the split-K
+        # per CTA (64 weight rows), two CTAs per SM (85-101 KiB of shared memory each: Q4_0 / Q8_0), so the split-K
         # default counts two CTA slots per SM: 64x4096x4096 Q4_0 9.5 us against 9.7 for two
         # warpgroups, 32x4096x4096 9.0 / 9.1, Q8_0 10.5 / 10.5 and 9.9 / 10.0; at long K the copying
         # warpgroup too (64x4096x14336 Q4_0 20.4 against 21.5, Q8_0 30.1 against 31.8).
