@@ -716,7 +716,8 @@ class DeviceKV:
         self.kind, self.bits, self.shape, self.compact, self.layout = ck.kind, ck.bits, tuple(ck.shape), ck.compact, ck.layout
         self.nbytes = ck.nbytes  # the compressed form's bytes (what a launch reads, plus padding)
         self.max_step = step_bytes_max(ck)  # sizes the kernels' windows
-        self.density = density(ck)  # whether version 2's fp16 value walk zeroes what it reads past a lane's values (MF_VMASK, plan_for)
+        # whether version 2's fp16 value walk zeroes what it reads past a lane's values (MF_VMASK, plan_for)
+        self.density = density(ck)
         self.arrays = arrays
 
     @classmethod

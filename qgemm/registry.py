@@ -200,9 +200,9 @@ def _gemv_m(m: int) -> int:
 
 def _gemv_config(m: int, n: int, k: int, sm_count: int) -> dict:
     # Two weight rows per warp, activations staged 128 blocks at a time (half as many CTA barriers
-    # as 64; 512 at exactly two tokens, below). Session 29 (H100, `qgemm tune --dry-run`, then tools/probe_defines.py, kernel alone,
-    # hot): 8 warps x 4 iterations in flight against the earlier default (4 warps; 2 rows up to
-    # M = 2, then 4; 64-block chunks), us:
+    # as 64; 512 at exactly two tokens, below). Session 29 (H100, `qgemm tune --dry-run`, then
+    # tools/probe_defines.py, kernel alone, hot): 8 warps x 4 iterations in flight against the
+    # earlier default (4 warps; 2 rows up to M = 2, then 4; 64-block chunks), us:
     #   Q8_0 1x4096x4096 7.3-7.5 -> 6.95, 2x 9.5 -> 8.5, 4x 14.6 -> 10.2, 8x 18.9 -> 15.2-15.3,
     #        8x4096x14336 92.4 -> 63.0-63.1, 1x4096x14336 37.6 -> 36.3, 7x4097x4128 26.1 -> 19.9
     #   Q4_0 1x4096x4096 6.0-6.2 -> 5.8, 2x 7.2 -> 6.9, 4x 11.3 -> 9.4, 8x 17.9 -> 14.5-14.6,
@@ -321,7 +321,9 @@ def _skinny_candidates(wfmt: str):
 
 
 # ---- skinny int8 MMA for decode (common/skinny_i8.cuh) ----------------------------------------
-SKINNY_I8_MAX_M = 8  # what the kernels handle (SK_MQ <= 8; path= / a single-kernel call); matmul runs them at M = 1 only (dispatch.SKINNY_I8_MAX_M)
+# what the kernels handle (SK_MQ <= 8; path= / a single-kernel call); qgemm.matmul runs them at
+# M = 1 only (dispatch.SKINNY_I8_MAX_M)
+SKINNY_I8_MAX_M = 8
 
 
 def _skinny_i8_mq(m: int) -> int:

@@ -1417,7 +1417,8 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
 
     __half *scores = reinterpret_cast<__half *>(out) + ((size_t)b * R + row0) * S;
     const uint32_t xw0 = mf_opaque((uint32_t)__cvta_generic_to_shared(xs) + (MF_REP + (lane % MF_REP)) * MF_R * 2);
-    const uint2 cc = mf3_code_consts<BITS, MF_CREG == 1 || (MF_CREG == -1 && BITS == 2)>(per_cta >> 30);  // per_cta < 2^27: 0 at run time, unknown to ptxas
+    // per_cta < 2^27, so per_cta >> 30 is 0 at run time, unknown to ptxas
+    const uint2 cc = mf3_code_consts<BITS, MF_CREG == 1 || (MF_CREG == -1 && BITS == 2)>(per_cta >> 30);
     for (int i = 0; i < n; ++i) {
         if (i + 1 < n)
             mf3_prep<BITS, COMPACT, U>(m, tok(i + 1) < S ? U : 0, data, (i & 1) ? win0 : win1, lane, (i & 1) ? rec0 : rec1, dqn,
