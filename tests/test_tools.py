@@ -869,6 +869,48 @@ def test_check_scripts_fail_when_they_would_run_nothing(tmp_path):
     assert r.returncode == 1 and "!! w4a8.naive" in r.stderr, (r.stdout, r.stderr)
 
 
+def test_sanitize_configs_plans_every_configuration(tmp_path, monkeypatch, capsys):
+    """tools/sanitize_configs.py's plan, without a GPU (the GPU and the sanitizer stood in for):
+    the untuned default plus every candidate once per shape, -D on each, shapes above a kernel's
+    most tokens skipped and said, --defaults-only one per shape; a flagged run exits 1."""
+    import types
+
+    import qgemm
+    from qgemm import runtime
+
+    mod = _load("sanitize_configs")
+    monkeypatch.setattr(runtime, "gpu_available", lambda: True)
+    monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(sm_count=132))
+
+    def stand_in(rc):  # prints what a child would, with the arguments it was given
+        f = tmp_path / f"cs{rc}"
+        f.write_text(f'#!/bin/sh\necho "RESULT ok rel 0.00e+00 seed 1 $*"\necho "========= ERROR SUMMARY: 0 errors"\nexit {rc}\n')
+        f.chmod(0o755)
+        return str(f)
+
+    def run(*args, rc=0):
+        monkeypatch.setattr(sys, "argv", ["sanitize_configs.py", "memcheck", "w4a8.skinny", "w4a8.mma", "--shapes",
+                                          "7x33x64,9x40x96", "--sanitizer", stand_in(rc), "--jobs", "3", *args])
+        status = mod.main()
+        return status, [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("clean", "FLAGGED"))]
+
+    def count(name, shape, defaults_only=False):
+        spec, (m, n, k) = qgemm.spec(name), map(int, shape.split("x"))
+        seen = []
+        for d in [spec.config(m, n, k, 132)] + ([] if defaults_only else spec.candidates(m, n, k)):
+            seen += [d] if d not in seen else []
+        return len(seen)
+
+    want = count("w4a8.skinny", "7x33x64") + count("w4a8.mma", "7x33x64") + count("w4a8.mma", "9x40x96")
+    status, rows = run("-D", "SAN_PROBE=5")
+    assert status == 0 and len(rows) == want > 3, rows
+    assert all('"SAN_PROBE": 5' in ln and "SAN_PROBE=5" in ln for ln in rows)
+    assert not any("w4a8.skinny 9x40x96" in ln for ln in rows)  # M = 9 > the int8 skinny kernels' 8
+    assert run("--defaults-only")[1].__len__() == 3
+    status, rows = run(rc=86)
+    assert status == 1 and len(rows) == want and all(ln.startswith("FLAGGED") for ln in rows)
+
+
 @pytest.mark.gpu
 def test_sanitize_configs_gives_every_configuration_a_line(tmp_path):
     """tools/sanitize_configs.py under stand-ins for compute-sanitizer (run the program, then print a

@@ -166,8 +166,8 @@ for step in $STEPS; do
               # every array at its exact size, so a read one element past an operand is reported, not
               # served from a neighbour), racecheck (shared-memory hazards between threads), synccheck
               # (barriers under divergence) and initcheck (reads of global memory nothing wrote).
-              # QGEMM_SAN_JOBS picks some of TOOL:PART (default: all 27 below, which need two 10-minute
-              # device calls on an H100: docs/debugging.md has each part's time and the results)
+              # QGEMM_SAN_JOBS picks some of TOOL:PART (default: all 38 below, which need three or four
+              # 10-minute device calls on an H100: docs/debugging.md has each part's time and the results)
               SAN=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
               if [ ! -x "$SAN" ]; then echo "!! no compute-sanitizer at $SAN (set SANITIZER)" | tee -a "$LOG"; rc=1; continue; fi
               GK=tests/test_gpu_kernels.py
@@ -186,25 +186,36 @@ for step in $STEPS; do
                   skinny-q8)     echo "$GK -k skinny_q8_1_every_candidate_configuration" ;;
                   wgmma)         echo "$GK -k wgmma_configurations" ;;
                   wgmma-smem)    echo "$GK -k 'wgmma_configurations and not wgmma_rs'" ;;
-                  wgmma-rs)      echo "(tools/sanitize_configs.py)" ;;
+
                   mma)           echo "$GK -k 'mma_configurations and not wgmma'" ;;
                   paths)         echo "$GK --deselect $REFS -k '$PATHS'" ;;
                   kvcache)       echo "-m gpu tests/test_kvcache.py" ;;
                   pack)          echo "tests/test_gpu_pack.py" ;;
+                  # cfg-*: tools/sanitize_configs.py, each configuration in its own process under the
+                  # sanitizer -- the kernels no test sweeps (the teaching kernels and the 16-bit skinny
+                  # variants at their default configuration; every candidate of the mma and GEMV kernels)
+                  cfg-wgmma-rs)  echo "w4a16.wgmma_rs w8a16.wgmma_rs --shapes ${QGEMM_SAN_RS_SHAPES:-300x257x1024}" ;;
+                  cfg-edu)       echo "fp32.tiled w4a16.tiled w8a16.tiled w4a8.tiled w4a8.dp4a w4a8.tiled_dp4a w4a8.vec_dp4a" \
+                                      "w8a8.dp4a w8a8.tiled_dp4a w4a16.skinny_f16 w4a16.skinny_bf16 w8a16.skinny_f16" \
+                                      "w8a16.skinny_bf16 w4a8.skinny_f16 w4a8.skinny_bf16 w8a8.skinny_f16 w8a8.skinny_bf16" \
+                                      "--shapes 7x200x1024,70x200x1024 --defaults-only" ;;
+                  cfg-mma)       echo "w4a8.mma w8a8.mma w4a16.mma w8a16.mma --shapes 70x200x1024" ;;
+                  cfg-gemv)      echo "w4a8.gemv w8a8.gemv --shapes 7x200x1024" ;;
                   *)             return 1 ;;
                 esac; }
               # racecheck does not follow two synchronization rules the warp-specialized wgmma_rs relies on
               # (cuda_src/common/wgmma_rs_f16.cuh, RS_SAN_ARRIVALS): its configurations run one per process
-              # with the arrivals it can follow (part wgmma-rs); pytest's racecheck takes the other wgmma kernels
+              # with the arrivals it can follow (part cfg-wgmma-rs); pytest's racecheck takes the other wgmma kernels
               SWEEP_PARTS="skinny skinny-i8 skinny-q8 mma"
-              SAN_JOBS=${QGEMM_SAN_JOBS:-"$(for p in refs-edu refs-prod refs4097-edu refs4097-prod $SWEEP_PARTS wgmma paths kvcache pack; do printf 'memcheck:%s ' $p; done)$(for p in $SWEEP_PARTS wgmma-smem wgmma-rs kvcache; do printf 'racecheck:%s ' $p; done)$(for p in $SWEEP_PARTS wgmma kvcache; do printf 'synccheck:%s ' $p; done)initcheck:paths initcheck:kvcache"}
+              CFG_PARTS="cfg-edu cfg-mma cfg-gemv"
+              SAN_JOBS=${QGEMM_SAN_JOBS:-"$(for p in refs-edu refs-prod refs4097-edu refs4097-prod $SWEEP_PARTS wgmma paths kvcache pack $CFG_PARTS; do printf 'memcheck:%s ' $p; done)$(for p in $SWEEP_PARTS wgmma-smem cfg-wgmma-rs kvcache pack $CFG_PARTS; do printf 'racecheck:%s ' $p; done)$(for p in $SWEEP_PARTS wgmma kvcache pack $CFG_PARTS; do printf 'synccheck:%s ' $p; done)initcheck:paths initcheck:kvcache"}
               pids=(); names=()
               for job in $SAN_JOBS; do
                 tool=${job%%:*}; part=${job#*:}
                 case $tool in memcheck|racecheck|synccheck|initcheck) ;; *) echo "!! unknown sanitizer tool in $job" | tee -a "$LOG"; rc=1; continue ;; esac
                 if ! args=$(san_args "$part"); then echo "!! unknown sanitize part in $job" | tee -a "$LOG"; rc=1; continue; fi
-                if [ "$part" = wgmma-rs ]; then  # the tool runs each configuration under the sanitizer itself
-                  cmd="$PY tools/sanitize_configs.py $tool w4a16.wgmma_rs w8a16.wgmma_rs --shapes ${QGEMM_SAN_RS_SHAPES:-300x257x1024} $([ $tool = racecheck ] && echo -D RS_SAN_ARRIVALS=1) --sanitizer \"$SAN\" --jobs 6"
+                if [ "${part#cfg-}" != "$part" ]; then  # the tool runs each configuration under the sanitizer itself
+                  cmd="$PY tools/sanitize_configs.py $tool $args $([ $part = cfg-wgmma-rs ] && [ $tool = racecheck ] && echo -D RS_SAN_ARRIVALS=1) --sanitizer \"$SAN\" --jobs 6"
                 else
                   cmd="\"$SAN\" --tool $tool --error-exitcode 86 --print-limit 30 $PY -m pytest -q -p no:cacheprovider -rfE --durations=5 $args"
                 fi

@@ -81,6 +81,7 @@ def main() -> int:
     ap.add_argument("--sanitizer", default=None, help="default: compute-sanitizer on PATH, else CUDA's")
     ap.add_argument("--log-dir", default=None, help="keep each configuration's full output here")
     ap.add_argument("--seed", type=int, default=None, help="the inputs' random seed (default: fresh per launch, printed)")
+    ap.add_argument("--defaults-only", action="store_true", help="only the configuration each shape uses untuned")
     a = ap.parse_args()
     if a.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {a.jobs}")
@@ -103,11 +104,15 @@ def main() -> int:
     if not runtime.gpu_available():
         raise NoGPUError(f"no GPU: {runtime.gpu_unavailable_reason()}")
     sms = runtime.device_info().sm_count
-    jobs = []
+    jobs, skipped = [], []
     for spec in specs:
         for m, n, k in shapes:
+            if spec.max_m is not None and m > spec.max_m:  # e.g. the decode kernels at a prefill shape
+                skipped.append(f"{spec.name} {m}x{n}x{k} (at most M={spec.max_m})")
+                continue
             seen = []
-            for d in ([spec.config(m, n, k, sms)] if spec.config else [{}]) + (spec.candidates(m, n, k) if spec.candidates else []):
+            cands = spec.candidates(m, n, k) if spec.candidates and not a.defaults_only else []
+            for d in ([spec.config(m, n, k, sms)] if spec.config else [{}]) + cands:
                 d = dict(d, **extra)
                 if d not in seen:
                     seen.append(d)
@@ -125,7 +130,10 @@ def main() -> int:
             rc, text = None, e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         return job, cmd, rc, text
 
-    print(f"{len(jobs)} configurations under {a.tool}, {a.jobs} at a time")
+    if not jobs:
+        raise ValueError("nothing to run: " + "; ".join(skipped))
+    print(f"{len(jobs)} configurations under {a.tool}, {a.jobs} at a time"
+          + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     bad = 0
     with ThreadPoolExecutor(a.jobs) as ex:
         for i, ((name, shape, d), cmd, rc, text) in enumerate(ex.map(one, jobs)):
