@@ -166,7 +166,7 @@ for step in $STEPS; do
               # every array at its exact size, so a read one element past an operand is reported, not
               # served from a neighbour), racecheck (shared-memory hazards between threads), synccheck
               # (barriers under divergence) and initcheck (reads of global memory nothing wrote).
-              # QGEMM_SAN_JOBS picks some of TOOL:PART (default: all 38 below, which need three or four
+              # QGEMM_SAN_JOBS picks some of TOOL:PART (default: all 41 below, which need three or four
               # 10-minute device calls on an H100: docs/debugging.md has each part's time and the results)
               SAN=${SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
               if [ ! -x "$SAN" ]; then echo "!! no compute-sanitizer at $SAN (set SANITIZER)" | tee -a "$LOG"; rc=1; continue; fi
@@ -199,7 +199,8 @@ for step in $STEPS; do
                                       "w8a8.dp4a w8a8.tiled_dp4a w4a16.skinny_f16 w4a16.skinny_bf16 w8a16.skinny_f16" \
                                       "w8a16.skinny_bf16 w4a8.skinny_f16 w4a8.skinny_bf16 w8a8.skinny_f16 w8a8.skinny_bf16" \
                                       "--shapes 7x200x1024,70x200x1024 --defaults-only" ;;
-                  cfg-mma)       echo "w4a8.mma w8a8.mma w4a16.mma w8a16.mma --shapes 70x200x1024" ;;
+                  cfg-mma-i8)    echo "w4a8.mma w8a8.mma --shapes 70x200x1024" ;;    # 102 configurations
+                  cfg-mma-f16)   echo "w4a16.mma w8a16.mma --shapes 70x200x1024" ;;  # 102
                   cfg-gemv)      echo "w4a8.gemv w8a8.gemv --shapes 7x200x1024" ;;
                   *)             return 1 ;;
                 esac; }
@@ -207,7 +208,7 @@ for step in $STEPS; do
               # (cuda_src/common/wgmma_rs_f16.cuh, RS_SAN_ARRIVALS): its configurations run one per process
               # with the arrivals it can follow (part cfg-wgmma-rs); pytest's racecheck takes the other wgmma kernels
               SWEEP_PARTS="skinny skinny-i8 skinny-q8 mma"
-              CFG_PARTS="cfg-edu cfg-mma cfg-gemv"
+              CFG_PARTS="cfg-edu cfg-mma-i8 cfg-mma-f16 cfg-gemv"
               SAN_JOBS=${QGEMM_SAN_JOBS:-"$(for p in refs-edu refs-prod refs4097-edu refs4097-prod $SWEEP_PARTS wgmma paths kvcache pack $CFG_PARTS; do printf 'memcheck:%s ' $p; done)$(for p in $SWEEP_PARTS wgmma-smem cfg-wgmma-rs kvcache pack $CFG_PARTS; do printf 'racecheck:%s ' $p; done)$(for p in $SWEEP_PARTS wgmma kvcache pack $CFG_PARTS; do printf 'synccheck:%s ' $p; done)initcheck:paths initcheck:kvcache"}
               pids=(); names=()
               for job in $SAN_JOBS; do
