@@ -66,9 +66,10 @@ def copy_bandwidth(nbytes: int = 512 << 20, iters: int = 10) -> float:
 
 
 def measure_copy_bandwidth(nbytes: int = 512 << 20, iters: int = 10) -> float:
-    """One measurement of copy_bandwidth: the median of `iters` copies of `nbytes`. It moves by up
-    to ~10% between runs on one H100 (2583-2839 GB/s), so the bench measures it before and after
-    its sweep."""
+    """One measurement of copy_bandwidth: the median of `iters` copies of `nbytes` (512 MiB: ~10x
+    the H100's 50 MB L2, so the copy streams through DRAM). It moves by up to ~13% between runs on
+    the H100s of docs/perf/NOTES.md (2575-2923 GB/s; the published bench measured 2848 before its
+    sweep and 2895 after), so the bench measures it before and after its sweep."""
     src = runtime.DeviceArray.empty((nbytes,), np.uint8)
     dst = runtime.DeviceArray.empty((nbytes,), np.uint8)
     src.fill_bytes(0x5A)
@@ -220,8 +221,8 @@ def read_ceiling(nbytes: int, cold: bool, iters: int = 20, sustain_s: float = 0.
     with no wait before them: the bound for any op), and `dependent_us`, the reads after the wait
     for the previous launch (the bound for an op whose every byte depends on the one before). A
     decode op's time between them says how much of its weight stream it starts early. sustain_s:
-    the grid shapes are compared on short samples, then the two fastest are timed again back to
-    back for at least that long (`_samples`), as the sustained bench's rows are."""
+    the grid shapes are compared on short samples, then each ceiling's fastest shape is timed again
+    back to back for at least that long (`_samples`), as the sustained bench's rows are."""
     info = runtime.device_info()
     n16 = max(1, -(-nbytes // 16))
     sets = cold_sets(n16 * 16) if cold else 1
@@ -420,8 +421,8 @@ def torch_peers(shape: tuple[int, int, int], warmup: int = 10, iters: int = 50) 
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def timeit(fn):
-        # timed as qgemm's own rows and the bench's peers are (torch_time: hot, CUDA graphs of
-        # ~1 ms of back-to-back calls, per-call time = replay / calls)
+        # timed as the bench's peers are (torch_time: hot, CUDA graphs of up to ~1 ms of
+        # back-to-back calls, shorter at small shapes; per-call time = replay / calls)
         return torch_time(lambda: (), lambda: fn(), cold=False, warmup=warmup, iters=iters)
 
     for dt, label in ((torch.float16, "torch fp16 A@W.T (cuBLAS)"), (torch.bfloat16, "torch bf16 A@W.T (cuBLAS)"),
@@ -473,6 +474,8 @@ def environment() -> dict:
 # ---------------------------------------------------------------------------------------------
 # qgemm bench: the sweep against peers
 
+# the issue's target shapes (tools/perf_report.py TARGETS: N = 4096, K = 4096 and 14336, M = 1 / 8
+# / 64 / 512 / 2048), M swept over the powers of two around them
 SWEEP_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SWEEP_N = 4096
 SWEEP_K = (4096, 14336)
@@ -602,8 +605,12 @@ def time_matmul(fmt: str, m: int, n: int, k: int, cold: bool, rng, weights: dict
 
 @on_qgemm_device
 def torch_time(make, fn, cold: bool, warmup: int = 5, iters: int = 30, sustain_s: float = 0.0) -> float:
-    """Median µs of `fn(*make())` (torch, CUDA events), batched so each sample spans >= 1 ms; cold:
-    rotated through buffer sets from `make` larger than twice the L2. The torch peers of
+    """Median µs of `fn(*make())` (torch, CUDA events): B calls captured as one CUDA graph, B sized
+    from one plain call's event time -- which includes torch's host overhead (~20-30 µs) -- and
+    capped at 200, so a sample spans at most ~1 ms and less for short ops (~0.3 ms for a 10 µs
+    GEMV). cold: rotated through 1 + ceil(2 L2 / set bytes) sets from `make`, at most 33 -- more
+    than twice the L2 for sets above ~2 L2 / 33 (3.2 MB on a 50 MB L2; every default shape's), and
+    partly L2-resident below that. The torch peers of
     `qgemm bench` and of its kvcache suite are timed by this one function. Starts with clear_l2,
     as qgemm's own timings do (a no-op unless QGEMM_BENCH_L2 asks for a reset). sustain_s: sampled
     back to back for at least that long, as qgemm's own rows (`_samples`)."""
@@ -781,7 +788,8 @@ def sweep_markdown(data: dict, command: str) -> str:
                    + ", ".join(f"{k} {v:.1f} ms" for k, v in data["pack_ms"].items()))
     out.append("- `qgemm.matmul µs` takes packed weights; `ggml blocks µs` is the same call on raw ggml blocks "
                "(where that picks another kernel; `pack.*` + a kernel: the blocks repacked on the GPU in every call)")
-    out.append("- every figure is the median of CUDA-graph samples of back-to-back launches (~1 ms each) after 5 "
+    out.append("- every figure is the median of CUDA-graph samples of back-to-back launches (~1 ms each for "
+               "qgemm's rows; the torch peers' samples are shorter at small shapes) after 5 "
                "warm-up launches; `kernel µs` is the GEMM kernel timed on its own in a separate graph, not a part "
                "of the op's time (two timings, each with its own spread: at small M it can come out a little above "
                "the op's); "

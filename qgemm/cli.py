@@ -533,7 +533,7 @@ def profile(
         shapes = ([f"MxNxK={'x'.join(map(str, mnk))}"] if gemms else []) + (
             [f"BxSxD={'x'.join(map(str, shape_of(runners[0])))}"] if runners else [])
     typer.echo(f"{env['device']} ({env['arch']}), {env['date']}, shape {', '.join(shapes)}, "
-               f"{'cold (rotating buffers > 2x L2)' if cold else 'hot (same buffers)'}, {warmup} warm-up + {iters} timed launches")
+               f"{'cold (rotating buffers > 2x L2)' if cold else 'hot (same buffers)'}, {warmup} warm-up + {iters} timed samples (CUDA-graph replays of back-to-back launches)")
     typer.echo(f"measured copy bandwidth {bw / 1e9:.0f} GB/s (read+write)\n")
     typer.echo(_table(["kernel", "median us", "min us", "max us", "TFLOPS", "MB moved", "GB/s", "% roofline", "note"], rows,
                       right={1, 2, 3, 4, 5, 6}))

@@ -1,4 +1,7 @@
-"""qgemm's exceptions. Bad *input* is always a ValueError (or a subclass) raised before launch."""
+"""qgemm's exceptions. Bad *input* is always a ValueError (or a subclass), raised before launch
+wherever the host can see it. What only the GPU sees -- a host-call matmul's activations
+overflowing the path's format, non-finite scales in device blocks given to pack_weights -- is a
+ValueError raised after the kernels ran."""
 
 from __future__ import annotations
 

@@ -135,7 +135,9 @@ def exact_w8a8(a_q8_1: np.ndarray, w_q8_0: np.ndarray) -> np.ndarray:
 
 
 INV127_F32 = np.float32(float.fromhex("0x1.020408p-7"))  # fl32(1/127), the kernels' constant
-I8_TINY = np.float32(2.0 ** -118)  # below this amax a block quantizes to 0 (127 / amax would overflow)
+# below this amax a block quantizes to 0, as in the kernels (skinny_i8.cuh: `amax >= 0x1p-118f`);
+# 127 / amax itself overflows float32 only below ~2^-121 (127 / FLT_MAX): 3 binades of margin
+I8_TINY = np.float32(2.0 ** -118)
 
 
 def quantize_rows_i8(a_f32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
