@@ -178,10 +178,11 @@ class Plan:
         streams its first weights while its prologue (or, without one, the previous op) finishes,
         and the prologue's launch overlaps the previous op's tail. The split-K zeroing of C is done
         by the prologue where it can (the convert.* prologues: KernelSpec.zeroes), so no memset
-        stands between two ops' kernels there. Otherwise a memset is queued first: before the GEMM
-        when there is no prologue (the skinny kernels' K split across CTAs, SK_GSPLIT > 1: their
-        default from 2 tokens at K >= 8192), or before quantize.q8_1 in front of a split int8
-        GEMM (path=); a GEMM right behind a memset is launched without PDL (Kernel.launch).
+        stands between two ops' kernels there. With no prologue (the skinny kernels' K split
+        across CTAs, SK_GSPLIT > 1: their default from 2 tokens at K >= 8192) the GEMM's module
+        zeroes it with a kernel of its own, qgemm_zero_output, which keeps the GEMM's PDL launch
+        (Kernel.launch); in front of quantize.q8_1 and a split int8 GEMM (path=) a memset is
+        queued before the quantizer.
         With `repack`, `dw` is the ggml blocks and `dpack` the buffer they are repacked into; the
         GEMM then reads its weights after that kernel has completed (no programmatic dependent
         launch: it reads its weights above its pdl_wait, and here an earlier kernel wrote them)."""

@@ -249,6 +249,23 @@ class Launch:
                              "(x < 2^31, y and z <= 65535): split the call along M")
 
 
+# The entry that zeroes a split-K GEMM's output before the GEMM adds into it (cuda_src/common/
+# zero_output.cuh), a helper of the skinny kernels' modules (KernelSpec.helpers) and of the Mustafar
+# value modules: queued instead of a memset, so that the kernel behind it is still launched with
+# programmatic dependent launch. Its block: __launch_bounds__(256), a grid-stride loop of float4 stores.
+ZERO_ENTRY = "qgemm_zero_output"
+ZERO_THREADS = 256
+
+
+def launch_zero_output(mod, out, count: int, stream=None, release_early: bool = True) -> None:
+    """Queue `mod`'s qgemm_zero_output on the first `count` floats of the device array `out`:
+    it waits for the kernel before it (programmatic dependent launch), then zeroes; release_early
+    lets the kernel behind it launch at once (it waits for this grid before its first atomic add)."""
+    blocks = min(max(-(-count // (4 * ZERO_THREADS)), 1), 1024)
+    mod.launch(ZERO_ENTRY, (blocks, 1, 1), (ZERO_THREADS, 1, 1), 0,
+               (out.ptr, np.int64(count), np.int32(bool(release_early))), stream=stream, pdl=True)
+
+
 # configuration keys that shape only the launch (registry geometry), never the code: not passed to
 # NVRTC, so configurations that differ only in them share one compile and one cache entry
 LAUNCH_ONLY = frozenset({"SK_GSPLIT"})  # the skinny kernels' K split across CTAs: gridDim.y
@@ -534,12 +551,16 @@ class Kernel:
                                                          (np.int32(m), np.int32(n), np.int32(k))), 1024)
         mod, g, dims = hit
         if g.zero_output and not zeroed:
-            dc.fill_bytes(0, stream)
+            if ZERO_ENTRY in self.spec.helpers:  # a kernel: this GEMM still starts early, behind it
+                launch_zero_output(mod, dc, m * n, stream)
+                zeroed = True
+            else:
+                dc.fill_bytes(0, stream)
         # pointers as Python ints: cuda.core passes an int as a pointer-sized argument (its fast path;
         # a numpy scalar per pointer cost ~0.25 us each)
         args = (da.ptr, dw.ptr, dc.ptr) + dims
-        # programmatic dependent launch unless the zeroing of C was queued right before it (a
-        # memset, not a kernel: nothing to overlap)
+        # programmatic dependent launch unless a memset zeroed C right before it (a memset is no
+        # kernel: nothing to overlap)
         mod.launch(self.spec.entry, g.grid, g.block, g.shmem, args, stream=stream,
                    pdl=pdl and self.spec.pdl and g.pdl and (zeroed or not g.zero_output))
 

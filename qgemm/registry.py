@@ -59,7 +59,7 @@ class KernelSpec:
     # and its length), so no memset separates it from the previous op (qgemm.matmul).
     zeroes: bool = False
     # Other extern "C" entries of the same source that the launcher runs beside the kernel
-    # (compiled and loaded with it; mustafar value kernels: mustafar_zero_output).
+    # (compiled and loaded with it: qgemm_zero_output in the skinny and Mustafar value modules).
     helpers: tuple = ()
     # The kernel reads its activations in a layout of its own (qgemm.packing.kperm16): the
     # Kernel object permutes what it is given; qgemm.matmul's prologue (convert.f16k) writes it.
@@ -616,6 +616,10 @@ def _pack_geometry(n: int, _unused: int, k: int) -> Launch:
     return Launch(grid=(cdiv(nb4 // 4, 16), n16 // 16, 1), block=(256, 1, 1))
 
 
+# the skinny kernels' modules carry qgemm_zero_output (common/zero_output.cuh; ops.Kernel.launch runs it
+# before a launch that splits K across CTAs, instead of a memset)
+_SKINNY_HELPERS = (ops.ZERO_ENTRY,)
+
 _SPECS = [
     KernelSpec("fp32.naive", ops.FP32, 1, "fp32/naive.cu", "fp32_naive", _thread_per_output,
                "FP32 GEMM, one thread per output, operands straight from global memory"),
@@ -695,31 +699,33 @@ _SPECS = [
     KernelSpec("w4a16.skinny", ops.W4A16S, 6, "w4a16/skinny.cu", "w4a16_skinny", _skinny_geometry,
                "production decode / small batch (M <= 64): f32 x Q4_0 (repacked once, 16-byte loads) on fp16 tensor "
                "cores, tokens on the MMA's N side", min_arch=80, config=_skinny_config("q4_0"),
-               candidates=_skinny_candidates("q4_0"), max_m=SKINNY_MAX_M, weight_layout="skinny", pdl=True),
+               candidates=_skinny_candidates("q4_0"), max_m=SKINNY_MAX_M, weight_layout="skinny", pdl=True,
+               helpers=_SKINNY_HELPERS),
     KernelSpec("w8a16.skinny", ops.W8A16S, 6, "w8a16/skinny.cu", "w8a16_skinny", _skinny_geometry,
                "production decode / small batch (M <= 64): f32 x Q8_0 (repacked once, 16-byte loads) on fp16 tensor "
                "cores, tokens on the MMA's N side", min_arch=80, config=_skinny_config("q8_0"),
-               candidates=_skinny_candidates("q8_0"), max_m=SKINNY_MAX_M, weight_layout="skinny", pdl=True),
+               candidates=_skinny_candidates("q8_0"), max_m=SKINNY_MAX_M, weight_layout="skinny", pdl=True,
+               helpers=_SKINNY_HELPERS),
     KernelSpec("w4a8.skinny", ops.W4A8S, 6, "w4a8/skinny.cu", "w4a8_skinny", _skinny_geometry,
                "production decode (M <= 8): f32 activations quantized to int8 by the kernel x Q4_0 (repacked once) "
                "on int8 tensor cores, tokens on the MMA's N side, the -8 compensated in integers", min_arch=80,
                config=_skinny_i8_config("q4_0"), candidates=_skinny_i8_candidates("q4_0"), max_m=SKINNY_I8_MAX_M,
-               unit="imma", weight_layout="skinny", pdl=True),
+               unit="imma", weight_layout="skinny", pdl=True, helpers=_SKINNY_HELPERS),
     KernelSpec("w8a8.skinny", ops.W8A8S, 6, "w8a8/skinny.cu", "w8a8_skinny", _skinny_geometry,
                "production decode (M <= 8): f32 activations quantized to int8 by the kernel x Q8_0 (repacked once) "
                "on int8 tensor cores, tokens on the MMA's N side, the weight words as the A fragments", min_arch=80,
                config=_skinny_i8_config("q8_0"), candidates=_skinny_i8_candidates("q8_0"), max_m=SKINNY_I8_MAX_M,
-               unit="imma", weight_layout="skinny", pdl=True),
+               unit="imma", weight_layout="skinny", pdl=True, helpers=_SKINNY_HELPERS),
     KernelSpec("w4a8.skinny_q8_1", ops.W4A8, 6, "w4a8/skinny_q8_1.cu", "w4a8_skinny_q8_1", _skinny_geometry,
                "production small batch (M <= 32): Q8_1 activations (quantize.q8_1, once per op) x Q4_0 (repacked "
                "once) on int8 tensor cores, up to 8 tokens per MMA on its N side, llama.cpp's per-block math",
                min_arch=80, config=_skinny_q8_1_config("q4_0"), candidates=_skinny_q8_1_candidates("q4_0"),
-               max_m=SKINNY_Q8_1_MAX_M, unit="imma", weight_layout="skinny", pdl=True),
+               max_m=SKINNY_Q8_1_MAX_M, unit="imma", weight_layout="skinny", pdl=True, helpers=_SKINNY_HELPERS),
     KernelSpec("w8a8.skinny_q8_1", ops.W8A8, 6, "w8a8/skinny_q8_1.cu", "w8a8_skinny_q8_1", _skinny_geometry,
                "production small batch (M <= 32): Q8_1 activations (quantize.q8_1, once per op) x Q8_0 (repacked "
                "once) on int8 tensor cores, up to 8 tokens per MMA on its N side, the weight words as the A fragments",
                min_arch=80, config=_skinny_q8_1_config("q8_0"), candidates=_skinny_q8_1_candidates("q8_0"),
-               max_m=SKINNY_Q8_1_MAX_M, unit="imma", weight_layout="skinny", pdl=True),
+               max_m=SKINNY_Q8_1_MAX_M, unit="imma", weight_layout="skinny", pdl=True, helpers=_SKINNY_HELPERS),
     KernelSpec("w4a16.wgmma", ops.W4A16H, 6, "w4a16/wgmma.cu", "w4a16_wgmma", _wgmma_geometry,
                "production prefill on Hopper: f16 x Q4_0 (repacked once) through asynchronous wgmma, dequantized into "
                "swizzled shared memory while the previous stage multiplies", min_arch=90, arch_suffix="a",
@@ -773,7 +779,7 @@ def _mustafar_specs() -> list:
                                   _mustafar_geometry, f"{what} on a bitmap-sparse KV cache: {desc}",
                                   defines={"MF_R": 4, "MF_D": 128, "MF_WARPS": 8} | ({"MF_REP": 16} if kind == "key" else {}),
                                   runner=kvcache.MustafarRunner(kind, bits, compact), pdl=True,
-                                  helpers=(kvcache.ZERO_ENTRY,) if kind == "value" else ()))
+                                  helpers=(ops.ZERO_ENTRY,) if kind == "value" else ()))
     return out
 
 

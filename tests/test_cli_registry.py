@@ -696,6 +696,56 @@ def test_pdl_kernels_wait_before_their_inputs():
     assert begin.index("pdl_wait();") < begin.index("}")
 
 
+def test_split_k_zeroing_keeps_the_skinny_kernels_pdl_launch(monkeypatch):
+    """A skinny kernel that splits K across CTAs (SK_GSPLIT > 1) adds into C with atomics: its
+    launch queues its module's qgemm_zero_output on C first (never a memset, which would cost the
+    GEMM its programmatic dependent launch), with the GEMM still PDL-launched behind it; kernels
+    without that helper (the int8 mma) keep the memset and a plain launch. Every module that lists
+    the helper has it (compiled for sm_90), and the zero kernel waits before it stores."""
+    from qgemm import jit, ops, registry as R
+
+    calls = []
+
+    class Module:
+        def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
+            calls.append((entry, grid, args, pdl))
+
+    class Arr:
+        ptr = 4096
+
+        def fill_bytes(self, value, stream=None):
+            calls.append(("memset", value))
+
+    m, n, k = 16, 4096, 14336
+    for name, split, zeroed_by in (("w4a16.skinny", {"SK_GSPLIT": 2}, ops.ZERO_ENTRY),
+                                   ("w8a16.skinny_f16", {"SK_GSPLIT": 2}, ops.ZERO_ENTRY),
+                                   ("w4a8.skinny", {"SK_GSPLIT": 2}, ops.ZERO_ENTRY),
+                                   ("w4a8.mma", {"MMA_SPLITK": 2}, "memset")):
+        kern = qgemm.get(name)
+        d = dict(kern.config_for(m, n, k), **split)
+        assert kern.geometry(m, n, k, d).zero_output, name
+        monkeypatch.setattr(kern, "_module", lambda defines: Module())
+        del calls[:]
+        kern.launch(Arr(), Arr(), Arr(), m, n, k, defines=d)
+        assert [c[0] for c in calls] == [zeroed_by, kern.spec.entry], (name, calls)
+        if zeroed_by == ops.ZERO_ENTRY:
+            entry, grid, args, pdl = calls[0]
+            assert args[0] == Arr.ptr and int(args[1]) == m * n and int(args[2]) == 1 and pdl
+            assert grid[0] * ops.ZERO_THREADS * 4 >= m * n or grid[0] == 1024
+        assert calls[1][3] == (kern.spec.pdl and zeroed_by == ops.ZERO_ENTRY), (name, calls[1])
+        del calls[:]  # unsplit: nothing zeroed
+        kern.launch(Arr(), Arr(), Arr(), m, n, k, defines=dict(d, **{key: 1 for key in split}))
+        assert [c[0] for c in calls] == [kern.spec.entry], (name, calls)
+    helped = [s for s in R.list_kernels() if ops.ZERO_ENTRY in s.helpers]
+    assert {s.name for s in helped} >= {"w4a16.skinny", "w8a16.skinny_bf16", "w4a8.skinny", "w8a8.skinny_q8_1",
+                                        "mustafar.value_q2"}
+    for s in helped[::4]:
+        assert ops.ZERO_ENTRY in R.get(s.name).compile("sm_90").resources, s.name
+    z = jit.read_source("common/zero_output.cuh")
+    z = z[z.index("qgemm_zero_output(float*"):]
+    assert z.index("pdl_wait();") < z.index("zero_floats(out, n);")
+
+
 def test_gemv_early_loads_and_pdl_follow_the_token_count(monkeypatch):
     """The ggml-blocks decode GEMV requests a chunk's first weights before staging the activations
     and is launched with programmatic dependent launch up to 4 tokens only (measured slower at 8:

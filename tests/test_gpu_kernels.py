@@ -1275,6 +1275,39 @@ def test_matmul_chain_with_programmatic_dependent_launch(m, rng, monkeypatch, pd
         assert np.isfinite(got).all() and qgemm.reference.relative_error(got, want) <= 2e-3
 
 
+def test_split_skinny_chain_zeroes_with_a_kernel(rng, monkeypatch, pdl_launches):
+    """The skinny kernels split K across CTAs from 2 tokens at K >= 8192 (SK_GSPLIT=2): C is zeroed
+    by their module's qgemm_zero_output, PDL-launched, which releases the GEMM at entry. In a
+    ping-pong chain the zero kernel of op i clears the buffer op i-1 reads, and op i's atomics add
+    into it: a zero kernel that did not wait for op i-1 starves it of its input (zeros), a GEMM
+    that did not wait for the zero kernel adds into stale values. Against the chain run one op at
+    a time with PDL off (atomics in any order: a few fp16 roundings of the next input differ);
+    2 and 16 tokens (one and two 8-token MMA tiles)."""
+    n = k = 8192
+    ws = []
+    for i in range(4):
+        w_f = rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k))
+        ws.append(qgemm.pack_weights(F.quantize(w_f, "q4_0" if i % 2 == 0 else "q8_0")))
+    entries = []
+    real = qgemm.runtime.LoadedKernel.launch
+
+    def spy(self, entry, *args, **kw):
+        entries.append(entry)
+        return real(self, entry, *args, **kw)
+
+    monkeypatch.setattr(qgemm.runtime.LoadedKernel, "launch", spy)
+    for m in (2, 16):
+        for pw in ws[:2]:
+            p = qgemm.plan(m, n, k, pw.fmt, packed=True)
+            if ".skinny" not in p.kernel:
+                pytest.skip(f"{p.kernel} runs {m}x{n}x{k} on this GPU, not a skinny kernel")
+            assert p.quantizer is None and p.defines["SK_GSPLIT"] > 1, p
+        del entries[:]
+        want, got = _pdl_chain(rng.standard_normal((m, k), dtype=np.float32), ws, n, monkeypatch, pdl_launches)
+        assert entries.count(qgemm.ops.ZERO_ENTRY) == 2 * len(ws), entries  # every op of both chains: zero kernel, GEMM
+        assert np.isfinite(got).all() and qgemm.reference.relative_error(got, want) <= 2e-3, m
+
+
 @pytest.mark.parametrize("name", ["w4a8.gemv", "w8a8.gemv"])
 def test_gemv_defaults_every_token_count(name, rng):
     """The blocks-path GEMV's default configuration at every M it takes (8 or 16 warps, 4 or 8

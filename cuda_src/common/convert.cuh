@@ -3,29 +3,21 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include "common/pdl.cuh"
+#include "common/zero_output.cuh"
 
-// Z (nz floats, may be null): the split-K GEMM behind the prologue adds into it with atomics, so
-// the prologue zeroes it rather than a memset, which would stand between the two ops' kernels.
-static __device__ __forceinline__ void convert_zero_output(float* __restrict__ Z, long long nz) {
-    const long long nthreads = (long long)gridDim.x * blockDim.x, tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if ((((size_t)Z) & 15) == 0) {
-        for (long long j = tid; j < nz / 4; j += nthreads) reinterpret_cast<float4*>(Z)[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (long long j = nz / 4 * 4 + tid; j < nz; j += nthreads) Z[j] = 0.0f;
-    } else {
-        for (long long j = tid; j < nz; j += nthreads) Z[j] = 0.0f;
-    }
-}
-
-// The start of every prologue kernel. Programmatic dependent launch (common/pdl.cuh): the GEMM
-// behind may launch now and copy its first weights -- unless it splits K (nz > 0): launched that
-// early, the split-K wgmma_rs ran 2 us (64x4096x4096) to 12 us (64x4096x14336) slower per op on
-// the H100 (docs/perf/NOTES.md; without the early trigger it still launches as a dependent when
-// this grid ends, which is where its gain is). Then wait for the previous op before reading X
-// (its output) or writing Y (a staging buffer its GEMM may still read), and zero Z.
+// The start of every prologue kernel. Z (nz floats, may be null): the split-K GEMM behind the
+// prologue adds into it with atomics, so the prologue zeroes it (common/zero_output.cuh says why
+// not a memset; these modules carry that file's qgemm_zero_output entry too, never launched).
+// Programmatic dependent launch (common/pdl.cuh): the GEMM behind may launch now and copy its
+// first weights -- unless it splits K (nz > 0): launched that early, the split-K wgmma_rs ran
+// 2 us (64x4096x4096) to 12 us (64x4096x14336) slower per op on the H100 (docs/perf/NOTES.md;
+// without the early trigger it still launches as a dependent when this grid ends, which is where
+// its gain is). Then wait for the previous op before reading X (its output) or writing Y (a
+// staging buffer its GEMM may still read), and zero Z.
 static __device__ __forceinline__ void convert_begin(float* __restrict__ Z, long long nz) {
     if (nz == 0) pdl_launch_dependents();
     pdl_wait();
-    if (nz > 0) convert_zero_output(Z, nz);
+    if (nz > 0) zero_floats(Z, nz);
 }
 
 // Eight fp16 values of k = i .. i + 7 (i a multiple of 8, K of 16) stored in the kperm16 layout

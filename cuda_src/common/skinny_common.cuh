@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include "common/mma_gemm.cuh"
 #include "common/pdl.cuh"
+#include "common/zero_output.cuh"  // qgemm_zero_output: zeroes C before a launch with SK_GSPLIT > 1
 
 // SK_MINB: resident CTAs per SM the kernel is compiled for (__launch_bounds__' second argument).
 // Not an occupancy knob here so much as a code-generation one: at (R, WARPS, UNROLL) = (1, 8, 2),

@@ -1,0 +1,40 @@
+// Zeroing a split-K GEMM's output. A GEMM that splits K across CTAs adds each slice's partial
+// sums into C with atomics, so C must hold zeros first. The convert.* prologues zero it
+// themselves (convert.cuh). Where no prologue can -- the skinny kernels reading float32 / 16-bit x
+// as given, with SK_GSPLIT > 1 (their default from 2 tokens at K >= 8192) -- the launcher queues
+// qgemm_zero_output, an entry of their modules (qgemm.ops.ZERO_ENTRY, KernelSpec.helpers),
+// instead of a memset. A memset is no kernel: the GEMM behind it cannot be launched early
+// (programmatic dependent launch, common/pdl.cuh), so it started only after the memset had
+// completed, with nothing of its start hidden. H100, kernel alone, hot, memset against this
+// kernel (docs/perf/NOTES.md, session 49): w4a16.skinny 2x4096x14336 17.8 -> 16.1 us, 16x4096x14336
+// 25.3 -> 19.7; w8a16.skinny 8x4096x14336 25.7 -> 23.9. The int8 mma kernels, launched without PDL,
+// gained nothing from it (w4a8.mma 16x4096x4096 14.25 against 14.6), so they keep the memset.
+// The Mustafar value kernels (common/mustafar.cuh) zero their accumulated output with it too.
+// Modules that include this file only through another (convert.*, the wgmma kernels) carry the
+// entry unused.
+#pragma once
+#include "common/pdl.cuh"
+
+// Z[0 .. nz) = 0 by the whole grid, 16-byte stores where Z is 16-byte aligned.
+static __device__ __forceinline__ void zero_floats(float* __restrict__ Z, long long nz) {
+    const long long nthreads = (long long)gridDim.x * blockDim.x, tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((((size_t)Z) & 15) == 0) {
+        for (long long j = tid; j < nz / 4; j += nthreads) reinterpret_cast<float4*>(Z)[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (long long j = nz / 4 * 4 + tid; j < nz; j += nthreads) Z[j] = 0.0f;
+    } else {
+        for (long long j = tid; j < nz; j += nthreads) Z[j] = 0.0f;
+    }
+}
+
+// release_early = 1: the kernel behind may launch at once and stream its first weights while
+// this one waits and zeroes (that kernel waits for this grid -- so for everything before it --
+// before its first atomic add). 0: it launches as a dependent when this grid ends (measured
+// slower for the skinny kernels: 2x4096x14336 17.2 us against 16.1). Either way this kernel waits
+// for the kernel before it, which may still read or write `out` (the previous op writing the same
+// C, say), before it stores a zero.
+extern "C" __global__ void __launch_bounds__(256)
+qgemm_zero_output(float* __restrict__ out, long long n, int release_early) {
+    if (release_early) pdl_launch_dependents();
+    pdl_wait();
+    zero_floats(out, n);
+}
