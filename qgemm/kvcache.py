@@ -780,6 +780,8 @@ class LaunchPlan:
     rows: int  # R = groups * Lq
 
 
+ZERO_ENTRY = "mustafar_zero_output"  # the value modules' zeroing kernel (cuda_src/common/mustafar.cuh)
+ZERO_THREADS = 256                   # its block: __launch_bounds__(256), a grid-stride loop of 256
 STEP_LANES = 32     # a warp step = 32 lanes (keys: 32 tokens; values: 32 tiles of a channel)
 SMEM_MAX = 227 * 1024
 
@@ -1174,7 +1176,7 @@ class MustafarRunner:
 
     def launch(self, kernel, dkv: DeviceKV, dx, dout, rows: int, stream=None, plan_: LaunchPlan | None = None) -> None:
         """Launch on device operands already checked (the hot path). Value kernels accumulate:
-        the output is zeroed first, on the same stream, by the module's qgemm_zero_output. Both
+        the output is zeroed first, on the same stream, by the module's mustafar_zero_output. Both
         kernels are launched with programmatic dependent launch where the GPU and cuda.core
         support it (KernelSpec.pdl, runtime.pdl_enabled; the waits and their order are in
         cuda_src/common/mustafar.cuh): the value kernel's start then overlaps the end of the
@@ -1204,9 +1206,8 @@ class MustafarRunner:
         args = ptrs + ints
         n = dout.nbytes // 4
         if self.kind == "value" and n:
-            from .ops import launch_zero_output
-
-            launch_zero_output(mod, dout, n, stream)
+            mod.launch(ZERO_ENTRY, (min(-(-n // ZERO_THREADS), 1024), 1, 1), (ZERO_THREADS, 1, 1), 0,
+                       (dout.ptr, np.int32(n)), stream=stream, pdl=kernel.spec.pdl)
         mod.launch(kernel.spec.entry, plan_.grid, plan_.block, plan_.shmem, args, stream=stream, pdl=kernel.spec.pdl)
 
     # -- validation ------------------------------------------------------------------------------

@@ -250,9 +250,9 @@ class Launch:
 
 
 # The entry that zeroes a split-K GEMM's output before the GEMM adds into it (cuda_src/common/
-# zero_output.cuh), a helper of the skinny kernels' modules (KernelSpec.helpers) and of the Mustafar
-# value modules: queued instead of a memset, so that the kernel behind it is still launched with
-# programmatic dependent launch. Its block: __launch_bounds__(256), a grid-stride loop of float4 stores.
+# zero_output.cuh), a helper of the skinny kernels' modules (KernelSpec.helpers): queued instead of
+# a memset, so that the kernel behind it is still launched with programmatic dependent launch. Its
+# block: __launch_bounds__(256), a grid-stride loop of float4 stores.
 ZERO_ENTRY = "qgemm_zero_output"
 ZERO_THREADS = 256
 

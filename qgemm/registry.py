@@ -59,7 +59,8 @@ class KernelSpec:
     # and its length), so no memset separates it from the previous op (qgemm.matmul).
     zeroes: bool = False
     # Other extern "C" entries of the same source that the launcher runs beside the kernel
-    # (compiled and loaded with it: qgemm_zero_output in the skinny and Mustafar value modules).
+    # (compiled and loaded with it: qgemm_zero_output in the skinny modules, mustafar_zero_output in the
+    # Mustafar value modules).
     helpers: tuple = ()
     # The kernel reads its activations in a layout of its own (qgemm.packing.kperm16): the
     # Kernel object permutes what it is given; qgemm.matmul's prologue (convert.f16k) writes it.
@@ -280,7 +281,10 @@ def _skinny_config(wfmt: str):
         elif mt == 1:
             r, split, unroll = 4 if wfmt == "q4_0" else 2, 2, 1
         elif mt <= 4:
-            r, split, unroll = 2, 2 if long_k else 1, 1
+            # Q8_0 at 9-16 tokens: no second K split (H100, session 49, kernel alone, zero kernel in
+            # front of the split: 12x4096x14336 27.6 against 30.8 us, 16x 29.7 against 33.9,
+            # 16x4096x8192 16.1 against 21.3; Q4_0 keeps it: 16x4096x14336 19.1 against 26.4)
+            r, split, unroll = 2, 2 if long_k and not (wfmt == "q8_0" and mt == 2) else 1, 1
         else:
             r, split, unroll = 1, 1, 1
         warps = 8 if mt <= 4 else 4
@@ -779,7 +783,7 @@ def _mustafar_specs() -> list:
                                   _mustafar_geometry, f"{what} on a bitmap-sparse KV cache: {desc}",
                                   defines={"MF_R": 4, "MF_D": 128, "MF_WARPS": 8} | ({"MF_REP": 16} if kind == "key" else {}),
                                   runner=kvcache.MustafarRunner(kind, bits, compact), pdl=True,
-                                  helpers=(ops.ZERO_ENTRY,) if kind == "value" else ()))
+                                  helpers=(kvcache.ZERO_ENTRY,) if kind == "value" else ()))
     return out
 
 

@@ -93,7 +93,7 @@ class SassCounts:
 
 def by_function(listing: str) -> dict[str, SassCounts]:
     """Count the instructions of an nvdisasm listing per function (a cubin holds its entry and any
-    helpers, e.g. qgemm_zero_output of the skinny and Mustafar value modules), by opcode and by opcode with
+    helpers, e.g. the Mustafar value kernels' mustafar_zero_output), by opcode and by opcode with
     modifiers."""
     out: dict[str, SassCounts] = {}
     current = None

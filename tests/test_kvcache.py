@@ -546,7 +546,7 @@ def test_mustafar_kernels_wait_where_programmatic_launch_needs_it():
     previous kernel before it writes the output; the value kernel waits (for the zero kernel) before
     it reads the probabilities (the kernel before may write them) or adds into the output. The
     device-side race test is test_attention_chain_with_pdl."""
-    from qgemm import jit, ops, registry
+    from qgemm import jit, registry
 
     src = jit.read_source("common/mustafar.cuh")
 
@@ -565,14 +565,12 @@ def test_mustafar_kernels_wait_where_programmatic_launch_needs_it():
         assert b.count("pdl_wait();") == 1 and b.index("pdl_wait();") < min(b.index(first_read), b.index(first_write)), fn
     for fn in ("mf_probs_begin", "mf_probs_stage"):  # where the value kernels read the probabilities
         assert src.count(f"{fn}<U>(") == 2  # called by the two walks' value kernels only
-    zsrc = jit.read_source("common/zero_output.cuh")
-    z = zsrc[zsrc.index("qgemm_zero_output(float* __restrict__ out"):]
+    z = src[src.index("void __launch_bounds__(256) mustafar_zero_output("):]
     z = z[:z.index("\n}\n")]
-    assert z.index("pdl_launch_dependents();") < z.index("pdl_wait();") < z.index("zero_floats(out, n)")
-    assert '#include "common/zero_output.cuh"' in src
+    assert z.index("pdl_launch_dependents();") < z.index("pdl_wait();") < z.index("= 0.0f")
     for name in ("mustafar.key_q2", "mustafar.value_fp16", "mustafar.value_q4c"):
         spec = registry.get(name).spec
-        assert spec.pdl and spec.helpers == ((ops.ZERO_ENTRY,) if "value" in name else ())
+        assert spec.pdl and spec.helpers == ((kv.ZERO_ENTRY,) if "value" in name else ())
         ck = registry.get(name).compile("sm_90")
         assert set(ck.resources) >= {spec.entry, *spec.helpers}
 

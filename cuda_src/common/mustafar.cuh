@@ -20,7 +20,7 @@
 //           lane's reads always fall in its own bank.
 // Products accumulate in half2 within a word (<= 32 terms), fp32 across words. Keys store their
 // R fp16 scores per lane; values reduce-scatter a channel's R sums over the warp once per step
-// and atomicAdd them into the fp32 output (zeroed first, by qgemm_zero_output: common/zero_output.cuh).
+// and atomicAdd them into the fp32 output (zeroed first, by mustafar_zero_output below).
 //
 // Compile-time configuration (-D from the launcher, qgemm.kvcache.plan_for):
 //   MF_R      query rows per CTA: 4 or 8 (more rows: row blocks)
@@ -52,7 +52,6 @@
 #pragma once
 #include <cuda_fp16.h>
 #include "common/pdl.cuh"
-#include "common/zero_output.cuh"  // qgemm_zero_output, the value modules' second entry
 // NVRTC has no <stdint.h>: the fixed-width types used here
 typedef unsigned int uint32_t;
 typedef unsigned char uint8_t;
@@ -132,8 +131,8 @@ static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_R
 
 // ---------------------------------------------------------------------------------------------
 // Programmatic dependent launch (common/pdl.cuh; qgemm.kvcache.MustafarRunner.launch):
-//   - a value kernel accumulates into its output, so the launcher runs qgemm_zero_output
-//     (common/zero_output.cuh, an entry of every value module) first. The zero kernel releases the value kernel at once,
+//   - a value kernel accumulates into its output, so the launcher runs mustafar_zero_output
+//     (an entry of every value module) first. The zero kernel releases the value kernel at once,
 //     then waits for the kernel before it (which may still read or write the output) and zeroes.
 //     The value kernel (versions 2 and 3) loads its first metadata from the cache, which no
 //     qgemm kernel writes, then waits (for the zero kernel, so for everything before it) before it
@@ -147,6 +146,11 @@ static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_R
 // Without the launch attribute (QGEMM_PDL=0, GPUs before sm_90) both are no-ops and the zero
 // kernel is an ordinary memset.
 
+extern "C" __global__ void __launch_bounds__(256) mustafar_zero_output(float *__restrict__ out, int n) {
+    pdl_launch_dependents();
+    pdl_wait();
+    for (int i = blockIdx.x * 256 + threadIdx.x; i < n; i += gridDim.x * 256) out[i] = 0.0f;
+}
 
 // ---------------------------------------------------------------------------------------------
 // small helpers

@@ -9,7 +9,11 @@
 // kernel (docs/perf/NOTES.md, session 49): w4a16.skinny 2x4096x14336 17.8 -> 16.1 us, 16x4096x14336
 // 25.3 -> 19.7; w8a16.skinny 8x4096x14336 25.7 -> 23.9. The int8 mma kernels, launched without PDL,
 // gained nothing from it (w4a8.mma 16x4096x4096 14.25 against 14.6), so they keep the memset.
-// The Mustafar value kernels (common/mustafar.cuh) zero their accumulated output with it too.
+// The Mustafar value modules keep a kernel of their own (mustafar_zero_output, common/mustafar.cuh:
+// scalar stores, an int count, a CTA per 256 floats): with this one instead the value ops measured
+// 0.15-0.4 us slower (H100, cold, one process, three alternating rounds: 32x16384x128 value fp16
+// 26.56 -> 26.95 us, q2 23.72 -> 24.06; 32x4096 q2 10.30 -> 10.45; this kernel on that grid no
+// better), cause not found.
 // Modules that include this file only through another (convert.*, the wgmma kernels) carry the
 // entry unused.
 #pragma once
