@@ -100,8 +100,10 @@ class Result:
         return d
 
 
-def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=None) -> np.ndarray:
-    """Run with the output pre-filled with 0xFF bytes; return it on the host."""
+def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=None,
+                 defines: dict | None = None) -> np.ndarray:
+    """Run with the output pre-filled with 0xFF bytes; return it on the host. defines: a GEMM's
+    configuration (default: the one it picks for the shape)."""
     op = kernel.op
     if op.kind == "pack":
         dw = runtime.DeviceArray.from_host(inp.w)
@@ -121,7 +123,7 @@ def run_poisoned(kernel: Kernel, inp: Inputs, m: int, n: int, k: int, stream=Non
     dw = kernel.upload_weights(inp.w)
     dc = runtime.DeviceArray.empty((m, n), np.float32)
     dc.fill_bytes(0xFF, stream)
-    kernel.launch(da, dw, dc, m, n, k, stream=stream)
+    kernel.launch(da, dw, dc, m, n, k, stream=stream, defines=defines)
     runtime.check_last_error(kernel.name)
     return dc.to_host()
 

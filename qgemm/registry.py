@@ -66,6 +66,16 @@ class KernelSpec:
     # Kernel object permutes what it is given; qgemm.matmul's prologue (convert.f16k) writes it.
     act_layout: str | None = None
 
+    def configurations(self, m: int, n: int, k: int, sm_count: int, defaults_only: bool = False) -> list[dict]:
+        """The untuned default (`config`) and, unless defaults_only, every candidate `qgemm tune`
+        may try at this shape, each once, in that order; [{}] for a kernel without configurations."""
+        out: list[dict] = []
+        for d in ([self.config(m, n, k, sm_count)] if self.config else [{}]) + (
+                self.candidates(m, n, k) if self.candidates and not defaults_only else []):
+            if d not in out:
+                out.append(d)
+        return out
+
     @property
     def family(self) -> str:
         """The name's part before the dot: "w4a16" of "w4a16.tiled"."""

@@ -445,6 +445,22 @@ def test_skinny_i8_prime_follows_the_step_width(name):
     assert s.config(1, 4096, 14336, 132)["SK_PRIME"] == 0
 
 
+def test_spec_configurations_default_first_each_once():
+    """KernelSpec.configurations (what tools/precompile.py compiles and tools/sanitize_configs.py
+    runs): the untuned default first, then every tuning candidate, none twice; the default alone
+    with defaults_only; [{}] for a kernel without configurations."""
+    from qgemm import registry as R
+
+    for name, (m, n, k) in (("w4a16.skinny", (8, 4096, 14336)), ("w4a8.mma", (70, 200, 1024)), ("w4a8.gemv", (3, 33, 64))):
+        s = R.spec(name)
+        got = s.configurations(m, n, k, 132)
+        assert got[0] == s.config(m, n, k, 132) and len(got) > 3, name
+        assert all(got.count(d) == 1 for d in got) and all(d in got for d in s.candidates(m, n, k)), name
+        assert len(got) == len(s.candidates(m, n, k)) + (s.config(m, n, k, 132) not in s.candidates(m, n, k)), name
+        assert s.configurations(m, n, k, 132, defaults_only=True) == [s.config(m, n, k, 132)], name
+    assert R.spec("w4a8.tiled").configurations(64, 64, 64, 132) == [{}]
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_wgmma_rs_configurations_fit(fmt):
     """Every configuration the register-A wgmma kernel may be tuned to fits the 227 KB of shared

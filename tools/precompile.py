@@ -54,9 +54,7 @@ def main() -> int:
             raise SystemExit(f"precompile: {name} is a mustafar.* kernel, whose configurations depend on the cache: "
                              "tools/gpu_check_kvcache.sh's compile step compiles them")
         for m, n, k in shapes:
-            cands = [spec.config(m, n, k, 132)] if spec.config else [{}]
-            cands += spec.candidates(m, n, k) if spec.candidates and not a.defaults_only else []
-            jobs.update((name, arch, tuple(sorted(d.items()))) for d in cands)
+            jobs.update((name, arch, tuple(sorted(d.items()))) for d in spec.configurations(m, n, k, 132, a.defaults_only))
     jobs = [(n, ar, dict(d)) for n, ar, d in sorted(jobs)]
     with ProcessPoolExecutor(a.jobs) as ex:
         errors = [e for e in ex.map(_compile, jobs) if e]

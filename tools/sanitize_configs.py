@@ -45,11 +45,7 @@ def run_one(name: str, shape: str, defines_json: str, seed_text: str) -> int:
     seed = int(seed_text) if seed_text != "-" else np.random.SeedSequence().entropy % 2**32  # printed: --seed repeats it
     inp = check.make_inputs(kern.op, m, n, k, np.random.default_rng(seed))
     exact = kern.op.exact(inp.a, inp.w)
-    da, dw = kern.upload_activations(inp.a), kern.upload_weights(inp.w)
-    dc = qgemm.DeviceArray.empty((m, n), np.float32)
-    dc.fill_bytes(0xFF)  # NaN everywhere: an output never written stays NaN
-    kern.launch(da, dw, dc, m, n, k, defines=defines)
-    out = dc.to_host()
+    out = check.run_poisoned(kern, inp, m, n, k, defines=defines)  # NaN everywhere first: an output never written stays NaN
     rel = qgemm.reference.relative_error(out, exact)
     ok = not np.isnan(out).any() and rel <= 1e-5
     print(f"RESULT {'ok' if ok else 'WRONG'} rel {rel:.2e} seed {seed}")
@@ -111,10 +107,9 @@ def main() -> int:
                 skipped.append(f"{spec.name} {m}x{n}x{k} (at most M={spec.max_m})")
                 continue
             seen = []
-            cands = spec.candidates(m, n, k) if spec.candidates and not a.defaults_only else []
-            for d in ([spec.config(m, n, k, sms)] if spec.config else [{}]) + cands:
+            for d in spec.configurations(m, n, k, sms, a.defaults_only):
                 d = dict(d, **extra)
-                if d not in seen:
+                if d not in seen:  # -D may make two configurations one
                     seen.append(d)
                     jobs.append((spec.name, f"{m}x{n}x{k}", d))
 
