@@ -178,11 +178,12 @@ class Plan:
         streams its first weights while its prologue (or, without one, the previous op) finishes,
         and the prologue's launch overlaps the previous op's tail. The split-K zeroing of C is done
         by the prologue where it can (the convert.* prologues: KernelSpec.zeroes), so no memset
-        stands between two ops' kernels there. With no prologue (the skinny kernels' K split
-        across CTAs, SK_GSPLIT > 1: their default from 2 tokens at K >= 8192) the GEMM's module
-        zeroes it with a kernel of its own, qgemm_zero_output, which keeps the GEMM's PDL launch
-        (Kernel.launch); in front of quantize.q8_1 and a split int8 GEMM (path=) a memset is
-        queued before the quantizer.
+        stands between two ops' kernels there. With no prologue, the skinny kernels' K split
+        across CTAs (SK_GSPLIT > 1: the fp16-MMA skinny kernels' default from 2 tokens at K >=
+        8192, except Q8_0 at 9-16) is zeroed by a kernel of their module, qgemm_zero_output, which
+        keeps the GEMM's PDL launch (Kernel.launch); a split mma kernel with no prologue (float16
+        x on ggml blocks: w4a16.mma / w8a16.mma from 9 tokens) gets a memset, and so does a split
+        int8 GEMM behind quantize.q8_1 (path=), queued before the quantizer.
         With `repack`, `dw` is the ggml blocks and `dpack` the buffer they are repacked into; the
         GEMM then reads its weights after that kernel has completed (no programmatic dependent
         launch: it reads its weights above its pdl_wait, and here an earlier kernel wrote them)."""

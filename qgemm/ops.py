@@ -539,9 +539,10 @@ class Kernel:
                zeroed: bool = False, pdl: bool = True) -> None:
         """Launch on device arrays already in this kernel's formats (no checks: the hot path).
         zeroed: C is already zeroed for split-K (qgemm.matmul has the prologue kernel do it, so
-        that a kernel with `pdl` directly follows the prologue it overlaps). pdl=False: never with
-        programmatic dependent launch -- where a kernel earlier in the op writes the weights this
-        one reads above its pdl_wait (qgemm.matmul's per-call repacking)."""
+        that a kernel with `pdl` directly follows the prologue it overlaps). pdl=False: this kernel never
+        with programmatic dependent launch -- where a kernel earlier in the op writes the weights this
+        one reads above its pdl_wait (qgemm.matmul's per-call repacking); a zero kernel in front of it
+        (ZERO_ENTRY) is still PDL-launched: it reads nothing and waits before it stores."""
         if defines is None:
             defines = self.config_for(m, n, k)
         key = (m, n, k, tuple(defines.items()))

@@ -732,15 +732,17 @@ def test_split_k_zeroing_keeps_the_skinny_kernels_pdl_launch(monkeypatch):
         def fill_bytes(self, value, stream=None):
             calls.append(("memset", value))
 
-    m, n, k = 16, 4096, 14336
-    for name, split, zeroed_by in (("w4a16.skinny", {"SK_GSPLIT": 2}, ops.ZERO_ENTRY),
-                                   ("w8a16.skinny_f16", {"SK_GSPLIT": 2}, ops.ZERO_ENTRY),
-                                   ("w4a8.skinny", {"SK_GSPLIT": 2}, ops.ZERO_ENTRY),
-                                   ("w4a8.mma", {"MMA_SPLITK": 2}, "memset")):
+    n, k = 4096, 14336
+    for name, m, split, zeroed_by in (("w4a16.skinny", 16, {"SK_GSPLIT": 2}, ops.ZERO_ENTRY),
+                                      ("w8a16.skinny_f16", 16, {"SK_GSPLIT": 2}, ops.ZERO_ENTRY),
+                                      ("w4a8.skinny", 8, {"SK_GSPLIT": 2}, ops.ZERO_ENTRY),
+                                      ("w4a8.mma", 16, {"MMA_SPLITK": 2}, "memset"),
+                                      ("w4a16.wgmma_rs", 64, {"RS_SPLITK": 2}, "memset")):  # PDL, no helper
         kern = qgemm.get(name)
         d = dict(kern.config_for(m, n, k), **split)
         assert kern.geometry(m, n, k, d).zero_output, name
         monkeypatch.setattr(kern, "_module", lambda defines: Module())
+        monkeypatch.setattr(kern, "_launches", {})  # no stand-in module left in the memo for later tests
         del calls[:]
         kern.launch(Arr(), Arr(), Arr(), m, n, k, defines=d)
         assert [c[0] for c in calls] == [zeroed_by, kern.spec.entry], (name, calls)
@@ -748,13 +750,14 @@ def test_split_k_zeroing_keeps_the_skinny_kernels_pdl_launch(monkeypatch):
             entry, grid, args, pdl = calls[0]
             assert args[0] == Arr.ptr and int(args[1]) == m * n and int(args[2]) == 1 and pdl
             assert grid[0] * ops.ZERO_THREADS * 4 >= m * n or grid[0] == 1024
-        assert calls[1][3] == (kern.spec.pdl and zeroed_by == ops.ZERO_ENTRY), (name, calls[1])
-        del calls[:]  # unsplit: nothing zeroed
+        # the GEMM: PDL behind the zero kernel; never behind a memset (wgmma_rs is a PDL kernel)
+        assert calls[1][3] == (zeroed_by == ops.ZERO_ENTRY), (name, calls[1])
+        del calls[:]  # unsplit: nothing zeroed, and a PDL kernel launched with it
         kern.launch(Arr(), Arr(), Arr(), m, n, k, defines=dict(d, **{key: 1 for key in split}))
-        assert [c[0] for c in calls] == [kern.spec.entry], (name, calls)
+        assert [c[0] for c in calls] == [kern.spec.entry] and calls[0][3] == kern.spec.pdl, (name, calls)
     helped = [s for s in R.list_kernels() if ops.ZERO_ENTRY in s.helpers]
     assert {s.name for s in helped} == {s.name for s in R.list_kernels() if ".skinny" in s.name}
-    for s in helped[::4]:
+    for s in helped:
         assert ops.ZERO_ENTRY in R.get(s.name).compile("sm_90").resources, s.name
     z = jit.read_source("common/zero_output.cuh")
     z = z[z.index("qgemm_zero_output(float*"):]

@@ -1,14 +1,16 @@
 // Zeroing a split-K GEMM's output. A GEMM that splits K across CTAs adds each slice's partial
 // sums into C with atomics, so C must hold zeros first. The convert.* prologues zero it
 // themselves (convert.cuh). Where no prologue can -- the skinny kernels reading float32 / 16-bit x
-// as given, with SK_GSPLIT > 1 (their default from 2 tokens at K >= 8192) -- the launcher queues
+// as given, with SK_GSPLIT > 1 (the fp16-MMA skinny kernels' default from 2 tokens at K >= 8192,
+// except Q8_0 at 9-16 tokens; a tuned configuration otherwise) -- the launcher queues
 // qgemm_zero_output, an entry of their modules (qgemm.ops.ZERO_ENTRY, KernelSpec.helpers),
 // instead of a memset. A memset is no kernel: the GEMM behind it cannot be launched early
 // (programmatic dependent launch, common/pdl.cuh), so it started only after the memset had
 // completed, with nothing of its start hidden. H100, kernel alone, hot, memset against this
 // kernel (docs/perf/NOTES.md, session 49): w4a16.skinny 2x4096x14336 17.8 -> 16.1 us, 16x4096x14336
-// 25.3 -> 19.7; w8a16.skinny 8x4096x14336 25.7 -> 23.9. The int8 mma kernels, launched without PDL,
-// gained nothing from it (w4a8.mma 16x4096x4096 14.25 against 14.6), so they keep the memset.
+// 25.3 -> 19.7; w8a16.skinny 8x4096x14336 25.7 -> 23.9. The mma and wgmma kernels keep the memset:
+// launched without PDL, the mma kernels gained nothing from it (w4a8.mma 16x4096x4096 14.25 against
+// 14.6), and in qgemm.matmul the split wgmma_rs always has a zeroing prologue.
 // The Mustafar value modules keep a kernel of their own (mustafar_zero_output, common/mustafar.cuh:
 // scalar stores, an int count, a CTA per 256 floats): with this one instead the value ops measured
 // 0.15-0.4 us slower (H100, cold, one process, three alternating rounds: 32x16384x128 value fp16
