@@ -616,6 +616,7 @@ def tune(
     mnk = _shape(shape)
     m, n, kk = mnk
     cands = spec.candidates(m, n, kk)
+    want: dict = {}
     if only:
         try:
             want = {a.strip(): int(b) for a, b in (kv.split("=") for kv in only.split(","))}
@@ -639,12 +640,17 @@ def tune(
         why = tuning.unwritable()
         if why:
             _fail(f"cannot store tuning results: {why}; set QGEMM_CACHE_DIR to a writable directory, or pass --dry-run")
+    # the untuned default is timed too (first), so the result says what tuning gains over it; with
+    # --only, only where it matches
+    default = spec.config(m, n, kk, info.sm_count)
+    if default not in cands and all(default.get(a) == b for a, b in want.items()):
+        cands = [default] + cands
     rng = np.random.default_rng(0)
     inp = check.make_inputs(k.op, m, n, kk, rng)
     exact = k.op.exact(inp.a, inp.w)
     da, dw = k.upload_activations(inp.a), k.upload_weights(inp.w)
     dc = runtime.DeviceArray.empty((m, n), np.float32)
-    rows, best = [], None
+    rows, best, default_us = [], None, None
     with typer.progressbar(cands, label=f"tuning {name} at {m}x{n}x{kk}") as bar:
         for d in bar:
             try:
@@ -657,13 +663,15 @@ def tune(
             except Exception as e:  # a configuration that does not compile or launch is skipped
                 rows.append([" ".join(f"{a}={b}" for a, b in d.items()), "-", f"skipped: {str(e).splitlines()[0][:60]}"])
                 continue
-            rows.append([" ".join(f"{a}={b}" for a, b in d.items()), f"{us:.1f}", "ok" if ok else "WRONG RESULT"])
+            rows.append([" ".join(f"{a}={b}" for a, b in d.items()), f"{us:.1f}",
+                         ("ok" if ok else "WRONG RESULT") + (" (default)" if d == default else "")])
+            if d == default and ok:
+                default_us = us
             if ok and (best is None or us < best[1]):
                 best = (d, us)
     typer.echo(_table(["configuration", "median us", "check"], rows, right={1}))
     if best is None:
         _fail("no configuration produced a correct result", code=1)
-    default = spec.config(m, n, kk, runtime.device_info().sm_count)
     # re-validate the winner on fresh inputs before it is stored
     inp2 = check.make_inputs(k.op, m, n, kk, np.random.default_rng())
     dc.fill_bytes(0xFF)
@@ -672,11 +680,24 @@ def tune(
                         inp2.a_float, inp2.w_float)
     if not res.passed:
         _fail(f"the fastest configuration failed re-validation ({res.note}); nothing stored", code=1)
-    typer.echo(f"\nbest: {' '.join(f'{a}={b}' for a, b in best[0].items())}  {best[1]:.1f} us "
-               f"(default {' '.join(f'{a}={b}' for a, b in default.items())})")
+    typer.echo("\n" + _tune_summary(best[0], best[1], default, default_us, only))
     if not dry_run:
         p = tuning.store(name, m, n, kk, best[0], best[1])
         typer.echo(f"stored for {name} bucket {tuning.bucket(m, n, kk)} in {p}")
+
+
+def _tune_summary(best: dict, best_us: float, default: dict, default_us: float | None, only: str = "") -> str:
+    """`qgemm tune`'s last lines: the winner and what it gains over the untuned default."""
+    cfg = lambda d: " ".join(f"{a}={b}" for a, b in d.items())  # noqa: E731
+    lines = [f"best: {cfg(best)}  {best_us:.1f} us"]
+    if best == default:
+        lines.append("the untuned default is the fastest: tuning changes nothing at this shape")
+    elif default_us is not None:
+        lines.append(f"default: {cfg(default)}  {default_us:.1f} us (the best is {100 * (1 - best_us / default_us):.1f}% faster)")
+    else:
+        why = f"not among --only {only}" if only else "not timed: it failed or gave a wrong result, see the table"
+        lines.append(f"default: {cfg(default)}  ({why})")
+    return "\n".join(lines)
 
 
 @app.command()

@@ -501,6 +501,18 @@ def test_tune_only_filters_the_configurations_before_any_gpu_work():
     assert r.exit_code != 0 and "KEY=INT" in r.output
 
 
+def test_tune_summary_says_what_tuning_gains_over_the_default():
+    from qgemm.cli import _tune_summary
+
+    a, b = {"SK_R": 4, "SK_WARPS": 4}, {"SK_R": 2, "SK_WARPS": 8}
+    s = _tune_summary(a, 18.0, b, 20.0)
+    assert s.splitlines() == ["best: SK_R=4 SK_WARPS=4  18.0 us",
+                              "default: SK_R=2 SK_WARPS=8  20.0 us (the best is 10.0% faster)"]
+    assert "the untuned default is the fastest" in _tune_summary(b, 20.0, b, 20.0)
+    assert "not among --only SK_R=4" in _tune_summary(a, 18.0, b, None, "SK_R=4")
+    assert "failed or gave a wrong result" in _tune_summary(a, 18.0, b, None)
+
+
 def test_mma_default_config_splits_k_when_the_grid_is_small():
     from qgemm import registry as R
 

@@ -821,6 +821,11 @@ def test_tune_stores_and_matmul_uses_it(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["tune", "w4a8.gemv", "--shape", "3x1024x1024", "--iters", "3"])
     assert r.exit_code == 0, r.output
     assert "stored for w4a8.gemv" in r.output
+    # the untuned default is timed beside the candidates and the summary compares the winner with it
+    default = registry.spec("w4a8.gemv").config(3, 1024, 1024, runtime.device_info().sm_count)
+    row = " ".join(f"{a}={b}" for a, b in default.items())
+    assert any(line.startswith(row) and line.endswith("ok (default)") for line in r.output.splitlines()), r.output
+    assert "the untuned default is the fastest" in r.output or f"default: {row}  " in r.output, r.output
     p = qgemm.plan(4, 1024, 1024, "q4_0")
     assert p.kernel == "w4a8.gemv" and p.source == "tuned"
     tuning.path().write_text("garbage")
