@@ -691,7 +691,8 @@ def _tune_summary(best: dict, best_us: float, default: dict, default_us: float |
     cfg = lambda d: " ".join(f"{a}={b}" for a, b in d.items())  # noqa: E731
     lines = [f"best: {cfg(best)}  {best_us:.1f} us"]
     if best == default:
-        lines.append("the untuned default is the fastest: tuning changes nothing at this shape")
+        lines.append(f"the untuned default is the fastest of the configurations with {only}" if only
+                     else "the untuned default is the fastest: tuning changes nothing at this shape")
     elif default_us is not None:
         lines.append(f"default: {cfg(default)}  {default_us:.1f} us (the best is {100 * (1 - best_us / default_us):.1f}% faster)")
     else:

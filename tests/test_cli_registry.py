@@ -508,7 +508,8 @@ def test_tune_summary_says_what_tuning_gains_over_the_default():
     s = _tune_summary(a, 18.0, b, 20.0)
     assert s.splitlines() == ["best: SK_R=4 SK_WARPS=4  18.0 us",
                               "default: SK_R=2 SK_WARPS=8  20.0 us (the best is 10.0% faster)"]
-    assert "the untuned default is the fastest" in _tune_summary(b, 20.0, b, 20.0)
+    assert "the untuned default is the fastest: tuning changes nothing" in _tune_summary(b, 20.0, b, 20.0)
+    assert _tune_summary(b, 20.0, b, 20.0, "SK_R=2").endswith("the fastest of the configurations with SK_R=2")
     assert "not among --only SK_R=4" in _tune_summary(a, 18.0, b, None, "SK_R=4")
     assert "failed or gave a wrong result" in _tune_summary(a, 18.0, b, None)
 
