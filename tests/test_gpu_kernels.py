@@ -828,6 +828,15 @@ def test_tune_stores_and_matmul_uses_it(tmp_path, monkeypatch):
     assert "the untuned default is the fastest" in r.output or f"default: {row}  " in r.output, r.output
     p = qgemm.plan(4, 1024, 1024, "q4_0")
     assert p.kernel == "w4a8.gemv" and p.source == "tuned"
+    # a default outside the candidate list is timed too (on a 132-SM H100 this one splits K 3 ways,
+    # which no candidate does)
+    mma = registry.spec("w4a16.mma")
+    default = mma.config(513, 1024, 8192, runtime.device_info().sm_count)
+    only = ",".join(f"{a}={b}" for a, b in default.items() if a != "MMA_SPLITK")
+    r = CliRunner().invoke(app, ["tune", "w4a16.mma", "--shape", "513x1024x8192", "--iters", "3", "--dry-run", "--only", only])
+    assert r.exit_code == 0, r.output
+    row = " ".join(f"{a}={b}" for a, b in default.items())
+    assert any(line.startswith(row) and line.endswith("ok (default)") for line in r.output.splitlines()), r.output
     tuning.path().write_text("garbage")
     tuning.forget_cache()
     with pytest.warns(RuntimeWarning):
