@@ -640,11 +640,13 @@ def tune(
         why = tuning.unwritable()
         if why:
             _fail(f"cannot store tuning results: {why}; set QGEMM_CACHE_DIR to a writable directory, or pass --dry-run")
-    # the untuned default is timed too (first; with --only, where it matches), so the result says
-    # what tuning gains over it -- and a default outside the candidate list (e.g. the mma kernels'
-    # 3-way K split at 513x1024x8192) can no longer lose to a slower candidate that gets stored
-    default = spec.config(m, n, kk, info.sm_count)
-    cands = [d for d in spec.configurations(m, n, kk, info.sm_count) if all(d.get(a) == b for a, b in want.items())]
+    # the untuned default on this GPU (what matmul runs without a tuning entry) is timed too (first;
+    # with --only, where it matches), so the result says what tuning gains over it -- and a default
+    # outside the candidate list (e.g. the mma kernels' 3-way K split at 513x1024x8192) can no
+    # longer lose to a slower candidate that gets stored
+    default = k.default_config(m, n, kk, info.sm_count, info.smem_per_block_optin)
+    cands = [d for d in [default] + [c for c in spec.candidates(m, n, kk) if c != default]
+             if all(d.get(a) == b for a, b in want.items())]
     rng = np.random.default_rng(0)
     inp = check.make_inputs(k.op, m, n, kk, rng)
     exact = k.op.exact(inp.a, inp.w)
