@@ -622,8 +622,8 @@ def tune(
             want = {a.strip(): int(b) for a, b in (kv.split("=") for kv in only.split(","))}
         except ValueError:
             _fail(f"--only takes KEY=INT pairs separated by commas, e.g. RS_WS=1,RS_SPLITK=1; got {only!r}")
-        cands = [d for d in cands if all(d.get(a) == b for a, b in want.items())]
-        if not cands:
+        # (the default races too, below: a 132-SM default stands in for it before the GPU is asked)
+        if not any(all(d.get(a) == b for a, b in want.items()) for d in cands + [spec.config(m, n, kk, 132)]):
             _fail(f"no configuration of {name} at {m}x{n}x{kk} has {only}")
     if kk % spec.op.k_multiple:
         _fail(f"--shape: K must be a multiple of {spec.op.k_multiple} for {name}, got K={kk}")
@@ -645,8 +645,9 @@ def tune(
     # outside the candidate list (e.g. the mma kernels' 3-way K split at 513x1024x8192) can no
     # longer lose to a slower candidate that gets stored
     default = k.default_config(m, n, kk, info.sm_count, info.smem_per_block_optin)
-    cands = [d for d in [default] + [c for c in spec.candidates(m, n, kk) if c != default]
-             if all(d.get(a) == b for a, b in want.items())]
+    cands = [d for d in [default] + [c for c in cands if c != default] if all(d.get(a) == b for a, b in want.items())]
+    if not cands:
+        _fail(f"no configuration of {name} at {m}x{n}x{kk} has {only}")
     rng = np.random.default_rng(0)
     inp = check.make_inputs(k.op, m, n, kk, rng)
     exact = k.op.exact(inp.a, inp.w)

@@ -495,10 +495,17 @@ def test_wgmma_rs_configurations_fit(fmt):
 
 
 def test_tune_only_filters_the_configurations_before_any_gpu_work():
+    from qgemm import registry as R
+
     r = runner.invoke(app, ["tune", "w4a16.wgmma_rs", "--shape", "512x4096x4096", "--only", "RS_WGS=3"])
     assert r.exit_code != 0 and "no configuration of w4a16.wgmma_rs at 512x4096x4096 has RS_WGS=3" in r.output
     r = runner.invoke(app, ["tune", "w4a16.wgmma_rs", "--only", "RS_WGS"])
     assert r.exit_code != 0 and "KEY=INT" in r.output
+    # the default races too: a filter only it matches (a 3-way K split, which no candidate has) is
+    # not refused (without a GPU it then stops at the GPU check, with one it times the default)
+    assert R.spec("w4a16.mma").config(513, 1024, 8192, 132)["MMA_SPLITK"] == 3
+    r = runner.invoke(app, ["tune", "w4a16.mma", "--shape", "513x1024x8192", "--only", "MMA_SPLITK=3", "--dry-run"])
+    assert "no configuration" not in r.output
 
 
 def test_tune_summary_says_what_tuning_gains_over_the_default():
