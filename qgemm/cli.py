@@ -656,6 +656,7 @@ def tune(
     rows, best, default_us = [], None, None
     with typer.progressbar(cands, label=f"tuning {name} at {m}x{n}x{kk}") as bar:
         for d in bar:
+            mark = " (default)" if d == default else ""
             try:
                 dc.fill_bytes(0xFF)
                 k.launch(da, dw, dc, m, n, kk, defines=d)
@@ -664,10 +665,9 @@ def tune(
                 times, _ = B._time_launches(lambda i, stream=None: k.launch(da, dw, dc, m, n, kk, stream=stream, defines=d), 1, 3, iters)
                 us = statistics.median(times)
             except Exception as e:  # a configuration that does not compile or launch is skipped
-                rows.append([" ".join(f"{a}={b}" for a, b in d.items()), "-", f"skipped: {str(e).splitlines()[0][:60]}"])
+                rows.append([" ".join(f"{a}={b}" for a, b in d.items()), "-", f"skipped{mark}: {str(e).splitlines()[0][:60]}"])
                 continue
-            rows.append([" ".join(f"{a}={b}" for a, b in d.items()), f"{us:.1f}",
-                         ("ok" if ok else "WRONG RESULT") + (" (default)" if d == default else "")])
+            rows.append([" ".join(f"{a}={b}" for a, b in d.items()), f"{us:.1f}", ("ok" if ok else "WRONG RESULT") + mark])
             if d == default and ok:
                 default_us = us
             if ok and (best is None or us < best[1]):
