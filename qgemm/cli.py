@@ -642,8 +642,8 @@ def tune(
             _fail(f"cannot store tuning results: {why}; set QGEMM_CACHE_DIR to a writable directory, or pass --dry-run")
     # the untuned default on this GPU (what matmul runs without a tuning entry) is timed too (first;
     # with --only, where it matches), so the result says what tuning gains over it -- and a default
-    # outside the candidate list (e.g. the mma kernels' 3-way K split at 513x1024x8192) can no
-    # longer lose to a slower candidate that gets stored
+    # outside the candidate list (a K split sized to a GPU of other than 132 SMs) cannot lose to a
+    # slower candidate that gets stored
     default = k.default_config(m, n, kk, info.sm_count, info.smem_per_block_optin)
     cands = [d for d in [default] + [c for c in cands if c != default] if all(d.get(a) == b for a, b in want.items())]
     if not cands:

@@ -135,6 +135,14 @@ def _split_k(ctas: int, k: int, sm_count: int) -> int:
     return max(1, min(sm_count // max(ctas, 1), cdiv(k // 32, 4) // 4, 8))
 
 
+def _tune_splits(ctas: int, k: int) -> list[int]:
+    """The K splits `qgemm tune` tries for a grid of `ctas` tiles: 1, 2, 4, 8 and the split that
+    fills a 132-SM GPU at one and at two CTAs per SM (`_split_k`), which is 3, 5, 6 or 7 for some
+    grids (513x1024x8192's 40 tiles: 3) -- the default's own split at such a shape would
+    otherwise be missing from every other tile's candidates."""
+    return sorted({1, 2, 4, 8, _split_k(ctas, k, 132), _split_k(ctas, k, 2 * 132)})
+
+
 def _split_k_ok(ctas: int, k: int, split: int) -> bool:
     """A K split worth tuning: at most 4 CTAs per SM of a 132-SM GPU, >= 2 stages per split."""
     return split == 1 or (ctas * split <= 4 * 132 and cdiv(k // 32, 4) >= 2 * split)
@@ -151,9 +159,9 @@ def _mma_config(m: int, n: int, k: int, sm_count: int) -> dict:
 def _mma_candidates(m: int, n: int, k: int) -> list[dict]:
     out = []
     for bm, bn, wm, wn in ((128, 128, 2, 4), (128, 128, 4, 2), (64, 128, 2, 4), (128, 64, 4, 2), (64, 64, 2, 2), (32, 128, 2, 4)):
+        ctas = cdiv(m, bm) * cdiv(n, bn)
         for stages in (3, 4):
-            for split in (1, 2, 4, 8):
-                ctas = cdiv(m, bm) * cdiv(n, bn)
+            for split in _tune_splits(ctas, k):
                 if split > 1 and ctas * split > 4 * 132:
                     continue
                 if bm > 2 * max(m, 16) and bm > 32:
@@ -490,7 +498,7 @@ def _wgmma_candidates(m: int, n: int, k: int) -> list[dict]:
     # warp specialization needs 3 stages: with 2 the producer would wait for a release that needs
     # the stage it has not signalled yet
     ctas = cdiv(n, 128) * cdiv(m, 128)
-    return [{"WG_STAGES": s, "WG_SPLITK": sp, "WG_SPEC": spec} for s in (2, 3) for sp in (1, 2, 4, 8) for spec in (0, 1)
+    return [{"WG_STAGES": s, "WG_SPLITK": sp, "WG_SPEC": spec} for s in (2, 3) for sp in _tune_splits(ctas, k) for spec in (0, 1)
             if _split_k_ok(ctas, k, sp) and not (spec and s < 3)]
 
 
@@ -593,12 +601,12 @@ def _rs_candidates(wfmt: str):
         wef = _rs_wef(wfmt, m, n, k)
         for bn in (64, 128, 256):
             for wgs in (1, 2):  # 4 (256 weight rows per activation tile) measured 1.8x slower at 512 tokens: not tried
+                ctas = cdiv(n, 64 * wgs) * cdiv(m, bn)
                 for st in (3, 4, 5):
-                    for sp in (1, 2, 4, 8):
+                    for sp in _tune_splits(ctas, k):
                         for ws in (0, 1):
                             d = {"RS_BN": bn, "RS_WGS": wgs, "RS_STAGES": st, "RS_SPLITK": sp, "RS_MINB": 1, "RS_WS": ws,
                                  "RS_WEF": wef}
-                            ctas = cdiv(n, 64 * wgs) * cdiv(m, bn)
                             if _rs_ok(wfmt, d) and _split_k_ok(ctas, k, sp):
                                 out.append(d)
                                 # two CTAs per SM (16 warps to hide the dequantization's latency) where their

@@ -461,6 +461,29 @@ def test_spec_configurations_default_first_each_once():
     assert R.spec("w4a8.tiled").configurations(64, 64, 64, 132) == [{}]
 
 
+def test_every_default_is_a_tuning_candidate():
+    """On a 132-SM GPU the untuned default of every tunable kernel is among the candidates `qgemm
+    tune` tries, at token counts, widths and depths that give grids of every size: the K split
+    that fills the GPU is 3, 5, 6 or 7 for some grids (513x1024x8192: 40 tiles of 128x128, split
+    3; 300x1000x4096: 24 tiles, split 5), which the candidates' 1, 2, 4, 8 missed for every
+    other tile shape."""
+    import itertools
+
+    from qgemm import registry as R
+
+    tunable = [s for s in R.REGISTRY.values() if s.config and s.candidates]
+    assert len(tunable) >= 20
+    for s in tunable:
+        for m, n, k in itertools.product((1, 7, 9, 33, 64, 65, 300, 513, 2048), (33, 1000, 1024, 4096), (32, 4128, 8192)):
+            if s.max_m and m > s.max_m:
+                continue
+            assert s.config(m, n, k, 132) in s.candidates(m, n, k), (s.name, m, n, k, s.config(m, n, k, 132))
+    # the grid-sized splits are there beside 1, 2, 4, 8, each only where it is worth tuning
+    assert R._tune_splits(40, 8192) == [1, 2, 3, 4, 6, 8]
+    assert {d["MMA_SPLITK"] for d in R.spec("w4a8.mma").candidates(513, 1024, 8192)} == {1, 2, 3, 4, 6, 8}
+    assert {d["MMA_SPLITK"] for d in R.spec("w4a8.mma").candidates(2048, 4096, 4096)} == {1}
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_wgmma_rs_configurations_fit(fmt):
     """Every configuration the register-A wgmma kernel may be tuned to fits the 227 KB of shared
@@ -494,16 +517,19 @@ def test_wgmma_rs_configurations_fit(fmt):
         assert s.config(256, 4096, 4096, 132)["RS_BN"] == 256 and s.config(255, 4096, 4096, 132)["RS_BN"] == 128
 
 
-def test_tune_only_filters_the_configurations_before_any_gpu_work():
+def test_tune_only_filters_the_configurations_before_any_gpu_work(monkeypatch):
     from qgemm import registry as R
 
     r = runner.invoke(app, ["tune", "w4a16.wgmma_rs", "--shape", "512x4096x4096", "--only", "RS_WGS=3"])
     assert r.exit_code != 0 and "no configuration of w4a16.wgmma_rs at 512x4096x4096 has RS_WGS=3" in r.output
     r = runner.invoke(app, ["tune", "w4a16.wgmma_rs", "--only", "RS_WGS"])
     assert r.exit_code != 0 and "KEY=INT" in r.output
-    # the default races too: a filter only it matches (a 3-way K split, which no candidate has) is
-    # not refused (without a GPU it then stops at the GPU check, with one it times the default)
+    # the default races too: a filter only it matches is not refused (without a GPU it then stops
+    # at the GPU check, with one it times the default). With the candidates' K splits cut to 1, 2,
+    # 4, 8 (as before they had the grid-sized ones), the 3-way split of a 132-SM GPU's default is such a filter
+    monkeypatch.setattr(R, "_tune_splits", lambda ctas, k: [1, 2, 4, 8])
     assert R.spec("w4a16.mma").config(513, 1024, 8192, 132)["MMA_SPLITK"] == 3
+    assert all(d["MMA_SPLITK"] != 3 for d in R.spec("w4a16.mma").candidates(513, 1024, 8192))
     r = runner.invoke(app, ["tune", "w4a16.mma", "--shape", "513x1024x8192", "--only", "MMA_SPLITK=3", "--dry-run"])
     assert "no configuration" not in r.output
 

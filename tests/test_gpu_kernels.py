@@ -792,7 +792,7 @@ def test_matmul_leading_dimensions(fmt, rng):
         qgemm.matmul(x, w, fmt=fmt, out=torch.empty(18, n, device="cuda"))
 
 
-@pytest.mark.parametrize("split", [1, 2, 4, 8])
+@pytest.mark.parametrize("split", [1, 2, 3, 4, 6, 8])
 @pytest.mark.parametrize("name", ["w4a8.mma", "w8a8.mma"])
 def test_mma_configurations(name, split, rng):
     k = qgemm.get(name)
@@ -828,8 +828,10 @@ def test_tune_stores_and_matmul_uses_it(tmp_path, monkeypatch):
     assert "the untuned default is the fastest" in r.output or f"default: {row}  " in r.output, r.output
     p = qgemm.plan(4, 1024, 1024, "q4_0")
     assert p.kernel == "w4a8.gemv" and p.source == "tuned"
-    # a default outside the candidate list is timed too (on a 132-SM H100 this one splits K 3 ways,
-    # which no candidate does)
+    # a default outside the candidate list is timed too: with the candidates' K splits cut to 1, 2,
+    # 4, 8 (as before they had the grid-sized ones), a 132-SM GPU's default here splits K 3 ways,
+    # which no candidate then does
+    monkeypatch.setattr(registry, "_tune_splits", lambda ctas, k: [1, 2, 4, 8])
     mma = registry.spec("w4a16.mma")
     default = mma.config(513, 1024, 8192, runtime.device_info().sm_count)
     only = ",".join(f"{a}={b}" for a, b in default.items() if a != "MMA_SPLITK")
