@@ -1196,13 +1196,15 @@ def test_wgmma_configurations(name, rng):
     """Every configuration (stages, split-K, warp specialization) on shapes that are multiples of
     nothing: M and N across partial 128-tiles, K with a partial last group (K = 4128: 129 blocks)
     and a single block; and N = 1000 (a multiple of 4 but not of 64: wgmma_rs's split-K end adds
-    4 columns per vector reduction there, the odd N take its scalar path)."""
+    4 columns per vector reduction there, the odd N take its scalar path); and 200x1500x4128, whose
+    24 tiles of 128 weight rows get the 5-way K split that fills 132 SMs (33 stages of 128 K: uneven
+    parts)."""
     k = qgemm.get(name)
     if qgemm.runtime.device_info().cc != 90:
         with pytest.raises(qgemm.UnsupportedArchError, match="sm_90"):
             k._module()
         return
-    _every_candidate(k, ((129, 4097, 4128), (7, 33, 32), (300, 257, 1024), (65, 1000, 2080)), rng)
+    _every_candidate(k, ((129, 4097, 4128), (7, 33, 32), (300, 257, 1024), (65, 1000, 2080), (200, 1500, 4128)), rng)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
