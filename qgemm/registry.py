@@ -576,13 +576,21 @@ def _rs_config(wfmt: str):
             d["RS_WEF"] = _rs_wef(wfmt, m, n, k)
             return d
         d = {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1}
-        if wfmt == "q8_0" and m >= 256:
+        if wfmt == "q8_0" and m >= 256 and cdiv(m, 128) % 2 == 0:
             # Q8_0 from 256 tokens (session 12, after the kperm16 activations): one MMA warpgroup
             # with 256-token wgmma, so each dequantized fragment serves twice the tokens -- half
             # the shared loads and dequantization per FLOP, which is what limits Q8_0 (twice
             # Q4_0's quant bytes). Kernel alone, H100: 512x4096x4096 28.0 -> 27.1-27.7 us,
             # 2048x4096x4096 113.8 -> 109.5, 512x4096x14336 92.6 -> 89.2, 256x4096x4096 19.9 ->
             # 19.1. Q4_0 ties at 512 (25.6 / 25.5) and loses at 2048 (103.8 / 101.5): unchanged.
+            # Only where 256-token tiles pad no more tokens than 128-token ones (an even number
+            # of 128-token tiles, session 51): with a half-empty last tile the CTAs are as many
+            # (64 x 256 and 128 x 128 tiles have the same area) but more of them compute padding,
+            # re-read activations and leave a partial wave. Kernel alone, H100, 256-token tiles
+            # -> 128: 384x4096x14336 100.2 -> 84.8 us, 640x14336x4096 177.6 -> 150.1, 513x1024x8192
+            # 30.2 -> 22.4, 4097x4096x4096 244.1 -> 228.7, 384x4096x4096 28.4 -> 26.4, 640 and 896
+            # x4096x4096 3% faster; level at 513, 769 and 1100 (within 1%); 2100x4096x4096 135.7
+            # -> 138.1 (the one loss measured).
             d = {"RS_BN": 256, "RS_WGS": 1, "RS_STAGES": 3, "RS_MINB": 1, "RS_WS": 1}
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1

@@ -515,6 +515,11 @@ def test_wgmma_rs_configurations_fit(fmt):
         g8 = s.geometry(512, 4096, 4096, d)
         assert g8.grid == (64, 2, 1) and g8.block == (256, 1, 1) and g8.shmem == 3 * (65536 + 9216) + 1024 + 128
         assert s.config(256, 4096, 4096, 132)["RS_BN"] == 256 and s.config(255, 4096, 4096, 132)["RS_BN"] == 128
+        # ... where 256-token tiles pad no more than 128-token ones: an even count of 128-token tiles
+        for m in (384, 257, 513, 640, 896, 4097):
+            assert s.config(m, 4096, 4096, 132)["RS_BN"] == 128 and s.config(m, 1024, 8192, 132)["RS_BN"] == 128, m
+        for m in (512, 385, 768, 2048, 4096):
+            assert s.config(m, 4096, 4096, 132)["RS_BN"] == 256, m
 
 
 def test_tune_only_filters_the_configurations_before_any_gpu_work(monkeypatch):
