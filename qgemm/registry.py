@@ -283,6 +283,40 @@ def _skinny_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
             and (d["SK_WARPS"] < 16 or (d["SK_UNROLL"] * d["SK_R"] * (pieces + 1) <= 6 and d["SK_R"] * d["SK_MT"] <= 2)))
 
 
+def _skinny_fill_split(n: int, k: int, r: int, split: int, sm_count: int, per_sm: int = 2, warps: int = 8) -> int:
+    """The decode kernels' K split across CTAs (SK_GSPLIT) for narrow weights: where the grid of
+    16-row tiles (r per CTA) times the split would occupy at most half the SMs -- N <= 1024 at one
+    tile per CTA on a 132-SM GPU, as the k / v projections of grouped-query attention -- the split
+    doubles (up to 8) toward `per_sm` CTAs per SM (2 at up to 8 tokens, 1 above, where a CTA holds
+    two 8-token tiles), each part keeping >= 4 groups of 128 K and half a group per warp (the
+    CTA's warps split its part of K: at a quarter, w4a16.skinny 4x1024x4096 with 16 warps and a
+    split of 8 took 5.01 us against 2.93 at 4). Elsewhere the measured per-shape choice stands. Kernel alone, H100, session 51 (tools/probe_defines.py, hot / weights cold),
+    the split before -> this rule's:
+      w4a16.skinny 4x1024x4096 3.60 -> 2.93 us (split 4; 8: 5.01), 4x512x4096 3.42 -> 3.00 (8),
+                   16x1024x4096 6.40 -> 3.63 (4; 2: 4.84), 16x2048x4096 6.59 -> 5.39 (2; 4: 6.36),
+                   8x1024x14336 11.48 (2) -> 5.22 (8)
+      w8a16.skinny 8x1024x4096 4.58 -> 3.55 (4), cold 5.12 -> 3.65; 16x2048x4096 6.43 -> 5.62 (2);
+                   8x1024x14336 9.34 (2) -> 5.96 (8)
+      w4a8.skinny  1x1024x4096 3.07 -> 2.88 (4), 1x1024x14336 8.42 -> 4.06, 1x512x4096 2.79 -> 2.58
+      w8a8.skinny  1x1024x4096 2.94 -> 2.37 (4), 1x1024x14336 8.73 -> 5.19, cold 9.54 -> 7.00
+    At N = 2048 and up to 8 tokens (128 tiles) a split of 2 measured 9-18% faster for the fp16
+    kernels but level or 4% slower for the int8 one at one token: not taken (nor at N = 4096,
+    whose defaults were measured shape by shape)."""
+    tiles, groups = cdiv(cdiv(n, 16), r), cdiv(k // 32, 4)
+    if tiles * split > sm_count // 2:
+        return split
+    while (split < 8 and tiles * split * 2 <= per_sm * sm_count and groups >= 4 * split * 2
+           and 2 * groups >= warps * split * 2):
+        split *= 2
+    return split
+
+
+def _skinny_splits(n: int, k: int, r: int, warps: int) -> tuple:
+    """The K splits `qgemm tune` tries for the decode kernels: 1, 2, 4 and the fill splits of a
+    132-SM GPU (8 for the narrowest weights)."""
+    return tuple(sorted({1, 2, 4} | {_skinny_fill_split(n, k, r, 1, 132, p, warps) for p in (1, 2)}))
+
+
 def _skinny_config(wfmt: str):
     def config(m: int, n: int, k: int, sm_count: int) -> dict:
         # The untuned default follows `qgemm tune` on the H100 (docs/perf/NOTES.md): 8 warps per
@@ -313,6 +347,7 @@ def _skinny_config(wfmt: str):
             warps, unroll = 16, 1
         if cdiv(cdiv(n, 16), r) >= 4 * sm_count:  # plenty of CTAs already
             split = 1
+        split = _skinny_fill_split(n, k, r, split, sm_count, 2 if mt == 1 else 1, warps)
         # two accumulator sets (two independent MMA chains) for Q4_0 at 9-16 tokens: 9.1 -> 7.9 us at
         # 16x4096x4096 on the H100; for Q4_0 no gain at M = 1 and a loss at M = 8, and a loss at long K
         # with the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8);
@@ -336,7 +371,7 @@ def _skinny_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
         out = [{"SK_R": r, "SK_MT": mt, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_XSMEM": x, "SK_ACC": a}
-               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in (1, 2, 4) for x in ((0, 1) if mt == 1 else (0,))
+               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in _skinny_splits(n, k, r, w) for x in ((0, 1) if mt == 1 else (0,))
                for a in ((1, 2) if mt <= 2 else (1,))]
         return [d for d in out if _skinny_ok(d, wfmt, m, k)]
     return candidates
@@ -390,7 +425,7 @@ def _skinny_i8_config(wfmt: str):
             r, warps, unroll, minb = 1, 8, 1, 2
         else:
             r, warps, unroll = 1 if m == 1 else 2, 8, 2 if m == 1 else 1
-        d = {"SK_R": r, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": 1, "SK_MQ": _skinny_i8_mq(m),
+        d = {"SK_R": r, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": _skinny_fill_split(n, k, r, 1, sm_count, 2, warps), "SK_MQ": _skinny_i8_mq(m),
              "SK_PDL_EARLY": _skinny_i8_pdl_early(m), "SK_MINB": minb, "SK_PRIME": _skinny_i8_prime(m, unroll)}
         while not _skinny_i8_ok(d, wfmt, m, k) and d["SK_WARPS"] > 4:
             d = {**d, "SK_WARPS": d["SK_WARPS"] // 2}
@@ -429,7 +464,7 @@ def _skinny_i8_candidates(wfmt: str):
         # SK_MINB = 2 only up to 8 warps: at 16 it caps the registers at 64 and spills
         out = [{"SK_R": r, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_MQ": mq, "SK_PDL_EARLY": _skinny_i8_pdl_early(m),
                 "SK_MINB": b, "SK_PRIME": _skinny_i8_prime(m, u)}
-               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in (1, 2, 4) for b in ((1, 2) if w <= 8 else (1,))]
+               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in _skinny_splits(n, k, r, w) for b in ((1, 2) if w <= 8 else (1,))]
         return [d for d in out if _skinny_i8_ok(d, wfmt, m, k)]
     return candidates
 
@@ -850,17 +885,28 @@ def _x16_config(base: str, config):
       Cold (weights from DRAM) this one costs 1-4% (8.4 / 8.1); the other two hold cold too.
     Q4_0's variants at 2-8 tokens: float32's configuration is the fastest candidate (session 41,
     with the `__ldg` loads of then; at 8 tokens again in session 43, with plain loads in both:
-    `QGEMM_CHECK=tune-dry`, 180 candidates)."""
+    `QGEMM_CHECK=tune-dry`, 180 candidates).
+    With the K split that narrow weights take (`_skinny_fill_split`; H100, session 51, float16 x,
+    kernel alone, hot / weights cold, this choice against the others):
+    - the first one holds below K = 8192 whatever the split: 9x2048x4096 4.64 / 5.09 us against
+      5.84 / 6.14 without it, 12x1024x4096 3.24 / 3.42 against 3.61 / 3.98 (16x1024x4096 3.52 /
+      3.73 against 3.42 / 3.54).
+    - the second only without a split: 2x1024x4096 cold 4.09 with it against 3.33 (hot 3.23 /
+      3.33), 2x512x4096 2.89 / 2.72.
+    - the third keeps float32's split only from K = 8192 (1x1024x14336 3.80 against 7.03 without);
+      below, its 16 warps take no split (1x1024x4096 2.37 against 2.41 at float32's 4, 1x512x4096
+      2.38 against 2.71 at 8)."""
     def x16(m: int, n: int, k: int, sm_count: int) -> dict:
         d = config(m, n, k, sm_count)
-        if base == "w4a16.skinny" and d["SK_MT"] == 2 and d["SK_GSPLIT"] == 1 and d["SK_UNROLL"] == 1:
+        if base == "w4a16.skinny" and d["SK_MT"] == 2 and (d["SK_GSPLIT"] == 1 or k < 8192) and d["SK_UNROLL"] == 1:
             alt = {**d, "SK_UNROLL": 2, "SK_ACC": 1}
             return alt if _skinny_ok(alt, "q4_0", m, k) else d
-        if base == "w8a16.skinny" and m == 2 and k < 8192:  # (measured at K = 4096 only)
+        if base == "w8a16.skinny" and m == 2 and k < 8192 and d["SK_GSPLIT"] == 1:  # (measured at K = 4096 only)
             alt = {**d, "SK_XSMEM": 1, "SK_UNROLL": 1, "SK_ACC": 1}
             return alt if _skinny_ok(alt, "q8_0", m, k) else d
         if base == "w4a8.skinny" and m == 1:
-            alt = {**d, "SK_R": 2, "SK_WARPS": 16, "SK_UNROLL": 1, "SK_MINB": 1, "SK_PRIME": 1}
+            alt = {**d, "SK_R": 2, "SK_WARPS": 16, "SK_UNROLL": 1, "SK_MINB": 1, "SK_PRIME": 1,
+                   "SK_GSPLIT": d["SK_GSPLIT"] if k >= 8192 else 1}
             return alt if _skinny_i8_ok(alt, "q4_0", m, k) else d
         return d
     return x16

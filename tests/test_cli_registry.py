@@ -461,6 +461,38 @@ def test_spec_configurations_default_first_each_once():
     assert R.spec("w4a8.tiled").configurations(64, 64, 64, 132) == [{}]
 
 
+def test_decode_kernels_split_k_on_narrow_weights():
+    """The decode kernels split K across CTAs where the 16-row tiles would fill at most half of a
+    132-SM GPU (N <= 1024 at one tile per CTA: the k / v projections of grouped-query attention),
+    toward 2 CTAs per SM up to 8 tokens and 1 above, keeping half a group per warp; at N = 4096
+    (the issue's rows, measured shape by shape) nothing changes. The 16-bit-activation variants
+    follow their measured exceptions."""
+    from qgemm import registry as R
+
+    def split(name, m, n, k):
+        return R.spec(name).config(m, n, k, 132)["SK_GSPLIT"]
+
+    for name in ("w4a8.skinny", "w8a8.skinny"):
+        assert [split(name, 1, n, 4096) for n in (512, 1024, 2048, 4096)] == [8, 4, 1, 1], name
+        assert split(name, 1, 1024, 14336) == 4 and split(name, 1, 4096, 14336) == 1
+    assert [split("w8a16.skinny", m, 1024, 4096) for m in (2, 8, 9, 16)] == [4, 4, 4, 4]
+    assert [split("w8a16.skinny", m, 2048, 4096) for m in (8, 16)] == [1, 2]  # one CTA per SM above 8 tokens
+    assert split("w4a16.skinny", 8, 1024, 14336) == 8  # 16 tiles of 4 x 16 rows: 2 -> 8
+    assert split("w4a16.skinny", 4, 512, 4096) == 4  # 16 warps: 8 parts would leave a quarter group per warp
+    for name, m in (("w4a16.skinny", 8), ("w8a16.skinny", 8), ("w4a16.skinny", 16), ("w8a16.skinny", 16), ("w4a8.skinny", 1),
+                    ("w8a8.skinny", 1)):
+        assert split(name, m, 4096, 4096) == 1, name
+    assert split("w4a16.skinny", 8, 4096, 14336) == 2 and split("w8a16.skinny", 16, 4096, 14336) == 1
+    # float16 x: w4a8's 16-warp configuration splits only from K = 8192; w8a16's staged activations
+    # only without a split; w4a16's two groups in flight at 9-16 tokens with it below K = 8192
+    assert split("w4a8.skinny_f16", 1, 1024, 4096) == 1 and split("w4a8.skinny_f16", 1, 1024, 14336) == 4
+    assert R.spec("w8a16.skinny_f16").config(2, 1024, 4096, 132)["SK_XSMEM"] == 0
+    assert R.spec("w8a16.skinny_f16").config(2, 4096, 4096, 132)["SK_XSMEM"] == 1
+    d = R.spec("w4a16.skinny_f16").config(12, 1024, 4096, 132)
+    assert (d["SK_GSPLIT"], d["SK_UNROLL"], d["SK_ACC"]) == (4, 2, 1)
+    assert R.spec("w4a16.skinny_f16").config(12, 4096, 14336, 132)["SK_UNROLL"] == 1
+
+
 def test_every_default_is_a_tuning_candidate():
     """On a 132-SM GPU the untuned default of every tunable kernel is among the candidates `qgemm
     tune` tries, at token counts, widths and depths that give grids of every size: the K split

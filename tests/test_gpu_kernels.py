@@ -961,8 +961,9 @@ SKINNY = ["w4a16.skinny", "w8a16.skinny"]
 @pytest.mark.parametrize("name", SKINNY)
 def test_skinny_every_candidate_configuration(name, rng):
     """Every configuration `qgemm tune` may pick, on shapes that are multiples of nothing: N not a
-    multiple of 16, K of 5 and 129 blocks (groups of 4 padded), M across the 8-token fragments."""
-    _every_candidate(qgemm.get(name), ((1, 33, 160), (9, 4097, 4128), (57, 47, 32)), rng)
+    multiple of 16, K of 5 and 129 blocks (groups of 4 padded), M across the 8-token fragments;
+    and 2x100x4128, 7 tiles, where the candidates split K up to 8 ways (uneven parts)."""
+    _every_candidate(qgemm.get(name), ((1, 33, 160), (9, 4097, 4128), (57, 47, 32), (2, 100, 4128)), rng)
 
 
 def test_static_and_dynamic_shared_memory_past_48k(rng):
@@ -1119,6 +1120,37 @@ def test_matmul_packed_weights(fmt, m, rng):
     assert qgemm.matmul(dx, pw, out=out) is out
     # same kernels on the device path (split-K atomics may add in another order: not bitwise)
     np.testing.assert_allclose(out.to_host(), c, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("x_dtype", [np.float32, np.float16])
+def test_matmul_narrow_weights_split_k(fmt, x_dtype, rng):
+    """Decode and small batches on narrow weights (N <= 2048: grouped-query attention's k / v
+    projections), where the default splits K across CTAs to fill the GPU (up to 8 ways; the
+    16-bit-activation variants by rules of their own): every token count the decode kernels take,
+    N and K multiples of nothing, fresh inputs, poisoned outputs, against the plan's exact math
+    and float64 truth."""
+    hopper = qgemm.runtime.device_info().cc == 90
+    seen = set()
+    for (n, k) in ((500, 4128), (1000, 14368), (2000, 4128)):
+        w_f = rng.standard_normal((n, k), dtype=np.float32)
+        w = F.quantize(w_f, fmt)
+        pw = qgemm.pack_weights(w)
+        for m in (1, 2, 3, 8, 9, 16):
+            p = qgemm.plan(m, n, k, fmt, packed=True, x_dtype=x_dtype)
+            if not p.kernel.split(".")[1].startswith("skinny"):
+                continue
+            seen.add(p.defines["SK_GSPLIT"])
+            x = rng.standard_normal((m, k), dtype=np.float32).astype(x_dtype)
+            out = qgemm.DeviceArray.empty((m, n), np.float32)
+            out.fill_bytes(0xFF)
+            qgemm.matmul(qgemm.DeviceArray.from_host(x), pw, out=out)
+            c = out.to_host()
+            r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(x, w), qgemm.reference.truth(x.astype(np.float32), w_f),
+                              x, w_f)
+            assert r.passed, (p.kernel, p.defines, r)
+    if hopper:  # the decode kernels run up to 16 tokens there; the split took 2, 4 and 8
+        assert {2, 4, 8} <= seen, seen
 
 
 def test_skinny_needs_packed_weights_and_its_activation_type(rng):
