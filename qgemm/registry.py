@@ -241,6 +241,13 @@ def _gemv_config(m: int, n: int, k: int, sm_count: int) -> dict:
     #     8x4096x14336 47.1 -> 43.5 / 60.2 -> 60.6 (8 in flight: 15.9 / 16.9, 44.9 / 64.3).
     #   Lost everywhere: 1 or 4 rows per warp with 16-32 warps, 32- and 64-block chunks at 4-8 tokens.
     warps, unroll = (8, 8) if m == 1 else ((16, 8) if m <= 4 else (16, 4))
+    # Narrow weights (session 51, kernel alone, hot / weights cold): where 16 warps x 2 rows leave
+    # at most half the SMs a CTA (N <= 2048 on a 132-SM GPU), 8 warps -- twice the CTAs:
+    # Q4_0 2x1024x4096 6.14 -> 4.96 us, 4x 8.53 -> 7.14, 8x 12.49 -> 11.35 (cold 13.67 -> 12.83),
+    # 4x2048x4096 8.56 -> 7.27; Q8_0 4x1024x4096 9.37 -> 7.55, 8x 13.49 -> 11.98. (At one token, 4
+    # warps instead of 8: Q4_0 1x1024x4096 3.73 -> 3.38 but Q8_0 cold 5.91 -> 6.11: not taken.)
+    while warps > 8 and cdiv(n, 2 * warps) <= sm_count // 2:
+        warps //= 2
     return {"GEMV_M": _gemv_m(m), "GEMV_COLS": 2, "GEMV_WARPS": warps, "GEMV_UNROLL": unroll,
             "GEMV_CHUNK": 512 if m == 2 else 128} | _gemv_early(m)
 
@@ -297,7 +304,8 @@ def _skinny_fill_split(n: int, k: int, r: int, split: int, sm_count: int, per_sm
                    8x1024x14336 11.48 (2) -> 5.22 (8)
       w8a16.skinny 8x1024x4096 4.58 -> 3.55 (4), cold 5.12 -> 3.65; 16x2048x4096 6.43 -> 5.62 (2);
                    8x1024x14336 9.34 (2) -> 5.96 (8)
-      w4a8.skinny  1x1024x4096 3.07 -> 2.88 (4), 1x1024x14336 8.42 -> 4.06, 1x512x4096 2.79 -> 2.58
+      w4a8.skinny  1x1024x14336 8.42 -> 4.06 (4) (below K = 8192 its narrow configuration is
+                   another: `_skinny_i8_config`)
       w8a8.skinny  1x1024x4096 2.94 -> 2.37 (4), 1x1024x14336 8.73 -> 5.19, cold 9.54 -> 7.00
     At N = 2048 and up to 8 tokens (128 tiles) a split of 2 measured 9-18% faster for the fp16
     kernels but level or 4% slower for the int8 one at one token: not taken (nor at N = 4096,
@@ -417,6 +425,15 @@ def _skinny_i8_config(wfmt: str):
         # M > 1 (session 9): Q4_0 two tiles sharing each quantized activation block x 16 warps, Q8_0
         # (twice the weight registers) two tiles x 8 warps, one group each.
         minb = 1
+        if wfmt == "q4_0" and m == 1 and k < 8192 and cdiv(n, 16) <= sm_count:
+            # narrow weights (N <= 2048 on a 132-SM GPU: at most one 16-row tile per SM): the
+            # configuration of the 16-bit-activation variant (`_x16_config`), two tiles per CTA x
+            # 16 warps x one group, no K split. Session 51, kernel alone, hot / weights cold, against
+            # the one below (with its split): 1x1024x4096 2.86 -> 2.49 us, cold 3.01 -> 2.47;
+            # 1x2048x4096 3.15 -> 2.55, cold 3.27 -> 2.61; 1x512x4096 2.62 -> 2.49. At N = 4096 it
+            # is slower (session 41: 3.44 -> 3.60), and at 1x1024x14336 cold too (4.53 -> 4.82).
+            return {"SK_R": 2, "SK_WARPS": 16, "SK_UNROLL": 1, "SK_GSPLIT": 1, "SK_MQ": 1, "SK_PDL_EARLY": 1, "SK_MINB": 1,
+                    "SK_PRIME": 1}
         if wfmt == "q4_0" and m == 1:
             r, warps, unroll, minb = 1, 8, 2, 2
         elif wfmt == "q4_0":

@@ -472,9 +472,17 @@ def test_decode_kernels_split_k_on_narrow_weights():
     def split(name, m, n, k):
         return R.spec(name).config(m, n, k, 132)["SK_GSPLIT"]
 
+    assert [split("w8a8.skinny", 1, n, 4096) for n in (512, 1024, 2048, 4096)] == [8, 4, 1, 1]
     for name in ("w4a8.skinny", "w8a8.skinny"):
-        assert [split(name, 1, n, 4096) for n in (512, 1024, 2048, 4096)] == [8, 4, 1, 1], name
         assert split(name, 1, 1024, 14336) == 4 and split(name, 1, 4096, 14336) == 1
+    # Q4_0 at one token below K = 8192 on narrow weights (N <= 2048): two tiles x 16 warps, no split
+    for n in (512, 1024, 2048):
+        d = R.spec("w4a8.skinny").config(1, n, 4096, 132)
+        assert (d["SK_R"], d["SK_WARPS"], d["SK_GSPLIT"]) == (2, 16, 1) and d in R.spec("w4a8.skinny").candidates(1, n, 4096)
+    assert R.spec("w4a8.skinny").config(1, 4096, 4096, 132)["SK_R"] == 1
+    # the ggml-blocks GEMV: 8 warps instead of 16 at 2-8 tokens where 16 would leave half the SMs idle
+    gemv = R.spec("w4a8.gemv")
+    assert [gemv.config(m, n, 4096, 132)["GEMV_WARPS"] for m, n in ((4, 1024), (8, 2048), (4, 4096), (1, 1024))] == [8, 8, 16, 8]
     assert [split("w8a16.skinny", m, 1024, 4096) for m in (2, 8, 9, 16)] == [4, 4, 4, 4]
     assert [split("w8a16.skinny", m, 2048, 4096) for m in (8, 16)] == [1, 2]  # one CTA per SM above 8 tokens
     assert split("w4a16.skinny", 8, 1024, 14336) == 8  # 16 tiles of 4 x 16 rows: 2 -> 8

@@ -3,6 +3,8 @@
 Marked `gpu`: skipped cleanly on machines without one (CI). tools/gpu_check.sh runs them.
 """
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -1127,30 +1129,31 @@ def test_matmul_packed_weights(fmt, m, rng):
 def test_matmul_narrow_weights_split_k(fmt, x_dtype, rng):
     """Decode and small batches on narrow weights (N <= 2048: grouped-query attention's k / v
     projections), where the default splits K across CTAs to fill the GPU (up to 8 ways; the
-    16-bit-activation variants by rules of their own): every token count the decode kernels take,
-    N and K multiples of nothing, fresh inputs, poisoned outputs, against the plan's exact math
-    and float64 truth."""
+    16-bit-activation variants by rules of their own; Q4_0 at one token two tiles x 16 warps), and
+    the ggml-blocks GEMV there with 8 warps: every token count the decode kernels take, N and K
+    multiples of nothing, fresh inputs, poisoned outputs, against the plan's exact math and
+    float64 truth."""
     hopper = qgemm.runtime.device_info().cc == 90
     seen = set()
     for (n, k) in ((500, 4128), (1000, 14368), (2000, 4128)):
         w_f = rng.standard_normal((n, k), dtype=np.float32)
         w = F.quantize(w_f, fmt)
         pw = qgemm.pack_weights(w)
-        for m in (1, 2, 3, 8, 9, 16):
-            p = qgemm.plan(m, n, k, fmt, packed=True, x_dtype=x_dtype)
-            if not p.kernel.split(".")[1].startswith("skinny"):
+        for m, packed in itertools.product((1, 2, 3, 8, 9, 16), (True, False)):
+            p = qgemm.plan(m, n, k, fmt, packed=packed, x_dtype=x_dtype)
+            if not p.kernel.split(".")[1].startswith(("skinny", "gemv")):
                 continue
-            seen.add(p.defines["SK_GSPLIT"])
+            seen.add(p.defines.get("SK_GSPLIT", f"{p.defines.get('GEMV_WARPS')} warps"))
             x = rng.standard_normal((m, k), dtype=np.float32).astype(x_dtype)
             out = qgemm.DeviceArray.empty((m, n), np.float32)
             out.fill_bytes(0xFF)
-            qgemm.matmul(qgemm.DeviceArray.from_host(x), pw, out=out)
+            qgemm.matmul(qgemm.DeviceArray.from_host(x), pw if packed else qgemm.DeviceArray.from_host(w), out=out)
             c = out.to_host()
             r = check.compare("matmul", p.op, (m, n, k), 0, c, p.reference(x, w), qgemm.reference.truth(x.astype(np.float32), w_f),
                               x, w_f)
             assert r.passed, (p.kernel, p.defines, r)
     if hopper:  # the decode kernels run up to 16 tokens there; the split took 2, 4 and 8
-        assert {2, 4, 8} <= seen, seen
+        assert {2, 4, 8, "8 warps"} <= seen, seen
 
 
 def test_skinny_needs_packed_weights_and_its_activation_type(rng):
