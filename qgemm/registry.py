@@ -622,12 +622,26 @@ def _rs_config(wfmt: str):
         # default counts two CTA slots per SM: 64x4096x4096 Q4_0 9.5 us against 9.7 for two
         # warpgroups, 32x4096x4096 9.0 / 9.1, Q8_0 10.5 / 10.5 and 9.9 / 10.0; at long K the copying
         # warpgroup too (64x4096x14336 Q4_0 20.4 against 21.5, Q8_0 30.1 against 31.8).
+        if m <= 64 and cdiv(n, 64) * cdiv(m, 64) >= sm_count:
+            # wide weights (N >= 8448 on a 132-SM GPU: the tiles fill the SMs without a K split), the
+            # copying warpgroup at any K, and for Q4_0 two MMA warpgroups (session 51, H100, kernel
+            # alone, `qgemm tune --dry-run`): Q4_0 32 / 48 / 64 x14336x4096 21.8 / 21.9 / 20.6 ->
+            # 17.5 / 17.7 / 17.6 us; Q8_0 (one warpgroup) 27.5 / 28.1 / 28.3 -> 24.3 / 25.2 / 25.9.
+            wgs = 2 if wfmt == "q4_0" else 1
+            return {"RS_BN": 64, "RS_WGS": wgs, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1,
+                    "RS_SPLITK": _split_k(cdiv(n, 64 * wgs) * cdiv(m, 64), k, sm_count), "RS_WEF": _rs_wef(wfmt, m, n, k)}
         if m <= 64:
             d = {"RS_BN": 64, "RS_WGS": 1, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(k >= 8192)}
             d["RS_SPLITK"] = _split_k(cdiv(n, 64) * cdiv(m, 64), k, 2 * sm_count)
             d["RS_WEF"] = _rs_wef(wfmt, m, n, k)
             return d
         d = {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1}
+        if cdiv(n, 128) * cdiv(m, 128) * 8 <= sm_count:
+            # narrow weights (N <= 2048 at 65-128 tokens on a 132-SM GPU): even an 8-way K split
+            # leaves SMs idle, so one MMA warpgroup of 64 rows per CTA (twice the CTAs). Session 51,
+            # H100, kernel alone: 128x1024x4096 Q4_0 7.9 -> 6.7 us, Q8_0 8.5 -> 7.0; 128x2048x4096
+            # 9.6 -> 8.4, 10.5 -> 8.7.
+            d["RS_WGS"] = 1
         if wfmt == "q8_0" and m >= 256 and cdiv(m, 128) % 2 == 0:
             # Q8_0 from 256 tokens (session 12, after the kperm16 activations): one MMA warpgroup
             # with 256-token wgmma, so each dequantized fragment serves twice the tokens -- half

@@ -501,6 +501,26 @@ def test_decode_kernels_split_k_on_narrow_weights():
     assert R.spec("w4a16.skinny_f16").config(12, 4096, 14336, 132)["SK_UNROLL"] == 1
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_wgmma_rs_defaults_on_wide_and_narrow_weights(fmt):
+    """wgmma_rs off the issue's N = 4096: up to 64 tokens on wide weights (the 64-row tiles fill a
+    132-SM GPU without a K split) the copying warpgroup runs, with two MMA warpgroups for Q4_0;
+    from 65 tokens on narrow weights (an 8-way split of the 128-row tiles still leaves SMs idle)
+    one MMA warpgroup per CTA. The N = 4096 defaults stay as measured."""
+    from qgemm import registry as R
+
+    s = R.spec(f"w{'4' if fmt == 'q4_0' else '8'}a16.wgmma_rs")
+    for m, n in ((17, 14336), (64, 14336), (40, 11008)):
+        d = s.config(m, n, 4096, 132)
+        assert (d["RS_BN"], d["RS_WGS"], d["RS_WS"], d["RS_SPLITK"]) == (64, 2 if fmt == "q4_0" else 1, 1, 1), (m, n)
+    for m, n in ((100, 1024), (128, 2048)):
+        assert s.config(m, n, 4096, 132)["RS_WGS"] == 1, (m, n)
+    assert s.config(64, 4096, 4096, 132) == {"RS_BN": 64, "RS_WGS": 1, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 0,
+                                             "RS_SPLITK": 4, "RS_WEF": 0}
+    assert s.config(64, 6144, 4096, 132)["RS_WS"] == 0  # 96 tiles: split K instead
+    assert s.config(128, 4096, 4096, 132)["RS_WGS"] == 2 and s.config(512, 4096, 4096, 132)["RS_WGS"] == (2 if fmt == "q4_0" else 1)
+
+
 def test_every_default_is_a_tuning_candidate():
     """On a 132-SM GPU the untuned default of every tunable kernel is among the candidates `qgemm
     tune` tries, at token counts, widths and depths that give grids of every size: the K split
