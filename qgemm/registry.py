@@ -658,12 +658,33 @@ def _rs_config(wfmt: str):
             # x4096x4096 3% faster; level at 513, 769 and 1100 (within 1%); 2100x4096x4096 135.7
             # -> 138.1 (the one loss measured).
             d = {"RS_BN": 256, "RS_WGS": 1, "RS_STAGES": 3, "RS_MINB": 1, "RS_WS": 1}
+        elif d["RS_WGS"] == 2 and _rs_half_tiles_fewer_waves(m, n, sm_count):
+            d = {"RS_BN": 64, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(wfmt == "q8_0")}
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1
         d["RS_SPLITK"] = _split_k(cdiv(n, 64 * d["RS_WGS"]) * cdiv(m, d["RS_BN"]), k, sm_count)
         d["RS_WEF"] = _rs_wef(wfmt, m, n, k)
         return d
     return config
+
+
+def _rs_half_tiles_fewer_waves(m: int, n: int, sm_count: int) -> bool:
+    """Whether 64-token tiles (two MMA warpgroups, so 64 x 128 outputs per CTA) finish in less time
+    than 128-token ones where the 128-token grid fills the GPU (no K split) but spills a few CTAs
+    into one more wave: one CTA per SM either way, a wave of half tiles costing 0.5 / 0.72 of a
+    wave of whole ones (their efficiency, session 51: H100, kernel alone, 300x6144x4096 Q4_0 47.6
+    us in two waves of 144 whole tiles against 33.0 in two of 240 half tiles; Q8_0 52.3 against
+    41.1, its copying warpgroup kept). Where the half tiles need as many waves as whole ones take
+    (300x4096x4096: 96 whole tiles, one wave, 23.7 against >= 30.7) or more, the whole tiles
+    stay. Whole op, H100, whole tiles -> half: Q4_0 300x6144x4096 50.1 -> 36.7 us, 150x11008x4096
+    50.7 -> 36.3, 680x3072x4096 52.5 -> 37.9, 680x6144x4096 80.2 -> 72.7, 800x5120x4096 81.9 -> 74.5,
+    2080x2048x4096 91.1 -> 84.5; Q8_0 300x6144x4096 54.9 -> 42.8, 150x11008x4096 53.9 -> 44.6,
+    800x5120x4096 and 2080x2048x4096 level. On a 132-SM GPU it fires in narrow bands of M: 257-320 and 641-704 tokens at N = 6144,
+    129-192 at 11008, 641-704 at 3072, 769-832 at 5120, 2049-2112 at 1024 and 2048; never at N
+    = 4096 or 14336."""
+    whole = cdiv(n, 128) * cdiv(m, 128)
+    half = cdiv(n, 128) * cdiv(m, 64)
+    return whole >= sm_count and cdiv(half, sm_count) * 0.5 / 0.72 < cdiv(whole, sm_count)
 
 
 def _rs_candidates(wfmt: str):

@@ -518,6 +518,15 @@ def test_wgmma_rs_defaults_on_wide_and_narrow_weights(fmt):
     assert s.config(64, 4096, 4096, 132) == {"RS_BN": 64, "RS_WGS": 1, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 0,
                                              "RS_SPLITK": 4, "RS_WEF": 0}
     assert s.config(64, 6144, 4096, 132)["RS_WS"] == 0  # 96 tiles: split K instead
+    # from 65 tokens, 64-token tiles where 128-token ones spill a few CTAs into one more wave
+    # (300x6144: 144 whole tiles, 2 waves; 240 half tiles, 2 waves of half the work); not at N = 4096
+    for m, n in ((300, 6144), (150, 11008)):
+        d = s.config(m, n, 4096, 132)
+        assert (d["RS_BN"], d["RS_WGS"], d["RS_WS"]) == (64, 2, int(fmt == "q8_0")), (m, n)
+    assert s.config(680, 6144, 4096, 132)["RS_BN"] == (64 if fmt == "q4_0" else 256)  # Q8_0's even 128-token tiles: 256
+    for m in range(65, 4200, 7):
+        assert s.config(m, 4096, 4096, 132)["RS_BN"] != 64 or m <= 64, m
+        assert s.config(m, 14336, 4096, 132)["RS_BN"] != 64, m
     assert s.config(128, 4096, 4096, 132)["RS_WGS"] == 2 and s.config(512, 4096, 4096, 132)["RS_WGS"] == (2 if fmt == "q4_0" else 1)
 
 
