@@ -972,10 +972,12 @@ def test_static_and_dynamic_shared_memory_past_48k(rng):
     """w4a16.skinny at M = 1 stages the activations in dynamic shared memory beside 8 KB of static
     (its reduction buffer): at K = 22016 the two together pass 48 KB while the dynamic part alone
     does not, so the launch must still opt in to more dynamic shared memory (it failed with
-    CUDA_ERROR_INVALID_VALUE before)."""
+    CUDA_ERROR_INVALID_VALUE before). Without a K split: the default splits K 8 ways at this narrow
+    N, which stages an eighth of the activations per CTA."""
     k = qgemm.get("w4a16.skinny")
     m, n, kk = 1, 64, 22016
-    d = k.spec.config(m, n, kk, 132)
+    d = {**k.spec.config(m, n, kk, 132), "SK_GSPLIT": 1}
+    assert k.spec.config(m, n, kk, 132)["SK_GSPLIT"] == 8
     dynamic = k.geometry(m, n, kk, d).shmem
     static = k.compile(defines=d).resources[k.spec.entry].smem_static
     assert dynamic <= 48 * 1024 < dynamic + static, (dynamic, static)
