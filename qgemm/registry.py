@@ -297,8 +297,9 @@ def _skinny_fill_split(n: int, k: int, r: int, split: int, sm_count: int, per_sm
     doubles (up to 8) toward `per_sm` CTAs per SM (2 at up to 8 tokens, 1 above, where a CTA holds
     two 8-token tiles), each part keeping >= 4 groups of 128 K and half a group per warp (the
     CTA's warps split its part of K: at a quarter, w4a16.skinny 4x1024x4096 with 16 warps and a
-    split of 8 took 5.01 us against 2.93 at 4). Elsewhere the measured per-shape choice stands. Kernel alone, H100, session 51 (tools/probe_defines.py, hot / weights cold),
-    the split before -> this rule's:
+    split of 8 took 5.01 us against 2.93 at 4). Elsewhere the measured per-shape choice stands.
+    Kernel alone, H100, session 51 (tools/probe_defines.py, hot / weights cold), the split before
+    -> this rule's:
       w4a16.skinny 4x1024x4096 3.60 -> 2.93 us (split 4; 8: 5.01), 4x512x4096 3.42 -> 3.00 (8),
                    16x1024x4096 6.40 -> 3.63 (4; 2: 4.84), 16x2048x4096 6.59 -> 5.39 (2; 4: 6.36),
                    8x1024x14336 11.48 (2) -> 5.22 (8)
@@ -379,7 +380,8 @@ def _skinny_candidates(wfmt: str):
     def candidates(m: int, n: int, k: int) -> list[dict]:
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
         out = [{"SK_R": r, "SK_MT": mt, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_XSMEM": x, "SK_ACC": a}
-               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in _skinny_splits(n, k, r, w) for x in ((0, 1) if mt == 1 else (0,))
+               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in _skinny_splits(n, k, r, w)
+               for x in ((0, 1) if mt == 1 else (0,))
                for a in ((1, 2) if mt <= 2 else (1,))]
         return [d for d in out if _skinny_ok(d, wfmt, m, k)]
     return candidates
@@ -442,7 +444,8 @@ def _skinny_i8_config(wfmt: str):
             r, warps, unroll, minb = 1, 8, 1, 2
         else:
             r, warps, unroll = 1 if m == 1 else 2, 8, 2 if m == 1 else 1
-        d = {"SK_R": r, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": _skinny_fill_split(n, k, r, 1, sm_count, 2, warps), "SK_MQ": _skinny_i8_mq(m),
+        d = {"SK_R": r, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": _skinny_fill_split(n, k, r, 1, sm_count, 2, warps),
+             "SK_MQ": _skinny_i8_mq(m),
              "SK_PDL_EARLY": _skinny_i8_pdl_early(m), "SK_MINB": minb, "SK_PRIME": _skinny_i8_prime(m, unroll)}
         while not _skinny_i8_ok(d, wfmt, m, k) and d["SK_WARPS"] > 4:
             d = {**d, "SK_WARPS": d["SK_WARPS"] // 2}
@@ -481,7 +484,8 @@ def _skinny_i8_candidates(wfmt: str):
         # SK_MINB = 2 only up to 8 warps: at 16 it caps the registers at 64 and spills
         out = [{"SK_R": r, "SK_WARPS": w, "SK_UNROLL": u, "SK_GSPLIT": s, "SK_MQ": mq, "SK_PDL_EARLY": _skinny_i8_pdl_early(m),
                 "SK_MINB": b, "SK_PRIME": _skinny_i8_prime(m, u)}
-               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in _skinny_splits(n, k, r, w) for b in ((1, 2) if w <= 8 else (1,))]
+               for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in _skinny_splits(n, k, r, w)
+               for b in ((1, 2) if w <= 8 else (1,))]
         return [d for d in out if _skinny_i8_ok(d, wfmt, m, k)]
     return candidates
 
@@ -679,9 +683,9 @@ def _rs_half_tiles_fewer_waves(m: int, n: int, sm_count: int) -> bool:
     stay. Whole op, H100, whole tiles -> half: Q4_0 300x6144x4096 50.1 -> 36.7 us, 150x11008x4096
     50.7 -> 36.3, 680x3072x4096 52.5 -> 37.9, 680x6144x4096 80.2 -> 72.7, 800x5120x4096 81.9 -> 74.5,
     2080x2048x4096 91.1 -> 84.5; Q8_0 300x6144x4096 54.9 -> 42.8, 150x11008x4096 53.9 -> 44.6,
-    800x5120x4096 and 2080x2048x4096 level. On a 132-SM GPU it fires in narrow bands of M: 257-320 and 641-704 tokens at N = 6144,
-    129-192 at 11008, 641-704 at 3072, 769-832 at 5120, 2049-2112 at 1024 and 2048; never at N
-    = 4096 or 14336."""
+    800x5120x4096 and 2080x2048x4096 level. On a 132-SM GPU it fires in narrow bands of M:
+    257-320 and 641-704 tokens at N = 6144, 129-192 at 11008, 641-704 at 3072, 769-832 at 5120,
+    2049-2112 at 1024 and 2048; never at N = 4096 or 14336."""
     whole = cdiv(n, 128) * cdiv(m, 128)
     half = cdiv(n, 128) * cdiv(m, 64)
     return whole >= sm_count and cdiv(half, sm_count) * 0.5 / 0.72 < cdiv(whole, sm_count)
