@@ -717,6 +717,9 @@ def bench(
     suite: str = typer.Option("gemm", "--suite", help="gemm: the matmul sweep; kvcache: Mustafar sparse KV-cache attention vs dense torch."),
     m_list: Optional[str] = typer.Option(None, "--m", help="Comma-separated M values instead of the sweep's (e.g. 1,8,64)."),
     k_list: Optional[str] = typer.Option(None, "--k", help="Comma-separated K values instead of the sweep's (e.g. 4096)."),
+    n_val: Optional[int] = typer.Option(None, "--n", min=1, help="gemm suite: the weights' width N (output features) "
+                                        "instead of the sweep's 4096, e.g. 1024 for the k / v projections of "
+                                        "grouped-query attention."),
     clocks: bool = typer.Option(False, "--clocks", help="gemm suite: record the SM clock and power per row (nvidia-smi, "
                                                          "every 20 ms)."),
     sustain: float = typer.Option(0.0, "--sustain", min=0.0, max=60.0,
@@ -730,7 +733,7 @@ def bench(
                                                 "the cold rows do not start at the clock the hot prefill rows left "
                                                 "(default 2)."),
 ):
-    """Sweep M x K for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold;
+    """Sweep M x K (N = 4096, or --n) for Q4_0 and Q8_0: qgemm.matmul, its kernel alone, and torch peers, hot and cold;
     with M = 1 in the sweep, also the read ceilings at the decode rows' weight bytes (what a kernel
     that only reads them achieves back to back). --suite kvcache: the mustafar.* kernels over S,
     Lq, sparsity and bits against dense torch attention."""
@@ -744,8 +747,8 @@ def bench(
     if suite == "kvcache":
         if x_dtype != "f32":
             _fail("--x-dtype is for the gemm suite (the KV-cache kernels take float16 queries and probabilities)")
-        if m_list is not None or k_list is not None:
-            _fail("--m and --k choose the GEMM sweep's shapes; --suite kvcache has its own (S, Lq, sparsity, bits)")
+        if m_list is not None or k_list is not None or n_val is not None:
+            _fail("--m, --n and --k choose the GEMM sweep's shapes; --suite kvcache has its own (S, Lq, sparsity, bits)")
         if not peers:
             _fail("--no-peers is for the gemm suite; --suite kvcache times dense torch attention as its baseline")
         if sustain:
@@ -778,7 +781,7 @@ def bench(
     _need_gpu("bench")
     # the largest row's operands, at least twice over (qgemm's float32 x, staging and C, the Q8_0 weights
     # packed and as blocks; torch's fp16 copies): refused up front, not after an allocation runs for minutes
-    n = B.SWEEP_N
+    n = B.SWEEP_N if n_val is None else n_val
     need = max(2 * (m * k * 4 + m * k * 2 + m * n * 4 + 2 * n * k * 34 // 32 + (m + n) * k * 2) for m in ms for k in ks)
     have = runtime.device_info().total_mem
     if need > have:
@@ -786,7 +789,7 @@ def bench(
               f"the GPU has {have / 2**30:.1f} GiB")
     total = len(ms) * len(ks) * 2 * len(modes) + (len(ks) * 2 * len(modes) if 1 in ms else 0)  # rows, read ceilings
     with typer.progressbar(length=total, label="qgemm bench") as bar:
-        data = B.sweep(ms=ms, ks=ks, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters, clocks=clocks,
+        data = B.sweep(ms=ms, ks=ks, n=n, modes=modes, peers=peers, progress=lambda r: bar.update(1), iters=iters, clocks=clocks,
                        sustain_s=sustain, x_dtype=x_dtype,
                        settle_s=B.SETTLE_S if settle is None else settle)
     cmd = _command_line()

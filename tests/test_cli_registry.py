@@ -1386,6 +1386,9 @@ def test_validate_profile_tune_bench_check_their_inputs_before_the_gpu(tmp_path)
         (["tune", "w4a8.gemv", "--shape", "512x4096x4096"], "at most M=8"),
         (["tune", "w4a8.mma", "--shape", "8x4096x33"], "K must be a multiple of 32"),
         (["bench", "--suite", "kvcache", "--m", "1"], "--suite kvcache has its own"),
+        (["bench", "--suite", "kvcache", "--n", "1024"], "--m, --n and --k choose the GEMM sweep's shapes"),
+        (["bench", "--n", "0"], r"Invalid value for '--n'"),
+        (["bench", "--n", "x"], r"Invalid value for '--n'"),
         (["bench", "--suite", "kvcache", "--sustain", "1"], "--sustain is for the gemm suite"),
         (["bench", "--sustain", "-1"], r"Invalid value for '--sustain'"),
         (["bench", "--sustain", "inf"], r"Invalid value for '--sustain'"),  # would never end

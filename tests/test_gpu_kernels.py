@@ -940,10 +940,19 @@ def test_bench_cli_writes_what_it_shows(tmp_path, monkeypatch):
                                  "--out", str(out)])
     assert r.exit_code == 0, r.output
     data = json.loads((out / "bench.json").read_text())
-    assert sorted((row["fmt"], row["M"], row["K"]) for row in data["rows"]) == \
-        [("q4_0", 1, 4096), ("q4_0", 33, 4096), ("q8_0", 1, 4096), ("q8_0", 33, 4096)]
+    assert sorted((row["fmt"], row["M"], row["N"], row["K"]) for row in data["rows"]) == \
+        [("q4_0", 1, 4096, 4096), ("q4_0", 33, 4096, 4096), ("q8_0", 1, 4096, 4096), ("q8_0", 33, 4096, 4096)]
     assert all(row["matmul_us"] > 0 and row["kernel_us"] > 0 and not row["cold"] for row in data["rows"])
     assert (out / "bench.md").read_text().strip() in r.output
+    # --n: another width (a multiple of nothing), with the torch peers
+    out = tmp_path / "gemm-n"
+    r = CliRunner().invoke(app, ["bench", "--m", "8", "--n", "1000", "--k", "4096", "--hot-only", "--iters", "3",
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "bench.json").read_text())
+    assert sorted((row["fmt"], row["M"], row["N"]) for row in data["rows"]) == [("q4_0", 8, 1000), ("q8_0", 8, 1000)]
+    assert all(row["matmul_us"] > 0 and "torch_fp16_us" in row for row in data["rows"]), data["rows"]
+    assert "| q4_0 | 8 | 1000 | 4096 |" in r.output
     real = kvcache_bench.suite  # the quick kvcache sweep cut to one S and two layouts
     monkeypatch.setattr(kvcache_bench, "suite", lambda **kw: real(**{**kw, "ss": (1024,), "layouts": kvcache_bench.LAYOUTS[1:3]}))
     out = tmp_path / "kv"
