@@ -525,7 +525,7 @@ def test_wgmma_rs_defaults_on_wide_and_narrow_weights(fmt):
         assert (d["RS_BN"], d["RS_WGS"], d["RS_WS"]) == (64, 2, int(fmt == "q8_0")), (m, n)
     assert s.config(680, 6144, 4096, 132)["RS_BN"] == (64 if fmt == "q4_0" else 256)  # Q8_0's even 128-token tiles: 256
     for m in range(65, 4200, 7):
-        assert s.config(m, 4096, 4096, 132)["RS_BN"] != 64 or m <= 64, m
+        assert s.config(m, 4096, 4096, 132)["RS_BN"] != 64, m
         assert s.config(m, 14336, 4096, 132)["RS_BN"] != 64, m
     assert s.config(128, 4096, 4096, 132)["RS_WGS"] == 2 and s.config(512, 4096, 4096, 132)["RS_WGS"] == (2 if fmt == "q4_0" else 1)
 
