@@ -427,15 +427,6 @@ def _skinny_i8_config(wfmt: str):
         # M > 1 (session 9): Q4_0 two tiles sharing each quantized activation block x 16 warps, Q8_0
         # (twice the weight registers) two tiles x 8 warps, one group each.
         minb = 1
-        if wfmt == "q4_0" and m == 1 and k < 8192 and cdiv(n, 16) <= sm_count:
-            # narrow weights (N <= 2048 on a 132-SM GPU: at most one 16-row tile per SM): the
-            # configuration of the 16-bit-activation variant (`_x16_config`), two tiles per CTA x
-            # 16 warps x one group, no K split. Session 51, kernel alone, hot / weights cold, against
-            # the one below (with its split): 1x1024x4096 2.86 -> 2.49 us, cold 3.01 -> 2.47;
-            # 1x2048x4096 3.15 -> 2.55, cold 3.27 -> 2.61; 1x512x4096 2.62 -> 2.49. At N = 4096 it
-            # is slower (session 41: 3.44 -> 3.60), and at 1x1024x14336 cold too (4.53 -> 4.82).
-            return {"SK_R": 2, "SK_WARPS": 16, "SK_UNROLL": 1, "SK_GSPLIT": 1, "SK_MQ": 1, "SK_PDL_EARLY": 1, "SK_MINB": 1,
-                    "SK_PRIME": 1}
         if wfmt == "q4_0" and m == 1:
             r, warps, unroll, minb = 1, 8, 2, 2
         elif wfmt == "q4_0":
@@ -449,8 +440,22 @@ def _skinny_i8_config(wfmt: str):
              "SK_PDL_EARLY": _skinny_i8_pdl_early(m), "SK_MINB": minb, "SK_PRIME": _skinny_i8_prime(m, unroll)}
         while not _skinny_i8_ok(d, wfmt, m, k) and d["SK_WARPS"] > 4:
             d = {**d, "SK_WARPS": d["SK_WARPS"] // 2}
+        if wfmt == "q4_0" and m == 1 and k < 8192 and cdiv(n, 16) <= sm_count:
+            # narrow weights (N <= 2048 on a 132-SM GPU: at most one 16-row tile per SM): the
+            # configuration of the 16-bit-activation variant (`_x16_config`), no K split. Session
+            # 51, kernel alone, hot / weights cold, against the one above (with its split):
+            # 1x1024x4096 2.86 -> 2.49 us, cold 3.01 -> 2.47; 1x2048x4096 3.15 -> 2.55, cold 3.27 ->
+            # 2.61; 1x512x4096 2.62 -> 2.49. At N = 4096 it is slower (session 41: 3.44 -> 3.60), and
+            # at 1x1024x14336 cold too (4.53 -> 4.82).
+            d = {**d, **_I8_Q4_0_ONE_TOKEN_TWO_TILES, "SK_GSPLIT": 1}
         return d
     return config
+
+
+# Q4_0 at one token: two 16-row tiles per CTA x 16 warps x one group in flight, the first two
+# requested before the PDL wait -- the 16-bit-activation variants' configuration (`_x16_config`),
+# and float32's on narrow weights below K = 8192 (`_skinny_i8_config`)
+_I8_Q4_0_ONE_TOKEN_TWO_TILES = {"SK_R": 2, "SK_WARPS": 16, "SK_UNROLL": 1, "SK_MINB": 1, "SK_PRIME": 1}
 
 
 def _skinny_i8_pdl_early(m: int) -> int:
@@ -961,8 +966,7 @@ def _x16_config(base: str, config):
             alt = {**d, "SK_XSMEM": 1, "SK_UNROLL": 1, "SK_ACC": 1}
             return alt if _skinny_ok(alt, "q8_0", m, k) else d
         if base == "w4a8.skinny" and m == 1:
-            alt = {**d, "SK_R": 2, "SK_WARPS": 16, "SK_UNROLL": 1, "SK_MINB": 1, "SK_PRIME": 1,
-                   "SK_GSPLIT": d["SK_GSPLIT"] if k >= 8192 else 1}
+            alt = {**d, **_I8_Q4_0_ONE_TOKEN_TWO_TILES, "SK_GSPLIT": d["SK_GSPLIT"] if k >= 8192 else 1}
             return alt if _skinny_i8_ok(alt, "q4_0", m, k) else d
         return d
     return x16
