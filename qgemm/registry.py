@@ -645,13 +645,24 @@ def _rs_config(wfmt: str):
             d["RS_WEF"] = _rs_wef(wfmt, m, n, k)
             return d
         d = {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1}
-        if cdiv(n, 128) * cdiv(m, 128) * 8 <= sm_count:
+        whole = cdiv(n, 128) * cdiv(m, 128)  # 128 x 128 tiles
+        short_k = k < 8192
+        few_tiles = short_k and 2 * whole <= sm_count
+        if whole * 8 <= sm_count or few_tiles:
             # narrow weights (N <= 2048 at 65-128 tokens on a 132-SM GPU): even an 8-way K split
             # leaves SMs idle, so one MMA warpgroup of 64 rows per CTA (twice the CTAs). Session 51,
             # H100, kernel alone: 128x1024x4096 Q4_0 7.9 -> 6.7 us, Q8_0 8.5 -> 7.0; 128x2048x4096
             # 9.6 -> 8.4, 10.5 -> 8.7.
+            # At a short K the same wherever the 128 x 128 grid fills at most half the SMs: the
+            # tiles of 64 rows need half the K split, and at K = 4096 a split costs more than the
+            # one MMA warpgroup's lower rate (session 52, H100, kernel alone, `qgemm tune
+            # --dry-run`, split 4 / 2 -> 2 / 1): 128x4096x4096 Q4_0 12.6 -> 11.8 us, Q8_0 13.4 ->
+            # 12.3; 160x4096x4096 17.4 -> 16.4, 18.5 -> 16.4; 192 17.5 -> 15.3, 18.8 -> 16.2; 256
+            # Q4_0 18.4 -> 15.7, Q8_0 (256-token tiles, split 2) 18.7 -> 16.6; 96 level (11.9 ->
+            # 11.7). At K = 14336 the split two warpgroups stay ahead (192x4096x14336 46.3 against
+            # > 50.8, 96x4096x14336 26.3 against 30.8).
             d["RS_WGS"] = 1
-        if wfmt == "q8_0" and m >= 256 and cdiv(m, 128) % 2 == 0:
+        if wfmt == "q8_0" and m >= 256 and cdiv(m, 128) % 2 == 0 and not few_tiles:
             # Q8_0 from 256 tokens (session 12, after the kperm16 activations): one MMA warpgroup
             # with 256-token wgmma, so each dequantized fragment serves twice the tokens -- half
             # the shared loads and dequantization per FLOP, which is what limits Q8_0 (twice
@@ -669,9 +680,14 @@ def _rs_config(wfmt: str):
             d = {"RS_BN": 256, "RS_WGS": 1, "RS_STAGES": 3, "RS_MINB": 1, "RS_WS": 1}
         elif d["RS_WGS"] == 2 and _rs_half_tiles_fewer_waves(m, n, sm_count):
             d = {"RS_BN": 64, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(wfmt == "q8_0")}
+        elif d["RS_WGS"] == 2 and short_k and _rs_half_rows_fewer_waves(whole, sm_count):
+            d["RS_WGS"] = 1
         while not _rs_ok(wfmt, d):
             d["RS_STAGES"] -= 1
-        d["RS_SPLITK"] = _split_k(cdiv(n, 64 * d["RS_WGS"]) * cdiv(m, d["RS_BN"]), k, sm_count)
+        ctas = cdiv(n, 64 * d["RS_WGS"]) * cdiv(m, d["RS_BN"])
+        d["RS_SPLITK"] = _split_k(ctas, k, sm_count)
+        if not short_k and _rs_split_fewer_waves(ctas, sm_count):
+            d["RS_SPLITK"] = 2
         d["RS_WEF"] = _rs_wef(wfmt, m, n, k)
         return d
     return config
@@ -694,6 +710,29 @@ def _rs_half_tiles_fewer_waves(m: int, n: int, sm_count: int) -> bool:
     whole = cdiv(n, 128) * cdiv(m, 128)
     half = cdiv(n, 128) * cdiv(m, 64)
     return whole >= sm_count and cdiv(half, sm_count) * 0.5 / 0.72 < cdiv(whole, sm_count)
+
+
+def _rs_half_rows_fewer_waves(whole: int, sm_count: int) -> bool:
+    """Whether tiles of 64 weight rows (one MMA warpgroup, 128 tokens: twice the CTAs of the
+    128 x 128 grid of `whole` tiles) finish in less time at a short K, where that grid spills a few
+    CTAs into one more wave: a wave of half tiles costs 0.5 / 0.78 of a wave of whole ones (their
+    efficiency, session 52: H100, kernel alone, `qgemm tune --dry-run`, Q4_0 whole -> half:
+    544x4096x4096 49.8 -> 47.4 us, 640 48.5 -> 46.2, 768 49.0 -> 47.6, 512x6144x4096 50.0 -> 47.2,
+    256x11008x4096 49.3 -> 46.9; Q8_0 544 52.8 -> 51.1, 640 52.1 -> 50.4). On a 132-SM GPU: 133-198
+    whole tiles (two waves, the second short); at 224 (896x4096x4096) and 288 (1152) the whole tiles
+    stay ahead, as this says. Q8_0's 256-token tiles (64 rows already) and the 64-token tiles of
+    `_rs_half_tiles_fewer_waves` are chosen before this."""
+    return whole > sm_count and cdiv(2 * whole, sm_count) * 0.5 / 0.78 < cdiv(whole, sm_count)
+
+
+def _rs_split_fewer_waves(ctas: int, sm_count: int) -> bool:
+    """Whether a 2-way K split of a grid of `ctas` CTAs (one per SM) that spills a few CTAs into one
+    more wave finishes sooner at a long K: waves of half the K cost 1.2 / 2 of a whole one (the
+    split's fill and reductions; session 52, H100, kernel alone, `qgemm tune --dry-run`, split 1 ->
+    2: 576x4096x14336 Q4_0 163.5 -> 138.2 us, Q8_0 176.5 -> 148.2; 640 158.7 -> 138.0, 172.7 ->
+    148.3; 768 155.2 -> 142.4, Q8_0 (256-token tiles) 169.1 -> 155.3). On a 132-SM GPU: 133-198
+    CTAs (at 224, 896x4096x14336, and 288, 1152, no split stays ahead, as this says)."""
+    return ctas > sm_count and cdiv(2 * ctas, sm_count) / 2 * 1.2 < cdiv(ctas, sm_count)
 
 
 def _rs_candidates(wfmt: str):

@@ -527,7 +527,43 @@ def test_wgmma_rs_defaults_on_wide_and_narrow_weights(fmt):
     for m in range(65, 4200, 7):
         assert s.config(m, 4096, 4096, 132)["RS_BN"] != 64, m
         assert s.config(m, 14336, 4096, 132)["RS_BN"] != 64, m
-    assert s.config(128, 4096, 4096, 132)["RS_WGS"] == 2 and s.config(512, 4096, 4096, 132)["RS_WGS"] == (2 if fmt == "q4_0" else 1)
+    # (128x4096x4096 takes one warpgroup since session 52's few-tiles rule: its K is short)
+    assert s.config(128, 4096, 14336, 132)["RS_WGS"] == 2 and s.config(512, 4096, 4096, 132)["RS_WGS"] == (2 if fmt == "q4_0" else 1)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_wgmma_rs_defaults_fill_the_waves(fmt):
+    """wgmma_rs from 65 tokens (session 52): at a short K (< 8192) one MMA warpgroup of 64 rows
+    wherever the 128 x 128 grid fills at most half of a 132-SM GPU (the tiles then need half the K
+    split; Q8_0's 256-token tiles too), and where that grid spills a few CTAs into a second wave
+    (133-198 tiles); at a long K those spilling grids split K in two instead. Everywhere else the
+    defaults stay as before: 512, 896 and 1152 tokens at N = 4096, and 2048 (the issue's rows)."""
+    from qgemm import registry as R
+
+    s = R.spec(f"w{'4' if fmt == 'q4_0' else '8'}a16.wgmma_rs")
+    cfg = lambda m, n, k: (lambda d: (d["RS_BN"], d["RS_WGS"], d["RS_SPLITK"]))(s.config(m, n, k, 132))  # noqa: E731
+    # few tiles, short K: 32 / 64 tiles of 128 x 128 -> twice the CTAs of 64 rows, half the split
+    assert cfg(128, 4096, 4096) == (128, 1, 2)
+    assert cfg(256, 4096, 4096) == (128, 1, 1)  # Q8_0 too (was 256-token tiles split 2)
+    assert cfg(200, 4096, 4096) == (128, 1, 1)
+    assert cfg(512, 1024, 4096) == (128, 1, 2)
+    assert cfg(256, 1024, 4096) == (128, 1, 4)
+    # ... but not at a long K, where two warpgroups with the split stay ahead
+    assert cfg(192, 4096, 14336) == (128, 2, 2) and cfg(96, 4096, 14336) == (128, 2, 4)
+    assert cfg(256, 4096, 14336) == ((128, 2, 2) if fmt == "q4_0" else (256, 1, 2))
+    # a second, short wave (133-198 tiles of 128 x 128): 64-row tiles at a short K ...
+    for m, n in ((544, 4096), (640, 4096), (1100, 2048)):
+        assert cfg(m, n, 4096) == (128, 1, 1), (m, n)
+    # ... (not over Q8_0's 256-token tiles, level there: 768x4096, 512x6144) ...
+    assert cfg(768, 4096, 4096) == ((128, 1, 1) if fmt == "q4_0" else (256, 1, 1))
+    # ... and a 2-way K split at a long one (Q8_0's 256-token tiles too)
+    for m, n, k in ((576, 4096, 14336), (640, 4096, 8192), (600, 4096, 11008), (1100, 2048, 8192)):
+        assert cfg(m, n, k) == (128, 2, 2), (m, n, k)
+    assert cfg(768, 4096, 14336) == ((128, 2, 2) if fmt == "q4_0" else (256, 1, 2))
+    # unchanged: one full wave, or later waves where the spill is a smaller share
+    for m, k in ((512, 4096), (512, 14336), (896, 4096), (896, 14336), (1152, 4096), (1152, 14336), (2048, 4096)):
+        assert cfg(m, 4096, k)[2] == 1 and cfg(m, 4096, k)[1] == (2 if fmt == "q4_0" or m % 256 else 1), (m, k)
+    assert cfg(64, 4096, 4096) == (64, 1, 4)  # up to 64 tokens: the branch of its own
 
 
 def test_every_default_is_a_tuning_candidate():
@@ -583,7 +619,8 @@ def test_wgmma_rs_configurations_fit(fmt):
         assert d == {"RS_BN": 256, "RS_WGS": 1, "RS_STAGES": 3, "RS_MINB": 1, "RS_WS": 1, "RS_SPLITK": 1, "RS_WEF": 1}
         g8 = s.geometry(512, 4096, 4096, d)
         assert g8.grid == (64, 2, 1) and g8.block == (256, 1, 1) and g8.shmem == 3 * (65536 + 9216) + 1024 + 128
-        assert s.config(256, 4096, 4096, 132)["RS_BN"] == 256 and s.config(255, 4096, 4096, 132)["RS_BN"] == 128
+        # (at K = 14336: at 256 tokens of a short K the few-tiles rule takes 64-row tiles, session 52)
+        assert s.config(256, 4096, 14336, 132)["RS_BN"] == 256 and s.config(255, 4096, 14336, 132)["RS_BN"] == 128
         # ... where 256-token tiles pad no more than 128-token ones: an even count of 128-token tiles
         for m in (384, 257, 513, 640, 896, 4097):
             assert s.config(m, 4096, 4096, 132)["RS_BN"] == 128 and s.config(m, 1024, 8192, 132)["RS_BN"] == 128, m

@@ -1136,6 +1136,34 @@ def test_matmul_packed_weights(fmt, m, rng):
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_matmul_wgmma_rs_wave_rules(fmt, rng):
+    """The prefill kernel's defaults that fill the waves (session 52): one MMA warpgroup where the
+    128 x 128 grid fills at most half the SMs (129x2050x4128: split 2) or spills into a short second
+    wave (545x4100x4128), a 2-way K split where it spills at a long K (768x4100x8224, Q8_0 on its
+    256-token tiles) -- M, N and K multiples of no tile, packed weights and ggml blocks, fresh
+    inputs, poisoned outputs, against the plan's exact math and float64 truth."""
+    hopper = qgemm.runtime.device_info().cc == 90
+    seen = set()
+    for (m, n, k) in ((129, 2050, 4128), (545, 4100, 4128), (768, 4100, 8224)):
+        w_f = rng.standard_normal((n, k), dtype=np.float32)
+        w = F.quantize(w_f, fmt)
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        for packed in (True, False):
+            p = qgemm.plan(m, n, k, fmt, packed=packed)
+            if p.kernel.endswith(".wgmma_rs"):
+                seen.add((m, p.defines["RS_BN"], p.defines["RS_WGS"], p.defines["RS_SPLITK"]))
+            out = qgemm.DeviceArray.empty((m, n), np.float32)
+            out.fill_bytes(0xFF)
+            qgemm.matmul(qgemm.DeviceArray.from_host(x), qgemm.pack_weights(w) if packed else qgemm.DeviceArray.from_host(w), out=out)
+            r = check.compare("matmul", p.op, (m, n, k), 0, out.to_host(), p.reference(x, w),
+                              qgemm.reference.truth(x, w_f), x, w_f)
+            assert r.passed, (p.kernel, p.defines, r)
+    if hopper:
+        assert {(129, 128, 1, 2), (545, 128, 1, 1)} <= seen, seen
+        assert (768, 128, 2, 2) in seen if fmt == "q4_0" else (768, 256, 1, 2) in seen, seen
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("x_dtype", [np.float32, np.float16])
 def test_matmul_narrow_weights_split_k(fmt, x_dtype, rng):
     """Decode and small batches on narrow weights (N <= 2048: grouped-query attention's k / v
