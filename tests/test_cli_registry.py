@@ -490,7 +490,8 @@ def test_decode_kernels_split_k_on_narrow_weights():
     for name, m in (("w4a16.skinny", 8), ("w8a16.skinny", 8), ("w4a16.skinny", 16), ("w8a16.skinny", 16), ("w4a8.skinny", 1),
                     ("w8a8.skinny", 1)):
         assert split(name, m, 4096, 4096) == 1, name
-    assert split("w4a16.skinny", 8, 4096, 14336) == 2 and split("w8a16.skinny", 16, 4096, 14336) == 1
+    # (Q4_0 at 8 tokens of a long K splits 4 ways since session 52: test_skinny_defaults_at_a_long_k)
+    assert split("w4a16.skinny", 8, 4096, 14336) == 4 and split("w8a16.skinny", 16, 4096, 14336) == 1
     # float16 x: w4a8's 16-warp configuration splits only from K = 8192; w8a16's staged activations
     # only without a split; w4a16's two groups in flight at 9-16 tokens with it below K = 8192
     assert split("w4a8.skinny_f16", 1, 1024, 4096) == 1 and split("w4a8.skinny_f16", 1, 1024, 14336) == 4
@@ -564,6 +565,39 @@ def test_wgmma_rs_defaults_fill_the_waves(fmt):
     for m, k in ((512, 4096), (512, 14336), (896, 4096), (896, 14336), (1152, 4096), (1152, 14336), (2048, 4096)):
         assert cfg(m, 4096, k)[2] == 1 and cfg(m, 4096, k)[1] == (2 if fmt == "q4_0" or m % 256 else 1), (m, k)
     assert cfg(64, 4096, 4096) == (64, 1, 4)  # up to 64 tokens: the branch of its own
+    # ... where two MMA warpgroups (128 rows) fill more CTA slots than one where the 64-row tiles'
+    # split truncates (N = 6144: 96 tiles x 2 = 192 of 264 slots, 48 x 5 = 240); Q8_0 at a short K
+    # only, with three buffers and two CTAs per SM
+    # (up to 32 tokens: at 64 the whole op measured slower)
+    for m in (17, 32):
+        d = s.config(m, 6144, 4096, 132)
+        assert (d["RS_BN"], d["RS_WGS"], d["RS_SPLITK"]) == (64, 2, 5), m
+        assert (d["RS_STAGES"], d["RS_MINB"]) == ((4, 1) if fmt == "q4_0" else (3, 2))
+    assert cfg(33, 6144, 4096) == (64, 1, 2) and cfg(64, 6144, 4096) == (64, 1, 2)
+    assert cfg(32, 6144, 14336) == ((64, 2, 5) if fmt == "q4_0" else (64, 1, 2))
+    for n in (4096, 5120, 7168, 3072, 1024):  # equal fill or less: one warpgroup
+        assert cfg(32, n, 4096)[1] == 1, n
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_skinny_defaults_at_a_long_k(fmt):
+    """The fp16 decode kernel at 2-8 tokens of a long K (session 52): Q4_0 two 16-row tiles per CTA
+    of 4 warps, K split 4 ways, two accumulator sets, where its former four tiles x 8 warps split 2
+    fill more than half the SMs; narrow weights (N <= 2112 on 132 SMs: the narrow-weight split grows
+    to 8) and Q8_0 keep theirs, as do one token, 9-16 tokens and a short K."""
+    from qgemm import registry as R
+
+    s = R.spec(f"w{'4' if fmt == 'q4_0' else '8'}a16.skinny")
+    sk = lambda m, n, k: (lambda d: (d["SK_R"], d["SK_WARPS"], d["SK_GSPLIT"], d["SK_ACC"]))(s.config(m, n, k, 132))  # noqa: E731
+    for m in (2, 5, 8):
+        for k in (8192, 14336):
+            assert sk(m, 4096, k) == ((2, 4, 4, 2) if fmt == "q4_0" else (2, 8, 2, 1)), (m, k)
+            assert sk(m, 14336, k)[:2] == ((2, 4) if fmt == "q4_0" else (2, 8)), (m, k)
+    assert sk(8, 1024, 14336) == ((4, 8, 8, 1) if fmt == "q4_0" else (2, 8, 8, 1))
+    assert sk(4, 2048, 14336) == ((4, 8, 8, 1) if fmt == "q4_0" else (2, 8, 2, 1))
+    assert sk(8, 2176, 14336)[:3] == ((2, 4, 4) if fmt == "q4_0" else (2, 8, 2))
+    assert sk(4, 4096, 4096)[2] == 1 and sk(4, 4096, 4096)[1] == (16 if fmt == "q4_0" else 8)
+    assert sk(1, 4096, 14336)[2] == 1 and sk(12, 4096, 14336)[1] == 8
 
 
 def test_every_default_is_a_tuning_candidate():

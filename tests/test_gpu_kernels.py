@@ -1136,22 +1136,28 @@ def test_matmul_packed_weights(fmt, m, rng):
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
-def test_matmul_wgmma_rs_wave_rules(fmt, rng):
-    """The prefill kernel's defaults that fill the waves (session 52): one MMA warpgroup where the
-    128 x 128 grid fills at most half the SMs (129x2050x4128: split 2) or spills into a short second
-    wave (545x4100x4128), a 2-way K split where it spills at a long K (768x4100x8224, Q8_0 on its
-    256-token tiles) -- M, N and K multiples of no tile, packed weights and ggml blocks, fresh
-    inputs, poisoned outputs, against the plan's exact math and float64 truth."""
+def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
+    """Session 52's defaults, each where it fires: the prefill kernel with one MMA warpgroup where
+    the 128 x 128 grid fills at most half the SMs (129x2050x4128: split 2) or spills into a short
+    second wave (545x4100x4128), a 2-way K split where it spills at a long K (768x4100x8224, Q8_0 on
+    its 256-token tiles); up to 32 tokens two MMA warpgroups split 5 where 64-row tiles fill the
+    GPU's CTA slots badly (31x6150x4128, and at a long K for Q4_0); Q4_0's decode kernel at 2-8
+    tokens of a long K with two tiles x 4 warps split 4 (5x4100x8224). M, N and K multiples of no tile,
+    packed weights and ggml blocks, fresh inputs, poisoned outputs, against the plan's exact math
+    and float64 truth."""
     hopper = qgemm.runtime.device_info().cc == 90
     seen = set()
-    for (m, n, k) in ((129, 2050, 4128), (545, 4100, 4128), (768, 4100, 8224)):
+    for (m, n, k) in ((129, 2050, 4128), (545, 4100, 4128), (768, 4100, 8224), (31, 6150, 4128), (31, 6150, 8224),
+                      (5, 4100, 8224)):
         w_f = rng.standard_normal((n, k), dtype=np.float32)
         w = F.quantize(w_f, fmt)
         x = rng.standard_normal((m, k), dtype=np.float32)
         for packed in (True, False):
             p = qgemm.plan(m, n, k, fmt, packed=packed)
             if p.kernel.endswith(".wgmma_rs"):
-                seen.add((m, p.defines["RS_BN"], p.defines["RS_WGS"], p.defines["RS_SPLITK"]))
+                seen.add((m, k, p.defines["RS_BN"], p.defines["RS_WGS"], p.defines["RS_SPLITK"]))
+            if p.kernel.endswith(".skinny"):
+                seen.add((m, k, p.defines["SK_R"], p.defines["SK_WARPS"], p.defines["SK_GSPLIT"]))
             out = qgemm.DeviceArray.empty((m, n), np.float32)
             out.fill_bytes(0xFF)
             qgemm.matmul(qgemm.DeviceArray.from_host(x), qgemm.pack_weights(w) if packed else qgemm.DeviceArray.from_host(w), out=out)
@@ -1159,8 +1165,11 @@ def test_matmul_wgmma_rs_wave_rules(fmt, rng):
                               qgemm.reference.truth(x, w_f), x, w_f)
             assert r.passed, (p.kernel, p.defines, r)
     if hopper:
-        assert {(129, 128, 1, 2), (545, 128, 1, 1)} <= seen, seen
-        assert (768, 128, 2, 2) in seen if fmt == "q4_0" else (768, 256, 1, 2) in seen, seen
+        assert {(129, 4128, 128, 1, 2), (545, 4128, 128, 1, 1), (31, 4128, 64, 2, 5)} <= seen, seen
+        q4 = fmt == "q4_0"
+        assert (768, 8224, 128, 2, 2) in seen if q4 else (768, 8224, 256, 1, 2) in seen, seen
+        assert (31, 8224, 64, 2, 5) in seen if q4 else (31, 8224, 64, 1, 2) in seen, seen
+        assert (5, 8224, 2, 4, 4) in seen if q4 else (5, 8224, 2, 8, 2) in seen, seen
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
