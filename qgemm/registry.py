@@ -335,20 +335,23 @@ def _skinny_config(wfmt: str):
         # M = 1 (at M = 8 the 64 KB of staging costs occupancy).
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
         long_k = k >= 8192
+        # Q4_0 at 2-8 tokens of a long K: two 16-row tiles per CTA of 4 warps, K split 4 ways, two
+        # accumulator sets, where the four tiles x 8 warps split 2 below fill more than half the SMs
+        # and fewer than 4 CTAs per SM of two tiles would drop the split (N 2113-16864 on 132 SMs).
+        # Session 52, H100, `tools/probe_defines.py` kernel alone, hot / weights cold: 2 / 4 / 8
+        # x4096x14336 15.85 / 16.21 / 16.43 -> 13.28 / 13.54 / 13.66 us, cold 15.96 / 16.14 / 16.76
+        # -> 13.29 / 13.83 / 14.15, 4x4096x8192 8.67 -> 7.62; whole op, `tools/compare_paths.py`,
+        # float32 x: 13.13 / 13.45 / 14.09 -> 11.26 / 11.77 / 12.66, 4x4096x8192 8.63 -> 7.54. Not
+        # on narrow weights, where the split below grows to 8 (8x1024x14336 5.24 against 6.89 for
+        # this, 4x2048x14336 9.09 against 9.41), nor for Q8_0 (0-4% at N = 4096, 4% slower at
+        # 4x2048x14336); above N = 16864 not measured.
+        q4_long_decode = (wfmt == "q4_0" and mt == 1 and m > 1 and long_k and cdiv(cdiv(n, 16), 4) * 2 > sm_count // 2
+                          and cdiv(cdiv(n, 16), 2) < 4 * sm_count)
         if mt == 1 and not long_k:
             r, split, unroll = 1, 1, 1 if m == 1 else 2
         elif mt == 1 and m == 1:
             r, split, unroll = 2 if wfmt == "q4_0" else 1, 1, 2
-        elif mt == 1 and wfmt == "q4_0" and cdiv(cdiv(n, 16), 4) * 2 > sm_count // 2:
-            # Q4_0 at 2-8 tokens of a long K, where four tiles x 8 warps split 2 (below) fill more
-            # than half the SMs: two 16-row tiles per CTA of 4 warps, K split 4 ways (session 52,
-            # H100, `tools/probe_defines.py` kernel alone, hot / weights cold: 2 / 4 / 8 x4096x14336
-            # 15.85 / 16.21 / 16.43 -> 13.28 / 13.54 / 13.66 us, cold 15.96 / 16.14 / 16.76 -> 13.29 /
-            # 13.83 / 14.15, 4x4096x8192 8.67 -> 7.62; whole op, `tools/compare_paths.py`, float32 x:
-            # 13.13 / 13.45 / 14.09 -> 11.26 / 11.77 / 12.66, 4x4096x8192 8.63 -> 7.54). Not on
-            # narrow weights, where the split below grows to 8 (8x1024x14336 5.24 against 6.89 for
-            # this, 4x2048x14336 9.09 against 9.41), nor for Q8_0 (0-4% at N = 4096, 4% slower at
-            # 4x2048x14336).
+        elif q4_long_decode:
             r, split, unroll = 2, 4, 1
         elif mt == 1:
             r, split, unroll = 4 if wfmt == "q4_0" else 2, 2, 1
@@ -359,7 +362,7 @@ def _skinny_config(wfmt: str):
             r, split, unroll = 2, 2 if long_k and not (wfmt == "q8_0" and mt == 2) else 1, 1
         else:
             r, split, unroll = 1, 1, 1
-        warps = 8 if mt <= 4 and not (mt == 1 and long_k and m > 1 and r == 2 and split == 4) else 4
+        warps = 8 if mt <= 4 and not q4_long_decode else 4
         if wfmt == "q4_0" and mt == 1 and not long_k and m > 1:
             # re-tuned in session 10 (after the LOP3 dequantization and the 32-bit split point): 16 warps
             # with one group in flight each, 8x4096x4096 4.7 us against 5.2 for 8 warps x 2 groups,
@@ -372,7 +375,7 @@ def _skinny_config(wfmt: str):
         # 16x4096x4096 on the H100; for Q4_0 no gain at M = 1 and a loss at M = 8, and a loss at long K
         # with the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8);
         # Q8_0 at 2-8 tokens below K = 8192 gains (next line)
-        acc = 2 if wfmt == "q4_0" and (mt == 2 and not long_k or warps == 4 and mt == 1) else 1
+        acc = 2 if wfmt == "q4_0" and (mt == 2 and not long_k or q4_long_decode) else 1
         if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k:
             acc = 2  # Q8_0 8x4096x4096: 6.68 against 6.80 us (session 8), 6.3 against 6.4 (session 10)
         d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": split, "SK_XSMEM": int(m == 1),

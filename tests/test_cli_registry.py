@@ -584,7 +584,8 @@ def test_skinny_defaults_at_a_long_k(fmt):
     """The fp16 decode kernel at 2-8 tokens of a long K (session 52): Q4_0 two 16-row tiles per CTA
     of 4 warps, K split 4 ways, two accumulator sets, where its former four tiles x 8 warps split 2
     fill more than half the SMs; narrow weights (N <= 2112 on 132 SMs: the narrow-weight split grows
-    to 8) and Q8_0 keep theirs, as do one token, 9-16 tokens and a short K."""
+    to 8), weights of N > 16864 (not measured; four CTAs per SM of two tiles would drop the split)
+    and Q8_0 keep theirs, as do one token, 9-16 tokens and a short K."""
     from qgemm import registry as R
 
     s = R.spec(f"w{'4' if fmt == 'q4_0' else '8'}a16.skinny")
@@ -596,6 +597,8 @@ def test_skinny_defaults_at_a_long_k(fmt):
     assert sk(8, 1024, 14336) == ((4, 8, 8, 1) if fmt == "q4_0" else (2, 8, 8, 1))
     assert sk(4, 2048, 14336) == ((4, 8, 8, 1) if fmt == "q4_0" else (2, 8, 2, 1))
     assert sk(8, 2176, 14336)[:3] == ((2, 4, 4) if fmt == "q4_0" else (2, 8, 2))
+    assert sk(8, 16864, 14336)[:3] == ((2, 4, 4) if fmt == "q4_0" else (2, 8, 2))
+    assert sk(8, 16880, 14336)[:2] == sk(4, 28672, 8192)[:2] == ((4, 8) if fmt == "q4_0" else (2, 8))
     assert sk(4, 4096, 4096)[2] == 1 and sk(4, 4096, 4096)[1] == (16 if fmt == "q4_0" else 8)
     assert sk(1, 4096, 14336)[2] == 1 and sk(12, 4096, 14336)[1] == 8
 
