@@ -534,11 +534,13 @@ def test_wgmma_rs_defaults_on_wide_and_narrow_weights(fmt):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_wgmma_rs_defaults_fill_the_waves(fmt):
-    """wgmma_rs from 65 tokens (session 52): at a short K (< 8192) one MMA warpgroup of 64 rows
-    wherever the 128 x 128 grid fills at most half of a 132-SM GPU (the tiles then need half the K
-    split; Q8_0's 256-token tiles too), and where that grid spills a few CTAs into a second wave
-    (133-198 tiles); at a long K those spilling grids split K in two instead. Everywhere else the
-    defaults stay as before: 512, 896 and 1152 tokens at N = 4096, and 2048 (the issue's rows)."""
+    """wgmma_rs's defaults by how the grid fills the GPU (session 52). From 65 tokens, at a short K
+    (< 8192), one MMA warpgroup of 64 rows wherever the 128 x 128 grid fills at most half of a
+    132-SM GPU (the tiles then need half the K split; Q8_0's 256-token tiles too), and where that
+    grid spills a few CTAs into a second wave (133-198 tiles); at a long K those spilling grids
+    split K in two instead. Up to 32 tokens, two MMA warpgroups where the 64-row tiles' split
+    truncates (N = 6144). Elsewhere the defaults stay as before: 512, 896 and 1152 tokens at
+    N = 4096, 2048 (the issue's rows), 33-64 tokens."""
     from qgemm import registry as R
 
     s = R.spec(f"w{'4' if fmt == 'q4_0' else '8'}a16.wgmma_rs")
