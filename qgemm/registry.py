@@ -658,9 +658,9 @@ def _rs_config(wfmt: str):
             d["RS_SPLITK"] = _split_k(cdiv(n, 64) * cdiv(m, 64), k, 2 * sm_count)
             two = _split_k(cdiv(n, 128) * cdiv(m, 64), k, 2 * sm_count)
             if m <= 32 and (wfmt == "q4_0" or k < 8192) and cdiv(n, 128) * two >= 1.15 * cdiv(n, 64) * d["RS_SPLITK"]:
-                # Where the split of 64-row tiles truncates badly (N = 5700-6700 on a 132-SM GPU, e.g. a
-                # fused qkv of 6144: 96 tiles split 2 fill 192 of 264 CTA slots), two MMA warpgroups
-                # of 128 rows split 5 fill 240 (session 52, H100). Whole op (`tools/compare_paths.py`,
+                # Where the split of 64-row tiles truncates badly (N = 4225-4736 and 5633-6656 on 132
+                # SMs, e.g. a fused qkv of 6144: 96 tiles split 2 fill 192 of 264 CTA slots), two MMA
+                # warpgroups of 128 rows split 5 fill 240 (session 52, H100). Whole op (`tools/compare_paths.py`,
                 # float32 x): Q4_0 17 / 32 x6144x4096 13.18 / 13.11 -> 11.23 / 11.51 us, 32x6144x14336
                 # 38.3 -> 33.3; Q8_0 (three buffers, two CTAs per SM) 14.19 / 14.10 -> 13.34 / 13.79. Up
                 # to 32 tokens: at 64 the kernel alone is faster (Q4_0 13.5 -> 11.6, Q8_0 14.4 -> 13.3)
