@@ -830,6 +830,15 @@ def test_run_tool_turns_what_a_user_can_fix_into_one_line():
     (["sanitize_configs.py", "memcheck", "w4a16.wgmma_rs", "--shapes", "7x33", "--sanitizer", "/bin/true"], "shape must be MxNxK"),
     (["sanitize_configs.py", "memcheck", "w4a16.wgmma_rs", "--shapes", "7x33x32", "--sanitizer", "/bin/true", "--jobs", "0"],
      "--jobs must be at least 1"),
+    (["plan_diff.py", "--old", "/nonexistent"], "/nonexistent holds no qgemm package"),
+    (["plan_diff.py", "--old", ".", "--m", "0"], "--m takes positive integers"),
+    (["plan_diff.py", "--old", ".", "--m", "9-1"], "--m takes positive integers"),
+    (["plan_diff.py", "--old", ".", "--m", "1-9:x"], "the step after ':' must be a positive integer"),
+    (["plan_diff.py", "--old", ".", "--fmts", "q5_0"], "--fmts takes q4_0 and / or q8_0"),
+    (["plan_diff.py", "--old", ".", "--x-dtypes", "f64"], "--x-dtypes takes f32, f16 and / or bf16"),
+    (["plan_diff.py", "--old", ".", "--k", "100"], "K must be a multiple of 32"),
+    (["plan_diff.py", "--old", ".", "--arch", "sm_99"], "sm_99 is not supported"),
+    (["plan_diff.py", "--old", ".", "--json", "/nonexistent/x.json"], "not a writable directory"),
 ])
 def test_tools_say_what_is_wrong_in_one_line(argv, said):
     """A tools/ audit (session 47): each of these printed a traceback, crashed later with an unrelated
@@ -950,3 +959,52 @@ def test_sanitize_configs_gives_every_configuration_a_line(tmp_path):
     r = subprocess.run([*tool, "--sanitizer", stand_in("silent", 0, summary=False)], capture_output=True, text=True,
                        timeout=600, env=env)
     assert r.returncode == 1 and r.stdout.count("UNCHECKED ") == len(expected), r.stdout
+
+
+def test_plan_diff_shows_what_a_change_moves(tmp_path):
+    """tools/plan_diff.py (session 52): the plans of two trees over a grid, and where they differ as
+    runs of M with only the #defines that changed. A copy of this tree with one default altered (the
+    up-to-64-token wgmma_rs stages) must show exactly that change, at every M of the grid's branch
+    and nowhere else; this tree against itself must show nothing."""
+    import shutil
+
+    old = tmp_path / "old"
+    for part in ("qgemm", "cuda_src"):
+        shutil.copytree(ROOT / part, old / part, ignore=shutil.ignore_patterns("__pycache__"))
+    reg = old / "qgemm" / "registry.py"
+    text = reg.read_text()
+    marker = 'd = {"RS_BN": 64, "RS_WGS": 1, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(k >= 8192)}'
+    assert text.count(marker) == 1
+    reg.write_text(text.replace(marker, marker.replace('"RS_STAGES": 4', '"RS_STAGES": 3')))
+    tool = [sys.executable, str(TOOLS / "plan_diff.py"), "--m", "1,16-20,64,65", "--n", "4096", "--k", "4096",
+            "--fmts", "q4_0", "--x-dtypes", "f32", "--json", str(tmp_path / "d.json")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([*tool, "--old", str(old)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    # 17-20 and 64 take the branch (M = 16 another kernel, 65 the next branch): one run of the grid's
+    # neighbours per weights, its five M named
+    assert lines[0] == "10 of 16 plans changed (sm_90, 132 SMs)", r.stdout
+    assert lines[1:] == [f"N=4096 K=4096 q4_0 {w} f32  M 17-64 (5 of the grid's M): w4a16.wgmma_rs: RS_STAGES 3 -> 4"
+                         for w in ("blocks", "packed")], r.stdout
+    assert json.loads((tmp_path / "d.json").read_text()) == {"plans": 16, "changed": lines[1:]}
+    same = subprocess.run([*tool, "--old", str(ROOT)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert same.returncode == 0 and same.stdout.splitlines() == ["0 of 16 plans changed (sm_90, 132 SMs)"], same.stdout
+
+
+def test_plan_diff_runs_are_grid_neighbours():
+    """plan_diff's runs join M only where they follow each other in the grid and change alike: a gap
+    in the grid's changed M, or another change, starts a new run."""
+    spec = importlib.util.spec_from_file_location("plan_diff", TOOLS / "plan_diff.py")
+    pd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pd)
+    ms = [1, 2, 3, 5, 8, 9, 10]
+    got = pd.runs([(9, "a"), (1, "a"), (2, "a"), (5, "a"), (3, "b"), (10, "a")], ms)
+    assert got == [(1, 2, 2, "a"), (3, 3, 1, "b"), (5, 5, 1, "a"), (9, 10, 2, "a")]
+    before, after = ["w4a16.skinny", {"SK_R": 4, "SK_WARPS": 8}], ["w4a16.skinny", {"SK_R": 2, "SK_WARPS": 8, "SK_ACC": 2}]
+    assert pd.change(before, after) == "w4a16.skinny: SK_ACC - -> 2, SK_R 4 -> 2"
+    assert pd.change(before, ["w4a16.mma", {"MMA_BM": 64}]) == "w4a16.skinny SK_R=4 SK_WARPS=8 -> w4a16.mma MMA_BM=64"
+    old = {"5x64x64 q4_0 packed f32": before, "8x64x64 q4_0 packed f32": before, "9x64x64 q4_0 packed f32": before}
+    new = {"5x64x64 q4_0 packed f32": after, "8x64x64 q4_0 packed f32": after, "9x64x64 q4_0 packed f32": before}
+    assert pd.diff(old, new, ms) == ["N=64 K=64 q4_0 packed f32  M 5-8 (2 of the grid's M): w4a16.skinny: SK_ACC - -> 2, SK_R 4 -> 2"]
+
