@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """Which shapes a change to the dispatch or the default configurations moves: `qgemm.plan` (the
-kernel and its #defines, untuned, for a GPU of `--arch` and `--sm-count` SMs) over a grid of shapes
-for two source trees, and the shapes whose plans differ, grouped into runs of M. No GPU needed.
+kernel and its #defines, untuned, for `--arch` with 132 SMs, as `qgemm.plan(arch=...)` plans) over a
+grid of shapes for two source trees, and the shapes whose plans differ, grouped into runs of M. No
+GPU needed.
 
     git archive HEAD | (mkdir -p /tmp/old && tar -x -C /tmp/old)     # the tree before the change
     python3 tools/plan_diff.py --old /tmp/old                        # N, K: the issue's and a model's
     python3 tools/plan_diff.py --old /tmp/old --m 1-64 --n 4096,6144 --k 14336 --fmts q4_0 --x-dtypes f32
 
 Each line of the result is one (N, K, format, weights, activation type) and a run of M (neighbours
-in the grid) whose plans changed alike, with the kernel and the #defines that differ, before -> after. A rule meant to fire only off the bench's grid
-can be checked here before any GPU time: an empty diff at the bench's rows means its published
-figures stand. Sessions 51 and 52 ran this comparison by hand over 300,000 shapes.
+in the grid) whose plans changed alike, with the kernel and the #defines that differ, before ->
+after. A rule meant to fire only off the bench's grid can be checked here before any GPU time: an
+empty diff at the bench's rows means its published figures stand. Sessions 51 and 52 ran this
+comparison by hand over 300,000 shapes.
 """
 
 import argparse
