@@ -148,9 +148,10 @@ def main() -> int:
     ap.add_argument("--old", required=True, help="the source tree before the change (holds qgemm/)")
     ap.add_argument("--new", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
                     help="the tree after it (default: this one)")
-    ap.add_argument("--m", default="1-128,129-4200:7", help="token counts: A,B,C-D and C-D:STEP (default 1-128 and every 7th to 4200)")
-    ap.add_argument("--n", default=DEFAULT_N)
-    ap.add_argument("--k", default=DEFAULT_K)
+    ap.add_argument("--m", default="1-128,129-4200:7",
+                    help="token counts: A,B,C-D and C-D:STEP (default: 1-128 and every 7th to 4200)")
+    ap.add_argument("--n", default=DEFAULT_N, help="weight widths (output features), as --m")
+    ap.add_argument("--k", default=DEFAULT_K, help="reductions, multiples of 32, as --m")
     ap.add_argument("--fmts", default="q4_0,q8_0")
     ap.add_argument("--x-dtypes", default="f32,f16,bf16")
     ap.add_argument("--arch", default="sm_90")
