@@ -150,11 +150,11 @@ def main() -> int:
                     help="the tree after it (default: this one)")
     ap.add_argument("--m", default="1-128,129-4200:7",
                     help="token counts: A,B,C-D and C-D:STEP (default: 1-128 and every 7th to 4200)")
-    ap.add_argument("--n", default=DEFAULT_N, help="weight widths (output features), as --m")
-    ap.add_argument("--k", default=DEFAULT_K, help="reductions, multiples of 32, as --m")
-    ap.add_argument("--fmts", default="q4_0,q8_0")
-    ap.add_argument("--x-dtypes", default="f32,f16,bf16")
-    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--n", default=DEFAULT_N, help="weight widths (output features): A,B,C-D")
+    ap.add_argument("--k", default=DEFAULT_K, help="reductions, multiples of 32: A,B,C-D")
+    ap.add_argument("--fmts", default="q4_0,q8_0", help="weight formats: q4_0 and / or q8_0")
+    ap.add_argument("--x-dtypes", default="f32,f16,bf16", help="activation types: f32, f16 and / or bf16")
+    ap.add_argument("--arch", default="sm_90", help="the architecture planned for (sm_75 .. sm_90)")
     ap.add_argument("--json", default=None, help="also write {'changed': [...lines], 'plans': count} here")
     a = ap.parse_args()
     if a.json:
