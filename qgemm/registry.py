@@ -720,6 +720,13 @@ def _rs_config(wfmt: str):
     return config
 
 
+def _fewer_waves(ctas: int, alt_ctas: int, alt_share: float, alt_efficiency: float, sm_count: int) -> bool:
+    """The wave count behind `wgmma_rs`'s grid rules (one CTA per SM): whether a grid of `alt_ctas`
+    CTAs, each doing `alt_share` of a CTA's work of the grid of `ctas` at `alt_efficiency` of its
+    rate, finishes sooner -- its waves times the cost of one, against the whole grid's waves."""
+    return cdiv(alt_ctas, sm_count) * alt_share / alt_efficiency < cdiv(ctas, sm_count)
+
+
 def _rs_half_tiles_fewer_waves(m: int, n: int, sm_count: int) -> bool:
     """Whether 64-token tiles (two MMA warpgroups, so 64 x 128 outputs per CTA) finish in less time
     than 128-token ones where the 128-token grid fills the GPU (no K split) but spills a few CTAs
@@ -736,7 +743,7 @@ def _rs_half_tiles_fewer_waves(m: int, n: int, sm_count: int) -> bool:
     2049-2112 at 1024 and 2048; never at N = 4096 or 14336."""
     whole = cdiv(n, 128) * cdiv(m, 128)
     half = cdiv(n, 128) * cdiv(m, 64)
-    return whole >= sm_count and cdiv(half, sm_count) * 0.5 / 0.72 < cdiv(whole, sm_count)
+    return whole >= sm_count and _fewer_waves(whole, half, 0.5, 0.72, sm_count)
 
 
 def _rs_half_rows_fewer_waves(whole: int, sm_count: int) -> bool:
@@ -749,7 +756,7 @@ def _rs_half_rows_fewer_waves(whole: int, sm_count: int) -> bool:
     whole tiles (two waves, the second short); at 224 (896x4096x4096) and 288 (1152) the whole tiles
     stay ahead, as this says. Q8_0's 256-token tiles (64 rows already) and the 64-token tiles of
     `_rs_half_tiles_fewer_waves` are chosen before this."""
-    return whole > sm_count and cdiv(2 * whole, sm_count) * 0.5 / 0.78 < cdiv(whole, sm_count)
+    return whole > sm_count and _fewer_waves(whole, 2 * whole, 0.5, 0.78, sm_count)
 
 
 def _rs_split_fewer_waves(ctas: int, sm_count: int) -> bool:
@@ -759,7 +766,7 @@ def _rs_split_fewer_waves(ctas: int, sm_count: int) -> bool:
     2: 576x4096x14336 Q4_0 163.5 -> 138.2 us, Q8_0 176.5 -> 148.2; 640 158.7 -> 138.0, 172.7 ->
     148.3; 768 155.2 -> 142.4, Q8_0 (256-token tiles) 169.1 -> 155.3). On a 132-SM GPU: 133-198
     CTAs (at 224, 896x4096x14336, and 288, 1152, no split stays ahead, as this says)."""
-    return ctas > sm_count and cdiv(2 * ctas, sm_count) / 2 * 1.2 < cdiv(ctas, sm_count)
+    return ctas > sm_count and _fewer_waves(ctas, 2 * ctas, 0.5, 1 / 1.2, sm_count)
 
 
 def _rs_candidates(wfmt: str):
