@@ -136,16 +136,18 @@ def _split_k(ctas: int, k: int, sm_count: int) -> int:
 
 
 def _tune_splits(ctas: int, k: int) -> list[int]:
-    """The K splits `qgemm tune` tries for a grid of `ctas` tiles: 1, 2, 4, 8 and the split that
-    fills a 132-SM GPU at one and at two CTAs per SM (`_split_k`), which is 3, 5, 6 or 7 for some
-    grids (513x1024x8192's 40 tiles: 3) -- the default's own split at such a shape would
-    otherwise be missing from every other tile's candidates."""
-    return sorted({1, 2, 4, 8, _split_k(ctas, k, 132), _split_k(ctas, k, 2 * 132)})
+    """The K splits `qgemm tune` tries for a grid of `ctas` tiles: 1, 2, 3, 4, 8 and the split that
+    fills a 132-SM GPU at one and at two CTAs per SM (`_split_k`), which is 5, 6 or 7 for some
+    grids (300x1000x4096's 24 tiles: 5) -- the default's own split at such a shape would
+    otherwise be missing from every other tile's candidates. 3 for grids a wave short of the SMs
+    at a long K (session 53: 1100x1024x14336's 72 tiles split 3 fill two waves)."""
+    return sorted({1, 2, 3, 4, 8, _split_k(ctas, k, 132), _split_k(ctas, k, 2 * 132)})
 
 
 def _split_k_ok(ctas: int, k: int, split: int) -> bool:
-    """A K split worth tuning: at most 4 CTAs per SM of a 132-SM GPU, >= 2 stages per split."""
-    return split == 1 or (ctas * split <= 4 * 132 and cdiv(k // 32, 4) >= 2 * split)
+    """A K split worth tuning: at most 6 CTAs per SM of a 132-SM GPU (a grid of up to 198 tiles
+    split 4), >= 2 stages per split."""
+    return split == 1 or (ctas * split <= 6 * 132 and cdiv(k // 32, 4) >= 2 * split)
 
 
 def _mma_config(m: int, n: int, k: int, sm_count: int) -> dict:
@@ -713,8 +715,8 @@ def _rs_config(wfmt: str):
             d["RS_STAGES"] -= 1
         ctas = cdiv(n, 64 * d["RS_WGS"]) * cdiv(m, d["RS_BN"])
         d["RS_SPLITK"] = _split_k(ctas, k, sm_count)
-        if not short_k and _rs_split_fewer_waves(ctas, sm_count):
-            d["RS_SPLITK"] = 2
+        if not short_k and sm_count // 2 < ctas <= 3 * sm_count // 2:
+            d["RS_SPLITK"] = _rs_long_k_split(ctas, k, sm_count)
         d["RS_WEF"] = _rs_wef(wfmt, m, n, k)
         return d
     return config
@@ -759,14 +761,25 @@ def _rs_half_rows_fewer_waves(whole: int, sm_count: int) -> bool:
     return whole > sm_count and _fewer_waves(whole, 2 * whole, 0.5, 0.78, sm_count)
 
 
-def _rs_split_fewer_waves(ctas: int, sm_count: int) -> bool:
-    """Whether a 2-way K split of a grid of `ctas` CTAs (one per SM) that spills a few CTAs into one
-    more wave finishes sooner at a long K: waves of half the K cost 1.2 / 2 of a whole one (the
-    split's fill and reductions; session 52, H100, kernel alone, `qgemm tune --dry-run`, split 1 ->
-    2: 576x4096x14336 Q4_0 163.5 -> 138.2 us, Q8_0 176.5 -> 148.2; 640 158.7 -> 138.0, 172.7 ->
-    148.3; 768 155.2 -> 142.4, Q8_0 (256-token tiles) 169.1 -> 155.3). On a 132-SM GPU: 133-198
-    CTAs (at 224, 896x4096x14336, and 288, 1152, no split stays ahead, as this says)."""
-    return ctas > sm_count and _fewer_waves(ctas, 2 * ctas, 0.5, 1 / 1.2, sm_count)
+def _rs_long_k_split(ctas: int, k: int, sm_count: int) -> int:
+    """The K split (1-4) of a grid of `ctas` CTAs (one per SM) at a long K that finishes first,
+    where the grid leaves SMs idle in its last wave and `_split_k` (which only fills one wave)
+    keeps it whole: half the SMs up to one and a half waves. A CTA of a `s`-way split costs
+    K / s + 768 (the split's fixed cost in K, ~6 stages of 128: its pipeline's fill and drain and
+    the fp32 reduction into a zeroed C; with 768 the model meets 64 timings at 3.5% rms, 11% at
+    worst, and picks the fastest split measured at every shape but one, a tie), times the waves.
+    Session 53, H100, kernel alone, `qgemm tune --dry-run` (Q4_0; Q8_0 alike), split 1 ->
+    the one chosen: 96 CTAs, 300x4096x14336 81.3 -> 73.6 us (split 4), 300x4096x11008 63.1 ->
+    60.1 (4), 200x6144x14336 81.5 -> 73.8 (4); 72, 1100x1024x14336 80.2 -> 63.4 (3),
+    1100x1024x8192 46.9 -> 40.3 (3); 86, 100x11008x14336 82.2 -> 67.1 (3); 160, 576x4096x14336
+    166.7 -> 123.8 (4; split 2, session 52's rule, 139.1), 2500x1024x14336 166.6 -> 127.7 (4),
+    600x4096x11008 128.6 -> 102.8 (4; 3 102.7); 172, 256x11008x14336 167.9 -> 138.2 (3; split 2 140.8);
+    192, 768x4096x14336 160.1 -> 145.2 (2; split 3 164.2). Kept whole, as measured: 96 CTAs at
+    K = 8192 (384x4096x8192 45.3 against 49.2 split 4, 2048 K per CTA) and 112 at K = 4096. Past
+    one and a half waves not measured (at 224 and 288 CTAs no split stays ahead, session 52)."""
+    def cost(split: int) -> float:
+        return cdiv(ctas * split, sm_count) * (k / split + (768 if split > 1 else 0))
+    return min(range(1, 5), key=lambda split: (cost(split), split))
 
 
 def _rs_candidates(wfmt: str):

@@ -537,8 +537,9 @@ def test_wgmma_rs_defaults_fill_the_waves(fmt):
     """wgmma_rs's defaults by how the grid fills the GPU (session 52). From 65 tokens, at a short K
     (< 8192), one MMA warpgroup of 64 rows wherever the 128 x 128 grid fills at most half of a
     132-SM GPU (the tiles then need half the K split; Q8_0's 256-token tiles too), and where that
-    grid spills a few CTAs into a second wave (133-198 tiles); at a long K those spilling grids
-    split K in two instead. Up to 32 tokens, two MMA warpgroups where the 64-row tiles' split
+    grid spills a few CTAs into a second wave (133-198 tiles); at a long K those spilling grids,
+    and those filling more than half the SMs in one wave, split K 2-4 ways, by the waves each split
+    makes (session 53). Up to 32 tokens, two MMA warpgroups where the 64-row tiles' split
     truncates (N = 6144). Elsewhere the defaults stay as before: 512, 896 and 1152 tokens at
     N = 4096, 2048 (the issue's rows), 33-64 tokens."""
     from qgemm import registry as R
@@ -559,10 +560,19 @@ def test_wgmma_rs_defaults_fill_the_waves(fmt):
         assert cfg(m, n, 4096) == (128, 1, 1), (m, n)
     # ... (not over Q8_0's 256-token tiles, level there: 768x4096, 512x6144) ...
     assert cfg(768, 4096, 4096) == ((128, 1, 1) if fmt == "q4_0" else (256, 1, 1))
-    # ... and a 2-way K split at a long one (Q8_0's 256-token tiles too)
-    for m, n, k in ((576, 4096, 14336), (640, 4096, 8192), (600, 4096, 11008), (1100, 2048, 8192)):
-        assert cfg(m, n, k) == (128, 2, 2), (m, n, k)
+    # ... and a K split at a long one, 2-4 ways by the waves each makes (session 53; session 52
+    # split these 2 ways), Q8_0's 256-token tiles too
+    for m, n, k, split in ((576, 4096, 14336, 4), (640, 4096, 8192, 3), (600, 4096, 11008, 4), (1100, 2048, 8192, 3)):
+        assert cfg(m, n, k) == (128, 2, split), (m, n, k)
     assert cfg(768, 4096, 14336) == ((128, 2, 2) if fmt == "q4_0" else (256, 1, 2))
+    assert cfg(256, 11008, 14336) == ((128, 2, 3) if fmt == "q4_0" else (256, 1, 3))
+    # ... and where the grid fills more than half the SMs but not all (one wave, no split before)
+    for m, n, k, split in ((300, 4096, 14336, 4), (300, 4096, 11008, 4), (200, 6144, 14336, 4), (1100, 1024, 14336, 3),
+                           (1100, 1024, 8192, 3), (100, 11008, 14336, 3)):
+        assert cfg(m, n, k) == (128, 2, split), (m, n, k)
+    # ... but not where a CTA's share of K would be short (96 CTAs at K = 8192: split 4 measured
+    # slower), nor at a short K, nor past one and a half waves
+    assert cfg(384, 4096, 8192)[2] == cfg(120, 14336, 4096)[2] == cfg(896, 4096, 14336)[2] == 1
     # unchanged: one full wave, or later waves where the spill is a smaller share
     for m, k in ((512, 4096), (512, 14336), (896, 4096), (896, 14336), (1152, 4096), (1152, 14336), (2048, 4096)):
         assert cfg(m, 4096, k)[2] == 1 and cfg(m, 4096, k)[1] == (2 if fmt == "q4_0" or m % 256 else 1), (m, k)
