@@ -839,6 +839,12 @@ def test_run_tool_turns_what_a_user_can_fix_into_one_line():
     (["plan_diff.py", "--old", ".", "--k", "100"], "K must be a multiple of 32"),
     (["plan_diff.py", "--old", ".", "--arch", "sm_99"], "sm_99 is not supported"),
     (["plan_diff.py", "--old", ".", "--json", "/nonexistent/x.json"], "not a writable directory"),
+    (["ab_report.py", "--old", "/nonexistent.json", "--new", "/nonexistent.json"], "--old: cannot read /nonexistent.json"),
+    (["ab_report.py", "--old", ",", "--new", "x.json"], "--old and --new each name at least one JSON file"),
+    (["ab_report.py", "--old", "docs/perf/bench-h100.json", "--new", "docs/perf/bench-h100.json"],
+     "lacks shape, x_dtype_asked, path: expected tools/compare_paths.py rows"),
+    (["ab_report.py", "--old", "README.md", "--new", "README.md"], "--old: README.md is not JSON"),
+    (["ab_report.py", "--old", "x.json", "--new", "x.json", "--markdown", "/nonexistent/ab.md"], "not a writable directory"),
 ])
 def test_tools_say_what_is_wrong_in_one_line(argv, said):
     """A tools/ audit (session 47): each of these printed a traceback, crashed later with an unrelated
@@ -1008,3 +1014,86 @@ def test_plan_diff_runs_are_grid_neighbours():
     new = {"5x64x64 q4_0 packed f32": after, "8x64x64 q4_0 packed f32": after, "9x64x64 q4_0 packed f32": before}
     assert pd.diff(old, new, ms) == ["N=64 K=64 q4_0 packed f32  M 5-8 (2 of the grid's M): w4a16.skinny: SK_ACC - -> 2, SK_R 4 -> 2"]
 
+
+
+def _ab_row(shape, fmt, us, split, cold=False, path="default", x="f32"):
+    """One row as tools/compare_paths.py writes it (the fields ab_report reads, and a few more)."""
+    return {"shape": shape, "M": 1, "N": 1, "K": 32, "fmt": fmt, "cold": cold, "x_dtype": x, "x_dtype_asked": x,
+            "path": path, "kernel": "w4a16.wgmma_rs", "config": {"RS_BN": 128, "RS_SPLITK": split}, "matmul_us": us,
+            "kernel_us": us - 5, "repeat": 0}
+
+
+def test_ab_report_tabulates_two_trees(tmp_path):
+    """tools/ab_report.py (session 53): min-max per side over its files, new / old of the minima,
+    the #defines that moved, "same" where none did, "-" for a row one tree did not time, and a
+    default that moved within one side (another GPU's SM count, a tuned cache) named as such."""
+    ab = _load("ab_report")
+    old = [_ab_row("300x4096x14336", "q4_0", 86.0, 1), _ab_row("512x4096x14336", "q4_0", 96.0, 1),
+           _ab_row("300x4096x14336@cold", "q4_0", 89.0, 1, cold=True)]
+    old2 = [_ab_row("300x4096x14336", "q4_0", 87.4, 1), _ab_row("512x4096x14336", "q4_0", 96.2, 1),
+            _ab_row("300x4096x14336@cold", "q4_0", 89.3, 1, cold=True)]
+    new = [_ab_row("300x4096x14336", "q4_0", 77.8, 4), _ab_row("512x4096x14336", "q4_0", 95.8, 1),
+           _ab_row("300x4096x14336@cold", "q4_0", 81.7, 4, cold=True), _ab_row("1x4096x4096", "q8_0", 4.5, 1)]
+    new2 = [_ab_row("300x4096x14336", "q4_0", 78.3, 4), _ab_row("512x4096x14336", "q4_0", 96.2, 2),
+            _ab_row("300x4096x14336@cold", "q4_0", 82.1, 4, cold=True)]
+    files = {}
+    for name, rows in (("o1", old), ("o2", old2), ("n1", new), ("n2", new2)):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps({"env": {}, "command": "c", "rows": rows}))
+    md = tmp_path / "ab.md"
+    assert ab.main(["--old", f"{files['o1']},{files['o2']}", "--new", f"{files['n1']},{files['n2']}",
+                    "--markdown", str(md)]) == 0
+    lines = md.read_text().splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ") and not line.startswith("| shape")]
+    rows = {(c[0], c[1]): tuple(c[2:]) for c in cells}
+    assert rows[("300x4096x14336", "q4_0")] == ("f32", "default", "86.00-87.40", "77.80-78.30", "0.905", "RS_SPLITK 1 -> 4")
+    assert rows[("300x4096x14336 cold", "q4_0")][2:] == ("89.00-89.30", "81.70-82.10", "0.918", "RS_SPLITK 1 -> 4")
+    assert rows[("1x4096x4096", "q8_0")][2:] == ("-", "4.50", "-", "-")
+    assert rows[("512x4096x14336", "q4_0")][5].startswith("plans vary within a side")
+    same = ab.table([_ab_row("s", "q4_0", 10.0, 2)], [_ab_row("s", "q4_0", 9.0, 2)])
+    assert same[0][-2:] == (0.9, "same")
+
+
+def test_gpu_check_ab_step_alternates_the_trees(tmp_path):
+    """tools/gpu_check.sh's step `ab` (session 53), with a stand-in python that records its calls and
+    writes each tree's compare_paths JSON: both trees precompiled, then old, new, old, new, each run
+    in its own directory with only its own qgemm importable, then tools/ab_report.py's table. And
+    the step refuses to run without an old tree or shapes."""
+    old = tmp_path / "old"
+    (old / "qgemm").mkdir(parents=True)
+    (old / "tools").mkdir()
+    (old / "qgemm" / "__init__.py").write_text("")
+    (old / "tools" / "compare_paths.py").write_text("")
+    for side, us, split in (("old", 86.0, 1), ("new", 77.8, 4)):
+        (tmp_path / f"{side}.json").write_text(json.dumps({"rows": [_ab_row("300x4096x14336", "q4_0", us, split)]}))
+    calls = tmp_path / "calls"
+    fake = tmp_path / "py"
+    fake.write_text(f"""#!/bin/sh
+echo "$(pwd)|$PYTHONPATH|$*" >> {calls}
+case "$*" in
+  *tools/compare_paths.py*)
+    out=$(printf '%s\\n' "$@" | sed -n '/^--json$/{{n;p;}}')
+    side=new; [ "$(pwd)" = "{old}" ] && side=old
+    cp {tmp_path}/$side.json "$out" ;;
+  *tools/ab_report.py*) exec {sys.executable} "$@" ;;
+esac
+exit 0
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(fake), "QGEMM_CHECK": "ab"}
+    r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=120,
+                       env={**env, "QGEMM_AB_OLD": str(old), "QGEMM_AB_SHAPES": "300x4096x14336,300x4096x14336@cold"})
+    assert r.returncode == 0 and "gpu_check: PASS" in r.stdout, r.stdout + r.stderr
+    seen = [line.split("|") for line in calls.read_text().splitlines() if "tools/" in line]
+    work = [(cwd, pp, args.split()[0]) for cwd, pp, args in seen]
+    assert work[:2] == [(str(old), str(old), "tools/precompile.py"), (str(ROOT), str(ROOT), "tools/precompile.py")]
+    assert "--shapes 300x4096x14336,300x4096x14336 " in seen[0][2] + " "  # @cold stripped for compiling
+    assert [(cwd, pp) for cwd, pp, tool in work[2:6]] == [(str(old), str(old)), (str(ROOT), str(ROOT))] * 2
+    assert all(tool == "tools/compare_paths.py" for _, _, tool in work[2:6]) and work[6][2] == "tools/ab_report.py"
+    table = (tmp_path / "out" / "ab.md").read_text()
+    assert "| 300x4096x14336 | q4_0 | f32 | default | 86.00 | 77.80 | 0.905 | RS_SPLITK 1 -> 4 |" in table
+    for extra, said in (({"QGEMM_AB_SHAPES": "1x64x64"}, "step ab needs QGEMM_AB_OLD"),
+                        ({"QGEMM_AB_OLD": str(tmp_path), "QGEMM_AB_SHAPES": "1x64x64"}, "step ab needs QGEMM_AB_OLD"),
+                        ({"QGEMM_AB_OLD": str(old)}, "step ab needs QGEMM_AB_SHAPES")):
+        r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=60, env={**env, **extra})
+        assert r.returncode == 1 and said in r.stdout and "gpu_check: FAIL" in r.stdout, r.stdout

@@ -18,11 +18,17 @@
 #   other steps: precompile (every default configuration of the bench shapes, in parallel: run it
 #   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, pdl,
 #   pack (the GPU repacking: its tests and matmul on blocks against packed weights), host (an eager
-#   qgemm.matmul call's host time against torch's: docs/pytorch.md's table)
+#   qgemm.matmul call's host time against torch's: docs/pytorch.md's table), ab (below)
+#
+#   QGEMM_CHECK=ab QGEMM_AB_OLD=out/oldtree QGEMM_AB_SHAPES=300x4096x14336,300x4096x14336@cold \
+#       bash tools/gpu_check.sh    # whole op of an older tree (`git archive REV | tar -x -C out/oldtree`,
+#                                  # carried) against this one, alternating twice; tools/ab_report.py
+#                                  # tabulates it (QGEMM_AB_X: activation types, default f32)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the ab step runs tools from another tree's directory
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export QGEMM_CACHE_DIR=${QGEMM_CACHE_DIR:-/tmp/qgemm-cache}
@@ -47,6 +53,9 @@ if ! $PY -c "import gguf" 2>/dev/null; then
   done
 fi
 run() { echo "+ $*" | tee -a "$LOG"; "$@" 2>&1 | tee -a "$LOG"; local r=${PIPESTATUS[0]}; [ "$r" = 0 ] || { echo "!! exit $r: $*" | tee -a "$LOG"; rc=1; }; }
+# the same in another source tree, with only that tree's qgemm importable
+run_in() { local tree=$1; shift; echo "+ (in $tree) $*" | tee -a "$LOG"; (cd "$tree" && PYTHONPATH="$tree" "$@") 2>&1 | tee -a "$LOG"
+           local r=${PIPESTATUS[0]}; [ "$r" = 0 ] || { echo "!! exit $r: $*" | tee -a "$LOG"; rc=1; }; }
 
 for step in $STEPS; do
   case $step in
@@ -262,6 +271,23 @@ for step in $STEPS; do
               bnch=(); [ -f "$OUT/bench.json" ] && bnch=(--bench "$OUT/bench.json")
               run $PY tools/perf_report.py "$OUT/profile-hot.json" "$OUT/profile-cold.json" ${bnch[@]+"${bnch[@]}"} \
                   ${sust[@]+"${sust[@]}"} --notes docs/performance-notes.md -o "$OUT/performance.md" ;;
+    ab)       # what a change of the defaults does to the whole op, prologue included: the tree in
+              # QGEMM_AB_OLD against this one at QGEMM_AB_SHAPES, each timed twice, alternating, in this
+              # one process pair (drift shows as a cell's range; session 52's and 53's rules were adopted so)
+              old=${QGEMM_AB_OLD:-}; shapes=${QGEMM_AB_SHAPES:-}
+              if [ -z "$old" ] || [ ! -f "$old/qgemm/__init__.py" ] || [ ! -f "$old/tools/compare_paths.py" ]; then
+                  echo "!! step ab needs QGEMM_AB_OLD: a source tree with qgemm/ and tools/compare_paths.py (got '${old}')" | tee -a "$LOG"; rc=1; continue
+              fi
+              [ -n "$shapes" ] || { echo "!! step ab needs QGEMM_AB_SHAPES (MxNxK[@cold],...)" | tee -a "$LOG"; rc=1; continue; }
+              old=$(cd "$old" && pwd)
+              for tree in "$old" "$PWD"; do run_in "$tree" $PY tools/precompile.py all --defaults-only --shapes "${shapes//@cold/}"; done
+              for r in 1 2; do for side in old new; do
+                  tree=$([ $side = old ] && echo "$old" || echo "$PWD")
+                  run_in "$tree" $PY tools/compare_paths.py --shapes "$shapes" --x-dtypes "${QGEMM_AB_X:-f32}" --repeats 1 \
+                      --json "$OUT/ab-$side-$r.json"
+              done; done
+              run $PY tools/ab_report.py --old "$OUT/ab-old-1.json,$OUT/ab-old-2.json" --new "$OUT/ab-new-1.json,$OUT/ab-new-2.json" \
+                  --markdown "$OUT/ab.md" ;;
     *) echo "unknown step $step" | tee -a "$LOG"; rc=1 ;;
   esac
 done
