@@ -355,6 +355,8 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
     if repack:
         reason += ("; it reads the skinny weight layout, so the ggml blocks are repacked on the GPU first, on every "
                    "call (pass w = qgemm.pack_weights(w) to repack once, at load)")
+    reason += _split_reason(k_obj, m, n, k, defines, 132 if arch is not None or not runtime.gpu_available()
+                            else runtime.device_info().sm_count)
     return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed,
                 f"pack.{fmt}" if repack else None)
 
@@ -376,6 +378,17 @@ def _matmul_plan(m, n, k, fmt, x_dtype, path, packed) -> Plan:
     if p is None:
         p = runtime.remember(_matmul_plans, key, _plan(m, n, k, fmt, x_dtype, path, packed, None, "matmul"), 1024)
     return p
+
+
+def _split_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) -> str:
+    """The K split of a plan in its grid's numbers, where it has one: the output tiles alone are too
+    few CTAs (or leave the last wave short) for the SMs, so each tile's K is shared by several CTAs."""
+    split = max((v for key, v in defines.items() if key.endswith(("SPLITK", "GSPLIT"))), default=1)
+    if split <= 1 or k_obj.spec.geometry is None:
+        return ""
+    ctas = math.prod(k_obj.geometry(m, n, k, defines).grid)
+    return (f"; K split {split} ways: {ctas // split} output tiles make {ctas} CTAs for {sm_count} SMs, each adding "
+            "its partial sums into the output, zeroed first")
 
 
 def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,

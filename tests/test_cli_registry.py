@@ -2083,3 +2083,19 @@ def test_error_message_audit_findings(tmp_path):
         qgemm.get("fp32.naive").compile("sm_90", [1])
     with pytest.raises(ValueError, match="quantize.q8_1: X must be a numpy array or a device array, got NoneType"):
         qgemm.get("quantize.q8_1")(None)
+
+
+def test_explain_says_why_k_is_split():
+    """`explain` gives a plan's K split in its grid's numbers (session 53: three of wgmma_rs's rules
+    choose it by the waves the grid makes): the output tiles, the CTAs the split makes and the SMs
+    they are for; nothing where the plan does not split."""
+    from qgemm import dispatch
+
+    text = dispatch.explain(300, 4096, 14336, "q4_0", packed=True, arch="sm_90")
+    assert "RS_SPLITK=4" in text and "K split 4 ways: 96 output tiles make 384 CTAs for 132 SMs" in text
+    assert "K split 2 ways: 64 output tiles make 128 CTAs for 132 SMs" in \
+        dispatch.explain(256, 4096, 14336, "q4_0", packed=True, arch="sm_90")
+    assert "K split" not in dispatch.explain(512, 4096, 4096, "q4_0", packed=True, arch="sm_90")
+    # the decode kernels' split (across gridDim.y) and the sm_80 kernel's alike
+    assert "K split 4 ways: 128 output tiles make 512 CTAs" in dispatch.explain(4, 4096, 14336, "q4_0", packed=True, arch="sm_90")
+    assert "K split 8 ways: 8 output tiles make 64 CTAs" in dispatch.explain(64, 1024, 4096, "q4_0", arch="sm_80")
