@@ -383,11 +383,11 @@ def _matmul_plan(m, n, k, fmt, x_dtype, path, packed) -> Plan:
 def _split_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) -> str:
     """The K split of a plan in its grid's numbers, where it has one: the output tiles alone are too
     few CTAs (or leave the last wave short) for the SMs, so each tile's K is shared by several CTAs."""
-    split = max((v for key, v in defines.items() if key.endswith(("SPLITK", "GSPLIT"))), default=1)
-    if split <= 1 or k_obj.spec.geometry is None:
+    g = k_obj.geometry(m, n, k, defines)
+    if g.split <= 1:
         return ""
-    ctas = math.prod(k_obj.geometry(m, n, k, defines).grid)
-    return (f"; K split {split} ways: {ctas // split} output tiles make {ctas} CTAs for {sm_count} SMs, each adding "
+    ctas = math.prod(g.grid)
+    return (f"; K split {g.split} ways: {ctas // g.split} output tiles make {ctas} CTAs for {sm_count} SMs, each adding "
             "its partial sums into the output, zeroed first")
 
 

@@ -233,10 +233,15 @@ class Launch:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shmem: int = 0  # dynamic shared memory bytes
-    zero_output: bool = False  # split-K kernels accumulate into C with atomics
+    split: int = 1  # K split across CTAs: each adds its partial sums into C
     # launched with programmatic dependent launch when the kernel's spec supports it (KernelSpec.pdl)
     # and PDL is on: a configuration may turn it off where starting early costs more than it gives
     pdl: bool = True
+
+    @property
+    def zero_output(self) -> bool:
+        """Split-K kernels accumulate into C with atomics, so C is zeroed first."""
+        return self.split > 1
 
     def check(self, who: str, shape: str) -> None:
         """ValueError when CUDA cannot launch this grid (x < 2^31, y and z <= 65535 CTAs): a kernel

@@ -125,7 +125,7 @@ def _mma_geometry(wfmt: str, a_row: int = 144):
         threads = 32 * d["MMA_WARPS_M"] * d["MMA_WARPS_N"]
         smem = d["MMA_STAGES"] * (bm * a_row + bn * _MMA_W_ROW[wfmt])
         split = d["MMA_SPLITK"]
-        return Launch(grid=(cdiv(n, bn), cdiv(m, bm), split), block=(threads, 1, 1), shmem=smem, zero_output=split > 1)
+        return Launch(grid=(cdiv(n, bn), cdiv(m, bm), split), block=(threads, 1, 1), shmem=smem, split=split)
     return geometry
 
 
@@ -275,7 +275,7 @@ def _skinny_xsmem(m: int, k: int, d: dict) -> int:
 def _skinny_geometry(m: int, n: int, k: int, d: dict) -> Launch:
     split = d.get("SK_GSPLIT", 1)  # K split across CTAs (gridDim.y): atomics into a zeroed C
     return Launch(grid=(cdiv(cdiv(n, 16), d["SK_R"]), split, 1), block=(32 * d["SK_WARPS"], 1, 1),
-                  shmem=_skinny_xsmem(m, k, d), zero_output=split > 1)
+                  shmem=_skinny_xsmem(m, k, d), split=split)
 
 
 def _skinny_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
@@ -564,7 +564,7 @@ def _wgmma_geometry(m: int, n: int, k: int, d: dict) -> Launch:
     # (+64 B: the producer/consumer mbarriers of WG_SPEC)
     split = d.get("WG_SPLITK", 1)
     return Launch(grid=(cdiv(n, 128), cdiv(m, 128), split), block=(512 if d.get("WG_SPEC") else 256, 1, 1),
-                  shmem=d["WG_STAGES"] * 64 * 1024 + 1024 + 64, zero_output=split > 1)
+                  shmem=d["WG_STAGES"] * 64 * 1024 + 1024 + 64, split=split)
 
 
 def _wgmma_config(m: int, n: int, k: int, sm_count: int) -> dict:
@@ -595,7 +595,7 @@ def _rs_geometry(wfmt: str):
         split = d.get("RS_SPLITK", 1)  # RS_MINB only bounds registers (launch bounds): no launch change
         ws = d.get("RS_WS", 0)  # warp-specialized: + a copying warpgroup and 2 mbarriers per buffer
         return Launch(grid=(cdiv(n, 64 * d["RS_WGS"]), cdiv(m, d["RS_BN"]), split), block=(128 * (d["RS_WGS"] + ws), 1, 1),
-                      shmem=_rs_shmem(wfmt, d), zero_output=split > 1)
+                      shmem=_rs_shmem(wfmt, d), split=split)
     return geometry
 
 
