@@ -675,8 +675,12 @@ def _rs_config(wfmt: str):
             return d
         d = {"RS_BN": 128, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": 1}
         whole = cdiv(n, 128) * cdiv(m, 128)  # 128 x 128 tiles
-        short_k = k < 8192
-        few_tiles = short_k and 2 * whole <= sm_count
+        # A short K is one where a K split costs more than it fills: there one MMA warpgroup per CTA
+        # (twice the CTAs) fills the GPU instead of a split. For a grid spilling into a second wave
+        # session 54 moved the bound from 8192 to 5120 (`_rs_long_k_split` splits instead; H100,
+        # whole op, old -> new: 450x5120x5120 Q4_0 62.9 -> 57.9 us, 700x4096x6144 78.1 -> 74.9).
+        short_k = k < 5120
+        few_tiles = k < 8192 and 2 * whole <= sm_count and not _rs_split_fills_more(m, n, k, sm_count)
         if whole * 8 <= sm_count or few_tiles:
             # narrow weights (N <= 2048 at 65-128 tokens on a 132-SM GPU): even an 8-way K split
             # leaves SMs idle, so one MMA warpgroup of 64 rows per CTA (twice the CTAs). Session 51,
@@ -707,8 +711,12 @@ def _rs_config(wfmt: str):
             # x4096x4096 3% faster; level at 513, 769 and 1100 (within 1%); 2100x4096x4096 135.7
             # -> 138.1 (the one loss measured).
             d = {"RS_BN": 256, "RS_WGS": 1, "RS_STAGES": 3, "RS_MINB": 1, "RS_WS": 1}
-        elif d["RS_WGS"] == 2 and _rs_half_tiles_fewer_waves(m, n, sm_count):
-            d = {"RS_BN": 64, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(wfmt == "q8_0")}
+        elif d["RS_WGS"] == 2 and _rs_half_tiles_fewer_waves(m, n, k, sm_count):
+            # Q4_0 without the copying warpgroup only where the half tiles make two waves or more: two
+            # such CTAs (~100 KiB of shared memory each) then share an SM and hide each other's
+            # latency; one per SM below a wave runs 1.8x slower without it (session 54, H100, kernel
+            # alone, Q4_0 300x3072x7168 53.9 against 30.0 us, 100x5120x5120 37.3 against 21.2)
+            d = {"RS_BN": 64, "RS_WGS": 2, "RS_STAGES": 4, "RS_MINB": 1, "RS_WS": int(wfmt == "q8_0" or whole < sm_count)}
         elif d["RS_WGS"] == 2 and short_k and _rs_half_rows_fewer_waves(whole, sm_count):
             d["RS_WGS"] = 1
         while not _rs_ok(wfmt, d):
@@ -729,10 +737,24 @@ def _fewer_waves(ctas: int, alt_ctas: int, alt_share: float, alt_efficiency: flo
     return cdiv(alt_ctas, sm_count) * alt_share / alt_efficiency < cdiv(ctas, sm_count)
 
 
-def _rs_half_tiles_fewer_waves(m: int, n: int, sm_count: int) -> bool:
+def _rs_split_fills_more(m: int, n: int, k: int, sm_count: int) -> bool:
+    """Whether two MMA warpgroups over the 128 x 128 tiles (at most half the SMs), K split to fill
+    the wave, fill more SMs than one warpgroup's grid of 64-row tiles, which at more than half the
+    SMs takes no split: 34-44 tiles on 132 SMs (68-88 CTAs unsplit against 102-132 split 3).
+    Session 54, H100, whole op, one warpgroup -> two split 3: 100x5120x4096 Q4_0 17.1 -> 15.7 us,
+    Q8_0 17.9 -> 16.3; 250x2304x4096 18.2 -> 15.4, 18.9 -> 16.3; 100x5120x5120 21.3 -> 17.4, 22.7
+    -> 18.6. Where one warpgroup's grid fills as well, it stays (K = 5120, one -> two split 4 / 2:
+    128x4096x5120 Q4_0 14.9 -> 15.7, 256x4096x5120 21.7 -> 23.1). On 132 SMs: 65-128 tokens at
+    N = 5120, 513-640 at 1024, 1025-1408 at 512; never at N = 4096."""
+    whole = cdiv(n, 128) * cdiv(m, 128)
+    one = cdiv(n, 64) * cdiv(m, 128)
+    return one > sm_count // 2 and whole * _split_k(whole, k, sm_count) > one
+
+
+def _rs_half_tiles_fewer_waves(m: int, n: int, k: int, sm_count: int) -> bool:
     """Whether 64-token tiles (two MMA warpgroups, so 64 x 128 outputs per CTA) finish in less time
-    than 128-token ones where the 128-token grid fills the GPU (no K split) but spills a few CTAs
-    into one more wave: one CTA per SM either way, a wave of half tiles costing 0.5 / 0.72 of a
+    than 128-token ones -- below one wave too (session 54, the end of this function) -- where the
+    128-token grid fills the GPU (no K split) but spills a few CTAs into one more wave: one CTA per SM either way, a wave of half tiles costing 0.5 / 0.72 of a
     wave of whole ones (their efficiency, session 51: H100, kernel alone, 300x6144x4096 Q4_0 47.6
     us in two waves of 144 whole tiles against 33.0 in two of 240 half tiles; Q8_0 52.3 against
     41.1, its copying warpgroup kept). Where the half tiles need as many waves as whole ones take
@@ -745,7 +767,22 @@ def _rs_half_tiles_fewer_waves(m: int, n: int, sm_count: int) -> bool:
     2049-2112 at 1024 and 2048; never at N = 4096 or 14336."""
     whole = cdiv(n, 128) * cdiv(m, 128)
     half = cdiv(n, 128) * cdiv(m, 64)
-    return whole >= sm_count and _fewer_waves(whole, half, 0.5, 0.72, sm_count)
+    if whole >= sm_count:
+        return _fewer_waves(whole, half, 0.5, 0.72, sm_count)
+    # Below one wave, where the half tiles still make one (tokens in the first half of a 128-token
+    # tile: half < 2 * whole) -- against the whole grid at its best K split, in
+    # `_rs_long_k_split`'s cost. Session 54, H100, kernel alone: 300x3072x7168 (72 whole tiles,
+    # 120 half) Q4_0 30.0 us against 34.9 split 3 and 40.2 whole, Q8_0 33.2 against 38.0 / 42.3;
+    # 300x4096x6144 (96 / 160, two waves) stays whole: 34.9 against 48.1. Whole op (`gpu_check.sh
+    # ab`), whole -> half, Q4_0 / Q8_0: 300x3072x4096 26.2 -> 20.3 / 27.7 -> 22.8 (cold 27.1 ->
+    # 22.3 / 29.2 -> 24.2), 160x5120x4096 25.8 -> 20.3 / 27.4 -> 23.5, 2080x512x4096 39.6 -> 34.6 /
+    # 41.4 -> 37.9, 300x3072x7168 43.3 -> 33.5 / 45.9 -> 36.7; against split 3, 300x3072x14336
+    # 67.3 -> 64.5 / 71.9 -> 71.5. On 132 SMs it fires at 257-320 tokens at N = 3072, 129-192 at
+    # 5120 and 2049-2112 at 512 (any K); never at N = 4096.
+    if sm_count // 2 < whole and half <= sm_count:
+        split = _rs_long_k_split(whole, k, sm_count)
+        return k * 0.5 / 0.72 < _rs_split_cost(whole, k, split, sm_count)
+    return False
 
 
 def _rs_half_rows_fewer_waves(whole: int, sm_count: int) -> bool:
@@ -776,10 +813,18 @@ def _rs_long_k_split(ctas: int, k: int, sm_count: int) -> int:
     600x4096x11008 128.6 -> 102.8 (4; 3 102.7); 172, 256x11008x14336 167.9 -> 138.2 (3; split 2 140.8);
     192, 768x4096x14336 160.1 -> 145.2 (2; split 3 164.2). Kept whole, as measured: 96 CTAs at
     K = 8192 (384x4096x8192 45.3 against 49.2 split 4, 2048 K per CTA) and 112 at K = 4096. Past
-    one and a half waves not measured (at 224 and 288 CTAs no split stays ahead, session 52)."""
-    def cost(split: int) -> float:
-        return cdiv(ctas * split, sm_count) * (k / split + (768 if split > 1 else 0))
-    return min(range(1, 5), key=lambda split: (cost(split), split))
+    one and a half waves not measured (at 224 and 288 CTAs no split stays ahead, session 52).
+    From K = 5120 since session 54 (8192 before; at K = 4096 the model splits no grid of this
+    band). Whole op, H100, `gpu_check.sh ab`, split 1 -> the one chosen: 1100x1024x6144 Q4_0 48.6
+    -> 45.5 us (3), Q8_0 49.8 -> 47.4; 450x5120x5120 Q8_0 (256-token tiles) 70.1 -> 64.2 (3);
+    700x4096x6144 Q8_0 87.8 -> 82.8 (2); 200x5120x5120 Q4_0 31.2 -> 30.1 (3), Q8_0 level (33.3 /
+    33.6 -> 33.7 / 33.1 in two calls, cold 34.9 -> 35.3)."""
+    return min(range(1, 5), key=lambda split: (_rs_split_cost(ctas, k, split, sm_count), split))
+
+
+def _rs_split_cost(ctas: int, k: int, split: int, sm_count: int) -> float:
+    """`_rs_long_k_split`'s model: the waves of the split grid times a CTA's K, plus 768 when split."""
+    return cdiv(ctas * split, sm_count) * (k / split + (768 if split > 1 else 0))
 
 
 def _rs_candidates(wfmt: str):

@@ -534,14 +534,16 @@ def test_wgmma_rs_defaults_on_wide_and_narrow_weights(fmt):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_wgmma_rs_defaults_fill_the_waves(fmt):
-    """wgmma_rs's defaults by how the grid fills the GPU (session 52). From 65 tokens, at a short K
-    (< 8192), one MMA warpgroup of 64 rows wherever the 128 x 128 grid fills at most half of a
-    132-SM GPU (the tiles then need half the K split; Q8_0's 256-token tiles too), and where that
-    grid spills a few CTAs into a second wave (133-198 tiles); at a long K those spilling grids,
+    """wgmma_rs's defaults by how the grid fills the GPU (session 52). From 65 tokens, below K =
+    8192, one MMA warpgroup of 64 rows wherever the 128 x 128 grid fills at most half of a
+    132-SM GPU (the tiles then need half the K split; Q8_0's 256-token tiles too), and below K =
+    5120 where that grid spills a few CTAs into a second wave (133-198 tiles); above, those spilling grids,
     and those filling more than half the SMs in one wave, split K 2-4 ways, by the waves each split
-    makes (session 53). Up to 32 tokens, two MMA warpgroups where the 64-row tiles' split
-    truncates (N = 6144). Elsewhere the defaults stay as before: 512, 896 and 1152 tokens at
-    N = 4096, 2048 (the issue's rows), 33-64 tokens."""
+    makes (session 53). Session 54 moved the short K's bound to 5120 (from there the split two
+    warpgroups win both ways) and gave grids below one wave 64-token tiles where those still make
+    one wave and the cost model says they finish first. Up to 32 tokens, two MMA warpgroups where
+    the 64-row tiles' split truncates (N = 6144). Elsewhere the defaults stay as before: 512, 896
+    and 1152 tokens at N = 4096, 2048 (the issue's rows), 33-64 tokens."""
     from qgemm import registry as R
 
     s = R.spec(f"w{'4' if fmt == 'q4_0' else '8'}a16.wgmma_rs")
@@ -576,6 +578,24 @@ def test_wgmma_rs_defaults_fill_the_waves(fmt):
     # unchanged: one full wave, or later waves where the spill is a smaller share
     for m, k in ((512, 4096), (512, 14336), (896, 4096), (896, 14336), (1152, 4096), (1152, 14336), (2048, 4096)):
         assert cfg(m, 4096, k)[2] == 1 and cfg(m, 4096, k)[1] == (2 if fmt == "q4_0" or m % 256 else 1), (m, k)
+    # session 54: few tiles keep two warpgroups and split K where one warpgroup's grid, at more
+    # than half the SMs, cannot split (40 tiles: 80 CTAs against 120 split 3) ...
+    assert cfg(100, 5120, 5120) == cfg(100, 5120, 4096) == (128, 2, 3)
+    # ... not where it fills as well (32 tiles: 64 x 2 against 32 x 4; 64 tiles: 128 against 64 x 2)
+    assert cfg(128, 4096, 5120) == (128, 1, 2) and cfg(256, 4096, 5120) == (128, 1, 1)
+    assert cfg(129, 2050, 4128) == (128, 1, 2)  # 34 tiles, but 66 CTAs of 64 rows (N = 33 x 64 + 2) split 2
+    # ... a second, short wave splits K instead of halving the rows ...
+    assert cfg(450, 5120, 5120) == ((128, 2, 3) if fmt == "q4_0" else (256, 1, 3))
+    assert cfg(700, 4096, 6144) == ((128, 2, 2) if fmt == "q4_0" else (256, 1, 2))
+    # ... and the split by the waves it makes reaches K = 5120-8191
+    assert cfg(1100, 1024, 6144) == cfg(200, 5120, 5120) == (128, 2, 3)
+    # below one wave, 64-token tiles where they still make one (300 tokens: 5 tiles of 64, 3 of
+    # 128) and the model says they finish first -- at any K, with the copying warpgroup
+    for m, n, k in ((300, 3072, 4096), (300, 3072, 7168), (300, 3072, 14336), (160, 5120, 4096), (2080, 512, 4096)):
+        d = s.config(m, n, k, 132)
+        assert (d["RS_BN"], d["RS_WGS"], d["RS_SPLITK"], d["RS_WS"]) == (64, 2, 1, 1), (m, n, k)
+    # ... not where they would take two waves (96 whole tiles, 160 half)
+    assert cfg(300, 4096, 6144) == cfg(300, 4096, 4096) == (128, 2, 1)
     assert cfg(64, 4096, 4096) == (64, 1, 4)  # up to 64 tokens: the branch of its own
     # ... where two MMA warpgroups (128 rows) fill more CTA slots than one where the 64-row tiles'
     # split truncates (N = 6144: 96 tiles x 2 = 192 of 264 slots, 48 x 5 = 240); Q8_0 at a short K

@@ -1144,13 +1144,16 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
     GPU's CTA slots badly (31x6150x4128, and at a long K for Q4_0); Q4_0's decode kernel at 2-8
     tokens of a long K with two tiles x 4 warps split 4 (5x4100x8224); session 53's K split by
     the waves it makes at a long K, 4 ways over a grid of 99 CTAs (301x4100x14368) and 3 over 81
-    (1100x1030x14368), K's 449 blocks shared unevenly. M, N and K multiples of no tile,
+    (1100x1030x14368), K's 449 blocks shared unevenly; session 54's: 3 ways at K = 6176
+    (1100x1030x6176), two warpgroups split 3 over few tiles at K = 5152 (101x5130x5152), 64-token
+    tiles below one wave (301x3080x7200). M, N and K multiples of no tile,
     packed weights and ggml blocks, fresh inputs, poisoned outputs, against the plan's exact math
     and float64 truth."""
     hopper = qgemm.runtime.device_info().cc == 90
     seen = set()
     for (m, n, k) in ((129, 2050, 4128), (545, 4100, 4128), (768, 4100, 8224), (31, 6150, 4128), (31, 6150, 8224),
-                      (5, 4100, 8224), (301, 4100, 14368), (1100, 1030, 14368)):
+                      (5, 4100, 8224), (301, 4100, 14368), (1100, 1030, 14368), (1100, 1030, 6176), (101, 5130, 5152),
+                      (301, 3080, 7200)):
         w_f = rng.standard_normal((n, k), dtype=np.float32)
         w = F.quantize(w_f, fmt)
         x = rng.standard_normal((m, k), dtype=np.float32)
@@ -1173,6 +1176,7 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
         assert (31, 8224, 64, 2, 5) in seen if q4 else (31, 8224, 64, 1, 2) in seen, seen
         assert (5, 8224, 2, 4, 4) in seen if q4 else (5, 8224, 2, 8, 2) in seen, seen
         assert {(301, 14368, 128, 2, 4), (1100, 14368, 128, 2, 3)} <= seen, seen
+        assert {(1100, 6176, 128, 2, 3), (101, 5152, 128, 2, 3), (301, 7200, 64, 2, 1)} <= seen, seen
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
