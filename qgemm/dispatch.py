@@ -355,8 +355,8 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
     if repack:
         reason += ("; it reads the skinny weight layout, so the ggml blocks are repacked on the GPU first, on every "
                    "call (pass w = qgemm.pack_weights(w) to repack once, at load)")
-    reason += _split_reason(k_obj, m, n, k, defines, 132 if arch is not None or not runtime.gpu_available()
-                            else runtime.device_info().sm_count)
+    sm_count = 132 if arch is not None or not runtime.gpu_available() else runtime.device_info().sm_count
+    reason += _tile_reason(k_obj, m, n, k, defines, sm_count) + _split_reason(k_obj, m, n, k, defines, sm_count)
     return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed,
                 f"pack.{fmt}" if repack else None)
 
@@ -378,6 +378,17 @@ def _matmul_plan(m, n, k, fmt, x_dtype, path, packed) -> Plan:
     if p is None:
         p = runtime.remember(_matmul_plans, key, _plan(m, n, k, fmt, x_dtype, path, packed, None, "matmul"), 1024)
     return p
+
+
+def _tile_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) -> str:
+    """`wgmma_rs`'s tile (its default chooses tile and K split by how the grid fills the SMs,
+    `registry._rs_config`): the weight rows and tokens of a CTA and, unsplit, the CTAs of the grid;
+    a split grid's counts follow in `_split_reason`."""
+    if "RS_BN" not in defines:
+        return ""
+    g = k_obj.geometry(m, n, k, defines)
+    text = f"; tiles of {64 * defines.get('RS_WGS', 2)} weight rows x {defines['RS_BN']} tokens"
+    return text if g.split > 1 else text + f": {math.prod(g.grid)} CTAs for {sm_count} SMs"
 
 
 def _split_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) -> str:

@@ -2119,3 +2119,19 @@ def test_explain_says_why_k_is_split():
     # the decode kernels' split (across gridDim.y) and the sm_80 kernel's alike
     assert "K split 4 ways: 128 output tiles make 512 CTAs" in dispatch.explain(4, 4096, 14336, "q4_0", packed=True, arch="sm_90")
     assert "K split 8 ways: 8 output tiles make 64 CTAs" in dispatch.explain(64, 1024, 4096, "q4_0", arch="sm_80")
+
+
+def test_explain_names_the_wgmma_rs_tile():
+    """`explain` names wgmma_rs's tile and how many CTAs its grid makes (session 54: the default
+    picks 64-token tiles below one wave, two warpgroups split 3 over 40 tiles): the count is the
+    tiles' alone when K is not split, and the split's sentence gives it when it is."""
+    from qgemm import dispatch
+
+    text = dispatch.explain(300, 3072, 7168, "q4_0", packed=True, arch="sm_90")
+    assert "tiles of 128 weight rows x 64 tokens: 120 CTAs for 132 SMs" in text and "K split" not in text
+    text = dispatch.explain(100, 5120, 5120, "q8_0", packed=True, arch="sm_90")
+    assert "tiles of 128 weight rows x 128 tokens; K split 3 ways: 40 output tiles make 120 CTAs for 132 SMs" in text
+    assert "tiles of 64 weight rows x 256 tokens: 128 CTAs" in dispatch.explain(512, 4096, 14336, "q8_0", packed=True, arch="sm_90")
+    # no tile sentence for kernels of other tiles (the decode kernels, sm_80's mma)
+    assert "tiles of" not in dispatch.explain(4, 4096, 14336, "q4_0", packed=True, arch="sm_90")
+    assert "tiles of" not in dispatch.explain(512, 4096, 4096, "q4_0", arch="sm_80")
