@@ -1097,3 +1097,33 @@ exit 0
                         ({"QGEMM_AB_OLD": str(old)}, "step ab needs QGEMM_AB_SHAPES")):
         r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=60, env={**env, **extra})
         assert r.returncode == 1 and said in r.stdout and "gpu_check: FAIL" in r.stdout, r.stdout
+
+
+def test_gpu_check_tests_step_runs_every_test_once(tmp_path):
+    """tools/gpu_check.sh's step `tests` splits the suite over processes that run side by side (one
+    process would pass the device call's 10 minutes; session 54 gave wgmma_rs's configuration
+    sweeps a process of their own). With a stand-in python whose pytest only collects, every test
+    of the suite lands in exactly one process, the GPU kernel tests in four of them, and the two
+    sweep logs end as one file (a device call brings back at most 8)."""
+    fake = tmp_path / "py"
+    fake.write_text(f"""#!/bin/sh
+if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then shift 2; exec {sys.executable} -m pytest --collect-only "$@"; fi
+exit 0
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake), "QGEMM_CHECK": "tests"}
+    r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert r.returncode == 0 and "gpu_check: PASS" in r.stdout and "7 pytest processes" in r.stdout, r.stdout + r.stderr
+    logs = sorted(p.name for p in out.glob("tests-*.log"))
+    assert logs == ["tests-gemm-4097.log", "tests-gemm.log", "tests-gpu-sweeps.log", "tests-gpu.log", "tests-kvcache.log",
+                    "tests-rest.log"], logs
+    assert "=== wgmma configurations" in (out / "tests-gpu-sweeps.log").read_text()
+    ids = [line for name in logs for line in (out / name).read_text().splitlines() if "::" in line and not line.startswith(" ")]
+    whole = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    every = [line for line in whole.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    assert len(every) > 2000 and len(ids) == len(set(ids)), [i for i in set(ids) if ids.count(i) > 1][:5]
+    assert sorted(ids) == sorted(every), (sorted(set(every) - set(ids))[:5], sorted(set(ids) - set(every))[:5])
+    sweeps = [i for i in ids if "wgmma_configurations" in i]
+    assert sweeps and all(i in (out / "tests-gpu-sweeps.log").read_text() for i in sweeps)

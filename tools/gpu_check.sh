@@ -71,19 +71,26 @@ for step in $STEPS; do
               GEMM_REFS=tests/test_gpu_kernels.py::test_gemm_matches_references
               # (the GEMM references in two: with N = 4097 among their shapes (session 34) one process took
               # 7.9 of the 10 minutes; "4097" names exactly the N = 4097 cases, no M or K is 4097)
-              # (the other GPU kernel tests in two as well: in one process they took 8.3 of the 10 minutes in
-              # session 36; the every-configuration sweeps and the tune test are ~300 s of that)
-              SWEEPS="every_candidate_configuration or wgmma_configurations or tune_stores"
-              echo "+ tests: 6 pytest processes, logs $OUT/tests-*.log" | tee -a "$LOG"
+              # (the other GPU kernel tests in three: in one process they took 8.3 of the 10 minutes in
+              # session 36; the every-configuration sweeps and the tune test took 524 of the step's 585 s
+              # in one process in session 54, wgmma_rs's configurations 211 of them, so those run apart)
+              SWEEPS_WGMMA="wgmma_configurations"
+              SWEEPS_OTHER="every_candidate_configuration or tune_stores"
+              SWEEPS="$SWEEPS_WGMMA or $SWEEPS_OTHER"
+              echo "+ tests: 7 pytest processes, logs $OUT/tests-*.log" | tee -a "$LOG"
               $PT $GEMM_REFS -k "not 4097" > "$OUT/tests-gemm.log" 2>&1 & p1=$!
               $PT $GEMM_REFS -k 4097 > "$OUT/tests-gemm-4097.log" 2>&1 & p5=$!
-              $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "$SWEEPS" > "$OUT/tests-gpu-sweeps.log" 2>&1 & p6=$!
+              $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "$SWEEPS_OTHER" > "$OUT/tests-gpu-sweeps.log" 2>&1 & p6=$!
+              $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "$SWEEPS_WGMMA" > "$OUT/tests-gpu-sweeps-wgmma.log" 2>&1 & p7=$!
               $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "not ($SWEEPS)" > "$OUT/tests-gpu.log" 2>&1 & p2=$!
               $PT tests/test_kvcache.py > "$OUT/tests-kvcache.log" 2>&1 & p3=$!
               $PT tests --ignore=tests/test_gpu_kernels.py --ignore=tests/test_kvcache.py > "$OUT/tests-rest.log" 2>&1 & p4=$!
-              for p in $p1 $p2 $p3 $p4 $p5 $p6; do wait $p || rc=1; done
+              for p in $p1 $p2 $p3 $p4 $p5 $p6 $p7; do wait $p || rc=1; done
               tail -n 3 "$OUT"/tests-*.log | tee -a "$LOG"
-              grep -hE '^(FAILED|ERROR)' "$OUT"/tests-*.log | tee -a "$LOG" ;;
+              grep -hE '^(FAILED|ERROR)' "$OUT"/tests-*.log | tee -a "$LOG"
+              # one log for both sweeps (a device call brings back at most 8 files)
+              { echo; echo "=== wgmma configurations (a process of its own) ==="; cat "$OUT/tests-gpu-sweeps-wgmma.log"; } \
+                  >> "$OUT/tests-gpu-sweeps.log" && rm -f "$OUT/tests-gpu-sweeps-wgmma.log" ;;
     skinny)   # the decode / small-batch path: precompile, its GPU tests, tune it (stored, so the bench below uses it)
               run $PY tools/precompile.py w4a16.skinny w8a16.skinny --shapes "1x33x160,9x4097x4128,57x47x32,$TUNE_SHAPES"
               run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny or packed or matmul"
