@@ -679,6 +679,7 @@ def _rs_config(wfmt: str):
         # (twice the CTAs) fills the GPU instead of a split. For a grid spilling into a second wave
         # session 54 moved the bound from 8192 to 5120 (`_rs_long_k_split` splits instead; H100,
         # whole op, old -> new: 450x5120x5120 Q4_0 62.9 -> 57.9 us, 700x4096x6144 78.1 -> 74.9).
+        # Few tiles keep 8192, but not where one warpgroup's grid cannot split (`_rs_split_fills_more`).
         short_k = k < 5120
         few_tiles = k < 8192 and 2 * whole <= sm_count and not _rs_split_fills_more(m, n, k, sm_count)
         if whole * 8 <= sm_count or few_tiles:
@@ -753,18 +754,19 @@ def _rs_split_fills_more(m: int, n: int, k: int, sm_count: int) -> bool:
 
 def _rs_half_tiles_fewer_waves(m: int, n: int, k: int, sm_count: int) -> bool:
     """Whether 64-token tiles (two MMA warpgroups, so 64 x 128 outputs per CTA) finish in less time
-    than 128-token ones -- below one wave too (session 54, the end of this function) -- where the
-    128-token grid fills the GPU (no K split) but spills a few CTAs into one more wave: one CTA per SM either way, a wave of half tiles costing 0.5 / 0.72 of a
-    wave of whole ones (their efficiency, session 51: H100, kernel alone, 300x6144x4096 Q4_0 47.6
-    us in two waves of 144 whole tiles against 33.0 in two of 240 half tiles; Q8_0 52.3 against
-    41.1, its copying warpgroup kept). Where the half tiles need as many waves as whole ones take
-    (300x4096x4096: 96 whole tiles, one wave, 23.7 against >= 30.7) or more, the whole tiles
-    stay. Whole op, H100, whole tiles -> half: Q4_0 300x6144x4096 50.1 -> 36.7 us, 150x11008x4096
-    50.7 -> 36.3, 680x3072x4096 52.5 -> 37.9, 680x6144x4096 80.2 -> 72.7, 800x5120x4096 81.9 -> 74.5,
-    2080x2048x4096 91.1 -> 84.5; Q8_0 300x6144x4096 54.9 -> 42.8, 150x11008x4096 53.9 -> 44.6,
-    800x5120x4096 and 2080x2048x4096 level. On a 132-SM GPU it fires in narrow bands of M:
-    257-320 and 641-704 tokens at N = 6144, 129-192 at 11008, 641-704 at 3072, 769-832 at 5120,
-    2049-2112 at 1024 and 2048; never at N = 4096 or 14336."""
+    than 128-token ones (below one wave too since session 54: the end of this function) where the
+    128-token grid fills the GPU (no K split) but spills a few CTAs into one more wave: one CTA per
+    SM either way, a wave of half tiles costing 0.5 / 0.72 of a wave of whole ones (their
+    efficiency, session 51: H100, kernel alone, 300x6144x4096 Q4_0 47.6 us in two waves of 144 whole
+    tiles against 33.0 in two of 240 half tiles; Q8_0 52.3 against 41.1, its copying warpgroup
+    kept). Where the half tiles need as many waves as whole ones take (300x4096x4096: 96 whole
+    tiles, one wave, 23.7 against >= 30.7) or more, the whole tiles stay. Whole op, H100, whole
+    tiles -> half: Q4_0 300x6144x4096 50.1 -> 36.7 us, 150x11008x4096 50.7 -> 36.3, 680x3072x4096
+    52.5 -> 37.9, 680x6144x4096 80.2 -> 72.7, 800x5120x4096 81.9 -> 74.5, 2080x2048x4096 91.1 ->
+    84.5; Q8_0 300x6144x4096 54.9 -> 42.8, 150x11008x4096 53.9 -> 44.6, 800x5120x4096 and
+    2080x2048x4096 level. On a 132-SM GPU it fires in narrow bands of M: 257-320 and 641-704 tokens
+    at N = 6144, 129-192 at 11008, 641-704 at 3072, 769-832 at 5120, 2049-2112 at 1024 and 2048;
+    never at N = 4096 or 14336."""
     whole = cdiv(n, 128) * cdiv(m, 128)
     half = cdiv(n, 128) * cdiv(m, 64)
     if whole >= sm_count:

@@ -73,7 +73,8 @@ for step in $STEPS; do
               # 7.9 of the 10 minutes; "4097" names exactly the N = 4097 cases, no M or K is 4097)
               # (the other GPU kernel tests in three: in one process they took 8.3 of the 10 minutes in
               # session 36; the every-configuration sweeps and the tune test took 524 of the step's 585 s
-              # in one process in session 54, wgmma_rs's configurations 211 of them, so those run apart)
+              # in one process in session 54, the wgmma and wgmma_rs configurations >= 238 of them, so
+              # those run apart)
               SWEEPS_WGMMA="wgmma_configurations"
               SWEEPS_OTHER="every_candidate_configuration or tune_stores"
               SWEEPS="$SWEEPS_WGMMA or $SWEEPS_OTHER"
