@@ -601,6 +601,8 @@ def tune(
     iters: int = typer.Option(20, "--iters", min=1, help="Timed samples per configuration."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Measure but do not store."),
     only: str = typer.Option("", "--only", help="Try only the configurations with these defines, e.g. RS_WS=1,RS_SPLITK=1."),
+    as_json: Optional[Path] = typer.Option(None, "--json", help="Also write every configuration's time and check, "
+                                                                  "the default and the best (with device, date, command) as JSON."),
 ):
     """Try the kernel's configurations, keep the fastest correct one for this GPU and shape bucket."""
     from . import check, tuning
@@ -627,6 +629,7 @@ def tune(
             _fail(f"no configuration of {name} at {m}x{n}x{kk} has {only}")
     if kk % spec.op.k_multiple:
         _fail(f"--shape: K must be a multiple of {spec.op.k_multiple} for {name}, got K={kk}")
+    _writable_file(as_json, "--json")
     k = registry.get(name)
     try:
         k._check_m(m)
@@ -653,7 +656,7 @@ def tune(
     exact = k.op.exact(inp.a, inp.w)
     da, dw = k.upload_activations(inp.a), k.upload_weights(inp.w)
     dc = runtime.DeviceArray.empty((m, n), np.float32)
-    rows, best, default_us = [], None, None
+    rows, records, best, default_us = [], [], None, None
     with typer.progressbar(cands, label=f"tuning {name} at {m}x{n}x{kk}") as bar:
         for d in bar:
             mark = " (default)" if d == default else ""
@@ -665,14 +668,22 @@ def tune(
                 times, _ = B._time_launches(lambda i, stream=None: k.launch(da, dw, dc, m, n, kk, stream=stream, defines=d), 1, 3, iters)
                 us = statistics.median(times)
             except Exception as e:  # a configuration that does not compile or launch is skipped
-                rows.append([" ".join(f"{a}={b}" for a, b in d.items()), "-", f"skipped{mark}: {str(e).splitlines()[0][:60]}"])
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                rows.append([" ".join(f"{a}={b}" for a, b in d.items()), "-", f"skipped{mark}: {why[:60]}"])
+                records.append(_tune_record(d, None, "skipped", d == default, why))
                 continue
             rows.append([" ".join(f"{a}={b}" for a, b in d.items()), f"{us:.1f}", ("ok" if ok else "WRONG RESULT") + mark])
+            records.append(_tune_record(d, us, "ok" if ok else "wrong result", d == default))
             if d == default and ok:
                 default_us = us
             if ok and (best is None or us < best[1]):
                 best = (d, us)
     typer.echo(_table(["configuration", "median us", "check"], rows, right={1}))
+    if as_json:  # written before the verdict, so that a run with no correct configuration is on record too
+        _write(as_json, json.dumps({"command": _command_line(), "environment": B.environment(), "kernel": name,
+                                    "shape": list(mnk), "iters": iters, "only": want, "default": default,
+                                    "default_us": default_us, "best": best[0] if best else None,
+                                    "best_us": best[1] if best else None, "candidates": records}, indent=1), "--json")
     if best is None:
         _fail("no configuration produced a correct result", code=1)
     # re-validate the winner on fresh inputs before it is stored
@@ -687,6 +698,16 @@ def tune(
     if not dry_run:
         p = tuning.store(name, m, n, kk, best[0], best[1])
         typer.echo(f"stored for {name} bucket {tuning.bucket(m, n, kk)} in {p}")
+
+
+def _tune_record(config: dict, us: float | None, check: str, is_default: bool, error: str = "") -> dict:
+    """One row of `qgemm tune --json`: a configuration, its median time (None when skipped), its
+    check ("ok", "wrong result" or "skipped"), whether it is the untuned default, and why it was
+    skipped."""
+    row = {"config": dict(config), "us": us, "check": check, "default": is_default}
+    if error:
+        row["error"] = error
+    return row
 
 
 def _tune_summary(best: dict, best_us: float, default: dict, default_us: float | None, only: str = "") -> str:

@@ -714,6 +714,16 @@ def test_tune_only_filters_the_configurations_before_any_gpu_work(monkeypatch):
     assert "no configuration" not in r.output
 
 
+def test_tune_json_path_is_checked_before_any_gpu_work(tmp_path):
+    """`qgemm tune --json FILE` (session 54) refuses a file it could not write -- a directory, a
+    directory that does not exist -- before it times anything, with or without a GPU."""
+    r = runner.invoke(app, ["tune", "w4a16.mma", "--shape", "64x256x256", "--json", str(tmp_path)])
+    assert r.exit_code == 2 and f"--json {tmp_path} is a directory" in r.output, r.output
+    missing = tmp_path / "no" / "t.json"
+    r = runner.invoke(app, ["tune", "w4a16.mma", "--shape", "64x256x256", "--json", str(missing)])
+    assert r.exit_code == 2 and "does not exist or is not writable" in r.output and not missing.parent.exists(), r.output
+
+
 def test_tune_summary_says_what_tuning_gains_over_the_default():
     from qgemm.cli import _tune_summary
 

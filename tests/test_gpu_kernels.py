@@ -4,6 +4,7 @@ Marked `gpu`: skipped cleanly on machines without one (CI). tools/gpu_check.sh r
 """
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -837,10 +838,23 @@ def test_tune_stores_and_matmul_uses_it(tmp_path, monkeypatch):
     mma = registry.spec("w4a16.mma")
     default = mma.config(513, 1024, 8192, runtime.device_info().sm_count)
     only = ",".join(f"{a}={b}" for a, b in default.items() if a != "MMA_SPLITK")
-    r = CliRunner().invoke(app, ["tune", "w4a16.mma", "--shape", "513x1024x8192", "--iters", "3", "--dry-run", "--only", only])
+    r = CliRunner().invoke(app, ["tune", "w4a16.mma", "--shape", "513x1024x8192", "--iters", "3", "--dry-run", "--only", only,
+                                 "--json", str(tmp_path / "tune.json")])
     assert r.exit_code == 0, r.output
     row = " ".join(f"{a}={b}" for a, b in default.items())
     assert any(line.startswith(row) and line.endswith("ok (default)") for line in r.output.splitlines()), r.output
+    # --json (session 54): every configuration the table shows, with its time and check, the default
+    # (first, flagged) and the best, which is the fastest correct one
+    got = json.loads((tmp_path / "tune.json").read_text())
+    table = [line for line in r.output.splitlines() if line.startswith("MMA_")]
+    assert got["kernel"] == "w4a16.mma" and got["shape"] == [513, 1024, 8192] and got["iters"] == 3
+    assert got["environment"]["sm_count"] == runtime.device_info().sm_count and "--json" in got["command"]
+    assert len(got["candidates"]) == len(table) >= 2 and got["default"] == default
+    assert got["candidates"][0]["default"] and got["candidates"][0]["config"] == default
+    assert not any(c["default"] for c in got["candidates"][1:])
+    ok = [c for c in got["candidates"] if c["check"] == "ok"]
+    assert got["best_us"] == min(c["us"] for c in ok) and got["best"] in [c["config"] for c in ok]
+    assert got["default_us"] == got["candidates"][0]["us"]
     tuning.path().write_text("garbage")
     tuning.forget_cache()
     with pytest.warns(RuntimeWarning):
