@@ -739,14 +739,15 @@ def _fewer_waves(ctas: int, alt_ctas: int, alt_share: float, alt_efficiency: flo
 
 
 def _rs_split_fills_more(m: int, n: int, k: int, sm_count: int) -> bool:
-    """Whether two MMA warpgroups over the 128 x 128 tiles (at most half the SMs), K split to fill
-    the wave, fill more SMs than one warpgroup's grid of 64-row tiles, which at more than half the
-    SMs takes no split: 34-44 tiles on 132 SMs (68-88 CTAs unsplit against 102-132 split 3).
-    Session 54, H100, whole op, one warpgroup -> two split 3: 100x5120x4096 Q4_0 17.1 -> 15.7 us,
-    Q8_0 17.9 -> 16.3; 250x2304x4096 18.2 -> 15.4, 18.9 -> 16.3; 100x5120x5120 21.3 -> 17.4, 22.7
-    -> 18.6; 600x1024x4096 18.5 -> 15.5, 19.3 -> 16.6; 1200x512x4096 22.2 -> 19.3, 23.2 -> 20.2. Where one warpgroup's grid fills as well, it stays (K = 5120, one -> two split 4 / 2:
-    128x4096x5120 Q4_0 14.9 -> 15.7, 256x4096x5120 21.7 -> 23.1). On 132 SMs: 65-128 tokens at
-    N = 5120, 513-640 at 1024, 1025-1408 at 512; never at N = 4096."""
+    """Whether two MMA warpgroups over the 128 x 128 tiles (at most half the SMs), K split to fill the
+    wave, fill more SMs than one warpgroup's grid of 64-row tiles, which at more than half the SMs
+    takes no split: 34-44 tiles on 132 SMs (68-88 CTAs unsplit against 102-132 split 3). Session 54,
+    H100, whole op, one warpgroup -> two split 3: 100x5120x4096 Q4_0 17.1 -> 15.7 us, Q8_0 17.9 ->
+    16.3; 250x2304x4096 18.2 -> 15.4, 18.9 -> 16.3; 100x5120x5120 21.3 -> 17.4, 22.7 -> 18.6;
+    600x1024x4096 18.5 -> 15.5, 19.3 -> 16.6; 1200x512x4096 22.2 -> 19.3, 23.2 -> 20.2. Where one
+    warpgroup's grid fills as well, it stays (K = 5120, one -> two split 4 / 2: 128x4096x5120 Q4_0
+    14.9 -> 15.7, 256x4096x5120 21.7 -> 23.1). On 132 SMs: 65-128 tokens at N = 5120, 513-640 at
+    1024, 1025-1408 at 512; never at N = 4096."""
     whole = cdiv(n, 128) * cdiv(m, 128)
     one = cdiv(n, 64) * cdiv(m, 128)
     return one > sm_count // 2 and whole * _split_k(whole, k, sm_count) > one
