@@ -738,6 +738,28 @@ def _fewer_waves(ctas: int, alt_ctas: int, alt_share: float, alt_efficiency: flo
     return cdiv(alt_ctas, sm_count) * alt_share / alt_efficiency < cdiv(ctas, sm_count)
 
 
+# wgmma_rs's cost model (sessions 51-54, H100): a wave of CTAs, one per SM, costs the K each CTA
+# walks plus RS_SPLIT_OVERHEAD_K when K is split (its pipeline's fill and drain and the reduction
+# into a zeroed C), times the CTA's share of a 128 x 128 tile's work over its rate relative to one
+# (tools/split_model.py sets these against `qgemm tune --json` timings)
+RS_SPLIT_OVERHEAD_K = 768
+RS_TILE_RATES = {(128, 2): 1.0,   # 128 tokens x two MMA warpgroups (128 weight rows): the unit
+                 (128, 1): 0.78,  # 64 weight rows (`_rs_half_rows_fewer_waves`, session 52)
+                 (64, 2): 0.72}   # 64 tokens (`_rs_half_tiles_fewer_waves`, session 51)
+
+
+def rs_grid_cost(m: int, n: int, k: int, bn: int, wgs: int, split: int, sm_count: int,
+                 overhead: float = RS_SPLIT_OVERHEAD_K, rates: dict | None = None) -> float | None:
+    """The modelled time of a wgmma_rs grid (tokens per tile `bn`, `wgs` MMA warpgroups, K split
+    `split` ways) in K-steps of a 128 x 128 tile, or None for a tile without a measured rate;
+    `overhead` and `rates` stand in for RS_SPLIT_OVERHEAD_K and RS_TILE_RATES."""
+    rate = (RS_TILE_RATES if rates is None else rates).get((bn, wgs))
+    if rate is None:
+        return None
+    ctas = cdiv(n, 64 * wgs) * cdiv(m, bn)
+    return _rs_split_cost(ctas, k, split, sm_count, overhead) * (bn * wgs / 256) / rate
+
+
 def _rs_split_fills_more(m: int, n: int, k: int, sm_count: int) -> bool:
     """Whether two MMA warpgroups over the 128 x 128 tiles (at most half the SMs), K split to fill the
     wave, fill more SMs than one warpgroup's grid of 64-row tiles, which at more than half the SMs
@@ -771,7 +793,7 @@ def _rs_half_tiles_fewer_waves(m: int, n: int, k: int, sm_count: int) -> bool:
     whole = cdiv(n, 128) * cdiv(m, 128)
     half = cdiv(n, 128) * cdiv(m, 64)
     if whole >= sm_count:
-        return _fewer_waves(whole, half, 0.5, 0.72, sm_count)
+        return _fewer_waves(whole, half, 0.5, RS_TILE_RATES[(64, 2)], sm_count)
     # Below one wave, where the half tiles still make one (tokens in the first half of a 128-token
     # tile: half < 2 * whole) -- against the whole grid at its best K split, in
     # `_rs_long_k_split`'s cost. Session 54, H100, kernel alone: 300x3072x7168 (72 whole tiles,
@@ -784,7 +806,7 @@ def _rs_half_tiles_fewer_waves(m: int, n: int, k: int, sm_count: int) -> bool:
     # 5120 and 2049-2112 at 512 (any K); never at N = 4096.
     if sm_count // 2 < whole and half <= sm_count:
         split = _rs_long_k_split(whole, k, sm_count)
-        return k * 0.5 / 0.72 < _rs_split_cost(whole, k, split, sm_count)
+        return k * 0.5 / RS_TILE_RATES[(64, 2)] < _rs_split_cost(whole, k, split, sm_count)
     return False
 
 
@@ -798,7 +820,7 @@ def _rs_half_rows_fewer_waves(whole: int, sm_count: int) -> bool:
     whole tiles (two waves, the second short); at 224 (896x4096x4096) and 288 (1152) the whole tiles
     stay ahead, as this says. Q8_0's 256-token tiles (64 rows already) and the 64-token tiles of
     `_rs_half_tiles_fewer_waves` are chosen before this."""
-    return whole > sm_count and _fewer_waves(whole, 2 * whole, 0.5, 0.78, sm_count)
+    return whole > sm_count and _fewer_waves(whole, 2 * whole, 0.5, RS_TILE_RATES[(128, 1)], sm_count)
 
 
 def _rs_long_k_split(ctas: int, k: int, sm_count: int) -> int:
@@ -825,9 +847,10 @@ def _rs_long_k_split(ctas: int, k: int, sm_count: int) -> int:
     return min(range(1, 5), key=lambda split: (_rs_split_cost(ctas, k, split, sm_count), split))
 
 
-def _rs_split_cost(ctas: int, k: int, split: int, sm_count: int) -> float:
-    """`_rs_long_k_split`'s model: the waves of the split grid times a CTA's K, plus 768 when split."""
-    return cdiv(ctas * split, sm_count) * (k / split + (768 if split > 1 else 0))
+def _rs_split_cost(ctas: int, k: int, split: int, sm_count: int, overhead: float = RS_SPLIT_OVERHEAD_K) -> float:
+    """`_rs_long_k_split`'s model: the waves of the split grid times a CTA's K, plus the fixed
+    cost of a split (RS_SPLIT_OVERHEAD_K, 768) when split."""
+    return cdiv(ctas * split, sm_count) * (k / split + (overhead if split > 1 else 0))
 
 
 def _rs_candidates(wfmt: str):

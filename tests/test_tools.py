@@ -1127,3 +1127,62 @@ exit 0
     assert sorted(ids) == sorted(every), (sorted(set(every) - set(ids))[:5], sorted(set(ids) - set(every))[:5])
     sweeps = [i for i in ids if "wgmma_configurations" in i]
     assert sweeps and all(i in (out / "tests-gpu-sweeps.log").read_text() for i in sweeps)
+
+
+def _tune_json(path, kernel, shape, times):
+    """A `qgemm tune --json` file: times maps (RS_BN, RS_WGS, RS_SPLITK) -> µs (None: a wrong result)."""
+    cands = [{"config": {"RS_BN": bn, "RS_WGS": w, "RS_STAGES": 4, "RS_SPLITK": s, "RS_MINB": 1, "RS_WS": 1},
+              "us": us if us is not None else 1.0, "check": "ok" if us is not None else "wrong result", "default": False}
+             for (bn, w, s), us in times.items()]
+    path.write_text(json.dumps({"command": "qgemm tune", "environment": {"device": "H100", "sm_count": 132},
+                                "kernel": kernel, "shape": list(shape), "candidates": cands}))
+    return str(path)
+
+
+def test_split_model_orders_tune_timings(tmp_path):
+    """tools/split_model.py (session 54) reads `qgemm tune --json` files of wgmma_rs and sets the
+    cost model (`registry.rs_grid_cost`) against them. Timings made from the model itself fit it
+    exactly, its pick is theirs; a timing that disagrees shows as the rms error and as a pick
+    that is not the measured best, by how much; a wrong result or a tile without a rate never
+    counts; --overhead / --rate change the model; bad files and arguments are refused by name."""
+    from qgemm import registry as R
+
+    tool = _load("split_model")
+    rates, overhead = dict(R.RS_TILE_RATES), R.RS_SPLIT_OVERHEAD_K
+    shape = (300, 3072, 7168)
+    tiles = [(128, 2, 1), (128, 2, 3), (128, 1, 1), (64, 2, 1)]
+    exact = {t: R.rs_grid_cost(*shape, *t, 132) / 200 for t in tiles}
+    assert min(exact, key=exact.get) == (64, 2, 1)  # the 64-token tiles of session 54's rule
+    f1 = _tune_json(tmp_path / "a.json", "w4a16.wgmma_rs", shape, {**exact, (256, 1, 1): 1.0, (128, 2, 2): None})
+    text, rms = tool.report([f1], None, {}, None)
+    assert rms == pytest.approx(0, abs=1e-9) and "measured best 64 tokens x 128 rows, split 1" in text
+    assert "| 256 tokens x 64 rows, split 1 | 96 | 1.0 | - | - |" in text and "split 2" not in text
+    assert "its pick the measured best at 1 of 1 shapes" in text
+    # the 64-token tiles measured 40% slower than the model says: the pick is now off the best
+    slow = {**exact, (64, 2, 1): exact[(64, 2, 1)] * 1.4}
+    f2 = _tune_json(tmp_path / "b.json", "w8a16.wgmma_rs", shape, slow)
+    text, rms = tool.report([f2], None, {}, None)
+    best = min(slow, key=slow.get)
+    assert best != (64, 2, 1) and rms > 5 and "at 0 of 1 shapes" in text
+    assert f"{100 * (slow[(64, 2, 1)] / slow[best] - 1):.1f}% slower" in text
+    # a lower rate for the 64-token tiles, as that timing says, restores the pick
+    rate = R.RS_TILE_RATES[(64, 2)] / 1.4
+    text, rms = tool.report([f2], None, {(64, 2): rate}, None)
+    assert "at 1 of 1 shapes" in text and f"64x2={rate:g}" in text and rms == pytest.approx(0, abs=1e-9)
+    # through main: the report printed and written, bad input refused with exit 2
+    md = tmp_path / "r.md"
+    assert tool.main([f1, "--markdown", str(md), "--overhead", "768"]) == 0 and "overhead 768 K" in md.read_text()
+    (tmp_path / "bench.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "mma.json").write_text(json.dumps({"kernel": "w4a16.mma", "shape": [1, 2, 32], "candidates": []}))
+    (tmp_path / "junk.json").write_text("{")
+    for args, said in (([str(tmp_path / "none.json")], "cannot read it"), ([str(tmp_path / "junk.json")], "not JSON"),
+                       ([str(tmp_path / "bench.json")], "not the output of `qgemm tune --json`"),
+                       ([str(tmp_path / "mma.json")], "the model is wgmma_rs's"),
+                       ([f1, "--markdown", str(tmp_path / "no" / "r.md")], "--markdown")):
+        r = subprocess.run([sys.executable, str(TOOLS / "split_model.py"), *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and said in r.stderr, (args, r.stderr)
+    for args in (["--rate", "64x3=1"], ["--rate", "64x2"], ["--overhead", "-1"], ["--sm", "0"]):
+        with pytest.raises(SystemExit) as e:
+            tool.main([f1, *args])
+        assert e.value.code == 2, args
+    assert R.RS_TILE_RATES == rates and R.RS_SPLIT_OVERHEAD_K == overhead  # the model's own constants untouched
