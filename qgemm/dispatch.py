@@ -356,7 +356,7 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
         reason += ("; it reads the skinny weight layout, so the ggml blocks are repacked on the GPU first, on every "
                    "call (pass w = qgemm.pack_weights(w) to repack once, at load)")
     sm_count = 132 if arch is not None or not runtime.gpu_available() else runtime.device_info().sm_count
-    reason += _tile_reason(k_obj, m, n, k, defines, sm_count) + _split_reason(k_obj, m, n, k, defines, sm_count)
+    reason += _grid_reason(k_obj, m, n, k, defines, sm_count)
     return Plan(m, n, k, fmt, x_dtype, quantizer, name, defines, source, reason, k_obj.packed,
                 f"pack.{fmt}" if repack else None)
 
@@ -380,26 +380,23 @@ def _matmul_plan(m, n, k, fmt, x_dtype, path, packed) -> Plan:
     return p
 
 
-def _tile_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) -> str:
-    """`wgmma_rs`'s tile (its default chooses tile and K split by how the grid fills the SMs,
-    `registry._rs_config`): the weight rows and tokens of a CTA and, unsplit, the CTAs of the grid;
-    a split grid's counts follow in `_split_reason`."""
-    if "RS_BN" not in defines:
-        return ""
+def _grid_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) -> str:
+    """A plan's grid in its own numbers. `wgmma_rs`'s tile (its default chooses tile and K split by
+    how the grid fills the SMs, `registry._rs_config`): the weight rows and tokens of a CTA and,
+    unsplit, the CTAs of the grid. Any kernel's K split, where it has one: the output tiles alone
+    are too few CTAs (or leave the last wave short) for the SMs, so each tile's K is shared by
+    several CTAs."""
     g = k_obj.geometry(m, n, k, defines)
-    text = f"; tiles of {64 * defines.get('RS_WGS', 2)} weight rows x {defines['RS_BN']} tokens"
-    return text if g.split > 1 else text + f": {math.prod(g.grid)} CTAs for {sm_count} SMs"
-
-
-def _split_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) -> str:
-    """The K split of a plan in its grid's numbers, where it has one: the output tiles alone are too
-    few CTAs (or leave the last wave short) for the SMs, so each tile's K is shared by several CTAs."""
-    g = k_obj.geometry(m, n, k, defines)
-    if g.split <= 1:
-        return ""
     ctas = math.prod(g.grid)
-    return (f"; K split {g.split} ways: {ctas // g.split} output tiles make {ctas} CTAs for {sm_count} SMs, each adding "
-            "its partial sums into the output, zeroed first")
+    text = ""
+    if "RS_BN" in defines:
+        text = f"; tiles of {64 * defines.get('RS_WGS', 2)} weight rows x {defines['RS_BN']} tokens"
+        if g.split <= 1:
+            text += f": {ctas} CTAs for {sm_count} SMs"
+    if g.split > 1:
+        text += (f"; K split {g.split} ways: {ctas // g.split} output tiles make {ctas} CTAs for {sm_count} SMs, each "
+                 "adding its partial sums into the output, zeroed first")
+    return text
 
 
 def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,

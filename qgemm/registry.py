@@ -806,7 +806,7 @@ def _rs_half_tiles_fewer_waves(m: int, n: int, k: int, sm_count: int) -> bool:
     # 5120 and 2049-2112 at 512 (any K); never at N = 4096.
     if sm_count // 2 < whole and half <= sm_count:
         split = _rs_long_k_split(whole, k, sm_count)
-        return k * 0.5 / RS_TILE_RATES[(64, 2)] < _rs_split_cost(whole, k, split, sm_count)
+        return rs_grid_cost(m, n, k, 64, 2, 1, sm_count) < rs_grid_cost(m, n, k, 128, 2, split, sm_count)
     return False
 
 
