@@ -383,7 +383,7 @@ def compile(
         rows.append([s.name, ck.arch, str(r.registers), f"{r.smem_static}", f"{r.spill_stores}/{r.spill_loads}",
                      f"{r.stack_frame}", f"{ck.cubin_size}", f"{(ck.compile_seconds if not ck.from_cache else wall) * 1e3:.0f} ms",
                      "cache" if ck.from_cache else "compiled",
-                     " ".join(f"{a}={b}" for a, b in defines.items()) or "(source defaults)"])
+                     _defines_text(defines) or "(source defaults)"])
     headers = ["kernel", "arch", "regs", "smem B", "spill st/ld B", "stack B", "cubin B", "time", "source", "configuration"]
     if not configured:  # the configuration column only when --shape or -D chose one
         headers, rows = headers[:-1], [row[:-1] for row in rows]
@@ -656,10 +656,9 @@ def tune(
     exact = k.op.exact(inp.a, inp.w)
     da, dw = k.upload_activations(inp.a), k.upload_weights(inp.w)
     dc = runtime.DeviceArray.empty((m, n), np.float32)
-    rows, records, best, default_us = [], [], None, None
+    records, best, default_us = [], None, None
     with typer.progressbar(cands, label=f"tuning {name} at {m}x{n}x{kk}") as bar:
         for d in bar:
-            mark = " (default)" if d == default else ""
             try:
                 dc.fill_bytes(0xFF)
                 k.launch(da, dw, dc, m, n, kk, defines=d)
@@ -669,16 +668,14 @@ def tune(
                 us = statistics.median(times)
             except Exception as e:  # a configuration that does not compile or launch is skipped
                 why = str(e).splitlines()[0] if str(e) else type(e).__name__
-                rows.append([" ".join(f"{a}={b}" for a, b in d.items()), "-", f"skipped{mark}: {why[:60]}"])
                 records.append(_tune_record(d, None, "skipped", d == default, why))
                 continue
-            rows.append([" ".join(f"{a}={b}" for a, b in d.items()), f"{us:.1f}", ("ok" if ok else "WRONG RESULT") + mark])
             records.append(_tune_record(d, us, "ok" if ok else "wrong result", d == default))
             if d == default and ok:
                 default_us = us
             if ok and (best is None or us < best[1]):
                 best = (d, us)
-    typer.echo(_table(["configuration", "median us", "check"], rows, right={1}))
+    typer.echo(_table(["configuration", "median us", "check"], [_tune_row(r) for r in records], right={1}))
     if as_json:  # written before the verdict, so that a run with no correct configuration is on record too
         _write(as_json, json.dumps({"command": _command_line(), "environment": B.environment(), "kernel": name,
                                     "shape": list(mnk), "iters": iters, "only": want, "default": default,
@@ -710,18 +707,32 @@ def _tune_record(config: dict, us: float | None, check: str, is_default: bool, e
     return row
 
 
+def _defines_text(defines: dict) -> str:
+    """A configuration as `qgemm tune` prints it: KEY=VALUE pairs in the kernel's order."""
+    return " ".join(f"{a}={b}" for a, b in defines.items())
+
+
+def _tune_row(record: dict) -> list[str]:
+    """The printed table's row of one `_tune_record`: the configuration, its median time, its check
+    (and the start of the error of a skipped one), marking the untuned default."""
+    mark = " (default)" if record["default"] else ""
+    if record["check"] == "skipped":
+        return [_defines_text(record["config"]), "-", f"skipped{mark}: {record['error'][:60]}"]
+    return [_defines_text(record["config"]), f"{record['us']:.1f}",
+            ("ok" if record["check"] == "ok" else "WRONG RESULT") + mark]
+
+
 def _tune_summary(best: dict, best_us: float, default: dict, default_us: float | None, only: str = "") -> str:
     """`qgemm tune`'s last lines: the winner and what it gains over the untuned default."""
-    cfg = lambda d: " ".join(f"{a}={b}" for a, b in d.items())  # noqa: E731
-    lines = [f"best: {cfg(best)}  {best_us:.1f} us"]
+    lines = [f"best: {_defines_text(best)}  {best_us:.1f} us"]
     if best == default:
         lines.append(f"the untuned default is the fastest of the configurations with {only}" if only
                      else "the untuned default is the fastest: tuning changes nothing at this shape")
     elif default_us is not None:
-        lines.append(f"default: {cfg(default)}  {default_us:.1f} us (the best is {100 * (1 - best_us / default_us):.1f}% faster)")
+        lines.append(f"default: {_defines_text(default)}  {default_us:.1f} us (the best is {100 * (1 - best_us / default_us):.1f}% faster)")
     else:
         why = f"not among --only {only}" if only else "not timed: it failed or gave a wrong result, see the table"
-        lines.append(f"default: {cfg(default)}  ({why})")
+        lines.append(f"default: {_defines_text(default)}  ({why})")
     return "\n".join(lines)
 
 

@@ -532,6 +532,33 @@ def test_wgmma_rs_defaults_on_wide_and_narrow_weights(fmt):
     assert s.config(128, 4096, 14336, 132)["RS_WGS"] == 2 and s.config(512, 4096, 4096, 132)["RS_WGS"] == (2 if fmt == "q4_0" else 1)
 
 
+STORED_TUNES = sorted((pathlib.Path(__file__).resolve().parents[1] / "docs" / "perf" / "tunes-h100").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", STORED_TUNES, ids=[p.stem for p in STORED_TUNES])
+def test_wgmma_rs_defaults_against_stored_tunes(path):
+    """docs/perf/tunes-h100 holds `qgemm tune --dry-run --json` runs of wgmma_rs (session 55, H100,
+    every candidate timed, kernel alone) at the shapes of the grid-filling rules. The default that
+    the registry plans today for each shape and the recorded SM count must be among the timed
+    configurations and within 2% of the fastest correct one: a rule or cost constant that moves a
+    default there (RS_SPLIT_OVERHEAD_K = 640 splits 384x4096x8192 4 ways, 8-11% slower) fails
+    here, without a GPU. A default not timed there means the stored tune is stale: re-run it."""
+    t = json.loads(path.read_text())
+    m, n, k = t["shape"]
+    sm = t["environment"]["sm_count"]
+    default = qgemm.get(t["kernel"]).default_config(m, n, k, sm)
+    timed = {json.dumps(c["config"], sort_keys=True): c["us"] for c in t["candidates"] if c["check"] == "ok"}
+    assert len(timed) > 20, f"{path.name}: too few correct timings to judge a default"
+    key = json.dumps(default, sort_keys=True)
+    assert key in timed, f"{path.name}: today's default {default} was not timed there; re-run the tune"
+    best = min(timed.values())
+    assert timed[key] <= 1.02 * best, f"{path.name}: default {default} {timed[key]:.1f} us against the best {best:.1f}"
+
+
+def test_stored_tunes_are_there():
+    assert len(STORED_TUNES) == 20  # both formats at ten shapes; a lost directory must not pass as zero tests
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_wgmma_rs_defaults_fill_the_waves(fmt):
     """wgmma_rs's defaults by how the grid fills the GPU (session 52). From 65 tokens, below K =
@@ -722,6 +749,18 @@ def test_tune_json_path_is_checked_before_any_gpu_work(tmp_path):
     missing = tmp_path / "no" / "t.json"
     r = runner.invoke(app, ["tune", "w4a16.mma", "--shape", "64x256x256", "--json", str(missing)])
     assert r.exit_code == 2 and "does not exist or is not writable" in r.output and not missing.parent.exists(), r.output
+
+
+def test_tune_table_rows_come_from_the_json_records():
+    # the printed table and `--json` are one list of records: a row says what its record says
+    from qgemm.cli import _tune_record, _tune_row
+    cfg = {"RS_BN": 128, "RS_SPLITK": 2}
+    assert _tune_row(_tune_record(cfg, 12.345, "ok", True)) == ["RS_BN=128 RS_SPLITK=2", "12.3", "ok (default)"]
+    assert _tune_row(_tune_record(cfg, 9.0, "wrong result", False)) == ["RS_BN=128 RS_SPLITK=2", "9.0", "WRONG RESULT"]
+    why = "NVRTC: too much shared memory " + "x" * 80
+    row = _tune_row(_tune_record({"SK_R": 4}, None, "skipped", False, why))
+    assert row == ["SK_R=4", "-", "skipped: " + why[:60]]
+    assert _tune_row(_tune_record({"SK_R": 4}, None, "skipped", True, "no"))[2] == "skipped (default): no"
 
 
 def test_tune_summary_says_what_tuning_gains_over_the_default():
