@@ -708,7 +708,7 @@ def _tune_record(config: dict, us: float | None, check: str, is_default: bool, e
 
 
 def _defines_text(defines: dict) -> str:
-    """A configuration as `qgemm tune` prints it: KEY=VALUE pairs in the kernel's order."""
+    """A configuration as the CLI prints it (`qgemm tune`, `qgemm compile`): KEY=VALUE pairs in the kernel's order."""
     return " ".join(f"{a}={b}" for a, b in defines.items())
 
 

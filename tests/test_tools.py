@@ -1129,6 +1129,56 @@ exit 0
     assert sweeps and all(i in (out / "tests-gpu-sweeps.log").read_text() for i in sweeps)
 
 
+def test_gpu_check_rs_tunes_step_remakes_the_stored_tunes(tmp_path):
+    """tools/gpu_check.sh's step `rs-tunes` (session 55) times what docs/perf/tunes-h100 stores. With
+    a stand-in python whose `qgemm tune` copies the stored file for its kernel and shape to the
+    --json path: both kernels precompiled at the shapes, each shape tuned by both (dry run, one JSON
+    each), tools/split_model.py's report of them, the JSONs packed into one tunes.tgz. Without
+    QGEMM_RS_TUNE_SHAPES the shapes are every stored one."""
+    import tarfile
+
+    stored = ROOT / "docs" / "perf" / "tunes-h100"
+    calls = tmp_path / "calls"
+    fake = tmp_path / "py"
+    fake.write_text(f"""#!/bin/sh
+echo "$*" >> {calls}
+case "$*" in
+  "-m qgemm tune "*)
+    out=$(printf '%s\\n' "$@" | sed -n '/^--json$/{{n;p;}}')
+    cp {stored}/$(basename "$out") "$out" ;;
+  *tools/split_model.py*) exec {sys.executable} "$@" ;;
+esac
+exit 0
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake), "QGEMM_CHECK": "rs-tunes"}
+    r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**env, "QGEMM_RS_TUNE_SHAPES": "384x4096x8192,300x3072x7168"})
+    assert r.returncode == 0 and "gpu_check: PASS" in r.stdout, r.stdout + r.stderr
+    seen = [line for line in calls.read_text().splitlines() if not line.startswith("-c ")]  # the gguf probe
+    assert seen[0] == "tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs --shapes 384x4096x8192,300x3072x7168"
+    tunes = [line for line in seen if line.startswith("-m qgemm tune ")]
+    assert [t.split()[3:6] for t in tunes] == [["w4a16.wgmma_rs", "--shape", "384x4096x8192"],
+                                               ["w8a16.wgmma_rs", "--shape", "384x4096x8192"],
+                                               ["w4a16.wgmma_rs", "--shape", "300x3072x7168"],
+                                               ["w8a16.wgmma_rs", "--shape", "300x3072x7168"]]
+    assert all("--dry-run" in t and f"--json {out}/tunes/" in t for t in tunes)
+    with tarfile.open(out / "tunes.tgz") as tar:
+        names = sorted(n for n in tar.getnames() if n.endswith(".json"))
+    assert names == ["tunes/w4a16-300x3072x7168.json", "tunes/w4a16-384x4096x8192.json",
+                     "tunes/w8a16-300x3072x7168.json", "tunes/w8a16-384x4096x8192.json"]
+    assert not (out / "tunes").exists()
+    report = (out / "split_model.md").read_text()
+    assert "w8a16.wgmma_rs 384x4096x8192" in report and "its pick the measured best at 4 of 4 shapes" in report
+    # the default shapes: every stored one, each tuned by both kernels
+    calls.unlink()
+    r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 0 and "gpu_check: PASS" in r.stdout, r.stdout + r.stderr
+    tuned = sorted(f"{t.split()[3][:5]}-{t.split()[5]}.json" for t in calls.read_text().splitlines() if t.startswith("-m qgemm tune "))
+    assert tuned == sorted(p.name for p in stored.glob("*.json")) and len(tuned) == 40
+
+
 def _tune_json(path, kernel, shape, times):
     """A `qgemm tune --json` file: times maps (RS_BN, RS_WGS, RS_SPLITK) -> µs (None: a wrong result)."""
     cands = [{"config": {"RS_BN": bn, "RS_WGS": w, "RS_STAGES": 4, "RS_SPLITK": s, "RS_MINB": 1, "RS_WS": 1},

@@ -16,7 +16,8 @@
 #   QGEMM_CHECK="xtypes" bash tools/gpu_check.sh               # float32 / float16 / bfloat16 activations: whole op, configurations
 #   QGEMM_CHECK="sanitize" bash tools/gpu_check.sh             # the GPU tests under compute-sanitizer (memcheck, racecheck, synccheck, initcheck)
 #   other steps: precompile (every default configuration of the bench shapes, in parallel: run it
-#   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, pdl,
+#   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, rs-tunes
+#   (docs/perf/tunes-h100 again: QGEMM_RS_TUNE_SHAPES, default every stored shape), pdl,
 #   pack (the GPU repacking: its tests and matmul on blocks against packed weights), host (an eager
 #   qgemm.matmul call's host time against torch's: docs/pytorch.md's table), ab (below)
 #
@@ -145,6 +146,19 @@ for step in $STEPS; do
               # untuned defaults still hold after the kernels changed?
               for pair in $TUNE_PAIRS; do run $PY tools/precompile.py "${pair%@*}" --shapes "${pair#*@}"; done
               for pair in $TUNE_PAIRS; do run $PY -m qgemm tune "${pair%@*}" --shape "${pair#*@}" --iters 10 --dry-run; done ;;
+    rs-tunes) # wgmma_rs's stored tunes (docs/perf/tunes-h100, against which a CPU test checks the defaults):
+              # every candidate of both kernels at QGEMM_RS_TUNE_SHAPES (default: the stored shapes; all
+              # twenty take ~9.5 min, so give a device call a subset) timed, nothing stored in the cache,
+              # one `qgemm tune --json` file each, packed into $OUT/tunes.tgz (a device call brings back
+              # at most 8 files), with tools/split_model.py's report of them in $OUT/split_model.md
+              shapes=${QGEMM_RS_TUNE_SHAPES:-$(ls docs/perf/tunes-h100/*.json | sed 's|.*/w[48]a16-||; s|[.]json$||' | sort -u | paste -sd,)}
+              run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs --shapes "$shapes"
+              rm -rf "$OUT/tunes"; mkdir -p "$OUT/tunes"
+              for s in ${shapes//,/ }; do for k in w4a16 w8a16; do
+                  run $PY -m qgemm tune $k.wgmma_rs --shape "$s" --iters 10 --dry-run --json "$OUT/tunes/$k-$s.json"
+              done; done
+              run $PY tools/split_model.py "$OUT"/tunes/*.json --markdown "$OUT/split_model.md"
+              tar -C "$OUT" -czf "$OUT/tunes.tgz" tunes && rm -rf "$OUT/tunes" ;;
     rs)       # the Hopper prefill kernels: register-A wgmma (wgmma_rs) against the shared-memory one (wgmma):
               # precompile every candidate, their GPU tests, both timed per shape, then tune wgmma_rs (stored)
               run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs w4a16.wgmma w8a16.wgmma \
