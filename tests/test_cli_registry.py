@@ -532,21 +532,29 @@ def test_wgmma_rs_defaults_on_wide_and_narrow_weights(fmt):
     assert s.config(128, 4096, 14336, 132)["RS_WGS"] == 2 and s.config(512, 4096, 4096, 132)["RS_WGS"] == (2 if fmt == "q4_0" else 1)
 
 
-STORED_TUNES = sorted((pathlib.Path(__file__).resolve().parents[1] / "docs" / "perf" / "tunes-h100").glob("*.json"))
-# measured gaps left as they are, with the bound they must not pass: Q8_0 at 200x1024x8192 (a 70B
-# k / v projection; 16 x 2 tiles of 64 rows, split 4) ran 12.6 us against 12.1 for 256-token tiles
-# split 8, one 12 us kernel on one H100 and Q4_0's default the fastest there -- not worth a rule
-# without a whole-op A/B (docs/perf/NOTES.md, session 55)
-KNOWN_GAPS = {"w8a16-200x1024x8192": 1.05}
+TUNES_DIR = pathlib.Path(__file__).resolve().parents[1] / "docs" / "perf" / "tunes-h100"
+STORED_TUNES = sorted(TUNES_DIR.glob("*.json")) + sorted((TUNES_DIR / "decode").glob("*.json"))
+# measured gaps left as they are, each with the bound it must not pass (default / fastest).
+# wgmma_rs: Q8_0 at 200x1024x8192 (a 70B k / v projection; 16 x 2 tiles of 64 rows, split 4) ran
+# 12.6 us against 12.1 for 256-token tiles split 8, one 12 us kernel on one H100 and Q4_0's default
+# the fastest there -- not worth a rule without a whole-op A/B. The decode kernels' defaults were
+# chosen by the whole op, hot and with cold weights (sessions 29 and 49-51); the kernel-alone hot
+# tune disagrees by 4% at one token (its best, one load group with SK_PRIME=1, measured slower cold
+# in session 29, where that row's target is), 3-5% at 16 tokens of K = 14336 and 14-29% at
+# 2x1024x4096 (~0.4-0.8 us): leads for a whole-op A/B, not yet measured (docs/perf/NOTES.md,
+# session 55)
+KNOWN_GAPS = {"w8a16-200x1024x8192": 1.05, "w4a8.skinny-1x4096x4096": 1.05, "w4a16.skinny-16x4096x14336": 1.06,
+              "w8a16.skinny-16x4096x14336": 1.04, "w4a16.skinny-2x1024x4096": 1.16, "w8a16.skinny-2x1024x4096": 1.30}
 
 
 @pytest.mark.parametrize("path", STORED_TUNES, ids=[p.stem for p in STORED_TUNES])
-def test_wgmma_rs_defaults_against_stored_tunes(path):
-    """docs/perf/tunes-h100 holds `qgemm tune --dry-run --json` runs of wgmma_rs (session 55, H100,
-    every candidate timed, kernel alone) at the shapes of the grid-filling rules and at Llama-70B /
-    Qwen2-7B widths. The default that the registry plans today for each shape and the recorded SM
-    count must be among the timed configurations and within 2% of the fastest correct one
-    (KNOWN_GAPS: a measured gap's own bound): a rule or cost constant that moves a default there
+def test_defaults_against_stored_tunes(path):
+    """docs/perf/tunes-h100 holds `qgemm tune --dry-run --json` runs (session 55, H100, every
+    candidate timed, kernel alone): wgmma_rs at the shapes of its grid-filling rules and at
+    Llama-70B / Qwen2-7B widths, and in decode/ the skinny kernels qgemm.matmul runs on packed
+    weights at 1-16 tokens. The default that the registry plans today for each shape and the
+    recorded SM count must be among the timed configurations and within 2% of the fastest correct
+    one (KNOWN_GAPS: a measured gap's own bound): a rule or cost constant that moves a default there
     (RS_SPLIT_OVERHEAD_K = 640 splits 384x4096x8192 4 ways, 8-11% slower) fails here, without a
     GPU. A default not timed there means the stored tune is stale: re-run it."""
     t = json.loads(path.read_text())
@@ -559,12 +567,14 @@ def test_wgmma_rs_defaults_against_stored_tunes(path):
     assert key in timed, f"{path.name}: today's default {default} was not timed there; re-run the tune"
     best = min(timed.values())
     bound = KNOWN_GAPS.get(path.stem, 1.02)
-    assert timed[key] <= bound * best, f"{path.name}: default {default} {timed[key]:.1f} us against the best {best:.1f}"
+    assert timed[key] <= bound * best, f"{path.name}: default {default} {timed[key]:.2f} us against the best {best:.2f}"
 
 
 def test_stored_tunes_are_there():
-    # both formats at twenty shapes; a lost directory must not pass as zero tests
-    assert len(STORED_TUNES) == 40 and {p.stem for p in STORED_TUNES} >= set(KNOWN_GAPS)
+    # wgmma_rs in both formats at twenty shapes, twelve decode kernel / shape pairs; a lost directory
+    # must not pass as zero tests, nor a gap outlive its file
+    assert len(STORED_TUNES) == 52 and {p.stem for p in STORED_TUNES} >= set(KNOWN_GAPS)
+    assert len({p.stem for p in STORED_TUNES}) == len(STORED_TUNES)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])

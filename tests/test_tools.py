@@ -1179,6 +1179,50 @@ exit 0
     assert tuned == sorted(p.name for p in stored.glob("*.json")) and len(tuned) == 40
 
 
+def test_gpu_check_decode_tunes_step_remakes_the_stored_tunes(tmp_path):
+    """tools/gpu_check.sh's step `decode-tunes` (session 55) times what docs/perf/tunes-h100/decode
+    stores (KERNEL-SHAPE.json). With a stand-in python whose `qgemm tune` copies the stored file to
+    the --json path: each kernel precompiled at its own shapes, each pair tuned (dry run, 20
+    samples, one JSON each), the JSONs packed into one tunes-decode.tgz. Without
+    QGEMM_DECODE_TUNE_PAIRS the pairs are every stored file."""
+    import tarfile
+
+    stored = ROOT / "docs" / "perf" / "tunes-h100" / "decode"
+    calls = tmp_path / "calls"
+    fake = tmp_path / "py"
+    fake.write_text(f"""#!/bin/sh
+echo "$*" >> {calls}
+case "$*" in
+  "-m qgemm tune "*)
+    out=$(printf '%s\\n' "$@" | sed -n '/^--json$/{{n;p;}}')
+    cp {stored}/$(basename "$out") "$out" ;;
+esac
+exit 0
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake), "QGEMM_CHECK": "decode-tunes"}
+    pairs = "w4a8.skinny@1x4096x4096 w4a16.skinny@2x1024x4096 w4a8.skinny@1x4096x14336"
+    r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**env, "QGEMM_DECODE_TUNE_PAIRS": pairs})
+    assert r.returncode == 0 and "gpu_check: PASS" in r.stdout, r.stdout + r.stderr
+    seen = [line for line in calls.read_text().splitlines() if not line.startswith("-c ")]  # the gguf probe
+    assert seen[:2] == ["tools/precompile.py w4a16.skinny --shapes 2x1024x4096",
+                        "tools/precompile.py w4a8.skinny --shapes 1x4096x4096,1x4096x14336"]
+    tunes = [line.split() for line in seen[2:]]
+    assert [t[3:6] for t in tunes] == [[p.split("@")[0], "--shape", p.split("@")[1]] for p in pairs.split()]
+    assert all(t[6:10] == ["--iters", "20", "--dry-run", "--json"] for t in tunes) and len(seen) == 5
+    with tarfile.open(out / "tunes-decode.tgz") as tar:
+        names = sorted(n for n in tar.getnames() if n.endswith(".json"))
+    assert names == ["decode/w4a16.skinny-2x1024x4096.json", "decode/w4a8.skinny-1x4096x14336.json",
+                     "decode/w4a8.skinny-1x4096x4096.json"] and not (out / "decode").exists()
+    calls.unlink()
+    r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r.returncode == 0 and "gpu_check: PASS" in r.stdout, r.stdout + r.stderr
+    tuned = sorted(f"{t.split()[3]}-{t.split()[5]}.json" for t in calls.read_text().splitlines() if t.startswith("-m qgemm tune "))
+    assert tuned == sorted(p.name for p in stored.glob("*.json")) and len(tuned) == 12
+
+
 def _tune_json(path, kernel, shape, times):
     """A `qgemm tune --json` file: times maps (RS_BN, RS_WGS, RS_SPLITK) -> µs (None: a wrong result)."""
     cands = [{"config": {"RS_BN": bn, "RS_WGS": w, "RS_STAGES": 4, "RS_SPLITK": s, "RS_MINB": 1, "RS_WS": 1},

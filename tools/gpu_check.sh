@@ -17,7 +17,8 @@
 #   QGEMM_CHECK="sanitize" bash tools/gpu_check.sh             # the GPU tests under compute-sanitizer (memcheck, racecheck, synccheck, initcheck)
 #   other steps: precompile (every default configuration of the bench shapes, in parallel: run it
 #   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, rs-tunes
-#   (docs/perf/tunes-h100 again: QGEMM_RS_TUNE_SHAPES, default every stored shape), pdl,
+#   (docs/perf/tunes-h100 again: QGEMM_RS_TUNE_SHAPES, default every stored shape), decode-tunes
+#   (docs/perf/tunes-h100/decode: QGEMM_DECODE_TUNE_PAIRS, kernel@shape), pdl,
 #   pack (the GPU repacking: its tests and matmul on blocks against packed weights), host (an eager
 #   qgemm.matmul call's host time against torch's: docs/pytorch.md's table), ab (below)
 #
@@ -159,6 +160,19 @@ for step in $STEPS; do
               done; done
               run $PY tools/split_model.py "$OUT"/tunes/*.json --markdown "$OUT/split_model.md"
               tar -C "$OUT" -czf "$OUT/tunes.tgz" tunes && rm -rf "$OUT/tunes" ;;
+    decode-tunes) # the decode kernels' stored tunes (docs/perf/tunes-h100/decode, KERNEL-SHAPE.json, checked
+              # by the same CPU test): each KERNEL@SHAPE of QGEMM_DECODE_TUNE_PAIRS (default: every stored
+              # file; all twelve take ~2.5 min) timed as stored -- every candidate, 20 samples, nothing
+              # stored in the cache -- into $OUT/tunes-decode.tgz
+              pairs=${QGEMM_DECODE_TUNE_PAIRS:-$(ls docs/perf/tunes-h100/decode/*.json | sed 's|.*/||; s|[.]json$||; s|-\([0-9x]*\)$|@\1|' | paste -sd' ')}
+              for k in $(printf '%s\n' $pairs | sed 's|@.*||' | sort -u); do
+                  run $PY tools/precompile.py "$k" --shapes "$(printf '%s\n' $pairs | sed -n "s|^$k@||p" | paste -sd,)"
+              done
+              rm -rf "$OUT/decode"; mkdir -p "$OUT/decode"
+              for p in $pairs; do
+                  run $PY -m qgemm tune "${p%@*}" --shape "${p#*@}" --iters 20 --dry-run --json "$OUT/decode/${p%@*}-${p#*@}.json"
+              done
+              tar -C "$OUT" -czf "$OUT/tunes-decode.tgz" decode && rm -rf "$OUT/decode" ;;
     rs)       # the Hopper prefill kernels: register-A wgmma (wgmma_rs) against the shared-memory one (wgmma):
               # precompile every candidate, their GPU tests, both timed per shape, then tune wgmma_rs (stored)
               run $PY tools/precompile.py w4a16.wgmma_rs w8a16.wgmma_rs w4a16.wgmma w8a16.wgmma \
