@@ -1129,19 +1129,13 @@ exit 0
     assert sweeps and all(i in (out / "tests-gpu-sweeps.log").read_text() for i in sweeps)
 
 
-def test_gpu_check_rs_tunes_step_remakes_the_stored_tunes(tmp_path):
-    """tools/gpu_check.sh's step `rs-tunes` (session 55) times what docs/perf/tunes-h100 stores. With
-    a stand-in python whose `qgemm tune` copies the stored file for its kernel and shape to the
-    --json path: both kernels precompiled at the shapes, each shape tuned by both (dry run, one JSON
-    each), tools/split_model.py's report of them, the JSONs packed into one tunes.tgz. Without
-    QGEMM_RS_TUNE_SHAPES the shapes are every stored one."""
-    import tarfile
-
-    stored = ROOT / "docs" / "perf" / "tunes-h100"
-    calls = tmp_path / "calls"
+def _stand_in_tuner(tmp_path, stored, step):
+    """A stand-in python for tools/gpu_check.sh's tune steps: it records its arguments in
+    tmp_path/calls, answers `qgemm tune --json PATH` by copying the stored file of PATH's name from
+    `stored`, and runs tools/split_model.py for real. The environment that runs `step` with it."""
     fake = tmp_path / "py"
     fake.write_text(f"""#!/bin/sh
-echo "$*" >> {calls}
+echo "$*" >> {tmp_path / "calls"}
 case "$*" in
   "-m qgemm tune "*)
     out=$(printf '%s\\n' "$@" | sed -n '/^--json$/{{n;p;}}')
@@ -1151,8 +1145,20 @@ esac
 exit 0
 """)
     fake.chmod(0o755)
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake), "QGEMM_CHECK": "rs-tunes"}
+    return {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(fake), "QGEMM_CHECK": step}
+
+
+def test_gpu_check_rs_tunes_step_remakes_the_stored_tunes(tmp_path):
+    """tools/gpu_check.sh's step `rs-tunes` (session 55) times what docs/perf/tunes-h100 stores. With
+    a stand-in python whose `qgemm tune` copies the stored file for its kernel and shape to the
+    --json path: both kernels precompiled at the shapes, each shape tuned by both (dry run, one JSON
+    each), tools/split_model.py's report of them, the JSONs packed into one tunes.tgz. Without
+    QGEMM_RS_TUNE_SHAPES the shapes are every stored one."""
+    import tarfile
+
+    stored = ROOT / "docs" / "perf" / "tunes-h100"
+    calls, out = tmp_path / "calls", tmp_path / "out"
+    env = _stand_in_tuner(tmp_path, stored, "rs-tunes")
     r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**env, "QGEMM_RS_TUNE_SHAPES": "384x4096x8192,300x3072x7168"})
     assert r.returncode == 0 and "gpu_check: PASS" in r.stdout, r.stdout + r.stderr
@@ -1188,20 +1194,8 @@ def test_gpu_check_decode_tunes_step_remakes_the_stored_tunes(tmp_path):
     import tarfile
 
     stored = ROOT / "docs" / "perf" / "tunes-h100" / "decode"
-    calls = tmp_path / "calls"
-    fake = tmp_path / "py"
-    fake.write_text(f"""#!/bin/sh
-echo "$*" >> {calls}
-case "$*" in
-  "-m qgemm tune "*)
-    out=$(printf '%s\\n' "$@" | sed -n '/^--json$/{{n;p;}}')
-    cp {stored}/$(basename "$out") "$out" ;;
-esac
-exit 0
-""")
-    fake.chmod(0o755)
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake), "QGEMM_CHECK": "decode-tunes"}
+    calls, out = tmp_path / "calls", tmp_path / "out"
+    env = _stand_in_tuner(tmp_path, stored, "decode-tunes")
     pairs = "w4a8.skinny@1x4096x4096 w4a16.skinny@2x1024x4096 w4a8.skinny@1x4096x14336"
     r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**env, "QGEMM_DECODE_TUNE_PAIRS": pairs})
