@@ -139,21 +139,19 @@ def main(argv=None) -> int:
         ap.error(f"--overhead must be >= 0, got {a.overhead:g}")
     if a.sm is not None and a.sm < 1:
         ap.error(f"--sm must be positive, got {a.sm}")
-    try:
-        text, _ = report(a.files, a.overhead, dict(a.rate), a.sm)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if a.markdown:
+        from qgemm.errors import check_output_path
+
+        check_output_path(a.markdown, "--markdown")
+    text, _ = report(a.files, a.overhead, dict(a.rate), a.sm)
     print(text, end="")
     if a.markdown:
-        try:
-            with open(a.markdown, "w") as f:
-                f.write(text)
-        except OSError as e:
-            print(f"error: --markdown {a.markdown}: {e.strerror}", file=sys.stderr)
-            return 2
+        with open(a.markdown, "w") as f:
+            f.write(text)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "split_model"))
