@@ -322,6 +322,43 @@ def _skinny_fill_split(n: int, k: int, r: int, split: int, sm_count: int, per_sm
     return split
 
 
+# CTAs of 4 warps of the Q8_0 decode kernel at 9-16 tokens that one SM holds: 166 registers a
+# thread (`qgemm compile w8a16.skinny --shape 16x6144x4096 -D SK_WARPS=4`, sm_80 and sm_90) leave
+# room for three in 64 K registers; with 8 warps, one.
+_SKINNY_Q8_MT2_CTAS_PER_SM = 3
+
+
+def _skinny_q8_wide_split(tiles: int, k: int, sm_count: int) -> int:
+    """The K split for CTAs of 4 warps of the Q8_0 decode kernel at 9-16 tokens, where its grid of
+    8-warp CTAs (two 16-row tiles each, one per SM: 166 registers a thread) spills past one wave:
+    a 2-way split where it fills the last wave of the 4-warp slots (three per SM) better, by a
+    tenth of a wave or more, than no split. The caller takes 4 warps only where that grid puts
+    more than two CTAs on an SM on average: with two or fewer an SM holds no more warps than one
+    8-warp CTA (at 256 tiles, 4 warps unsplit measured 3-6% faster kernel alone but level to 5%
+    slower whole op). Session 56, H100, kernel alone, hot / weights cold, 8 warps -> 4 warps
+    (split 1 / 2); `tools/probe_defines.py`:
+      16x4608x3584  (144 CTAs) 13.09 / 15.58 -> 13.56 / 9.36 us, cold 13.99 / 10.59 (split 2)
+      16x6144x4096  (192)      15.55 / 17.14 -> 13.72 / 11.31, cold 15.16 / 14.09 (2)
+      16x6144x14336 (192)      51.80 / 51.58 -> 46.42 / 37.08, cold 46.04 / 37.22 (2)
+      16x8192x8192  (256)      33.52 / 33.52 -> 32.65 / 36.01, cold 32.70 / 36.40 (8 warps kept)
+      16x8192x28672 (256)      111.3 / 111.4 -> 104.8 / 111.1, cold 104.5 / 113.3 (8 warps kept)
+      16x10240x8192 (320)      47.18 / 47.01 -> 34.09 / 38.03, cold 34.06 / 38.53 (1)
+      16x14336x4096 (448)      34.34 / 34.34 -> 33.87 / 30.71, cold 33.86 / 31.27 (2)
+      16x18944x3584 (592)      39.77 / 39.89 -> 32.86 / 32.35, cold 32.56 / 33.55 (2)
+      16x28672x8192 (896)      112.7 / 113.8 -> 99.77 / 93.60, cold 103.4 / 98.0 (2)
+      12x6144x4096  (192)      14.13 / 16.39 -> 13.18 / 11.00, cold 14.82 / 13.74 (2)
+    At one wave or less (16x4096x14336, 128 CTAs; 16x3584x18944, 112) 8 warps stay: 4 warps
+    there are 43% slower (half the warps per SM), 4 warps split 2 level."""
+    slots = _SKINNY_Q8_MT2_CTAS_PER_SM * sm_count
+
+    def last_wave_fill(ctas: int) -> float:
+        return ctas / (cdiv(ctas, slots) * slots)
+    groups = cdiv(k // 32, 4)
+    if groups >= 8 and last_wave_fill(2 * tiles) >= last_wave_fill(tiles) + 0.1:
+        return 2
+    return 1
+
+
 def _skinny_splits(n: int, k: int, r: int, warps: int) -> tuple:
     """The K splits `qgemm tune` tries for the decode kernels: 1, 2, 4 and the fill splits of a
     132-SM GPU (8 for the narrowest weights)."""
@@ -372,13 +409,59 @@ def _skinny_config(wfmt: str):
             warps, unroll = 16, 1
         if cdiv(cdiv(n, 16), r) >= 4 * sm_count:  # plenty of CTAs already
             split = 1
+        before_fill = split
         split = _skinny_fill_split(n, k, r, split, sm_count, 2 if mt == 1 else 1, warps)
+        # Narrow weights, where a configuration with fewer warps (Q4_0) or more tiles per CTA reaches
+        # a deeper fill split over as many CTAs, take it (session 56, H100, kernel alone, hot /
+        # weights cold, `tools/probe_defines.py`; whole op in docs/perf/NOTES.md):
+        #   Q4_0, 2-8 tokens, K < 8192: 8 warps of two load groups instead of 16 of one, whose
+        #     half group per warp caps the split (2x512x4096 2.99 / 3.08 -> 2.59 / 2.66 us, split 4
+        #     -> 8; 8x512x4096 3.06 / 3.20 -> 2.76 / 2.83; 2x1024x2048 3.04 / 3.14 -> 2.64 / 2.68,
+        #     2 -> 4); where the split stays, 8 warps are level or slower (8x1024x4096 3.01 -> 3.35)
+        #   Q8_0, 2-8 tokens, K < 8192: two 16-row tiles per CTA with one accumulator set, split
+        #     twice as deep (1024x4096: 2 / 3 / 4 / 8 tokens 3.44 / 3.51 / 3.54 / 3.50 -> 3.03 /
+        #     2.81 / 3.05 / 3.14, cold 3.40 / 3.61 / 3.55 / 3.74 -> 3.55 / 3.36 / 3.59 / 3.44;
+        #     6x1024x6144 4.14 / 4.74 -> 3.65 / 4.35); where the split cannot deepen (N = 512 at
+        #     split 8, 1024x2048) level or slower
+        #   Q4_0, 9-16 tokens, K >= 8192, a grid of at most one CTA per SM: four 16-row tiles per
+        #     CTA of 4 warps, split 4 (16x2048x14336 17.13 / 17.59 -> 16.09 / 16.96, split 2 -> 4;
+        #     whole op 16x1536x14336 14.72 / 15.28 -> 13.40 / 14.86); where that split would reach
+        #     8 (N <= 1024) the whole op measured 5-11% slower cold (12 / 16 x1024x14336), and above
+        #     one CTA per SM (16x4096x14336, 256 CTAs) hot 3% faster but cold level and 3-4% slower
+        #     at 10-12 tokens: not taken
+        def same_ctas(r2: int, split2: int) -> bool:  # as many CTAs, up to a tile count's odd end
+            return abs(cdiv(cdiv(n, 16), r2) * split2 - cdiv(cdiv(n, 16), r) * split) < split2
+        narrow_acc1 = False
+        if mt == 1 and m > 1 and not long_k and wfmt == "q4_0":
+            s8 = _skinny_fill_split(n, k, r, before_fill, sm_count, 2, 8)
+            if s8 > split:
+                warps, unroll, split = 8, 2, s8
+        elif mt == 1 and m > 1 and not long_k and wfmt == "q8_0" and r == 1:
+            s2 = _skinny_fill_split(n, k, 2, before_fill, sm_count, 2, warps)
+            if s2 > split and same_ctas(2, s2):
+                r, unroll, split, narrow_acc1 = 2, 1, s2, True
+        elif wfmt == "q4_0" and mt == 2 and long_k and r == 2 and cdiv(cdiv(n, 16), r) * split <= sm_count:
+            s4 = _skinny_fill_split(n, k, 4, before_fill, sm_count, 1, 4)
+            if s4 == 4 > split and same_ctas(4, s4):
+                r, warps, split = 4, 4, s4
+        elif wfmt == "q8_0" and mt == 2 and cdiv(cdiv(n, 16), r) > sm_count:
+            # wide weights, the other way round: one 8-warp CTA per SM spills past a wave
+            split4 = _skinny_q8_wide_split(cdiv(cdiv(n, 16), r), k, sm_count)
+            if cdiv(cdiv(n, 16), r) * split4 > 2 * sm_count:
+                warps, split = 4, split4
         # two accumulator sets (two independent MMA chains) for Q4_0 at 9-16 tokens: 9.1 -> 7.9 us at
         # 16x4096x4096 on the H100; for Q4_0 no gain at M = 1 and a loss at M = 8, and a loss at long K
         # with the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8);
         # Q8_0 at 2-8 tokens below K = 8192 gains (next line)
-        acc = 2 if wfmt == "q4_0" and (mt == 2 and not long_k or q4_long_decode) else 1
-        if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k:
+        # Q4_0's second set costs registers: 134 at 9-16 tokens, one CTA of 8 warps per SM (127 and
+        # two with one set), so it is taken there only where the grid fits one wave of one CTA
+        # per SM (16x4096x4096: 128 CTAs). Wider, one set (session 56, H100, kernel alone, hot /
+        # weights cold): 16x6144x4096 13.84 / 15.37 -> 9.35 / 10.13 us, 16x14336x4096 28.25 /
+        # 30.32 -> 18.77 / 19.66, 16x4608x3584 13.41 -> 8.75, 16x18944x3584 36.52 -> 25.76,
+        # 12x6144x4096 13.52 -> 8.74.
+        q4_two_sets = mt == 2 and not long_k and cdiv(cdiv(n, 16), r) * split <= sm_count
+        acc = 2 if wfmt == "q4_0" and (q4_two_sets or q4_long_decode) else 1
+        if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k and not narrow_acc1:
             acc = 2  # Q8_0 8x4096x4096: 6.68 against 6.80 us (session 8), 6.3 against 6.4 (session 10)
         d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": split, "SK_XSMEM": int(m == 1),
              "SK_ACC": acc}
