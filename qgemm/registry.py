@@ -539,6 +539,28 @@ def _skinny_i8_config(wfmt: str):
              "SK_PDL_EARLY": _skinny_i8_pdl_early(m), "SK_MINB": minb, "SK_PRIME": _skinny_i8_prime(m, unroll)}
         while not _skinny_i8_ok(d, wfmt, m, k) and d["SK_WARPS"] > 4:
             d = {**d, "SK_WARPS": d["SK_WARPS"] // 2}
+        tiles = cdiv(n, 16)
+        if m == 1 and minb == 2 and tiles > 2 * sm_count:
+            # wide weights, one token: the grid of one 16-row tile per CTA spills past the two CTAs
+            # of 8 warps an SM holds (N > 4224 on 132 SMs), and the tail wave streams with few
+            # CTAs. Q4_0 (118 registers: four CTAs of 4 warps per SM) takes 4 warps where those
+            # need at most half the waves; Q8_0 below K = 8192 two tiles per CTA (half the CTAs;
+            # 128 registers, still two per SM) up to four waves of them, where the tail still
+            # counts (whole op: 1x11008x4096 16.65 / 16.48 -> 15.81 / 15.98 us hot / cold;
+            # 1x18944x3584 0.99, 1x28672x4096 1.005). Session 56, H100, `tools/probe_defines.py`
+            # kernel alone, weights cold / hot, us:
+            #   Q4_0 1x4608x3584 6.08 / 5.29 -> 5.38 / 5.19, 1x6144x4096 7.23 / 5.72 -> 5.79 / 5.36,
+            #        1x14336x4096 14.75 / 13.29 -> 12.82 / 10.96, 1x8192x8192 13.41 / 11.82 ->
+            #        12.70 / 11.62; where the 4-warp grid needs more than half the waves slower or
+            #        level: 1x10240x8192 18.34 -> 19.82 (640 CTAs), 1x28672x8192 45.22 -> 45.28
+            #   Q8_0 1x4608x3584 8.96 / 6.36 -> 7.29 / 5.44, 1x6144x4096 10.03 / 7.38 -> 8.70 /
+            #        6.25, 1x14336x4096 21.02 / 20.95 -> 19.95 / 20.04; at K = 8192 (its
+            #        configuration of two load groups) level or slower: 1x8192x8192 22.69 ->
+            #        22.68, 1x10240x8192 28.71 -> 31.51
+            if wfmt == "q4_0" and d["SK_WARPS"] == 8 and 2 * cdiv(tiles, 4 * sm_count) <= cdiv(tiles, 2 * sm_count):
+                d = {**d, "SK_WARPS": 4}
+            elif wfmt == "q8_0" and d["SK_R"] == 1 and d["SK_UNROLL"] == 1 and tiles <= 8 * sm_count:
+                d = {**d, "SK_R": 2}
         if wfmt == "q4_0" and m == 1 and k < 8192 and cdiv(n, 16) <= sm_count:
             # narrow weights (N <= 2048 on a 132-SM GPU: at most one 16-row tile per SM): the
             # configuration of the 16-bit-activation variant (`_x16_config`), no K split. Session

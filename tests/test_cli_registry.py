@@ -575,6 +575,31 @@ def test_skinny_defaults_session_56():
         assert sk(q8, m, 8192, 8192) == sk(q8, m, 8192, 28672) == (2, 8, 1, 1, 1), m
 
 
+def test_int8_decode_defaults_at_one_token_of_wide_weights():
+    """Session 56: at one token the int8 decode kernels run one 16-row tile per CTA, two CTAs of 8
+    warps per SM; where that grid spills past one wave (N > 4224 on 132 SMs) Q4_0 takes 4 warps
+    (four CTAs per SM) if they need at most half the waves, and Q8_0 below K = 8192 two tiles per
+    CTA up to four waves of them. The issue's rows (N = 4096) and the shapes measured level keep
+    their configuration."""
+    from qgemm import registry as R
+
+    def cfg(name, n, k):
+        d = R.spec(name).config(1, n, k, 132)
+        return d["SK_R"], d["SK_WARPS"], d["SK_MINB"]
+    for n, k in ((4608, 3584), (6144, 4096), (14336, 4096), (8192, 8192), (6150, 4128)):
+        assert cfg("w4a8.skinny", n, k) == (1, 4, 2), (n, k)
+    for n, k in ((4096, 4096), (4096, 14336), (10240, 8192), (11008, 4096), (28672, 4096), (28672, 8192)):
+        assert cfg("w4a8.skinny", n, k) == (1, 8, 2), (n, k)
+    for n, k in ((4608, 3584), (6144, 4096), (11008, 4096), (14336, 4096), (16896, 4096)):
+        assert cfg("w8a8.skinny", n, k) == (2, 8, 2), (n, k)
+    for n, k in ((4096, 4096), (18944, 3584), (28672, 4096), (16912, 4096)):
+        assert cfg("w8a8.skinny", n, k) == (1, 8, 2), (n, k)
+    assert cfg("w8a8.skinny", 8192, 8192) == (1, 8, 1)  # two load groups at K >= 8192: no change
+    for n, k in ((6144, 4096), (14336, 4096)):  # defaults stay among the candidates tune tries
+        for name in ("w4a8.skinny", "w8a8.skinny"):
+            assert R.spec(name).config(1, n, k, 132) in R.spec(name).candidates(1, n, k), (name, n, k)
+
+
 TUNES_DIR = pathlib.Path(__file__).resolve().parents[1] / "docs" / "perf" / "tunes-h100"
 STORED_TUNES = sorted(TUNES_DIR.glob("*.json")) + sorted((TUNES_DIR / "decode").glob("*.json"))
 # measured gaps left as they are, each with the bound it must not pass (default / fastest).

@@ -1165,7 +1165,8 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
     split, Q4_0 8 warps (3x500x4128), Q8_0 two tiles per CTA (5x1000x4128), Q4_0 four tiles x 4
     warps at 9-16 tokens of a long K (16x2000x14368), and Q8_0 at 9-16 tokens whose 8-warp grid
     spills a wave: 4 warps, split 2 (13x4700x3616, Q4_0 one accumulator set there) or not
-    (16x10250x8224). M, N and K multiples of no tile,
+    (16x10250x8224); at one token of wide weights Q4_0's int8 kernel with 4 warps, Q8_0's with
+    two tiles per CTA (1x6150x4128). M, N and K multiples of no tile,
     packed weights and ggml blocks, fresh inputs, poisoned outputs, against the plan's exact math
     and float64 truth."""
     hopper = qgemm.runtime.device_info().cc == 90
@@ -1173,7 +1174,7 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
     for (m, n, k) in ((129, 2050, 4128), (545, 4100, 4128), (768, 4100, 8224), (31, 6150, 4128), (31, 6150, 8224),
                       (5, 4100, 8224), (301, 4100, 14368), (1100, 1030, 14368), (1100, 1030, 6176), (101, 5130, 5152),
                       (301, 3080, 7200), (3, 500, 4128), (5, 1000, 4128), (16, 2000, 14368), (13, 4700, 3616),
-                      (16, 10250, 8224)):
+                      (16, 10250, 8224), (1, 6150, 4128)):
         w_f = rng.standard_normal((n, k), dtype=np.float32)
         w = F.quantize(w_f, fmt)
         x = rng.standard_normal((m, k), dtype=np.float32)
@@ -1182,7 +1183,7 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
             if p.kernel.endswith(".wgmma_rs"):
                 seen.add((m, k, p.defines["RS_BN"], p.defines["RS_WGS"], p.defines["RS_SPLITK"]))
             if p.kernel.endswith(".skinny"):
-                seen.add((m, k, p.defines["SK_R"], p.defines["SK_WARPS"], p.defines["SK_GSPLIT"], p.defines["SK_ACC"]))
+                seen.add((m, k, p.defines["SK_R"], p.defines["SK_WARPS"], p.defines["SK_GSPLIT"], p.defines.get("SK_ACC", 0)))
             out = qgemm.DeviceArray.empty((m, n), np.float32)
             out.fill_bytes(0xFF)
             qgemm.matmul(qgemm.DeviceArray.from_host(x), qgemm.pack_weights(w) if packed else qgemm.DeviceArray.from_host(w), out=out)
@@ -1198,9 +1199,9 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
         assert {(301, 14368, 128, 2, 4), (1100, 14368, 128, 2, 3)} <= seen, seen
         assert {(1100, 6176, 128, 2, 3), (101, 5152, 128, 2, 3), (301, 7200, 64, 2, 1)} <= seen, seen
         if q4:
-            assert {(3, 4128, 1, 8, 8, 1), (16, 14368, 4, 4, 4, 1), (13, 3616, 2, 8, 1, 1)} <= seen, seen
+            assert {(3, 4128, 1, 8, 8, 1), (16, 14368, 4, 4, 4, 1), (13, 3616, 2, 8, 1, 1), (1, 4128, 1, 4, 1, 0)} <= seen, seen
         else:
-            assert {(5, 4128, 2, 8, 8, 1), (13, 3616, 2, 4, 2, 1), (16, 8224, 2, 4, 1, 1)} <= seen, seen
+            assert {(5, 4128, 2, 8, 8, 1), (13, 3616, 2, 4, 2, 1), (16, 8224, 2, 4, 1, 1), (1, 4128, 2, 8, 1, 0)} <= seen, seen
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
