@@ -81,7 +81,8 @@ for step in $STEPS; do
               SWEEPS_OTHER="every_candidate_configuration or tune_stores"
               SWEEPS="$SWEEPS_WGMMA or $SWEEPS_OTHER"
               # (the CPU-side rest in two as well: in one process it took 544 of the 585 s on a fresh
-              # H100 machine in session 56; four of its six slowest tests are the registry / CLI and tool tests)
+              # H100 machine in session 56 -- four of its six slowest tests are the registry / CLI and
+              # tool tests -- and 440 + 289 s as two; the longest process of the step then took 528 s)
               REST_CLI="tests/test_cli_registry.py tests/test_tools.py"
               echo "+ tests: 8 pytest processes, logs $OUT/tests-*.log" | tee -a "$LOG"
               $PT $GEMM_REFS -k "not 4097" > "$OUT/tests-gemm.log" 2>&1 & p1=$!
