@@ -535,7 +535,7 @@ def test_wgmma_rs_defaults_on_wide_and_narrow_weights(fmt):
 
 
 def test_skinny_defaults_session_56():
-    """Session 56's decode rules (H100, whole op faster at every changed shape measured). Narrow
+    """Session 56's decode rules (H100, whole op faster or level at every changed shape measured). Narrow
     weights at 2-8 tokens below K = 8192, where another configuration reaches a deeper K split
     over about as many CTAs: Q4_0 8 warps of two load groups (16 warps cap the split), Q8_0 two
     tiles per CTA with one accumulator set; where the split cannot deepen (Q8_0 at N = 512,
