@@ -640,6 +640,31 @@ def test_defaults_against_stored_tunes(path):
     assert timed[key] <= bound * best, f"{path.name}: default {default} {timed[key]:.2f} us against the best {best:.2f}"
 
 
+PUBLISHED_BENCH = [TUNES_DIR.parent / "bench-h100.json", TUNES_DIR.parent / "bench-sustained-h100.json"]
+
+
+@pytest.mark.parametrize("path", PUBLISHED_BENCH, ids=[p.stem for p in PUBLISHED_BENCH])
+def test_published_bench_rows_are_planned_as_today(path):
+    """docs/performance.md is made from the published `qgemm bench` runs. Each row there records
+    the kernel, the prologue and the configuration the untuned plan chose, and the kernel of the
+    ggml-blocks column. Today's `qgemm.plan` for the run's architecture (132 SMs) must choose the
+    same, or the published figures no longer describe the code. A rule that moves an issue row
+    fails here without a GPU, so the bench gets re-run with it (`gpu_check.sh` steps `bench
+    sustained report`). Session 56's seven decode rules pass it; each was kept off N = 4096."""
+    run = json.loads(path.read_text())
+    env = run["environment"]
+    assert env["sm_count"] == 132 and run["rows"], path.name  # what plan(arch=...) plans for
+    for r in run["rows"]:
+        p = qgemm.plan(r["M"], r["N"], r["K"], r["fmt"], packed=r["packed"], x_dtype=r["x_dtype"], arch=env["arch"])
+        row = f"{path.name}: {r['fmt']} {r['M']}x{r['N']}x{r['K']} ({r['x_dtype']} x, {'packed' if r['packed'] else 'blocks'})"
+        assert (p.kernel, p.quantizer, p.repack) == (r["kernel"], r["quantizer"], r["repack"]), (row, p.kernel)
+        assert r["config_source"] != "default" or p.defines == r["config"], \
+            f"{row}: the run planned {r['config']}, today {p.defines}: re-run the bench"
+        if "blocks_kernel" in r:
+            b = qgemm.plan(r["M"], r["N"], r["K"], r["fmt"], packed=False, x_dtype=r["x_dtype"], arch=env["arch"])
+            assert (f"{b.repack} + " if b.repack else "") + b.kernel == r["blocks_kernel"], (row, "ggml blocks", b.kernel)
+
+
 def test_stored_tunes_are_there():
     # wgmma_rs in both formats at twenty shapes, twelve decode kernel / shape pairs; a lost directory
     # must not pass as zero tests, nor a gap outlive its file
