@@ -577,6 +577,9 @@ def _skinny_i8_config(wfmt: str):
 # requested before the PDL wait -- the 16-bit-activation variants' configuration (`_x16_config`),
 # and float32's on narrow weights below K = 8192 (`_skinny_i8_config`)
 _I8_Q4_0_ONE_TOKEN_TWO_TILES = {"SK_R": 2, "SK_WARPS": 16, "SK_UNROLL": 1, "SK_MINB": 1, "SK_PRIME": 1}
+# the same two tiles with 8 warps, compiled for two CTAs per SM (111 registers): the 16-bit
+# variants' choice where the 16-warp grid, one CTA per SM, would take more than 1.25 waves
+_I8_Q4_0_ONE_TOKEN_WIDE = {**_I8_Q4_0_ONE_TOKEN_TWO_TILES, "SK_WARPS": 8, "SK_MINB": 2}
 
 
 def _skinny_i8_pdl_early(m: int) -> int:
@@ -1218,17 +1221,37 @@ def _x16_config(base: str, config):
       3.33), 2x512x4096 2.89 / 2.72.
     - the third keeps float32's split only from K = 8192 (1x1024x14336 3.80 against 7.03 without);
       below, its 16 warps take no split (1x1024x4096 2.37 against 2.41 at float32's 4, 1x512x4096
-      2.38 against 2.71 at 8)."""
+      2.38 against 2.71 at 8).
+    On wide weights (session 57, H100, float16 x, kernel alone, hot / weights cold, against the
+    choices above; float16 x had been slower than float32 x there, whole op):
+    - the first only where its grid fits one wave: two groups in flight take 174 registers, one
+      8-warp CTA per SM, so a grid past the SMs runs in waves; beyond them float32's configuration
+      (one group, one set: 126 registers, two CTAs per SM): 16x6144x4096 12.41 / 13.64 -> 9.23 /
+      9.94 us, 9x6144x4096 11.94 / 13.12 -> 8.27 / 8.83, 12x14336x4096 22.15 / 23.98 -> 16.76 /
+      17.73, 16x18944x3584 27.55 / 27.53 -> 24.27 / 24.39 (16x4096x4096, 128 CTAs, keeps it: 7.13
+      against 8.31).
+    - the third where its 16-warp grid (98 registers, one CTA per SM) takes more than 1.25 waves:
+      two tiles x 8 warps, two CTAs per SM (`_I8_Q4_0_ONE_TOKEN_WIDE`): 1x6144x4096 6.06 / 6.88
+      -> 4.46 / 6.01, 1x8192x4096 6.87 / 7.79 -> 5.26 / 6.70, 1x14336x4096 13.96 / 13.86 -> 11.91
+      / 11.89, 1x16384x4096 15.27 / 15.16 -> 12.64 / 12.63, 1x8192x8192 12.48 / 13.24 -> 10.98 /
+      12.28, 1x28672x4096 24.24 / 24.10 -> 23.52 / 23.78; at 1.03-1.21 waves hot faster but cold
+      up to 3.5% slower (1x4608x4096 5.18 / 5.50 -> 4.23 / 5.69, 1x5120x4096 5.56 / 5.77 -> 4.31
+      / 5.97), so not there. float32's four 4-warp CTAs per SM, which that kernel takes there,
+      measured slower than this on float16 x (1x6144x4096 5.56 / 6.24, 1x14336x4096 13.00 /
+      12.69), and this one on float32 x cold level to 6% slower: float32 keeps its own."""
     def x16(m: int, n: int, k: int, sm_count: int) -> dict:
         d = config(m, n, k, sm_count)
-        if base == "w4a16.skinny" and d["SK_MT"] == 2 and (d["SK_GSPLIT"] == 1 or k < 8192) and d["SK_UNROLL"] == 1:
+        if (base == "w4a16.skinny" and d["SK_MT"] == 2 and (d["SK_GSPLIT"] == 1 or k < 8192) and d["SK_UNROLL"] == 1
+                and cdiv(cdiv(n, 16), d["SK_R"]) * d["SK_GSPLIT"] <= sm_count):
             alt = {**d, "SK_UNROLL": 2, "SK_ACC": 1}
             return alt if _skinny_ok(alt, "q4_0", m, k) else d
         if base == "w8a16.skinny" and m == 2 and k < 8192 and d["SK_GSPLIT"] == 1:  # (measured at K = 4096 only)
             alt = {**d, "SK_XSMEM": 1, "SK_UNROLL": 1, "SK_ACC": 1}
             return alt if _skinny_ok(alt, "q8_0", m, k) else d
         if base == "w4a8.skinny" and m == 1:
-            alt = {**d, **_I8_Q4_0_ONE_TOKEN_TWO_TILES, "SK_GSPLIT": d["SK_GSPLIT"] if k >= 8192 else 1}
+            wide = 4 * cdiv(cdiv(n, 16), 2) > 5 * sm_count
+            alt = {**d, **(_I8_Q4_0_ONE_TOKEN_WIDE if wide else _I8_Q4_0_ONE_TOKEN_TWO_TILES),
+                   "SK_GSPLIT": d["SK_GSPLIT"] if k >= 8192 else 1}
             return alt if _skinny_i8_ok(alt, "q4_0", m, k) else d
         return d
     return x16

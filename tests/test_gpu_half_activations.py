@@ -161,3 +161,37 @@ def test_torch_half_and_bfloat16_tensors(weights, rng):
                     dtype = x.dtype
                     __cuda_array_interface__ = dict(x.__cuda_array_interface__, typestr="<f2")
                 assert np.array_equal(qgemm.matmul(Torch25(), pw).to_host(), want)
+
+
+@pytest.mark.parametrize("xd", ["f16", "bf16"])
+def test_q4_0_variants_on_wide_weights(xd, rng):
+    """Session 57's choices for the Q4_0 variants on wide weights (registry._x16_config), where
+    they fire: one token with two tiles x 8 warps (1x6150x4128: 193 CTAs, 1.46 waves of the
+    16-warp grid), not yet at 1x4700x4128 (148 CTAs); 13 tokens with float32's configuration
+    (13x6150x4128: 193 CTAs of two tiles). Fresh inputs, N and K multiples of no tile, poisoned
+    outputs, against the plan's exact math and float64 truth, and the float32 path on the same
+    values (bit for bit where the two plans launch the same configuration)."""
+    if runtime.device_info().cc < 80:
+        pytest.skip("the skinny kernels need sm_80")
+    from qgemm import check
+    k = 4128
+    for m, n in ((1, 6150), (1, 4700), (13, 6150)):
+        w_f = rng.standard_normal((n, k), dtype=np.float32)
+        w = F.quantize(w_f, "q4_0")
+        pw = qgemm.pack_weights(w)
+        x = F.from_float32(rng.standard_normal((m, k), dtype=np.float32), F.get_format(xd))
+        x32 = F.to_float32(x)
+        p = dispatch.plan(m, n, k, "q4_0", x_dtype=xd, packed=True)
+        if runtime.device_info().cc == 90 and runtime.device_info().sm_count == 132:
+            want_warps = {(1, 6150): 8, (1, 4700): 16, (13, 6150): 8}[(m, n)]
+            assert p.defines["SK_WARPS"] == want_warps, p
+            if m == 13:
+                assert p.defines == dispatch.plan(m, n, k, "q4_0", x_dtype="f32", packed=True).defines, p
+        out = runtime.DeviceArray.empty((m, n), np.float32)
+        out.fill_bytes(0xFF)
+        qgemm.matmul(runtime.DeviceArray.from_host(x), pw, out=out)
+        got = out.to_host()
+        r = check.compare("matmul", p.op, (m, n, k), 0, got, p.reference(x, w),
+                          reference.truth(x32, w_f), x32, w_f)
+        assert r.passed, (p.kernel, p.defines, r)
+        same(got, qgemm.matmul(x32, pw), p, True, f"{p.kernel} at {m}x{n}x{k}")

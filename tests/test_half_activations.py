@@ -211,3 +211,27 @@ def test_cli_explain_takes_the_activation_type():
     assert r.exit_code != 0 and "disagree" in r.output
     r = CliRunner().invoke(app, ["explain", "--x-dtype", "fp8"])
     assert r.exit_code != 0 and "x_dtype must be 'f32', 'f16' or 'bf16'" in r.output
+
+
+@pytest.mark.parametrize("xd", ["f16", "bf16"])
+def test_q4_0_variants_on_wide_weights_keep_their_grid_in_waves(xd):
+    """Session 57 (registry._x16_config): where a Q4_0 variant's own choice would run its grid in
+    waves of one CTA per SM, it does not take it. At one token, two tiles x 8 warps (two CTAs per
+    SM) once the 16-warp grid passes 1.25 waves; at 9-16 tokens, float32's configuration (one load
+    group, 126 registers) once the grid of two-group CTAs (174 registers) passes the SMs."""
+    one, many = registry.spec(f"w4a8.skinny_{xd}"), registry.spec(f"w4a16.skinny_{xd}")
+    f32_many = registry.spec("w4a16.skinny")
+    wide = {"SK_R": 2, "SK_WARPS": 8, "SK_UNROLL": 1, "SK_MINB": 2, "SK_PRIME": 1}
+    for n, k in ((5632, 4096), (6144, 4096), (14336, 4096), (28672, 3584), (8192, 8192), (14336, 14336)):
+        d = one.config(1, n, k, 132)  # 176-896 CTAs of two tiles: 1.33-6.8 waves of 132
+        assert {key: d[key] for key in wide} == wide, (n, k, d)
+        assert d in one.candidates(1, n, k), (n, k)
+    for n in (4096, 4608, 5120):  # 128-160 CTAs: within 1.25 waves the 16 warps stay
+        assert one.config(1, n, 4096, 132)["SK_WARPS"] == 16, n
+    assert one.config(1, 6144, 4096, 264)["SK_WARPS"] == 16  # the waves follow the SM count
+    for m in (9, 12, 16):
+        for n, k in ((4608, 4096), (6144, 4096), (14336, 4096), (18944, 3584)):
+            assert many.config(m, n, k, 132) == f32_many.config(m, n, k, 132), (m, n, k)
+            assert many.config(m, n, k, 132)["SK_UNROLL"] == 1
+        d = many.config(m, 4096, 4096, 132)  # 128 CTAs, one wave: two groups in flight
+        assert d["SK_UNROLL"] == 2 and d["SK_ACC"] == 1 and d != f32_many.config(m, 4096, 4096, 132), m
