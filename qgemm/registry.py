@@ -449,6 +449,27 @@ def _skinny_config(wfmt: str):
             split4 = _skinny_q8_wide_split(cdiv(cdiv(n, 16), r), k, sm_count)
             if cdiv(cdiv(n, 16), r) * split4 > 2 * sm_count:
                 warps, split = 4, split4
+        # Wide weights at 2-8 tokens below K = 8192: one 16-row tile per CTA makes a grid past the
+        # two CTAs per SM the default holds (Q8_0's two load groups x two accumulator sets: 128
+        # registers; Q4_0's 16 warps: 64), so it runs a second, partial wave; where a lighter CTA
+        # holds the whole grid in one wave, take it -- Q8_0 one group and one set (79 registers,
+        # three CTAs per SM), Q4_0 8 warps (four per SM). Session 57, H100, `tools/probe_defines.py`
+        # kernel alone, float32 x, hot / weights cold, us:
+        #   Q8_0 4x4608x3584 9.83 / 11.52 -> 6.59 / 8.26, 2x6144x4096 13.23 / 13.57 -> 9.66 / 10.11,
+        #        4x 13.39 / 13.81 -> 9.45 / 10.24, 8x 14.10 / 14.58 -> 9.94 / 10.97; past one wave of
+        #        three: 4x11008x4096 0.98 of before, 2x14336x4096 1.05 (not taken)
+        #   Q4_0 4x4608x3584 6.75 / 7.94 -> 5.98 / 6.83, 2x6144x4096 7.42 / 8.78 -> 6.98 / 7.53, 4x
+        #        8.11 / 9.01 -> 6.65 / 7.71, 8x 9.00 / 10.06 -> 7.69 / 8.81; past one wave of four:
+        #        4x11008x4096 1.00 hot, 1.10 cold (not taken)
+        #   within two CTAs per SM (N = 4096: 256 tiles) the defaults stay: 8 warps 1.47-1.66x, Q8_0's
+        #   one set 1.1-1.2x slower hot
+        tiles = cdiv(n, 16)
+        wide_acc1 = False
+        if mt == 1 and m > 1 and not long_k and r == 1 and split == 1 and tiles > 2 * sm_count:
+            if wfmt == "q8_0" and unroll == 2 and tiles <= 3 * sm_count:
+                unroll, wide_acc1 = 1, True
+            elif wfmt == "q4_0" and warps == 16 and tiles <= 4 * sm_count:
+                warps = 8
         # two accumulator sets (two independent MMA chains) for Q4_0 at 9-16 tokens: 9.1 -> 7.9 us at
         # 16x4096x4096 on the H100; for Q4_0 no gain at M = 1 and a loss at M = 8, and a loss at long K
         # with the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8);
@@ -461,7 +482,7 @@ def _skinny_config(wfmt: str):
         # 12x6144x4096 13.52 -> 8.74.
         q4_two_sets = mt == 2 and not long_k and cdiv(cdiv(n, 16), r) * split <= sm_count
         acc = 2 if wfmt == "q4_0" and (q4_two_sets or q4_long_decode) else 1
-        if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k and not narrow_acc1:
+        if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k and not narrow_acc1 and not wide_acc1:
             acc = 2  # Q8_0 8x4096x4096: 6.68 against 6.80 us (session 8), 6.3 against 6.4 (session 10)
         d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": split, "SK_XSMEM": int(m == 1),
              "SK_ACC": acc}

@@ -575,6 +575,36 @@ def test_skinny_defaults_session_56():
         assert sk(q8, m, 8192, 8192) == sk(q8, m, 8192, 28672) == (2, 8, 1, 1, 1), m
 
 
+def test_skinny_defaults_session_57():
+    """Session 57: at 2-8 tokens below K = 8192 the fp16 decode kernels' grid of one tile per CTA
+    passes the two CTAs per SM their defaults hold from N = 4240 (265 tiles on 132 SMs); where a
+    lighter CTA holds it in one wave -- Q8_0 one load group and one accumulator set (three per SM,
+    up to 396 tiles), Q4_0 8 warps (four per SM, up to 528) -- it is taken. The issue's rows (N =
+    4096, 256 tiles) and the grids past that one wave keep theirs; the 16-bit variants follow,
+    but for Q8_0 at two tokens, which keeps its own (activations staged in shared memory)."""
+    from qgemm import registry as R
+
+    def sk(name, m, n, k, sms=132):
+        d = R.spec(name).config(m, n, k, sms)
+        return d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_GSPLIT"], d["SK_ACC"]
+    q4, q8 = "w4a16.skinny", "w8a16.skinny"
+    for m in (2, 5, 8):
+        for n, k in ((4608, 3584), (5120, 4096), (6144, 4096), (6150, 4128), (6336, 3584)):
+            assert sk(q8, m, n, k) == (1, 8, 1, 1, 1) and sk(q4, m, n, k) == (1, 8, 1, 1, 1), (m, n, k)
+            if m > 2:
+                assert sk(q8 + "_f16", m, n, k) == sk(q8, m, n, k), (m, n, k)
+            assert sk(q4 + "_bf16", m, n, k) == sk(q4, m, n, k), (m, n, k)
+        for n in (7168, 8192, 8448):  # past three Q8_0 CTAs per SM, within four of Q4_0's
+            assert sk(q4, m, n, 4096) == (1, 8, 1, 1, 1) and sk(q8, m, n, 4096) == (1, 8, 2, 1, 2), (m, n)
+        for n in (4096, 4224):  # one wave of the defaults
+            assert sk(q4, m, n, 4096) == (1, 16, 1, 1, 1) and sk(q8, m, n, 4096) == (1, 8, 2, 1, 2), (m, n)
+        assert sk(q4, m, 11008, 4096) == (1, 16, 1, 1, 1) and sk(q8, m, 14336, 4096) == (1, 8, 2, 1, 2), m
+        assert sk(q4, m, 6144, 4096, sms=264)[1] == 16  # the waves follow the SM count
+        # long K: the rules of its own (session 52's two tiles x 4 warps split 4 for Q4_0)
+        assert sk(q4, m, 6144, 14336) == (2, 4, 1, 4, 2) and sk(q8, m, 6144, 14336) == (2, 8, 1, 2, 1), m
+    assert sk(q8 + "_f16", 2, 6144, 4096)[2] == 1 and R.spec(q8 + "_f16").config(2, 6144, 4096, 132)["SK_XSMEM"] == 1
+
+
 def test_int8_decode_defaults_at_one_token_of_wide_weights():
     """Session 56: at one token the int8 decode kernels run one 16-row tile per CTA, two CTAs of 8
     warps per SM; where that grid spills past one wave (N > 4224 on 132 SMs) Q4_0 takes 4 warps
