@@ -1259,7 +1259,8 @@ def _x16_config(base: str, config):
       up to 3.5% slower (1x4608x4096 5.18 / 5.50 -> 4.23 / 5.69, 1x5120x4096 5.56 / 5.77 -> 4.31
       / 5.97), so not there. float32's four 4-warp CTAs per SM, which that kernel takes there,
       measured slower than this on float16 x (1x6144x4096 5.56 / 6.24, 1x14336x4096 13.00 /
-      12.69), and this one on float32 x cold level to 6% slower: float32 keeps its own."""
+      12.69), and this one on float32 x 0.94-1.06 of that kernel's own cold: float32 keeps its
+      own."""
     def x16(m: int, n: int, k: int, sm_count: int) -> dict:
         d = config(m, n, k, sm_count)
         if (base == "w4a16.skinny" and d["SK_MT"] == 2 and (d["SK_GSPLIT"] == 1 or k < 8192) and d["SK_UNROLL"] == 1
