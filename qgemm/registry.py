@@ -311,8 +311,9 @@ def _skinny_fill_split(n: int, k: int, r: int, split: int, sm_count: int, per_sm
                    another: `_skinny_i8_config`)
       w8a8.skinny  1x1024x4096 2.94 -> 2.37 (4), 1x1024x14336 8.73 -> 5.19, cold 9.54 -> 7.00
     At N = 2048 and up to 8 tokens (128 tiles) a split of 2 measured 9-18% faster for the fp16
-    kernels but level or 4% slower for the int8 one at one token: not taken (nor at N = 4096,
-    whose defaults were measured shape by shape)."""
+    kernels but level or 4% slower for the int8 one at one token: not taken here (nor at N = 4096,
+    whose defaults were measured shape by shape); the fp16 kernels take it in `_skinny_config`
+    since session 57."""
     tiles, groups = cdiv(cdiv(n, 16), r), cdiv(k // 32, 4)
     if tiles * split > sm_count // 2:
         return split
@@ -383,15 +384,19 @@ def _skinny_config(wfmt: str):
         # float32 x: 13.13 / 13.45 / 14.09 -> 11.26 / 11.77 / 12.66, 4x4096x8192 8.63 -> 7.54. Not
         # on narrow weights, where the split below grows to 8 (8x1024x14336 5.24 against 6.89 for
         # this, 4x2048x14336 9.09 against 9.41), nor for Q8_0 (0-4% at N = 4096, 4% slower at
-        # 4x2048x14336); above N = 16864 not measured.
-        q4_long_decode = (wfmt == "q4_0" and mt == 1 and m > 1 and long_k and cdiv(cdiv(n, 16), 4) * 2 > sm_count // 2
-                          and cdiv(cdiv(n, 16), 2) < 4 * sm_count)
+        # 4x2048x14336). From N = 16896, where the split of 4 would be dropped (four CTAs of two
+        # tiles per SM and more), the same CTA split 2 (session 57, H100, kernel alone, hot / weights
+        # cold, against 4 tiles x 8 warps split 2: 2x18944x8192 42.17 / 42.91 -> 35.01 / 36.00 us,
+        # 4x18944x8192 42.86 / 44.16 -> 35.08 / 36.74, 8x28672x8192 60.73 / 63.23 -> 49.01 / 51.81;
+        # split 4 there 0.81-0.84 too).
+        q4_long_decode = (wfmt == "q4_0" and mt == 1 and m > 1 and long_k and cdiv(cdiv(n, 16), 4) * 2 > sm_count // 2)
+        q4_wide_long_decode = q4_long_decode and cdiv(cdiv(n, 16), 2) >= 4 * sm_count
         if mt == 1 and not long_k:
             r, split, unroll = 1, 1, 1 if m == 1 else 2
         elif mt == 1 and m == 1:
             r, split, unroll = 2 if wfmt == "q4_0" else 1, 1, 2
         elif q4_long_decode:
-            r, split, unroll = 2, 4, 1
+            r, split, unroll = 2, 2 if q4_wide_long_decode else 4, 1
         elif mt == 1:
             r, split, unroll = 4 if wfmt == "q4_0" else 2, 2, 1
         elif mt <= 4:
@@ -407,7 +412,7 @@ def _skinny_config(wfmt: str):
             # with one group in flight each, 8x4096x4096 4.7 us against 5.2 for 8 warps x 2 groups,
             # 4x4096x4096 4.4 against 4.8 (H100, kernel alone, docs/perf/NOTES.md)
             warps, unroll = 16, 1
-        if cdiv(cdiv(n, 16), r) >= 4 * sm_count:  # plenty of CTAs already
+        if cdiv(cdiv(n, 16), r) >= 4 * sm_count and not q4_wide_long_decode:  # plenty of CTAs already
             split = 1
         before_fill = split
         split = _skinny_fill_split(n, k, r, split, sm_count, 2 if mt == 1 else 1, warps)
@@ -449,6 +454,16 @@ def _skinny_config(wfmt: str):
             split4 = _skinny_q8_wide_split(cdiv(cdiv(n, 16), r), k, sm_count)
             if cdiv(cdiv(n, 16), r) * split4 > 2 * sm_count:
                 warps, split = 4, split4
+        if (mt == 1 and m > 1 and r == 1 and split == 1 and sm_count // 2 < cdiv(n, 16) <= sm_count
+                and cdiv(k // 32, 4) >= max(8, warps)):
+            # one tile per CTA filling at most one CTA per SM (N 1072-2112 on 132 SMs), where the
+            # fill split above stops: split 2, two CTAs per SM, each part of K keeping its four
+            # groups and half a group per warp -- `_skinny_fill_split`'s note
+            # measured 9-18% for these kernels in session 51; session 57, H100, kernel alone, hot /
+            # weights cold, Q8_0: 2x2048x3584 4.71 / 5.46 -> 4.09 / 4.81 us, 8x2048x3584 5.20 / 5.94
+            # -> 4.42 / 5.06, 4x2048x4096 4.89 / 5.91 -> 4.00 / 5.06 (split 4: 1.04-1.23x slower;
+            # past one CTA per SM, 4x2560x4096 and 8x3072x3584, split 2 1.17-1.23x slower)
+            split = 2
         # Wide weights at 2-8 tokens below K = 8192: one 16-row tile per CTA makes a grid past the
         # two CTAs per SM the default holds (Q8_0's two load groups x two accumulator sets: 128
         # registers; Q4_0's 16 warps: 64), so it runs a second, partial wave; where a lighter CTA

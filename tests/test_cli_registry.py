@@ -485,7 +485,9 @@ def test_decode_kernels_split_k_on_narrow_weights():
     assert [gemv.config(m, n, 4096, 132)["GEMV_WARPS"] for m, n in ((4, 1024), (8, 2048), (4, 4096), (1, 1024))] == [8, 8, 16, 8]
     # (Q8_0 at 2-8 tokens: two tiles per CTA split 8, as many CTAs as one tile split 4; session 56)
     assert [split("w8a16.skinny", m, 1024, 4096) for m in (2, 8, 9, 16)] == [8, 8, 4, 4]
-    assert [split("w8a16.skinny", m, 2048, 4096) for m in (8, 16)] == [1, 2]  # one CTA per SM above 8 tokens
+    # N = 2048 (128 tiles): split 2 at 2-8 tokens too since session 57 (two CTAs per SM); one CTA
+    # per SM above 8 tokens
+    assert [split("w8a16.skinny", m, 2048, 4096) for m in (8, 16)] == [2, 2]
     assert split("w4a16.skinny", 8, 1024, 14336) == 8  # 16 tiles of 4 x 16 rows: 2 -> 8
     # 16 warps: 8 parts would leave a quarter group per warp; 8 warps of two groups split 8 (session 56)
     assert split("w4a16.skinny", 4, 512, 4096) == 8 and R.spec("w4a16.skinny").config(4, 512, 4096, 132)["SK_WARPS"] == 8
@@ -786,8 +788,9 @@ def test_skinny_defaults_at_a_long_k(fmt):
     """The fp16 decode kernel at 2-8 tokens of a long K (session 52): Q4_0 two 16-row tiles per CTA
     of 4 warps, K split 4 ways, two accumulator sets, where its former four tiles x 8 warps split 2
     fill more than half the SMs; narrow weights (N <= 2112 on 132 SMs: the narrow-weight split grows
-    to 8), weights of N > 16864 (not measured; four CTAs per SM of two tiles would drop the split)
-    and Q8_0 keep theirs, as do one token, 9-16 tokens and a short K."""
+    to 8) and Q8_0 keep theirs, as do one token, 9-16 tokens and a short K. Weights of N > 16864
+    (four CTAs per SM of two tiles, where the split of 4 would be dropped) take the same CTA split 2
+    since session 57."""
     from qgemm import registry as R
 
     s = R.spec(f"w{'4' if fmt == 'q4_0' else '8'}a16.skinny")
@@ -800,7 +803,11 @@ def test_skinny_defaults_at_a_long_k(fmt):
     assert sk(4, 2048, 14336) == ((4, 8, 8, 1) if fmt == "q4_0" else (2, 8, 2, 1))
     assert sk(8, 2176, 14336)[:3] == ((2, 4, 4) if fmt == "q4_0" else (2, 8, 2))
     assert sk(8, 16864, 14336)[:3] == ((2, 4, 4) if fmt == "q4_0" else (2, 8, 2))
-    assert sk(8, 16880, 14336)[:2] == sk(4, 28672, 8192)[:2] == ((4, 8) if fmt == "q4_0" else (2, 8))
+    # from N = 16880 (four CTAs of two tiles per SM) Q4_0's same CTA splits 2 (session 57)
+    if fmt == "q4_0":
+        assert sk(8, 16880, 14336) == sk(4, 28672, 8192) == sk(2, 18944, 8192) == (2, 4, 2, 2)
+    else:
+        assert sk(8, 16880, 14336)[:2] == sk(4, 28672, 8192)[:2] == (2, 8)
     assert sk(4, 4096, 4096)[2] == 1 and sk(4, 4096, 4096)[1] == (16 if fmt == "q4_0" else 8)
     assert sk(1, 4096, 14336)[2] == 1 and sk(12, 4096, 14336)[1] == 8
 

@@ -1167,7 +1167,8 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
     spills a wave: 4 warps, split 2 (13x4700x3616, Q4_0 one accumulator set there) or not
     (16x10250x8224); at one token of wide weights Q4_0's int8 kernel with 4 warps, Q8_0's with
     two tiles per CTA (1x6150x4128); session 57's at 2-8 tokens where the grid passes two CTAs
-    per SM: Q4_0 8 warps, Q8_0 one accumulator set (4x6150x4128). M, N and K multiples of no tile,
+    per SM: Q4_0 8 warps, Q8_0 one accumulator set (4x6150x4128), and split 2 where one tile per
+    CTA fills at most one CTA per SM (5x2050x4128). M, N and K multiples of no tile,
     packed weights and ggml blocks, fresh inputs, poisoned outputs, against the plan's exact math
     and float64 truth."""
     hopper = qgemm.runtime.device_info().cc == 90
@@ -1175,7 +1176,7 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
     for (m, n, k) in ((129, 2050, 4128), (545, 4100, 4128), (768, 4100, 8224), (31, 6150, 4128), (31, 6150, 8224),
                       (5, 4100, 8224), (301, 4100, 14368), (1100, 1030, 14368), (1100, 1030, 6176), (101, 5130, 5152),
                       (301, 3080, 7200), (3, 500, 4128), (5, 1000, 4128), (16, 2000, 14368), (13, 4700, 3616),
-                      (16, 10250, 8224), (1, 6150, 4128), (4, 6150, 4128)):
+                      (16, 10250, 8224), (1, 6150, 4128), (4, 6150, 4128), (5, 2050, 4128)):
         w_f = rng.standard_normal((n, k), dtype=np.float32)
         w = F.quantize(w_f, fmt)
         x = rng.standard_normal((m, k), dtype=np.float32)
@@ -1203,7 +1204,7 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
             assert {(3, 4128, 1, 8, 8, 1), (16, 14368, 4, 4, 4, 1), (13, 3616, 2, 8, 1, 1), (1, 4128, 1, 4, 1, 0)} <= seen, seen
         else:
             assert {(5, 4128, 2, 8, 8, 1), (13, 3616, 2, 4, 2, 1), (16, 8224, 2, 4, 1, 1), (1, 4128, 2, 8, 1, 0)} <= seen, seen
-        assert (4, 4128, 1, 8, 1, 1) in seen, seen
+        assert (4, 4128, 1, 8, 1, 1) in seen and (5, 4128, 1, 16 if q4 else 8, 2, 1 if q4 else 2) in seen, seen
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
