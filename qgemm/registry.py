@@ -377,7 +377,8 @@ def _skinny_config(wfmt: str):
         long_k = k >= 8192
         # Q4_0 at 2-8 tokens of a long K: two 16-row tiles per CTA of 4 warps, K split 4 ways, two
         # accumulator sets, where the four tiles x 8 warps split 2 below fill more than half the SMs
-        # and fewer than 4 CTAs per SM of two tiles would drop the split (N 2113-16864 on 132 SMs).
+        # and fewer than 4 CTAs per SM of two tiles would drop the split (N 2113-16864 on 132 SMs;
+        # wider: split 2, below).
         # Session 52, H100, `tools/probe_defines.py` kernel alone, hot / weights cold: 2 / 4 / 8
         # x4096x14336 15.85 / 16.21 / 16.43 -> 13.28 / 13.54 / 13.66 us, cold 15.96 / 16.14 / 16.76
         # -> 13.29 / 13.83 / 14.15, 4x4096x8192 8.67 -> 7.62; whole op, `tools/compare_paths.py`,
