@@ -784,6 +784,32 @@ def test_compare_paths_markdown_ranges_and_kernels():
     assert "| 1x4096x4096 | q4_0 | `w4a8.skinny` | `quantize.q8_1_f16 + w4a8.gemv` |" in lines
 
 
+def test_compare_paths_lists_where_16_bit_activations_are_slower():
+    """Half the activation bytes should never take longer: the markdown lists the cells where a
+    16-bit type was slower than float32 x on the same shape, format and path by more than the gap,
+    by the minima over the repeats (session 57's check)."""
+    cp = _load("compare_paths")
+
+    def row(shape, xd, us, fmt="q4_0", path="default"):
+        return dict(shape=shape, fmt=fmt, path=path, x_dtype_asked=xd, matmul_us=us, kernels="k")
+    rows = [row("1x14336x4096", "f32", 10.43), row("1x14336x4096", "f32", 10.60), row("1x14336x4096", "f16", 13.15),
+            row("1x14336x4096", "bf16", 10.80),  # 3.5%: under the 4% gap
+            row("16x6144x4096@cold", "f32", 9.39), row("16x6144x4096@cold", "f16", 12.60), row("16x6144x4096@cold", "f16", 12.46),
+            row("4x4096x4096", "f32", 6.0, fmt="q8_0"), row("4x4096x4096", "f16", 5.8, fmt="q8_0"),  # faster
+            row("2x4096x4096", "f16", 9.0, path="blocks")]  # no float32 cell beside it
+    lines = cp.type_gaps(rows)
+    assert lines[1] == "16-bit activations slower than float32 x on the same weights by more than 4% (minima):"
+    assert lines[5:] == ["| 1x14336x4096 | q4_0 | default | float16 x | 13.15 | 10.43 | 1.261 |",
+                         "| 16x6144x4096 cold | q4_0 | default | float16 x | 12.46 | 9.39 | 1.327 |"]
+    assert len(cp.type_gaps(rows, gap=0.03)) == 8  # bfloat16's 3.5% too
+    assert cp.type_gaps(rows, gap=0.5) == [] and cp.type_gaps(rows[:2]) == []
+    text = cp.markdown(rows, {"device": "GPU X", "date": "D"}, "c")
+    assert "| 16x6144x4096 cold | q4_0 | default | float16 x | 12.46 | 9.39 | 1.327 |" in text
+    assert text.index("slower than float32") < text.index("Kernels run:")
+    with pytest.raises(SystemExit, match="--gap must be a fraction"):
+        cp.main(["--shapes", "1x64x64", "--gap", "-1"])
+
+
 def test_run_tool_turns_what_a_user_can_fix_into_one_line():
     """tools/*.py end in `sys.exit(run_tool(main, NAME))`: no GPU, a bad name or a bad file is one
     line and exit 2 (1 for a file that could not be written); a bug keeps its traceback."""

@@ -15,6 +15,13 @@ of --x-dtypes. A shape `MxNxK@cold` is timed with weights and activations rotate
 than twice the L2, as `qgemm bench`'s cold rows; plain shapes are hot. The kernel-alone time is
 reported beside the whole op (they are equal for a path without prologue). --markdown writes one
 table of whole-op times (min-max over the repeats) and one of the kernels each cell ran.
+
+With float32 and a 16-bit type in one run, the markdown also lists the cells where the 16-bit
+activations took longer than float32 on the same path and weights by more than --gap (default 4%,
+by the minima over the repeats). Half the activation bytes should never be slower, so such a
+cell points at a configuration (session 57 found four decode rules that way):
+
+    python tools/compare_paths.py --shapes 1x14336x4096,16x6144x4096 --x-dtypes f32,f16 --markdown t.md
 """
 from __future__ import annotations
 
@@ -66,8 +73,29 @@ def column(path: str, xd: str) -> str:
     return f"{what}, {X_NAMES[xd]}"
 
 
-def markdown(rows: list[dict], env: dict, command: str) -> str:
-    """The whole-op table (µs, min-max over the repeats) and the kernels each cell ran."""
+def type_gaps(rows: list[dict], gap: float = 0.04) -> list[str]:
+    """Markdown lines for the cells where a 16-bit activation type took longer than float32 x on
+    the same shape, format and path by more than `gap` (the minima over the repeats); [] where
+    none did, or where no float32 cell was timed beside a 16-bit one."""
+    best: dict[tuple, float] = {}
+    for r in rows:
+        key = (r["shape"], r["fmt"], r["path"], r["x_dtype_asked"])
+        best[key] = min(best.get(key, float("inf")), r["matmul_us"])
+    found = []
+    for (shape, fmt, path, xd), t in best.items():
+        t32 = best.get((shape, fmt, path, "f32"))
+        if xd != "f32" and t32 is not None and t > t32 * (1 + gap):
+            found.append(f"| {shape.replace('@cold', ' cold')} | {fmt} | {path} | {X_NAMES[xd]} | {t:.2f} | {t32:.2f} | "
+                         f"{t / t32:.3f} |")
+    if not found:
+        return []
+    return ["", f"16-bit activations slower than float32 x on the same weights by more than {gap:.0%} (minima):", "",
+            "| MxNxK | type | path | x | µs | float32 x µs | ratio |", "|---|---|---|---|---:|---:|---:|", *found]
+
+
+def markdown(rows: list[dict], env: dict, command: str, gap: float = 0.04) -> str:
+    """The whole-op table (µs, min-max over the repeats), the cells where 16-bit x was slower than
+    float32 x (`type_gaps`), and the kernels each cell ran."""
     cols = list(dict.fromkeys((r["path"], r["x_dtype_asked"]) for r in rows))
     keys = list(dict.fromkeys((r["shape"], r["fmt"]) for r in rows))
     by = {}
@@ -86,7 +114,7 @@ def markdown(rows: list[dict], env: dict, command: str) -> str:
         label = shape.replace("@cold", " cold")
         lines.append(f"| {label} | {fmt} | " + " | ".join(times) + " |")
         kern.append(f"| {label} | {fmt} | " + " | ".join(names) + " |")
-    return "\n".join(lines + ["", "Kernels run:", ""] + kern) + "\n"
+    return "\n".join(lines + type_gaps(rows, gap) + ["", "Kernels run:", ""] + kern) + "\n"
 
 
 def main(argv=None) -> int:
@@ -100,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, help="write the tables here")
+    ap.add_argument("--gap", type=float, default=0.04,
+                    help="list the cells where 16-bit x is slower than float32 x by more than this fraction")
     a = ap.parse_args(argv)
     x_dtypes = [x.strip() for x in a.x_dtypes.split(",") if x.strip()]
     if not x_dtypes or any(x not in X_DTYPES for x in x_dtypes):
@@ -109,6 +139,8 @@ def main(argv=None) -> int:
     command = "python tools/compare_paths.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if a.repeats < 1 or a.iters < 1:
         raise SystemExit(f"--repeats and --iters must be at least 1, got {a.repeats} and {a.iters}")
+    if not 0 <= a.gap < 10:
+        raise SystemExit(f"--gap must be a fraction in [0, 10), e.g. 0.04 for 4%, got {a.gap}")
     from qgemm import bench, formats as F, registry
     from qgemm.errors import check_output_path
 
@@ -151,7 +183,7 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"env": env, "command": command, "rows": rows}, f, indent=1, default=str)
     if a.markdown:
-        text = markdown(rows, env, command)
+        text = markdown(rows, env, command, a.gap)
         with open(a.markdown, "w") as f:
             f.write(text)
         print(text)
