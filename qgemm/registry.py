@@ -292,7 +292,8 @@ def _skinny_ok(d: dict, wfmt: str, m: int, k: int) -> bool:
             and (d["SK_WARPS"] < 16 or (d["SK_UNROLL"] * d["SK_R"] * (pieces + 1) <= 6 and d["SK_R"] * d["SK_MT"] <= 2)))
 
 
-def _skinny_fill_split(n: int, k: int, r: int, split: int, sm_count: int, per_sm: int = 2, warps: int = 8) -> int:
+def _skinny_fill_split(n: int, k: int, r: int, split: int, sm_count: int, per_sm: int = 2, warps: int = 8,
+                       reach: int | None = None) -> int:
     """The decode kernels' K split across CTAs (SK_GSPLIT) for narrow weights: where the grid of
     16-row tiles (r per CTA) times the split would occupy at most half the SMs -- N <= 1024 at one
     tile per CTA on a 132-SM GPU, as the k / v projections of grouped-query attention -- the split
@@ -313,9 +314,10 @@ def _skinny_fill_split(n: int, k: int, r: int, split: int, sm_count: int, per_sm
     At N = 2048 and up to 8 tokens (128 tiles) a split of 2 measured 9-18% faster for the fp16
     kernels but level or 4% slower for the int8 one at one token: not taken here (nor at N = 4096,
     whose defaults were measured shape by shape); the fp16 kernels take it in `_skinny_config`
-    since session 57."""
+    since session 57, by calling this with `reach` = the SM count (the most CTAs the grid may
+    have for the split to grow; half the SMs by default)."""
     tiles, groups = cdiv(cdiv(n, 16), r), cdiv(k // 32, 4)
-    if tiles * split > sm_count // 2:
+    if tiles * split > (sm_count // 2 if reach is None else reach):
         return split
     while (split < 8 and tiles * split * 2 <= per_sm * sm_count and groups >= 4 * split * 2
            and 2 * groups >= warps * split * 2):
@@ -375,6 +377,7 @@ def _skinny_config(wfmt: str):
         # M = 1 (at M = 8 the 64 KB of staging costs occupancy).
         mt = cdiv(min(m, SKINNY_MAX_M), 8)
         long_k = k >= 8192
+        tiles = cdiv(n, 16)  # 16-row weight tiles
         # Q4_0 at 2-8 tokens of a long K: two 16-row tiles per CTA of 4 warps, K split 4 ways, two
         # accumulator sets, where the four tiles x 8 warps split 2 below fill more than half the SMs
         # and fewer than 4 CTAs per SM of two tiles would drop the split (N 2113-16864 on 132 SMs;
@@ -390,8 +393,8 @@ def _skinny_config(wfmt: str):
         # cold, against 4 tiles x 8 warps split 2: 2x18944x8192 42.17 / 42.91 -> 35.01 / 36.00 us,
         # 4x18944x8192 42.86 / 44.16 -> 35.08 / 36.74, 8x28672x8192 60.73 / 63.23 -> 49.01 / 51.81;
         # split 4 there 0.81-0.84 too).
-        q4_long_decode = (wfmt == "q4_0" and mt == 1 and m > 1 and long_k and cdiv(cdiv(n, 16), 4) * 2 > sm_count // 2)
-        q4_wide_long_decode = q4_long_decode and cdiv(cdiv(n, 16), 2) >= 4 * sm_count
+        q4_long_decode = (wfmt == "q4_0" and mt == 1 and m > 1 and long_k and cdiv(tiles, 4) * 2 > sm_count // 2)
+        q4_wide_long_decode = q4_long_decode and cdiv(tiles, 2) >= 4 * sm_count
         if mt == 1 and not long_k:
             r, split, unroll = 1, 1, 1 if m == 1 else 2
         elif mt == 1 and m == 1:
@@ -413,7 +416,7 @@ def _skinny_config(wfmt: str):
             # with one group in flight each, 8x4096x4096 4.7 us against 5.2 for 8 warps x 2 groups,
             # 4x4096x4096 4.4 against 4.8 (H100, kernel alone, docs/perf/NOTES.md)
             warps, unroll = 16, 1
-        if cdiv(cdiv(n, 16), r) >= 4 * sm_count and not q4_wide_long_decode:  # plenty of CTAs already
+        if cdiv(tiles, r) >= 4 * sm_count and not q4_wide_long_decode:  # plenty of CTAs already
             split = 1
         before_fill = split
         split = _skinny_fill_split(n, k, r, split, sm_count, 2 if mt == 1 else 1, warps)
@@ -436,7 +439,7 @@ def _skinny_config(wfmt: str):
         #     one CTA per SM (16x4096x14336, 256 CTAs) hot 3% faster but cold level and 3-4% slower
         #     at 10-12 tokens: not taken
         def same_ctas(r2: int, split2: int) -> bool:  # as many CTAs, up to a tile count's odd end
-            return abs(cdiv(cdiv(n, 16), r2) * split2 - cdiv(cdiv(n, 16), r) * split) < split2
+            return abs(cdiv(tiles, r2) * split2 - cdiv(tiles, r) * split) < split2
         narrow_acc1 = False
         if mt == 1 and m > 1 and not long_k and wfmt == "q4_0":
             s8 = _skinny_fill_split(n, k, r, before_fill, sm_count, 2, 8)
@@ -446,25 +449,25 @@ def _skinny_config(wfmt: str):
             s2 = _skinny_fill_split(n, k, 2, before_fill, sm_count, 2, warps)
             if s2 > split and same_ctas(2, s2):
                 r, unroll, split, narrow_acc1 = 2, 1, s2, True
-        elif wfmt == "q4_0" and mt == 2 and long_k and r == 2 and cdiv(cdiv(n, 16), r) * split <= sm_count:
+        elif wfmt == "q4_0" and mt == 2 and long_k and r == 2 and cdiv(tiles, r) * split <= sm_count:
             s4 = _skinny_fill_split(n, k, 4, before_fill, sm_count, 1, 4)
             if s4 == 4 > split and same_ctas(4, s4):
                 r, warps, split = 4, 4, s4
-        elif wfmt == "q8_0" and mt == 2 and cdiv(cdiv(n, 16), r) > sm_count:
+        elif wfmt == "q8_0" and mt == 2 and cdiv(tiles, r) > sm_count:
             # wide weights, the other way round: one 8-warp CTA per SM spills past a wave
-            split4 = _skinny_q8_wide_split(cdiv(cdiv(n, 16), r), k, sm_count)
-            if cdiv(cdiv(n, 16), r) * split4 > 2 * sm_count:
+            split4 = _skinny_q8_wide_split(cdiv(tiles, r), k, sm_count)
+            if cdiv(tiles, r) * split4 > 2 * sm_count:
                 warps, split = 4, split4
-        if (mt == 1 and m > 1 and r == 1 and split == 1 and sm_count // 2 < cdiv(n, 16) <= sm_count
-                and cdiv(k // 32, 4) >= max(8, warps)):
+        if mt == 1 and m > 1 and r == 1 and split == 1:
             # one tile per CTA filling at most one CTA per SM (N 1072-2112 on 132 SMs), where the
-            # fill split above stops: split 2, two CTAs per SM, each part of K keeping its four
-            # groups and half a group per warp -- `_skinny_fill_split`'s note
+            # fill split above stops: the same split reaching up to the SM count, i.e. split 2, two
+            # CTAs per SM, each part of K keeping its four groups and half a group per warp --
+            # `_skinny_fill_split`'s note
             # measured 9-18% for these kernels in session 51; session 57, H100, kernel alone, hot /
             # weights cold, Q8_0: 2x2048x3584 4.71 / 5.46 -> 4.09 / 4.81 us, 8x2048x3584 5.20 / 5.94
             # -> 4.42 / 5.06, 4x2048x4096 4.89 / 5.91 -> 4.00 / 5.06 (split 4: 1.04-1.23x slower;
             # past one CTA per SM, 4x2560x4096 and 8x3072x3584, split 2 1.17-1.23x slower)
-            split = 2
+            split = _skinny_fill_split(n, k, r, split, sm_count, 2, warps, reach=sm_count)
         # Wide weights at 2-8 tokens below K = 8192: one 16-row tile per CTA makes a grid past the
         # two CTAs per SM the default holds (Q8_0's two load groups x two accumulator sets: 128
         # registers; Q4_0's 16 warps: 64), so it runs a second, partial wave; where a lighter CTA
@@ -479,7 +482,6 @@ def _skinny_config(wfmt: str):
         #        4x11008x4096 1.00 hot, 1.10 cold (not taken)
         #   within two CTAs per SM (N = 4096: 256 tiles) the defaults stay: 8 warps 1.47-1.66x, Q8_0's
         #   one set 1.1-1.2x slower hot
-        tiles = cdiv(n, 16)
         wide_acc1 = False
         if mt == 1 and m > 1 and not long_k and r == 1 and split == 1 and tiles > 2 * sm_count:
             if wfmt == "q8_0" and unroll == 2 and tiles <= 3 * sm_count:
@@ -496,7 +498,7 @@ def _skinny_config(wfmt: str):
         # weights cold): 16x6144x4096 13.84 / 15.37 -> 9.35 / 10.13 us, 16x14336x4096 28.25 /
         # 30.32 -> 18.77 / 19.66, 16x4608x3584 13.41 -> 8.75, 16x18944x3584 36.52 -> 25.76,
         # 12x6144x4096 13.52 -> 8.74.
-        q4_two_sets = mt == 2 and not long_k and cdiv(cdiv(n, 16), r) * split <= sm_count
+        q4_two_sets = mt == 2 and not long_k and cdiv(tiles, r) * split <= sm_count
         acc = 2 if wfmt == "q4_0" and (q4_two_sets or q4_long_decode) else 1
         if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k and not narrow_acc1 and not wide_acc1:
             acc = 2  # Q8_0 8x4096x4096: 6.68 against 6.80 us (session 8), 6.3 against 6.4 (session 10)

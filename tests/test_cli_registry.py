@@ -536,6 +536,14 @@ def test_wgmma_rs_defaults_on_wide_and_narrow_weights(fmt):
     assert s.config(128, 4096, 14336, 132)["RS_WGS"] == 2 and s.config(512, 4096, 4096, 132)["RS_WGS"] == (2 if fmt == "q4_0" else 1)
 
 
+def _skinny_defaults(name, m, n, k, sms=132):
+    """The fp16 decode kernel's default (SK_R, SK_WARPS, SK_UNROLL, SK_GSPLIT, SK_ACC) on `sms` SMs."""
+    from qgemm import registry as R
+
+    d = R.spec(name).config(m, n, k, sms)
+    return d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_GSPLIT"], d["SK_ACC"]
+
+
 def test_skinny_defaults_session_56():
     """Session 56's decode rules (H100, whole op faster or level at every changed shape measured). Narrow
     weights at 2-8 tokens below K = 8192, where another configuration reaches a deeper K split
@@ -547,11 +555,7 @@ def test_skinny_defaults_session_56():
     accumulator set (two cost the second CTA per SM), Q8_0 CTAs of 4 warps, split 2 where that
     fills the last wave better, and only with more than two of them per SM. The issue's rows (N =
     4096) keep theirs."""
-    from qgemm import registry as R
-
-    def sk(name, m, n, k):
-        d = R.spec(name).config(m, n, k, 132)
-        return d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_GSPLIT"], d["SK_ACC"]
+    sk = _skinny_defaults
     q4, q8 = "w4a16.skinny", "w8a16.skinny"
     for m in (2, 5, 8):
         assert sk(q4, m, 512, 4096) == (1, 8, 2, 8, 1) and sk(q4, m, 1024, 2048) == (1, 8, 2, 4, 1), m
@@ -586,9 +590,7 @@ def test_skinny_defaults_session_57():
     but for Q8_0 at two tokens, which keeps its own (activations staged in shared memory)."""
     from qgemm import registry as R
 
-    def sk(name, m, n, k, sms=132):
-        d = R.spec(name).config(m, n, k, sms)
-        return d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_GSPLIT"], d["SK_ACC"]
+    sk = _skinny_defaults
     q4, q8 = "w4a16.skinny", "w8a16.skinny"
     for m in (2, 5, 8):
         for n, k in ((4608, 3584), (5120, 4096), (6144, 4096), (6150, 4128), (6336, 3584)):
