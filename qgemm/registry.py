@@ -362,6 +362,61 @@ def _skinny_q8_wide_split(tiles: int, k: int, sm_count: int) -> int:
     return 1
 
 
+# The decode kernels' 4-warp CTAs on wide weights at 2-8 tokens below K = 8192, as (16-row tiles
+# per CTA, CTAs one SM holds): registers a thread on sm_90 (`qgemm compile w4a16.skinny --arch sm_90
+# --shape 8x14336x4096 -D SK_WARPS=4 [-D SK_R=2 | -D SK_R=4]`; the float16 / bfloat16 variants
+# alike) -- Q4_0 64 / 96 / 167 registers, so 8 / 5 / 3 CTAs of 128 threads in 64 K registers; Q8_0
+# two tiles with one load group and one accumulator set, 128 registers, 4 CTAs. (On sm_80 the
+# one-tile Q4_0 CTA takes 66 registers, 7 per SM; this table is sm_90's, where it was measured.)
+_SKINNY_WIDE_ONE_WAVE = {"q4_0": ((1, 8), (2, 5), (4, 3)), "q8_0": ((2, 4),)}
+
+
+def _skinny_one_wave_tiles(wfmt: str, tiles: int, sm_count: int) -> int | None:
+    """Tiles per CTA of 4 warps for a decode kernel at 2-8 tokens on weights wider than its
+    default's grid holds in two waves: the first entry of `_SKINNY_WIDE_ONE_WAVE` whose grid fills
+    one wave of its CTA slots to 80-100%, else None (the default stays). The default's CTAs (Q4_0
+    16 warps, Q8_0 8 warps with two groups and two sets) fit two per SM, so a grid of 3-10 waves of
+    them ends in a partial one; a lighter CTA whose whole grid runs at once has no tail. Below 80%
+    the SMs hold too few warps to keep the loads in flight, past 100% a second wave starts.
+    Session 58, H100, `tools/probe_defines.py`, kernel alone, float32 x, hot / weights cold, default
+    -> this choice, us (two and eight tokens; K = 4096 unless named):
+      Q4_0 one tile     2x14336 15.72 / 15.56 -> 13.48 / 13.65, 8x 17.02 / 19.54 -> 15.29 / 16.37;
+                        8x16384 19.91 / 20.43 -> 17.12 / 17.57; 4x13824x5120 20.19 / 20.44 ->
+                        18.32 / 18.41
+      Q4_0 two tiles    2x18944 19.63 / 19.80 -> 17.05 / 17.27, 8x 24.26 / 24.40 -> 19.40 / 19.40;
+                        8x20480 25.25 / 25.29 -> 20.61 / 20.22; 4x18944x3584 19.31 / 18.93 ->
+                        16.03 / 16.02; 2x17408 18.71 / 18.67 -> 17.02 / 16.85
+      Q4_0 four tiles   2x22016 22.55 / 23.07 -> 19.10 / 19.51, 8x 27.37 / 27.92 -> 19.90 / 20.32
+      Q8_0 two tiles    2x14336 23.23 / 23.47 -> 20.88 / 21.20, 4x 23.92 / 23.69 -> 21.46 / 21.08,
+                        8x 29.20 / 28.97 -> 21.65 / 21.70; 4x16384 26.16 / 25.88 -> 23.62 / 23.51
+    Outside the window each lost or tied: the one-tile Q4_0 CTA at 73% (2x / 8x12288: 0.96-1.11)
+    and at 103% (8x17408: 1.26); the two-tile one at 104% (8x22016: 1.16-1.17); the four-tile one
+    at 113% (8x28672: 0.99-1.00); Q8_0's at 65% (2x11008: 0.99; 8x: 0.82) and past one wave
+    (2x / 4x17408: 1.27)."""
+    for r, per_sm in _SKINNY_WIDE_ONE_WAVE[wfmt]:
+        if 0.8 * per_sm * sm_count <= cdiv(tiles, r) <= per_sm * sm_count:
+            return r
+    return None
+
+
+def _skinny_q8_lighter_in_waves(m: int, tiles: int, k: int, sm_count: int) -> bool:
+    """Whether the float32 Q8_0 decode kernel at 5-8 tokens below K = 8192, on weights too wide for
+    `_skinny_one_wave_tiles`, takes the lighter CTA of one load group and one accumulator set (79
+    registers, three CTAs per SM) instead of two and two (128, two per SM): where the grid has more
+    than four 16-row tiles per SM, the lighter grid takes at least one wave fewer. Session 58, H100:
+      kernel alone (`tools/probe_defines.py`), hot / weights cold, default -> this, us:
+        6x11008x4096 22.23 / 22.06 -> 19.81 / 19.48, 8x 22.95 / 22.44 -> 19.32 / 18.98,
+        5x18944x4096 33.65 / 32.73 -> 29.97 / 29.15, 8x 36.60 / 36.48 -> 30.88 / 30.82,
+        6x22016x4096 39.42 / 39.57 -> 34.79 / 35.32, 8x28672x4096 51.28 / 51.25 -> 45.68 / 46.11
+      whole op (`tools/gpu_check.sh` ab), 0.82-0.92 of before: 6x11008x4096 22.13 -> 20.03,
+        8x18944x3584 33.51 -> 28.11, 7x28672x4096 50.66 -> 45.72, cold 8x11008x5120 30.07 -> 24.53
+    Not at 2-4 tokens (0.97-1.07 of the default), nor at four tiles per SM or fewer (5x / 8x8192x4096,
+    512 tiles, whose default grid fills two waves: whole op 1.06-1.08x slower), nor for the float16 /
+    bfloat16 variants, whose two groups measured faster there (whole op 1.02-1.19x slower with one;
+    `_x16_config` keeps them)."""
+    return 5 <= m <= 8 and k < 8192 and tiles > 4 * sm_count
+
+
 def _skinny_splits(n: int, k: int, r: int, warps: int) -> tuple:
     """The K splits `qgemm tune` tries for the decode kernels: 1, 2, 4 and the fill splits of a
     132-SM GPU (8 for the narrowest weights)."""
@@ -482,11 +537,18 @@ def _skinny_config(wfmt: str):
         #        4x11008x4096 1.00 hot, 1.10 cold (not taken)
         #   within two CTAs per SM (N = 4096: 256 tiles) the defaults stay: 8 warps 1.47-1.66x, Q8_0's
         #   one set 1.1-1.2x slower hot
-        wide_acc1 = False
+        #   wider still (session 58): 4-warp CTAs whose whole grid runs in one wave, where one does
+        #   (`_skinny_one_wave_tiles`); elsewhere Q8_0 at 5-8 tokens (`_skinny_q8_lighter_in_waves`)
+        wide_acc1 = wide_one_wave = False
         if mt == 1 and m > 1 and not long_k and r == 1 and split == 1 and tiles > 2 * sm_count:
-            if wfmt == "q8_0" and unroll == 2 and tiles <= 3 * sm_count:
+            past_window = tiles > (4 if wfmt == "q4_0" else 3) * sm_count
+            r1 = _skinny_one_wave_tiles(wfmt, tiles, sm_count) if past_window else None
+            if r1 is not None:
+                r, warps, unroll, wide_one_wave = r1, 4, 1, True
+            elif (wfmt == "q8_0" and unroll == 2
+                  and (not past_window or _skinny_q8_lighter_in_waves(m, tiles, k, sm_count))):
                 unroll, wide_acc1 = 1, True
-            elif wfmt == "q4_0" and warps == 16 and tiles <= 4 * sm_count:
+            elif wfmt == "q4_0" and warps == 16 and not past_window:
                 warps = 8
         # two accumulator sets (two independent MMA chains) for Q4_0 at 9-16 tokens: 9.1 -> 7.9 us at
         # 16x4096x4096 on the H100; for Q4_0 no gain at M = 1 and a loss at M = 8, and a loss at long K
@@ -500,7 +562,7 @@ def _skinny_config(wfmt: str):
         # 12x6144x4096 13.52 -> 8.74.
         q4_two_sets = mt == 2 and not long_k and cdiv(tiles, r) * split <= sm_count
         acc = 2 if wfmt == "q4_0" and (q4_two_sets or q4_long_decode) else 1
-        if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k and not narrow_acc1 and not wide_acc1:
+        if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k and not (narrow_acc1 or wide_acc1 or wide_one_wave):
             acc = 2  # Q8_0 8x4096x4096: 6.68 against 6.80 us (session 8), 6.3 against 6.4 (session 10)
         d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": split, "SK_XSMEM": int(m == 1),
              "SK_ACC": acc}
@@ -1285,7 +1347,12 @@ def _x16_config(base: str, config):
                 and cdiv(cdiv(n, 16), d["SK_R"]) * d["SK_GSPLIT"] <= sm_count):
             alt = {**d, "SK_UNROLL": 2, "SK_ACC": 1}
             return alt if _skinny_ok(alt, "q4_0", m, k) else d
-        if base == "w8a16.skinny" and m == 2 and k < 8192 and d["SK_GSPLIT"] == 1:  # (measured at K = 4096 only)
+        if (base == "w8a16.skinny" and d["SK_R"] == 1 and d["SK_GSPLIT"] == 1
+                and _skinny_q8_lighter_in_waves(m, cdiv(n, 16), k, sm_count)):
+            return {**d, "SK_UNROLL": 2, "SK_ACC": 2}  # float32 x's lighter CTA is slower here
+        if base == "w8a16.skinny" and m == 2 and k < 8192 and d["SK_GSPLIT"] == 1 and d["SK_R"] == 1:
+            # (measured at K = 4096 only; not on the two-tile CTAs of `_skinny_one_wave_tiles`: 2x14336x4096
+            # whole op 23.46 against 22.53 us with them, session 58)
             alt = {**d, "SK_XSMEM": 1, "SK_UNROLL": 1, "SK_ACC": 1}
             return alt if _skinny_ok(alt, "q8_0", m, k) else d
         if base == "w4a8.skinny" and m == 1:

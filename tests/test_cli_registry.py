@@ -602,11 +602,48 @@ def test_skinny_defaults_session_57():
             assert sk(q4, m, n, 4096) == (1, 8, 1, 1, 1) and sk(q8, m, n, 4096) == (1, 8, 2, 1, 2), (m, n)
         for n in (4096, 4224):  # one wave of the defaults
             assert sk(q4, m, n, 4096) == (1, 16, 1, 1, 1) and sk(q8, m, n, 4096) == (1, 8, 2, 1, 2), (m, n)
-        assert sk(q4, m, 11008, 4096) == (1, 16, 1, 1, 1) and sk(q8, m, 14336, 4096) == (1, 8, 2, 1, 2), m
+        assert sk(q4, m, 11008, 4096) == (1, 16, 1, 1, 1), m
         assert sk(q4, m, 6144, 4096, sms=264)[1] == 16  # the waves follow the SM count
         # long K: the rules of its own (session 52's two tiles x 4 warps split 4 for Q4_0)
         assert sk(q4, m, 6144, 14336) == (2, 4, 1, 4, 2) and sk(q8, m, 6144, 14336) == (2, 8, 1, 2, 1), m
     assert sk(q8 + "_f16", 2, 6144, 4096)[2] == 1 and R.spec(q8 + "_f16").config(2, 6144, 4096, 132)["SK_XSMEM"] == 1
+    assert sk(q8, 2, 11008, 4096) == (1, 8, 2, 1, 2)  # past that wave (wider: session 58's rules)
+
+
+def test_skinny_defaults_session_58():
+    """Session 58: at 2-8 tokens below K = 8192, on weights wider than session 57's windows, the fp16
+    decode kernels take 4-warp CTAs whose whole grid runs in one wave filled to 80-100% -- Q4_0 one,
+    two or four 16-row tiles per CTA (8 / 5 / 3 CTAs per SM), Q8_0 two tiles with one group and one
+    set (4 per SM) -- and elsewhere the float32 Q8_0 kernel at 5-8 tokens with more than four tiles
+    per SM its lighter CTA (one group, one set). The 16-bit variants follow, but for Q8_0's lighter
+    CTA (they keep two groups) and its two-token staging (not on two-tile CTAs). The issue's rows
+    (N = 4096), long K and the grids outside the windows keep theirs."""
+    from qgemm import registry as R
+
+    sk = _skinny_defaults
+    q4, q8 = "w4a16.skinny", "w8a16.skinny"
+    for m in (2, 3, 5, 8):
+        for n, k in ((14336, 4096), (13824, 5120), (16384, 4096), (13520, 4096), (16896, 3584)):  # 845-1056 tiles
+            assert sk(q4, m, n, k) == (1, 4, 1, 1, 1) and sk(q8, m, n, k) == (2, 4, 1, 1, 1), (m, n, k)
+            assert sk(q4 + "_f16", m, n, k) == sk(q4 + "_bf16", m, n, k) == sk(q4, m, n, k), (m, n, k)
+            assert sk(q8 + "_bf16", m, n, k) == sk(q8, m, n, k), (m, n, k)
+            assert R.spec(q8 + "_f16").config(m, n, k, 132)["SK_XSMEM"] == 0, (m, n, k)
+        for n, k in ((16912, 4096), (18944, 3584), (20480, 4096)):  # 1057-1320 tiles: two per CTA
+            assert sk(q4, m, n, k) == (2, 4, 1, 1, 1), (m, n, k)
+        assert sk(q4, m, 22016, 4096) == (4, 4, 1, 1, 1), m  # 1376 tiles: four per CTA
+        for n in (13504, 12288, 28672):  # no window: a 79% wave, 73%, 113% of the four-tile CTAs
+            assert sk(q4, m, n, 4096) == (1, 16, 1, 1, 1), (m, n)
+        assert sk(q4, m, 14336, 4096, sms=264) == (1, 8, 1, 1, 1), m  # the SM count moves the windows (session 57's)
+        assert sk(q4, m, 14336, 8192) == sk(q4 + "_f16", m, 14336, 8192) == (2, 4, 1, 4, 2), m  # long K: its own
+        light = (1, 8, 1, 1, 1) if m >= 5 else (1, 8, 2, 1, 2)
+        for n, k in ((8464, 4096), (11008, 4096), (17408, 4096), (18944, 3584), (28672, 4096)):  # > 4 tiles per SM
+            assert sk(q8, m, n, k) == light, (m, n, k)
+            assert sk(q8 + "_f16", m, n, k) == ((1, 8, 2, 1, 2) if m > 2 else (1, 8, 1, 1, 1)), (m, n, k)  # 2: staged
+        assert sk(q8, m, 8448, 4096) == sk(q8, m, 8192, 4096) == (1, 8, 2, 1, 2), m  # four tiles per SM or fewer
+        assert sk(q8, m, 11008, 8192) == (2, 8, 1, 2, 1), m  # long K: its own rules, as before
+    for name, one, twelve in ((q4, (1, 8, 1, 1, 1), (2, 8, 1, 1, 1)), (q8, (1, 8, 1, 1, 1), (2, 4, 1, 2, 1))):
+        assert sk(name, 1, 14336, 4096) == one and sk(name, 12, 14336, 4096) == twelve  # 1 and 9-16 tokens: as before
+    assert R.spec(q8 + "_f16").config(2, 11008, 4096, 132)["SK_XSMEM"] == 1  # one tile per CTA: staged as before
 
 
 def test_int8_decode_defaults_at_one_token_of_wide_weights():

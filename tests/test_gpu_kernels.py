@@ -1208,6 +1208,42 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("xd", ["f32", "f16", "bf16"])
+def test_decode_defaults_on_wide_weights(fmt, xd, rng):
+    """Session 58's decode rules at 2-8 tokens on weights wider than session 57's windows, where
+    they fire on a 132-SM Hopper: 4-warp CTAs whose grid fills one wave -- Q4_0 one tile per CTA
+    (3x13530x4128: 846 tiles), two (5x17000x3616: 1063) or four (7x22010x4128: 1376), Q8_0 two
+    (2x13530x4128, 8x16890x3616: 1056 tiles; float16 x not staged in shared memory there) -- and
+    the float32 Q8_0 kernel's lighter CTA at 5-8 tokens past four tiles per SM (6x11010x4128; the
+    16-bit variants keep two load groups and two accumulator sets). N and K multiples of no tile,
+    fresh inputs, poisoned outputs, against the plan's exact math and float64 truth."""
+    info = runtime.device_info()
+    if info.cc < 80:
+        pytest.skip("the skinny kernels need sm_80")
+    q4 = fmt == "q4_0"
+    cases = ({(3, 13530, 4128): (1, 4, 1, 1), (5, 17000, 3616): (2, 4, 1, 1), (7, 22010, 4128): (4, 4, 1, 1)} if q4 else
+             {(2, 13530, 4128): (2, 4, 1, 1), (8, 16890, 3616): (2, 4, 1, 1),
+              (6, 11010, 4128): (1, 8, 1, 1) if xd == "f32" else (1, 8, 2, 2)})
+    for (m, n, k), want in cases.items():
+        w_f = rng.standard_normal((n, k), dtype=np.float32)
+        w = F.quantize(w_f, fmt)
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        if xd != "f32":
+            x = F.from_float32(x, F.get_format(xd))
+        x32 = x if xd == "f32" else F.to_float32(x)
+        p = qgemm.plan(m, n, k, fmt, x_dtype=xd, packed=True)
+        if info.cc == 90 and info.sm_count == 132:
+            d = p.defines
+            assert (d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_ACC"], d["SK_XSMEM"], d["SK_GSPLIT"]) == (*want, 0, 1), p
+        out = qgemm.DeviceArray.empty((m, n), np.float32)
+        out.fill_bytes(0xFF)
+        qgemm.matmul(qgemm.DeviceArray.from_host(x), qgemm.pack_weights(w), out=out)
+        r = check.compare("matmul", p.op, (m, n, k), 0, out.to_host(), p.reference(x, w),
+                          qgemm.reference.truth(x32, w_f), x32, w_f)
+        assert r.passed, (p.kernel, p.defines, r)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("x_dtype", [np.float32, np.float16])
 def test_matmul_narrow_weights_split_k(fmt, x_dtype, rng):
     """Decode and small batches on narrow weights (N <= 2048: grouped-query attention's k / v
