@@ -391,8 +391,8 @@ def _skinny_one_wave_tiles(wfmt: str, tiles: int, sm_count: int) -> int | None:
                         8x 29.20 / 28.97 -> 21.65 / 21.70; 4x16384 26.16 / 25.88 -> 23.62 / 23.51
     Outside the window each lost or tied: the one-tile Q4_0 CTA at 73% (2x / 8x12288: 0.96-1.11)
     and at 103% (8x17408: 1.26); the two-tile one at 104% (8x22016: 1.16-1.17); the four-tile one
-    at 113% (8x28672: 0.99-1.00); Q8_0's at 65% (2x11008: 0.99; 8x: 0.82) and past one wave
-    (2x / 4x17408: 1.27)."""
+    at 113% (8x28672: 0.99-1.00); Q8_0's at 65% at two tokens (2x11008: 0.99; at eight 0.82, where
+    `_skinny_q8_lighter_in_waves` takes 0.84-0.85) and past one wave (2x / 4x17408: 1.27)."""
     for r, per_sm in _SKINNY_WIDE_ONE_WAVE[wfmt]:
         if 0.8 * per_sm * sm_count <= cdiv(tiles, r) <= per_sm * sm_count:
             return r
@@ -408,8 +408,9 @@ def _skinny_q8_lighter_in_waves(m: int, tiles: int, k: int, sm_count: int) -> bo
         6x11008x4096 22.23 / 22.06 -> 19.81 / 19.48, 8x 22.95 / 22.44 -> 19.32 / 18.98,
         5x18944x4096 33.65 / 32.73 -> 29.97 / 29.15, 8x 36.60 / 36.48 -> 30.88 / 30.82,
         6x22016x4096 39.42 / 39.57 -> 34.79 / 35.32, 8x28672x4096 51.28 / 51.25 -> 45.68 / 46.11
-      whole op (`tools/gpu_check.sh` ab), 0.82-0.92 of before: 6x11008x4096 22.13 -> 20.03,
-        8x18944x3584 33.51 -> 28.11, 7x28672x4096 50.66 -> 45.72, cold 8x11008x5120 30.07 -> 24.53
+      whole op (`tools/gpu_check.sh` ab), 0.82-0.96 of before: 6x11008x4096 22.13 -> 20.03,
+        8x18944x3584 33.51 -> 28.11, 7x28672x4096 50.66 -> 45.72, cold 8x11008x5120 30.07 -> 24.53,
+        6x8704x4096 15.60 -> 14.95; level at 5x9216x4096 (576 tiles), 14.62 -> 14.88
     Not at 2-4 tokens (0.97-1.07 of the default), nor at four tiles per SM or fewer (5x / 8x8192x4096,
     512 tiles, whose default grid fills two waves: whole op 1.06-1.08x slower), nor for the float16 /
     bfloat16 variants, whose two groups measured faster there (whole op 1.02-1.19x slower with one;

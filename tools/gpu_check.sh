@@ -80,28 +80,34 @@ for step in $STEPS; do
               SWEEPS_WGMMA="wgmma_configurations"
               SWEEPS_OTHER="every_candidate_configuration or tune_stores"
               SWEEPS="$SWEEPS_WGMMA or $SWEEPS_OTHER"
+              # (and the defaults' tests on large odd shapes apart too: with them the rest of the GPU
+              # kernel tests took 565 of the 590 s in session 58, those two 264 s of it)
+              DEFAULTS="fill_the_gpu or defaults_on_wide_weights"
               # (the CPU-side rest in two as well: in one process it took 544 of the 585 s on a fresh
               # H100 machine in session 56 -- four of its six slowest tests are the registry / CLI and
               # tool tests -- and 440 + 289 s as two; the longest process of the step then took 528 s)
               REST_CLI="tests/test_cli_registry.py tests/test_tools.py"
-              echo "+ tests: 8 pytest processes, logs $OUT/tests-*.log" | tee -a "$LOG"
+              echo "+ tests: 9 pytest processes, logs $OUT/tests-*.log" | tee -a "$LOG"
               $PT $GEMM_REFS -k "not 4097" > "$OUT/tests-gemm.log" 2>&1 & p1=$!
               $PT $GEMM_REFS -k 4097 > "$OUT/tests-gemm-4097.log" 2>&1 & p5=$!
               $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "$SWEEPS_OTHER" > "$OUT/tests-gpu-sweeps.log" 2>&1 & p6=$!
               $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "$SWEEPS_WGMMA" > "$OUT/tests-gpu-sweeps-wgmma.log" 2>&1 & p7=$!
-              $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "not ($SWEEPS)" > "$OUT/tests-gpu.log" 2>&1 & p2=$!
+              $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "not ($SWEEPS or $DEFAULTS)" > "$OUT/tests-gpu.log" 2>&1 & p2=$!
+              $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "$DEFAULTS" > "$OUT/tests-gpu-defaults.log" 2>&1 & p9=$!
               $PT tests/test_kvcache.py > "$OUT/tests-kvcache.log" 2>&1 & p3=$!
               $PT tests --ignore=tests/test_gpu_kernels.py --ignore=tests/test_kvcache.py $(printf ' --ignore=%s' $REST_CLI) \
                   > "$OUT/tests-rest.log" 2>&1 & p4=$!
               $PT $REST_CLI > "$OUT/tests-rest-cli.log" 2>&1 & p8=$!
-              for p in $p1 $p2 $p3 $p4 $p5 $p6 $p7 $p8; do wait $p || rc=1; done
+              for p in $p1 $p2 $p3 $p4 $p5 $p6 $p7 $p8 $p9; do wait $p || rc=1; done
               tail -n 3 "$OUT"/tests-*.log | tee -a "$LOG"
               grep -hE '^(FAILED|ERROR)' "$OUT"/tests-*.log | tee -a "$LOG"
               # one log for both sweeps (a device call brings back at most 8 files)
               { echo; echo "=== wgmma configurations (a process of its own) ==="; cat "$OUT/tests-gpu-sweeps-wgmma.log"; } \
                   >> "$OUT/tests-gpu-sweeps.log" && rm -f "$OUT/tests-gpu-sweeps-wgmma.log"
               { echo; echo "=== $REST_CLI (a process of its own) ==="; cat "$OUT/tests-rest-cli.log"; } \
-                  >> "$OUT/tests-rest.log" && rm -f "$OUT/tests-rest-cli.log" ;;
+                  >> "$OUT/tests-rest.log" && rm -f "$OUT/tests-rest-cli.log"
+              { echo; echo "=== $DEFAULTS (a process of its own) ==="; cat "$OUT/tests-gpu-defaults.log"; } \
+                  >> "$OUT/tests-gpu.log" && rm -f "$OUT/tests-gpu-defaults.log" ;;
     skinny)   # the decode / small-batch path: precompile, its GPU tests, tune it (stored, so the bench below uses it)
               run $PY tools/precompile.py w4a16.skinny w8a16.skinny --shapes "1x33x160,9x4097x4128,57x47x32,$TUNE_SHAPES"
               run $PY -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider -k "skinny or packed or matmul"
