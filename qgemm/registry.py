@@ -372,11 +372,11 @@ _SKINNY_WIDE_ONE_WAVE = {"q4_0": ((1, 8), (2, 5), (4, 3)), "q8_0": ((2, 4),)}
 
 
 def _skinny_one_wave_tiles(wfmt: str, tiles: int, sm_count: int) -> int | None:
-    """Tiles per CTA of 4 warps for a decode kernel at 2-8 tokens on weights wider than its
-    default's grid holds in two waves: the first entry of `_SKINNY_WIDE_ONE_WAVE` whose grid fills
-    one wave of its CTA slots to 80-100%, else None (the default stays). The default's CTAs (Q4_0
-    16 warps, Q8_0 8 warps with two groups and two sets) fit two per SM, so a grid of 3-10 waves of
-    them ends in a partial one; a lighter CTA whose whole grid runs at once has no tail. Below 80%
+    """Tiles per CTA of 4 warps for a decode kernel at 2-8 tokens on weights wider than session 57's
+    windows (`_skinny_config`: more than 4 tiles per SM for Q4_0, 3 for Q8_0): the first entry of
+    `_SKINNY_WIDE_ONE_WAVE` whose grid fills one wave of its CTA slots to 80-100%, else None (the
+    default stays). The default's CTAs (Q4_0 16 warps, Q8_0 8 warps with two groups and two sets)
+    fit two per SM, so where this fires their grid takes 3-6 waves and ends in a partial one; a lighter CTA whose whole grid runs at once has no tail. Below 80%
     the SMs hold too few warps to keep the loads in flight, past 100% a second wave starts.
     Session 58, H100, `tools/probe_defines.py`, kernel alone, float32 x, hot / weights cold, default
     -> this choice, us (two and eight tokens; K = 4096 unless named):
@@ -400,8 +400,8 @@ def _skinny_one_wave_tiles(wfmt: str, tiles: int, sm_count: int) -> int | None:
 
 
 def _skinny_q8_lighter_in_waves(m: int, tiles: int, k: int, sm_count: int) -> bool:
-    """Whether the float32 Q8_0 decode kernel at 5-8 tokens below K = 8192, on weights too wide for
-    `_skinny_one_wave_tiles`, takes the lighter CTA of one load group and one accumulator set (79
+    """Whether the float32 Q8_0 decode kernel at 5-8 tokens below K = 8192, on wide weights outside
+    `_skinny_one_wave_tiles`' window, takes the lighter CTA of one load group and one accumulator set (79
     registers, three CTAs per SM) instead of two and two (128, two per SM): where the grid has more
     than four 16-row tiles per SM, the lighter grid takes at least one wave fewer. Session 58, H100:
       kernel alone (`tools/probe_defines.py`), hot / weights cold, default -> this, us:
@@ -1352,8 +1352,9 @@ def _x16_config(base: str, config):
                 and _skinny_q8_lighter_in_waves(m, cdiv(n, 16), k, sm_count)):
             return {**d, "SK_UNROLL": 2, "SK_ACC": 2}  # float32 x's lighter CTA is slower here
         if base == "w8a16.skinny" and m == 2 and k < 8192 and d["SK_GSPLIT"] == 1 and d["SK_R"] == 1:
-            # (measured at K = 4096 only; not on the two-tile CTAs of `_skinny_one_wave_tiles`: 2x14336x4096
-            # whole op 23.46 against 22.53 us with them, session 58)
+            # (measured at K = 4096 only; not on the two-tile CTAs of `_skinny_one_wave_tiles`: session
+            # 58, 2x14336x4096 whole op, float16 x, 22.60 us with one tile staged, 23.46 with two tiles
+            # staged, 21.18 with two tiles not staged)
             alt = {**d, "SK_XSMEM": 1, "SK_UNROLL": 1, "SK_ACC": 1}
             return alt if _skinny_ok(alt, "q8_0", m, k) else d
         if base == "w4a8.skinny" and m == 1:
