@@ -383,14 +383,21 @@ def _matmul_plan(m, n, k, fmt, x_dtype, path, packed) -> Plan:
 def _grid_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) -> str:
     """A plan's grid in its own numbers. `wgmma_rs`'s tile (its default chooses tile and K split by
     how the grid fills the SMs, `registry._rs_config`): the weight rows and tokens of a CTA and,
-    unsplit, the CTAs of the grid. Any kernel's K split, where it has one: the output tiles alone
-    are too few CTAs (or leave the last wave short) for the SMs, so each tile's K is shared by
+    unsplit, the CTAs of the grid. The decode kernels' CTA (their defaults choose tiles per CTA and
+    warps by the waves the grid makes, `registry._skinny_config`): its 16-row weight tiles and warps
+    and, unsplit, the CTAs of the grid. Any kernel's K split, where it has one: the output tiles
+    alone are too few CTAs (or leave the last wave short) for the SMs, so each tile's K is shared by
     several CTAs."""
     g = k_obj.geometry(m, n, k, defines)
     ctas = math.prod(g.grid)
     text = ""
     if "RS_BN" in defines:
         text = f"; tiles of {64 * defines.get('RS_WGS', 2)} weight rows x {defines['RS_BN']} tokens"
+        if g.split <= 1:
+            text += f": {ctas} CTAs for {sm_count} SMs"
+    elif "SK_R" in defines and "SK_WARPS" in defines:
+        r = defines["SK_R"]
+        text = f"; {r} tile{'s' if r > 1 else ''} of 16 weight rows per CTA of {defines['SK_WARPS']} warps"
         if g.split <= 1:
             text += f": {ctas} CTAs for {sm_count} SMs"
     if g.split > 1:

@@ -2370,6 +2370,25 @@ def test_explain_names_the_wgmma_rs_tile():
     text = dispatch.explain(100, 5120, 5120, "q8_0", packed=True, arch="sm_90")
     assert "tiles of 128 weight rows x 128 tokens; K split 3 ways: 40 output tiles make 120 CTAs for 132 SMs" in text
     assert "tiles of 64 weight rows x 256 tokens: 128 CTAs" in dispatch.explain(512, 4096, 14336, "q8_0", packed=True, arch="sm_90")
-    # no tile sentence for kernels of other tiles (the decode kernels, sm_80's mma)
-    assert "tiles of" not in dispatch.explain(4, 4096, 14336, "q4_0", packed=True, arch="sm_90")
+    # no such sentence for kernels of other tiles (the decode kernels have their own, below; sm_80's mma)
+    assert "weight rows x" not in dispatch.explain(4, 4096, 14336, "q4_0", packed=True, arch="sm_90")
     assert "tiles of" not in dispatch.explain(512, 4096, 4096, "q4_0", arch="sm_80")
+
+
+def test_explain_names_the_decode_kernels_cta():
+    """`explain` names a decode kernel's CTA -- its 16-row weight tiles and warps -- and, unsplit, the
+    CTAs of the grid (sessions 56-58: the defaults choose both by the waves the grid makes; at
+    4x18944x3584 two tiles x 4 warps, 592 CTAs in one wave of five per SM); with a K split, the
+    split's sentence gives the CTAs."""
+    from qgemm import dispatch
+
+    text = dispatch.explain(4, 18944, 3584, "q4_0", packed=True, arch="sm_90")
+    assert "SK_R=2" in text and "; 2 tiles of 16 weight rows per CTA of 4 warps: 592 CTAs for 132 SMs" in text
+    assert "; 1 tile of 16 weight rows per CTA of 4 warps: 896 CTAs for 132 SMs" in \
+        dispatch.explain(8, 14336, 4096, "q4_0", packed=True, arch="sm_90")
+    text = dispatch.explain(4, 4096, 14336, "q4_0", packed=True, arch="sm_90")
+    assert "; 2 tiles of 16 weight rows per CTA of 4 warps; K split 4 ways: 128 output tiles make 512 CTAs" in text
+    # the int8 one-token kernel too; the ggml-blocks GEMV has no such CTA
+    assert "; 1 tile of 16 weight rows per CTA of 8 warps: 256 CTAs for 132 SMs" in \
+        dispatch.explain(1, 4096, 4096, "q4_0", packed=True, arch="sm_90")
+    assert "weight rows per CTA" not in dispatch.explain(1, 4096, 4096, "q4_0", arch="sm_90")
