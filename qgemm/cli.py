@@ -16,7 +16,7 @@ from typing import List, Optional
 import numpy as np
 import typer
 
-from . import jit, registry, runtime, sass
+from . import jit, occupancy, registry, runtime, sass
 from .errors import CompileError, NoGPUError, QgemmError, SetupError
 
 app = typer.Typer(
@@ -297,6 +297,21 @@ def info():
     typer.echo("\n".join(lines))
 
 
+def _occupancy_cells(k, mnk, defines: dict, r, cc: int, sms: int) -> list[str]:
+    """`qgemm compile --shape`'s two occupancy cells for a GEMM kernel: the CTAs one SM holds (with
+    the binding limit) and the grid's CTAs with the waves they take; "-" where there is no launch
+    geometry or no limits table for the architecture."""
+    if k.op.kind != "gemm":
+        return ["-", "-"]
+    try:
+        g = k.geometry(*mnk, defines)
+        occ = occupancy.resident_ctas(cc, math.prod(g.block), r.registers, r.smem_static + g.shmem)
+    except ValueError as e:
+        return [f"- ({e})" if "does not fit" in str(e) else "-", "-"]
+    ctas = math.prod(g.grid)
+    return [f"{occ.ctas_per_sm} ({', '.join(occ.limited_by)})", f"{ctas} CTAs: {occ.waves(ctas, sms):.2f} waves"]
+
+
 @app.command()
 def compile(
     names: Optional[List[str]] = typer.Argument(None, help="Kernel names (or families, e.g. w4a16)."),
@@ -315,8 +330,13 @@ def compile(
     sass_dir: Optional[Path] = typer.Option(
         None, "--sass-dir", help="Write each kernel's SASS listing to DIR/NAME.ARCH.sass (implies --sass), e.g. to diff "
                                  "two -D settings."),
+    sms: Optional[int] = typer.Option(
+        None, "--sms", min=1, help="With --shape: the SMs the grid's waves are counted for (default: this GPU's, or 132 "
+                                   "where it is not of the target architecture or there is none)."),
 ):
-    """Compile with NVRTC and print registers, shared memory, spills, cubin size, time, cache hit."""
+    """Compile with NVRTC and print registers, shared memory, spills, cubin size, time, cache hit.
+    With --shape, a GEMM kernel's occupancy too: the CTAs one SM holds (and the limit that binds:
+    CTAs, threads, registers or shared memory) and the waves its grid takes (qgemm/occupancy.py)."""
     specs = _specs(names, all_)
     mnk = _shape(shape) if shape else None
     extra = {}
@@ -346,6 +366,9 @@ def compile(
         _fail(str(e))
     rows, failed, listings = [], 0, []
     configured = bool(mnk or extra)
+    cc = jit.parse_arch(arch)[0]
+    if sms is None:
+        sms = runtime.device_info().sm_count if runtime.gpu_available() and runtime.device_info().cc == cc else 132
     named = set(names or []) & set(registry.names())  # kernels asked for by name, not through a family or --all
     for s in specs:
         if mnk and s.config is not None and s.op.kind == "gemm" and mnk[2] % s.op.k_multiple:
@@ -383,11 +406,18 @@ def compile(
         rows.append([s.name, ck.arch, str(r.registers), f"{r.smem_static}", f"{r.spill_stores}/{r.spill_loads}",
                      f"{r.stack_frame}", f"{ck.cubin_size}", f"{(ck.compile_seconds if not ck.from_cache else wall) * 1e3:.0f} ms",
                      "cache" if ck.from_cache else "compiled",
-                     _defines_text(defines) or "(source defaults)"])
+                     _defines_text(defines) or "(source defaults)"]
+                    + (_occupancy_cells(k, mnk, defines, r, cc, sms) if mnk else []))
     headers = ["kernel", "arch", "regs", "smem B", "spill st/ld B", "stack B", "cubin B", "time", "source", "configuration"]
+    if mnk:  # the occupancy columns after the configuration, only for a launch's shape
+        headers += ["CTAs/SM", "grid"]
+        rows = [row + ["-", "-"] * (len(row) == 10) for row in rows]
     if not configured:  # the configuration column only when --shape or -D chose one
         headers, rows = headers[:-1], [row[:-1] for row in rows]
     typer.echo(_table(headers, rows, right={2, 3, 4, 5, 6, 7}))
+    if mnk:
+        typer.echo(f"CTAs/SM: what one SM of {arch} holds and the limit that binds (qgemm/occupancy.py); grid: the launch's "
+                   f"CTAs and the waves they take on {sms} SMs")
     if listings:
         typer.echo("\nSASS (NOPs of the alignment padding not counted):")
     for s, ck in listings:

@@ -2392,3 +2392,54 @@ def test_explain_names_the_decode_kernels_cta():
     assert "; 1 tile of 16 weight rows per CTA of 8 warps: 256 CTAs for 132 SMs" in \
         dispatch.explain(1, 4096, 4096, "q4_0", packed=True, arch="sm_90")
     assert "weight rows per CTA" not in dispatch.explain(1, 4096, 4096, "q4_0", arch="sm_90")
+
+
+def test_occupancy_from_the_architectures_limits():
+    """qgemm/occupancy.py: the CTAs one SM holds, the least of four limits, as the decode rules count
+    them (registry._SKINNY_WIDE_ONE_WAVE: 64 / 96 / 167 registers x 128 threads -> 8 / 5 / 3 on sm_90;
+    the default's 128 registers x 256 threads -> 2; 79 -> 3; sm_80's 66 registers -> 7), with the
+    limit that binds, and the waves of a grid."""
+    from qgemm import occupancy as O
+
+    for regs, threads, want in ((64, 128, 8), (96, 128, 5), (167, 128, 3), (128, 256, 2), (79, 256, 3), (64, 512, 2)):
+        occ = O.resident_ctas(90, threads, regs, 2048)
+        assert (occ.ctas_per_sm, occ.limited_by) == (want, ("registers",)), (regs, threads, occ)
+    assert O.resident_ctas(80, 128, 66, 2048).ctas_per_sm == 7 and O.resident_ctas(90, 128, 66, 2048).ctas_per_sm == 7
+    assert O.resident_ctas(90, 32, 16, 0) == O.Occupancy(32, ("CTAs",))
+    assert O.resident_ctas(75, 1024, 32, 0) == O.Occupancy(1, ("threads",))
+    assert O.resident_ctas(86, 96, 32, 0) == O.Occupancy(16, ("CTAs", "threads"))  # 1536 / 96 = 16 = the CTA cap
+    # shared memory: 100 KB + 1 KB reserved per CTA in 228 KB; sm_86 holds one of 99 KB, not of 100
+    assert O.resident_ctas(90, 128, 32, 100 * 1024) == O.Occupancy(2, ("shared memory",))
+    assert O.resident_ctas(86, 128, 32, 99 * 1024).ctas_per_sm == 1
+    assert O.resident_ctas(90, 256, 238, 220 * 1024).limited_by == ("registers", "shared memory")  # wgmma_rs, one MMA warpgroup
+    assert O.Occupancy(8, ("registers",)).waves(896, 132) == pytest.approx(896 / 1056)
+    with pytest.raises(ValueError, match=r"does not fit an sm_86 SM \(shared memory\)"):
+        O.resident_ctas(86, 128, 32, 100 * 1024)
+    with pytest.raises(ValueError, match=r"does not fit an sm_90 SM \(registers\)"):
+        O.resident_ctas(90, 1024, 255, 0)
+    with pytest.raises(ValueError, match="no limits table for sm_100"):
+        O.resident_ctas(100, 128, 64, 0)
+    with pytest.raises(ValueError, match="threads >= 1"):
+        O.resident_ctas(90, 0, 64, 0)
+
+
+def test_compile_shows_occupancy_and_waves():
+    """`qgemm compile --shape` adds a GEMM kernel's CTAs per SM (with the binding limit) and its
+    grid's waves (session 58's rules, visible: Q4_0 8x14336x4096 runs 896 CTAs of 4 warps in 0.85 of
+    one wave where 16 warps took 3.39); --sms sets the SM count; kernels without a GEMM launch show
+    "-"; no --shape, no such columns."""
+    from typer.testing import CliRunner
+    from qgemm.cli import app
+
+    run = CliRunner().invoke
+    r = run(app, ["compile", "w4a16.skinny", "--arch", "sm_90", "--shape", "8x14336x4096"])
+    assert r.exit_code == 0 and "8 (registers)" in r.output and "896 CTAs: 0.85 waves" in r.output, r.output
+    assert "waves they take on 132 SMs" in r.output
+    r = run(app, ["compile", "w4a16.skinny", "--arch", "sm_90", "--shape", "8x14336x4096", "-D", "SK_WARPS=16", "--sms", "66"])
+    assert r.exit_code == 0 and "2 (registers)" in r.output and "896 CTAs: 6.79 waves" in r.output, r.output
+    r = run(app, ["compile", "quantize.q8_1", "--arch", "sm_90", "--shape", "8x14336x4096"])
+    assert r.exit_code == 0 and "CTAs/SM" in r.output and "CTAs:" not in r.output, r.output
+    r = run(app, ["compile", "w4a16.skinny", "--arch", "sm_90"])
+    assert r.exit_code == 0 and "CTAs/SM" not in r.output, r.output
+    r = run(app, ["compile", "w4a16.skinny", "--arch", "sm_90", "--shape", "8x14336x4096", "--sms", "0"])
+    assert r.exit_code == 2 and "--sms" in r.output, r.output

@@ -1630,3 +1630,40 @@ def test_weights_beyond_half_take_the_int8_paths(rng):
         r = check.compare("matmul", p.op, (xs.shape[0], n - 1, k), 0, c[:, rest], p.reference(xs, w)[:, rest],
                           qgemm.reference.truth(xs, w_f[rest]), xs, w_f[rest])
         assert r.unwritten == 0 and r.rel_err <= r.exact_tol, (p.kernel, "without the outlier's column", r)
+
+
+def test_occupancy_table_matches_the_driver():
+    """qgemm/occupancy.py's CTAs per SM, computed from the architecture's documented limits and the
+    compiled registers and shared memory, equal the driver's answer (cuda.core's
+    `Kernel.occupancy.max_active_blocks_per_multiprocessor`) for the configurations session 58's
+    decode rules count on (4-warp CTAs of one, two or four tiles; Q8_0's one-group CTA; the 16- and
+    8-warp defaults), the int8 one-token kernel and the prefill kernels' defaults."""
+    import math
+    from qgemm import occupancy
+
+    info = runtime.device_info()
+    if info.cc not in occupancy.LIMITS:
+        pytest.skip(f"no limits table for sm_{info.cc}")
+    cases = [("w4a16.skinny", (8, 14336, 4096), {}), ("w4a16.skinny", (8, 14336, 4096), {"SK_WARPS": 16}),
+             ("w4a16.skinny", (8, 18944, 4096), {}), ("w4a16.skinny", (8, 22016, 4096), {}),
+             ("w8a16.skinny", (8, 14336, 4096), {}), ("w8a16.skinny", (8, 11008, 4096), {}),
+             ("w8a16.skinny", (2, 11008, 4096), {}), ("w4a16.skinny_f16", (5, 18944, 3584), {}),
+             ("w4a8.skinny", (1, 4096, 4096), {}), ("w4a16.wgmma_rs", (512, 4096, 4096), {}),
+             ("w8a16.wgmma_rs", (512, 4096, 14336), {}), ("w4a8.mma", (512, 4096, 4096), {}),
+             ("w4a16.mma", (512, 4096, 4096), {})]
+    checked = 0
+    for name, shape, extra in cases:
+        k = registry.get(name)
+        if not k.spec.runs_on(info.cc):
+            continue
+        d = {**k.config_for(*shape), **extra}
+        g = k.geometry(*shape, d)
+        threads = math.prod(g.block)
+        r = k.compile(None, d).resources[k.spec.entry]
+        mod = k._module(d)
+        mod._allow_dynamic_smem(k.spec.entry, g.shmem)  # as a launch does: beyond 48 KB a kernel opts in
+        driver = mod.kernels[k.spec.entry].occupancy.max_active_blocks_per_multiprocessor(threads, g.shmem)
+        ours = occupancy.resident_ctas(info.cc, threads, r.registers, r.smem_static + g.shmem)
+        assert ours.ctas_per_sm == driver, (name, shape, d, r.registers, threads, g.shmem, ours, driver)
+        checked += 1
+    assert checked >= 8
