@@ -2443,3 +2443,33 @@ def test_compile_shows_occupancy_and_waves():
     assert r.exit_code == 0 and "CTAs/SM" not in r.output, r.output
     r = run(app, ["compile", "w4a16.skinny", "--arch", "sm_90", "--shape", "8x14336x4096", "--sms", "0"])
     assert r.exit_code == 2 and "--sms" in r.output, r.output
+
+
+def test_decode_rules_ctas_per_sm_match_the_compiled_kernels():
+    """The decode rules count CTA slots with CTAs per SM written into qgemm/registry.py (sessions
+    56-58), which hold only while NVRTC gives the kernels the registers they were measured with.
+    Compiled here for sm_90 (NVRTC, no GPU) and counted by qgemm/occupancy.py, each must still be
+    what the rule assumes; if a compiler or kernel change moves one, the rule's window moves with it
+    and must be measured again."""
+    from qgemm import occupancy
+    from qgemm import registry as R
+
+    def per_sm(name, shape, **defines):
+        k = R.get(name)
+        d = {**k.spec.config(*shape, 132), **defines}
+        r = k.compile("sm_90", d).resources[k.spec.entry]
+        g = k.geometry(*shape, d)
+        return occupancy.resident_ctas(90, g.block[0] * g.block[1] * g.block[2], r.registers, r.smem_static + g.shmem).ctas_per_sm
+
+    for xs in ("", "_f16", "_bf16"):
+        for r, want in R._SKINNY_WIDE_ONE_WAVE["q4_0"]:
+            got = per_sm("w4a16.skinny" + xs, (8, 14336, 4096), SK_R=r, SK_WARPS=4, SK_UNROLL=1, SK_ACC=1)
+            assert got == want, ("w4a16.skinny" + xs, r, got, want)
+        (r, want), = R._SKINNY_WIDE_ONE_WAVE["q8_0"]
+        got = per_sm("w8a16.skinny" + xs, (8, 14336, 4096), SK_R=r, SK_WARPS=4, SK_UNROLL=1, SK_ACC=1, SK_XSMEM=0)
+        assert got == want, ("w8a16.skinny" + xs, got, want)
+        # session 57: the defaults two per SM; Q8_0's one group and one set three, Q4_0's 8 warps four
+        assert per_sm("w8a16.skinny" + xs, (8, 4096, 4096)) == 2 and per_sm("w4a16.skinny" + xs, (8, 4096, 4096)) == 2
+        assert per_sm("w8a16.skinny" + xs, (8, 6144, 4096)) == 3 and per_sm("w4a16.skinny" + xs, (8, 6144, 4096)) == 4
+        # session 56: Q8_0 at 9-16 tokens, 4 warps
+        assert per_sm("w8a16.skinny" + xs, (16, 6144, 4096), SK_WARPS=4) == R._SKINNY_Q8_MT2_CTAS_PER_SM
