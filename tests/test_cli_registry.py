@@ -2432,9 +2432,12 @@ def test_compile_shows_occupancy_and_waves():
     from qgemm.cli import app
 
     run = CliRunner().invoke
-    r = run(app, ["compile", "w4a16.skinny", "--arch", "sm_90", "--shape", "8x14336x4096"])
+    r = run(app, ["compile", "w4a16.skinny", "--arch", "sm_90", "--shape", "8x14336x4096", "--sms", "132"])
     assert r.exit_code == 0 and "8 (registers)" in r.output and "896 CTAs: 0.85 waves" in r.output, r.output
     assert "waves they take on 132 SMs" in r.output
+    # without --sms: the GPU's count where it is of the target architecture, else 132 (no sm_80 GPU in CI or the pool)
+    r = run(app, ["compile", "w4a16.skinny", "--arch", "sm_80", "--shape", "8x14336x4096"])
+    assert r.exit_code == 0 and "7 (registers)" in r.output and "waves they take on 132 SMs" in r.output, r.output
     r = run(app, ["compile", "w4a16.skinny", "--arch", "sm_90", "--shape", "8x14336x4096", "-D", "SK_WARPS=16", "--sms", "66"])
     assert r.exit_code == 0 and "2 (registers)" in r.output and "896 CTAs: 6.79 waves" in r.output, r.output
     r = run(app, ["compile", "quantize.q8_1", "--arch", "sm_90", "--shape", "8x14336x4096"])
