@@ -305,7 +305,7 @@ def _occupancy_cells(k, mnk, defines: dict, r, cc: int, sms: int) -> list[str]:
         return ["-", "-"]
     try:
         g = k.geometry(*mnk, defines)
-        occ = occupancy.resident_ctas(cc, math.prod(g.block), r.registers, r.smem_static + g.shmem)
+        occ = occupancy.of_launch(cc, g, r)
     except ValueError as e:
         return [f"- ({e})" if "does not fit" in str(e) else "-", "-"]
     ctas = math.prod(g.grid)

@@ -71,3 +71,11 @@ def resident_ctas(cc: int, threads: int, registers: int, smem: int) -> Occupancy
         raise ValueError(f"occupancy: a CTA of {threads} threads, {registers} registers a thread and {smem} bytes of shared "
                          f"memory does not fit an sm_{cc} SM ({what})")
     return Occupancy(n, tuple(k for k, v in by.items() if v == n))
+
+
+def of_launch(cc: int, launch, resources) -> Occupancy:
+    """`resident_ctas` of one launch: its block's threads and dynamic shared memory (an
+    `ops.Launch`, from `Kernel.geometry`) with the compiled kernel's registers and static shared
+    memory (`jit.CompiledKernel.resources[entry]`)."""
+    threads = launch.block[0] * launch.block[1] * launch.block[2]
+    return resident_ctas(cc, threads, resources.registers, resources.smem_static + launch.shmem)

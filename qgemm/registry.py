@@ -376,8 +376,9 @@ def _skinny_one_wave_tiles(wfmt: str, tiles: int, sm_count: int) -> int | None:
     windows (`_skinny_config`: more than 4 tiles per SM for Q4_0, 3 for Q8_0): the first entry of
     `_SKINNY_WIDE_ONE_WAVE` whose grid fills one wave of its CTA slots to 80-100%, else None (the
     default stays). The default's CTAs (Q4_0 16 warps, Q8_0 8 warps with two groups and two sets)
-    fit two per SM, so where this fires their grid takes 3-6 waves and ends in a partial one; a lighter CTA whose whole grid runs at once has no tail. Below 80%
-    the SMs hold too few warps to keep the loads in flight, past 100% a second wave starts.
+    fit two per SM, so where this fires their grid takes 3-6 waves and ends in a partial one; a
+    lighter CTA whose whole grid runs at once has no tail. Below 80% the SMs hold too few warps to
+    keep the loads in flight, past 100% a second wave starts.
     Session 58, H100, `tools/probe_defines.py`, kernel alone, float32 x, hot / weights cold, default
     -> this choice, us (two and eight tokens; K = 4096 unless named):
       Q4_0 one tile     2x14336 15.72 / 15.56 -> 13.48 / 13.65, 8x 17.02 / 19.54 -> 15.29 / 16.37;

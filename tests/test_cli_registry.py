@@ -2460,9 +2460,7 @@ def test_decode_rules_ctas_per_sm_match_the_compiled_kernels():
     def per_sm(name, shape, **defines):
         k = R.get(name)
         d = {**k.spec.config(*shape, 132), **defines}
-        r = k.compile("sm_90", d).resources[k.spec.entry]
-        g = k.geometry(*shape, d)
-        return occupancy.resident_ctas(90, g.block[0] * g.block[1] * g.block[2], r.registers, r.smem_static + g.shmem).ctas_per_sm
+        return occupancy.of_launch(90, k.geometry(*shape, d), k.compile("sm_90", d).resources[k.spec.entry]).ctas_per_sm
 
     for xs in ("", "_f16", "_bf16"):
         for r, want in R._SKINNY_WIDE_ONE_WAVE["q4_0"]:

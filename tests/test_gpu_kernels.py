@@ -1663,7 +1663,7 @@ def test_occupancy_table_matches_the_driver():
         mod = k._module(d)
         mod._allow_dynamic_smem(k.spec.entry, g.shmem)  # as a launch does: beyond 48 KB a kernel opts in
         driver = mod.kernels[k.spec.entry].occupancy.max_active_blocks_per_multiprocessor(threads, g.shmem)
-        ours = occupancy.resident_ctas(info.cc, threads, r.registers, r.smem_static + g.shmem)
+        ours = occupancy.of_launch(info.cc, g, r)
         assert ours.ctas_per_sm == driver, (name, shape, d, r.registers, threads, g.shmem, ours, driver)
         checked += 1
     assert checked >= 8
