@@ -384,8 +384,8 @@ def _grid_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) ->
     """A plan's grid in its own numbers. `wgmma_rs`'s tile (its default chooses tile and K split by
     how the grid fills the SMs, `registry._rs_config`): the weight rows and tokens of a CTA and,
     unsplit, the CTAs of the grid. The decode kernels' CTA (their defaults choose tiles per CTA and
-    warps by the waves the grid makes, `registry._skinny_config`): its 16-row weight tiles and warps
-    and, unsplit, the CTAs of the grid. Any kernel's K split, where it has one: the output tiles
+    warps by the waves the grid makes, `registry._skinny_config`): its 16-row weight tiles and warps,
+    the CTAs per SM its registers were capped for (SK_MINB) and, unsplit, the CTAs of the grid. Any kernel's K split, where it has one: the output tiles
     alone are too few CTAs (or leave the last wave short) for the SMs, so each tile's K is shared by
     several CTAs."""
     g = k_obj.geometry(m, n, k, defines)
@@ -398,6 +398,8 @@ def _grid_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) ->
     elif "SK_R" in defines and "SK_WARPS" in defines:
         r = defines["SK_R"]
         text = f"; {r} tile{'s' if r > 1 else ''} of 16 weight rows per CTA of {defines['SK_WARPS']} warps"
+        if defines.get("SK_MINB", 1) > 1:  # __launch_bounds__' second argument: ptxas caps the registers
+            text += f", its registers capped so that {defines['SK_MINB']} fit an SM"
         if g.split <= 1:
             text += f": {ctas} CTAs for {sm_count} SMs"
     if g.split > 1:

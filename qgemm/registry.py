@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from . import ops
 from .errors import UnknownNameError
@@ -329,6 +329,9 @@ def _skinny_fill_split(n: int, k: int, r: int, split: int, sm_count: int, per_sm
 # thread (`qgemm compile w8a16.skinny --shape 16x6144x4096 -D SK_WARPS=4`, sm_80 and sm_90) leave
 # room for three in 64 K registers; with 8 warps, one.
 _SKINNY_Q8_MT2_CTAS_PER_SM = 3
+# The same for Q4_0's two-tile CTAs of 4 warps at 9-16 tokens (`qgemm compile w4a16.skinny --arch sm_90
+# --shape 16x14336x4096 -D SK_WARPS=4`: 127 registers; the float16 variant 126): four per SM.
+_SKINNY_Q4_MT2_CTAS_PER_SM = 4
 
 
 def _skinny_q8_wide_split(tiles: int, k: int, sm_count: int) -> int:
@@ -362,25 +365,46 @@ def _skinny_q8_wide_split(tiles: int, k: int, sm_count: int) -> int:
     return 1
 
 
-# The decode kernels' 4-warp CTAs on wide weights at 2-8 tokens below K = 8192, as (16-row tiles
-# per CTA, CTAs one SM holds): registers a thread on sm_90 (`qgemm compile w4a16.skinny --arch sm_90
-# --shape 8x14336x4096 -D SK_WARPS=4 [-D SK_R=2 | -D SK_R=4]`; the float16 / bfloat16 variants
-# alike) -- Q4_0 64 / 96 / 167 registers, so 8 / 5 / 3 CTAs of 128 threads in 64 K registers; Q8_0
-# two tiles with one load group and one accumulator set, 128 registers, 4 CTAs. (On sm_80 the
-# one-tile Q4_0 CTA takes 66 registers, 7 per SM; this table is sm_90's, where it was measured.)
-_SKINNY_WIDE_ONE_WAVE = {"q4_0": ((1, 8), (2, 5), (4, 3)), "q8_0": ((2, 4),)}
+class _OneWaveCta(NamedTuple):
+    """A 4-warp CTA of the decode kernels for wide weights at 2-8 tokens below K = 8192
+    (`_SKINNY_WIDE_ONE_WAVE`)."""
+    r: int       # 16-row weight tiles per CTA (SK_R)
+    unroll: int  # load groups in flight per warp (SK_UNROLL)
+    acc: int     # accumulator sets (SK_ACC)
+    minb: int    # SK_MINB: registers capped so that this many CTAs fit an SM (0: not capped)
+    per_sm: int  # CTAs of 128 threads one SM of sm_90 holds (its registers: `qgemm compile`)
 
 
-def _skinny_one_wave_tiles(wfmt: str, tiles: int, sm_count: int) -> int | None:
-    """Tiles per CTA of 4 warps for a decode kernel at 2-8 tokens on weights wider than session 57's
-    windows (`_skinny_config`: more than 4 tiles per SM for Q4_0, 3 for Q8_0): the first entry of
-    `_SKINNY_WIDE_ONE_WAVE` whose grid fills one wave of its CTA slots to 80-100%, else None (the
-    default stays). The default's CTAs (Q4_0 16 warps, Q8_0 8 warps with two groups and two sets)
-    fit two per SM, so where this fires their grid takes 3-6 waves and ends in a partial one; a
-    lighter CTA whose whole grid runs at once has no tail. Below 80% the SMs hold too few warps to
-    keep the loads in flight, past 100% a second wave starts.
-    Session 58, H100, `tools/probe_defines.py`, kernel alone, float32 x, hot / weights cold, default
-    -> this choice, us (two and eight tokens; K = 4096 unless named):
+# The ladder of 4-warp CTAs that the decode kernels take on wide weights, lightest grid first:
+# registers a thread on sm_90 (`qgemm compile w4a16.skinny --arch sm_90 --shape 8x14336x4096 -D
+# SK_WARPS=4 [-D SK_UNROLL=2 [-D SK_MINB=6] | -D SK_R=2 | -D SK_R=4]`; the float16 / bfloat16
+# variants alike) -- Q4_0 one tile with two load groups 96 (5 per SM), the same capped at 80 by
+# SK_MINB = 6 (6 per SM; ptxas spills 28 bytes a thread, to the L1), one group 64 (8), two tiles
+# 96 (5), four tiles 167 (3); Q8_0 one tile with two groups and two sets 128 (4), two tiles with
+# one and one 128 (4). On 132 SMs one wave of each holds Q4_0 660 / 792 / 1056 / 1320 / 1584
+# tiles and Q8_0 528 / 1056: each rung starts where the one before stops, at 75-83% of its own
+# wave (Q8_0's two rungs leave 529-791 tiles to `_skinny_q8_lighter_in_waves`). On sm_80 the
+# one-tile one-group Q4_0 CTA takes 66 registers, 7 per SM: the table is sm_90's, where it was
+# measured.
+_SKINNY_WIDE_ONE_WAVE = {
+    "q4_0": (_OneWaveCta(1, 2, 1, 0, 5), _OneWaveCta(1, 2, 1, 6, 6), _OneWaveCta(1, 1, 1, 0, 8),
+             _OneWaveCta(2, 1, 1, 0, 5), _OneWaveCta(4, 1, 1, 0, 3)),
+    "q8_0": (_OneWaveCta(1, 2, 2, 0, 4), _OneWaveCta(2, 1, 1, 0, 4)),
+}
+_ONE_WAVE_LEAST_FILL = 0.75  # of the rung's wave, where it starts (below, the SMs hold too few warps)
+
+
+def _skinny_one_wave_tiles(wfmt: str, tiles: int, sm_count: int) -> _OneWaveCta | None:
+    """The 4-warp CTA for a decode kernel at 2-8 tokens on weights wider than session 57's windows
+    (`_skinny_config`: more than 4 tiles per SM for Q4_0, 3 for Q8_0): the first rung of
+    `_SKINNY_WIDE_ONE_WAVE` whose whole grid runs in one wave of its CTA slots, filling it to at least
+    75%; else None (the default stays, or `_skinny_config`'s many-wave choice). The default's CTAs
+    (Q4_0 16 warps, Q8_0 8 warps with two groups and two sets) fit two per SM, so where this fires
+    their grid takes 2-6 waves and ends in a partial one; a lighter CTA whose whole grid runs at once
+    has no tail. Below the fill too few warps keep the loads in flight, past one wave a second starts.
+    H100, `tools/probe_defines.py`, kernel alone, float32 x, hot / weights cold, default -> this
+    choice, us (K = 4096 unless named):
+    session 58 (the rungs of one group and of two and four tiles, at 80-100% of their wave):
       Q4_0 one tile     2x14336 15.72 / 15.56 -> 13.48 / 13.65, 8x 17.02 / 19.54 -> 15.29 / 16.37;
                         8x16384 19.91 / 20.43 -> 17.12 / 17.57; 4x13824x5120 20.19 / 20.44 ->
                         18.32 / 18.41
@@ -390,13 +414,26 @@ def _skinny_one_wave_tiles(wfmt: str, tiles: int, sm_count: int) -> int | None:
       Q4_0 four tiles   2x22016 22.55 / 23.07 -> 19.10 / 19.51, 8x 27.37 / 27.92 -> 19.90 / 20.32
       Q8_0 two tiles    2x14336 23.23 / 23.47 -> 20.88 / 21.20, 4x 23.92 / 23.69 -> 21.46 / 21.08,
                         8x 29.20 / 28.97 -> 21.65 / 21.70; 4x16384 26.16 / 25.88 -> 23.62 / 23.51
-    Outside the window each lost or tied: the one-tile Q4_0 CTA at 73% (2x / 8x12288: 0.96-1.11)
-    and at 103% (8x17408: 1.26); the two-tile one at 104% (8x22016: 1.16-1.17); the four-tile one
-    at 113% (8x28672: 0.99-1.00); Q8_0's at 65% at two tokens (2x11008: 0.99; at eight 0.82, where
-    `_skinny_q8_lighter_in_waves` takes 0.84-0.85) and past one wave (2x / 4x17408: 1.27)."""
-    for r, per_sm in _SKINNY_WIDE_ONE_WAVE[wfmt]:
-        if 0.8 * per_sm * sm_count <= cdiv(tiles, r) <= per_sm * sm_count:
-            return r
+    session 59 (the rungs below those, and one group's rung from 75%):
+      Q4_0 one tile, two groups (544-640 tiles: 82-97%)  2x8704 10.88 / 11.25 -> 8.85 / 9.61,
+                        8x 11.48 / 14.20 -> 9.72 / 11.21; 2x9728 11.00 / 11.94 -> 8.80 / 9.96;
+                        8x10240 13.06 / 14.84 -> 9.91 / 12.13
+      the same capped (672-768: 85-97%)  2x11008 12.17 / 12.97 -> 12.24 / 12.38, 8x 13.54 /
+                        15.42 -> 13.54 / 14.13; 8x12288 14.53 / 15.95 -> 14.11 / 15.07
+      Q4_0 one tile, one group at 76% and 79%  2x12800 14.08 / 14.12 -> 13.22 / 13.36; 8x13312
+                        17.76 / 18.37 -> 14.47 / 14.78
+      Q8_0 one tile, 2-4 tokens (432-528 tiles: 82-100%)  2x6912 11.54 / 14.28 -> 9.80 / 12.37,
+                        4x7680 12.74 / 15.44 -> 10.67 / 13.38, 2x8448 12.26 / 16.05 -> 11.31 / 14.26
+    Outside its window each lost or tied: one tile of two groups at 102-121% of its wave (2x / 8x
+    10752-13312: 1.06-1.28), the capped one at 101-105% (1.32-1.44); one group at 73% in session 58
+    (2x / 8x12288: 0.96-1.11) and at 103% (8x17408: 1.26); two tiles at 104% (8x22016: 1.16-1.17);
+    four at 113% (8x28672: 0.99-1.00); Q8_0's two tiles at 65% at two tokens (2x11008: 0.99; at eight
+    0.82, where `_skinny_q8_lighter_in_waves` takes 0.84-0.85) and past one wave (2x / 4x17408: 1.27);
+    Q8_0 one tile of one group (71 registers, 7 per SM) at 768-832 tiles: 1.11-1.17."""
+    for cta in _SKINNY_WIDE_ONE_WAVE[wfmt]:
+        slots = cta.per_sm * sm_count
+        if cdiv(tiles, cta.r) <= slots:
+            return cta if cdiv(tiles, cta.r) >= _ONE_WAVE_LEAST_FILL * slots else None
     return None
 
 
@@ -539,19 +576,39 @@ def _skinny_config(wfmt: str):
         #        4x11008x4096 1.00 hot, 1.10 cold (not taken)
         #   within two CTAs per SM (N = 4096: 256 tiles) the defaults stay: 8 warps 1.47-1.66x, Q8_0's
         #   one set 1.1-1.2x slower hot
-        #   wider still (session 58): 4-warp CTAs whose whole grid runs in one wave, where one does
-        #   (`_skinny_one_wave_tiles`); elsewhere Q8_0 at 5-8 tokens (`_skinny_q8_lighter_in_waves`)
-        wide_acc1 = wide_one_wave = False
+        #   wider still (sessions 58-59): 4-warp CTAs whose whole grid runs in one wave, where one
+        #   does (`_skinny_one_wave_tiles`); elsewhere Q8_0 at 5-8 tokens (`_skinny_q8_lighter_in_waves`)
+        #   and Q4_0 past the ladder's last rung (1584 tiles on 132 SMs: N > 25344, as a vocabulary's
+        #   output matrix) 8 warps again -- then every grid takes waves, and four 8-warp CTAs per SM
+        #   beat two of 16 warps. Session 59, H100, kernel alone, hot / weights cold, 16 -> 8 warps,
+        #   us: 2x25600x4096 25.22 / 25.23 -> 23.53 / 23.64, 4x28672x4096 27.87 / 28.25 -> 26.07 /
+        #   26.47, 8x30720x4096 35.28 / 35.52 -> 32.50 / 32.57, 2x32768x4096 31.13 / 31.67 -> 28.24
+        #   / 28.83 (0.90-0.98 at 1600-2048 tiles and 2, 4 and 8 tokens; 4 warps 0.90-1.08, 4 warps
+        #   of two groups 0.89-1.05)
+        wide_acc1 = False
+        wide_cta = None
         if mt == 1 and m > 1 and not long_k and r == 1 and split == 1 and tiles > 2 * sm_count:
             past_window = tiles > (4 if wfmt == "q4_0" else 3) * sm_count
-            r1 = _skinny_one_wave_tiles(wfmt, tiles, sm_count) if past_window else None
-            if r1 is not None:
-                r, warps, unroll, wide_one_wave = r1, 4, 1, True
+            wide_cta = _skinny_one_wave_tiles(wfmt, tiles, sm_count) if past_window else None
+            if wide_cta is not None:
+                r, warps, unroll = wide_cta.r, 4, wide_cta.unroll
             elif (wfmt == "q8_0" and unroll == 2
                   and (not past_window or _skinny_q8_lighter_in_waves(m, tiles, k, sm_count))):
                 unroll, wide_acc1 = 1, True
-            elif wfmt == "q4_0" and warps == 16 and not past_window:
+            elif wfmt == "q4_0" and warps == 16:
                 warps = 8
+        # Q4_0 at 9-16 tokens below K = 8192, where the grid of two-tile 8-warp CTAs (127 registers,
+        # two per SM) takes more than one wave: 4 warps (`_SKINNY_Q4_MT2_CTAS_PER_SM` per SM), so it
+        # takes half the waves -- from where that grid fills 65% of a wave of four per SM (687 tiles on
+        # 132 SMs). Session 59, H100, kernel alone, hot / weights cold, 8 -> 4 warps, us: 12x11008x4096
+        # 16.09 / 17.22 -> 14.74 / 15.39, 16x14336x4096 18.62 / 19.36 -> 16.09 / 16.38, 16x28672x4096
+        # 36.98 / 37.64 -> 31.20 / 31.92; whole op 0.85-0.96 (docs/production.md); level at 1184 tiles
+        # (16x18944: 1.00-1.01, 1.12 waves of four); slower below: 12x9216x4096 (576 tiles, 55%) whole
+        # op 1.07-1.08, 6144 and 8192 x4096 (192-256 CTAs) kernel alone 1.5-1.6. One tile per CTA of 4
+        # warps lost everywhere (1.10-2.05x).
+        if (wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
+                and cdiv(tiles, 2) >= 0.65 * _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count):
+            warps = 4
         # two accumulator sets (two independent MMA chains) for Q4_0 at 9-16 tokens: 9.1 -> 7.9 us at
         # 16x4096x4096 on the H100; for Q4_0 no gain at M = 1 and a loss at M = 8, and a loss at long K
         # with the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8);
@@ -564,10 +621,14 @@ def _skinny_config(wfmt: str):
         # 12x6144x4096 13.52 -> 8.74.
         q4_two_sets = mt == 2 and not long_k and cdiv(tiles, r) * split <= sm_count
         acc = 2 if wfmt == "q4_0" and (q4_two_sets or q4_long_decode) else 1
-        if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k and not (narrow_acc1 or wide_acc1 or wide_one_wave):
+        if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k and not (narrow_acc1 or wide_acc1 or wide_cta):
             acc = 2  # Q8_0 8x4096x4096: 6.68 against 6.80 us (session 8), 6.3 against 6.4 (session 10)
+        if wide_cta is not None:
+            acc = wide_cta.acc
         d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": split, "SK_XSMEM": int(m == 1),
              "SK_ACC": acc}
+        if wide_cta is not None and wide_cta.minb:
+            d["SK_MINB"] = wide_cta.minb
         if not _skinny_ok(d, wfmt, m, k):  # activations of a long K do not fit in shared memory
             d["SK_XSMEM"] = 0
         while not _skinny_ok(d, wfmt, m, k) and d["SK_UNROLL"] > 1:
@@ -585,6 +646,10 @@ def _skinny_candidates(wfmt: str):
                for r in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4) for s in _skinny_splits(n, k, r, w)
                for x in ((0, 1) if mt == 1 else (0,))
                for a in ((1, 2) if mt <= 2 else (1,))]
+        # the register-capped rungs of the wide-weight ladder (`_SKINNY_WIDE_ONE_WAVE`), compiled for
+        # their CTAs per SM
+        out += [{**d, "SK_MINB": cta.minb} for cta in _SKINNY_WIDE_ONE_WAVE[wfmt] if cta.minb and mt == 1
+                for d in out if (d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_ACC"]) == (cta.r, 4, cta.unroll, cta.acc)]
         return [d for d in out if _skinny_ok(d, wfmt, m, k)]
     return candidates
 
@@ -1355,8 +1420,10 @@ def _x16_config(base: str, config):
         if base == "w8a16.skinny" and m == 2 and k < 8192 and d["SK_GSPLIT"] == 1 and d["SK_R"] == 1:
             # (measured at K = 4096 only; not on the two-tile CTAs of `_skinny_one_wave_tiles`: session
             # 58, 2x14336x4096 whole op, float16 x, 22.60 us with one tile staged, 23.46 with two tiles
-            # staged, 21.18 with two tiles not staged)
-            alt = {**d, "SK_XSMEM": 1, "SK_UNROLL": 1, "SK_ACC": 1}
+            # staged, 21.18 with two tiles not staged. Its one-tile 4-warp CTA gives way to this one's
+            # 8 warps: session 59, whole op, float16 x, 2x6912x4096 9.58-9.72 us staged against 9.74 /
+            # 10.06-10.19 for the 4-warp CTA, though 2x8192x4096 11.94-12.29 against 11.00)
+            alt = {**d, "SK_XSMEM": 1, "SK_UNROLL": 1, "SK_ACC": 1, "SK_WARPS": 8}
             return alt if _skinny_ok(alt, "q8_0", m, k) else d
         if base == "w4a8.skinny" and m == 1:
             wide = 4 * cdiv(cdiv(n, 16), 2) > 5 * sm_count

@@ -569,8 +569,10 @@ def test_skinny_defaults_session_56():
         assert sk(q4, m, 1024, 14336) == (2, 8, 1, 4, 1) and sk(q4, m, 4096, 14336) == (2, 8, 1, 2, 1), m
         # wide: Q4_0's second accumulator set only within one wave of one CTA per SM
         assert sk(q4, m, 4096, 4096) == (2, 8, 1, 1, 2), m
-        for n in (4608, 6144, 14336, 28672):
+        for n in (4608, 6144):
             assert sk(q4, m, n, 4096) == (2, 8, 1, 1, 1), (m, n)
+        for n in (14336, 28672):  # session 59: 4 warps where that grid takes waves
+            assert sk(q4, m, n, 4096) == (2, 4, 1, 1, 1), (m, n)
         # Q8_0: 128 / 112 tiles stay one wave of 8-warp CTAs; 144, 192, 448, 592 and 896 tiles take
         # 4 warps split 2, 320 4 warps unsplit (its split fills the last wave no better); 256 keeps
         # 8 warps (4-warp CTAs unsplit would be two per SM, split they fill the last wave no better)
@@ -598,11 +600,11 @@ def test_skinny_defaults_session_57():
             if m > 2:
                 assert sk(q8 + "_f16", m, n, k) == sk(q8, m, n, k), (m, n, k)
             assert sk(q4 + "_bf16", m, n, k) == sk(q4, m, n, k), (m, n, k)
-        for n in (7168, 8192, 8448):  # past three Q8_0 CTAs per SM, within four of Q4_0's
-            assert sk(q4, m, n, 4096) == (1, 8, 1, 1, 1) and sk(q8, m, n, 4096) == (1, 8, 2, 1, 2), (m, n)
+        for n in (7168, 8192, 8448):  # past three Q8_0 CTAs per SM (there session 59's 4-warp CTA), within four of Q4_0's
+            assert sk(q4, m, n, 4096) == (1, 8, 1, 1, 1) and sk(q8, m, n, 4096) == (1, 4, 2, 1, 2), (m, n)
         for n in (4096, 4224):  # one wave of the defaults
             assert sk(q4, m, n, 4096) == (1, 16, 1, 1, 1) and sk(q8, m, n, 4096) == (1, 8, 2, 1, 2), (m, n)
-        assert sk(q4, m, 11008, 4096) == (1, 16, 1, 1, 1), m
+        assert sk(q4, m, 11008, 4096) == (1, 4, 2, 1, 1), m  # past the wave of four: session 59's capped CTA
         assert sk(q4, m, 6144, 4096, sms=264)[1] == 16  # the waves follow the SM count
         # long K: the rules of its own (session 52's two tiles x 4 warps split 4 for Q4_0)
         assert sk(q4, m, 6144, 14336) == (2, 4, 1, 4, 2) and sk(q8, m, 6144, 14336) == (2, 8, 1, 2, 1), m
@@ -631,19 +633,82 @@ def test_skinny_defaults_session_58():
         for n, k in ((16912, 4096), (18944, 3584), (20480, 4096)):  # 1057-1320 tiles: two per CTA
             assert sk(q4, m, n, k) == (2, 4, 1, 1, 1), (m, n, k)
         assert sk(q4, m, 22016, 4096) == (4, 4, 1, 1, 1), m  # 1376 tiles: four per CTA
-        for n in (13504, 12288, 28672):  # no window: a 79% wave, 73%, 113% of the four-tile CTAs
-            assert sk(q4, m, n, 4096) == (1, 16, 1, 1, 1), (m, n)
+        # outside these windows (a 79% wave, 73%, 113% of the four-tile CTAs): session 59's ladder and 8 warps
+        assert [sk(q4, m, n, 4096) for n in (13504, 12288, 28672)] == [(1, 4, 1, 1, 1), (1, 4, 2, 1, 1), (1, 8, 1, 1, 1)], m
         assert sk(q4, m, 14336, 4096, sms=264) == (1, 8, 1, 1, 1), m  # the SM count moves the windows (session 57's)
         assert sk(q4, m, 14336, 8192) == sk(q4 + "_f16", m, 14336, 8192) == (2, 4, 1, 4, 2), m  # long K: its own
         light = (1, 8, 1, 1, 1) if m >= 5 else (1, 8, 2, 1, 2)
         for n, k in ((8464, 4096), (11008, 4096), (17408, 4096), (18944, 3584), (28672, 4096)):  # > 4 tiles per SM
             assert sk(q8, m, n, k) == light, (m, n, k)
             assert sk(q8 + "_f16", m, n, k) == ((1, 8, 2, 1, 2) if m > 2 else (1, 8, 1, 1, 1)), (m, n, k)  # 2: staged
-        assert sk(q8, m, 8448, 4096) == sk(q8, m, 8192, 4096) == (1, 8, 2, 1, 2), m  # four tiles per SM or fewer
+        assert sk(q8, m, 8448, 4096) == sk(q8, m, 8192, 4096) == (1, 4, 2, 1, 2), m  # four tiles per SM or fewer (session 59's)
         assert sk(q8, m, 11008, 8192) == (2, 8, 1, 2, 1), m  # long K: its own rules, as before
-    for name, one, twelve in ((q4, (1, 8, 1, 1, 1), (2, 8, 1, 1, 1)), (q8, (1, 8, 1, 1, 1), (2, 4, 1, 2, 1))):
-        assert sk(name, 1, 14336, 4096) == one and sk(name, 12, 14336, 4096) == twelve  # 1 and 9-16 tokens: as before
+    for name, one, twelve in ((q4, (1, 8, 1, 1, 1), (2, 4, 1, 1, 1)), (q8, (1, 8, 1, 1, 1), (2, 4, 1, 2, 1))):
+        assert sk(name, 1, 14336, 4096) == one and sk(name, 12, 14336, 4096) == twelve  # 1 and 9-16 tokens (Q4_0: session 59)
     assert R.spec(q8 + "_f16").config(2, 11008, 4096, 132)["SK_XSMEM"] == 1  # one tile per CTA: staged as before
+
+
+def test_skinny_defaults_session_59():
+    """Session 59: the one-wave 4-warp CTAs of session 58 become a ladder that covers every wide grid
+    at 2-8 tokens below K = 8192 -- each rung taken where its whole grid runs in one wave filled to
+    75% or more. Q4_0 one tile with two load groups (5 per SM: up to 660 tiles on 132 SMs), the same
+    capped at 80 registers (SK_MINB = 6: up to 792), one group (8 per SM, now from 793 tiles, 75%),
+    then session 58's two and four tiles; past 1584 tiles every grid takes waves and Q4_0 runs 8
+    warps instead of 16. Q8_0 one tile of two groups and two sets (4 per SM) at 397-528 tiles, two
+    tiles from 791 (396 CTAs, 75%). The 16-bit variants follow, but for float16 / bfloat16 Q8_0 at
+    two tokens on one tile, which keeps its staged 8-warp CTA. And Q4_0 at 9-16 tokens takes 4-warp
+    CTAs of two tiles where their grid fills 65% of a wave of four per SM or more. One token, long K
+    and the issue's rows (N = 4096) keep theirs."""
+    from qgemm import registry as R
+
+    sk = _skinny_defaults
+    q4, q8 = "w4a16.skinny", "w8a16.skinny"
+
+    def minb(name, m, n, k=4096, sms=132):
+        return R.spec(name).config(m, n, k, sms).get("SK_MINB")
+    for m in (2, 3, 5, 8):
+        for x in ("", "_f16", "_bf16"):
+            for n, k in ((8464, 4096), (9728, 4096), (10240, 3584), (10560, 4096)):  # 529-660 tiles
+                assert sk(q4 + x, m, n, k) == (1, 4, 2, 1, 1) and minb(q4 + x, m, n, k) is None, (x, m, n, k)
+            for n, k in ((10576, 4096), (11008, 4096), (11008, 5120), (12288, 4096), (12672, 4096)):  # 661-792
+                assert sk(q4 + x, m, n, k) == (1, 4, 2, 1, 1) and minb(q4 + x, m, n, k) == 6, (x, m, n, k)
+            for n in (12688, 12800, 13312, 13504):  # 793-844 tiles: one group from 75% of its wave
+                assert sk(q4 + x, m, n, 4096) == (1, 4, 1, 1, 1) and minb(q4 + x, m, n) is None, (x, m, n)
+            for n, k in ((25360, 4096), (28672, 4096), (32000, 4096), (128256, 4096), (151936, 3584)):  # > 1584
+                assert sk(q4 + x, m, n, k) == (1, 8, 1, 1, 1), (x, m, n, k)
+            assert sk(q4 + x, m, 25344, 4096) == (4, 4, 1, 1, 1), (x, m)  # 1584 tiles: session 58's last rung
+        for n in (6368, 6912, 7680, 8192, 8448):  # Q8_0 397-528 tiles
+            assert sk(q8, m, n, 4096) == (1, 4, 2, 1, 2), (m, n)
+            for x in ("_f16", "_bf16"):
+                assert sk(q8 + x, m, n, 4096) == ((1, 8, 1, 1, 1) if m == 2 else (1, 4, 2, 1, 2)), (x, m, n)
+        assert sk(q8, m, 6336, 4096) == (1, 8, 1, 1, 1), m  # 396 tiles: session 57's three per SM
+        assert sk(q8, m, 8464, 4096) == ((1, 8, 1, 1, 1) if m >= 5 else (1, 8, 2, 1, 2)), m  # 529: no rung
+        for n in (12656, 12800, 13504):  # Q8_0 791-844 tiles: two tiles from 75% of their wave (396 CTAs)
+            assert sk(q8, m, n, 4096) == (2, 4, 1, 1, 1), (m, n)
+        assert sk(q8, m, 12624, 4096) == ((1, 8, 1, 1, 1) if m >= 5 else (1, 8, 2, 1, 2)), m  # 789 tiles: none
+        # the SM count moves every rung: on 264 SMs 11008 is session 57's wave of four 8-warp CTAs
+        assert sk(q4, m, 11008, 4096, sms=264) == (1, 8, 1, 1, 1) and minb(q4, m, 11008, sms=264) is None, m
+        assert sk(q4, m, 28672, 4096, sms=264) == (1, 4, 1, 1, 1), m
+        # long K, and the issue's rows, keep their own
+        assert sk(q4, m, 11008, 8192) == (2, 4, 1, 4, 2) and sk(q8, m, 8192, 8192) == (2, 8, 1, 2, 1), m
+        assert sk(q4, m, 4096, 4096) == (1, 16, 1, 1, 1) and sk(q8, m, 4096, 4096) == (1, 8, 2, 1, 2), m
+    for n in (9728, 11008, 28672):  # one token: as before
+        assert sk(q4, 1, n, 4096) == (1, 8, 1, 1, 1) and minb(q4, 1, n) is None, n
+    # Q4_0 at 9-16 tokens: two-tile CTAs of 4 warps (four per SM) instead of 8 (two) where the 4-warp
+    # grid fills 65% of its wave or more (687 tiles on 132 SMs), wave or not; not at long K
+    for m in (9, 12, 16):
+        for x in ("", "_f16", "_bf16"):
+            for n, k in ((10992, 4096), (11008, 5120), (14336, 4096), (18944, 3584), (28672, 4096), (128256, 4096)):
+                assert sk(q4 + x, m, n, k) == (2, 4, 1, 1, 1), (x, m, n, k)
+            for n in (10976, 9216, 8192, 4608):  # 686 tiles and fewer
+                assert sk(q4 + x, m, n, 4096)[:2] == (2, 8), (x, m, n)
+        assert sk(q4, m, 14336, 8192) == (2, 8, 1, 2, 1) and sk(q4, m, 14336, 4096, sms=264) == (2, 8, 1, 1, 1), m
+        assert sk(q8, m, 11008, 4096) == (2, 4, 1, 1, 1) and sk(q8, m, 28672, 4096) == (2, 4, 1, 2, 1), m  # Q8_0: as before
+    # the capped CTA is among the candidates `qgemm tune` tries, and nowhere else in them
+    cands = R.spec(q4).candidates(8, 11008, 4096)
+    assert R.spec(q4).config(8, 11008, 4096, 132) in cands
+    assert {(d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_ACC"]) for d in cands if "SK_MINB" in d} == {(1, 4, 2, 1)}
+    assert not any("SK_MINB" in d for d in R.spec(q8).candidates(8, 11008, 4096) + R.spec(q4).candidates(12, 11008, 4096))
 
 
 def test_int8_decode_defaults_at_one_token_of_wide_weights():
@@ -2376,8 +2441,8 @@ def test_explain_names_the_wgmma_rs_tile():
 
 
 def test_explain_names_the_decode_kernels_cta():
-    """`explain` names a decode kernel's CTA -- its 16-row weight tiles and warps -- and, unsplit, the
-    CTAs of the grid (sessions 56-58: the defaults choose both by the waves the grid makes; at
+    """`explain` names a decode kernel's CTA -- its 16-row weight tiles and warps, and the CTAs per SM
+    its registers are capped for -- and, unsplit, the CTAs of the grid (sessions 56-59: the defaults choose both by the waves the grid makes; at
     4x18944x3584 two tiles x 4 warps, 592 CTAs in one wave of five per SM); with a K split, the
     split's sentence gives the CTAs."""
     from qgemm import dispatch
@@ -2388,9 +2453,12 @@ def test_explain_names_the_decode_kernels_cta():
         dispatch.explain(8, 14336, 4096, "q4_0", packed=True, arch="sm_90")
     text = dispatch.explain(4, 4096, 14336, "q4_0", packed=True, arch="sm_90")
     assert "; 2 tiles of 16 weight rows per CTA of 4 warps; K split 4 ways: 128 output tiles make 512 CTAs" in text
-    # the int8 one-token kernel too; the ggml-blocks GEMV has no such CTA
-    assert "; 1 tile of 16 weight rows per CTA of 8 warps: 256 CTAs for 132 SMs" in \
-        dispatch.explain(1, 4096, 4096, "q4_0", packed=True, arch="sm_90")
+    # the int8 one-token kernel too, whose registers are capped for two CTAs per SM (SK_MINB=2), as
+    # session 59's rung at 8x11008 is for six; the ggml-blocks GEMV has no such CTA
+    assert "; 1 tile of 16 weight rows per CTA of 8 warps, its registers capped so that 2 fit an SM: 256 CTAs for 132 SMs" \
+        in dispatch.explain(1, 4096, 4096, "q4_0", packed=True, arch="sm_90")
+    assert "; 1 tile of 16 weight rows per CTA of 4 warps, its registers capped so that 6 fit an SM: 688 CTAs" in \
+        dispatch.explain(8, 11008, 4096, "q4_0", packed=True, arch="sm_90")
     assert "weight rows per CTA" not in dispatch.explain(1, 4096, 4096, "q4_0", arch="sm_90")
 
 
@@ -2450,7 +2518,7 @@ def test_compile_shows_occupancy_and_waves():
 
 def test_decode_rules_ctas_per_sm_match_the_compiled_kernels():
     """The decode rules count CTA slots with CTAs per SM written into qgemm/registry.py (sessions
-    56-58), which hold only while NVRTC gives the kernels the registers they were measured with.
+    56-59), which hold only while NVRTC gives the kernels the registers they were measured with.
     Compiled here for sm_90 (NVRTC, no GPU) and counted by qgemm/occupancy.py, each must still be
     what the rule assumes; if a compiler or kernel change moves one, the rule's window moves with it
     and must be measured again."""
@@ -2463,14 +2531,24 @@ def test_decode_rules_ctas_per_sm_match_the_compiled_kernels():
         return occupancy.of_launch(90, k.geometry(*shape, d), k.compile("sm_90", d).resources[k.spec.entry]).ctas_per_sm
 
     for xs in ("", "_f16", "_bf16"):
-        for r, want in R._SKINNY_WIDE_ONE_WAVE["q4_0"]:
-            got = per_sm("w4a16.skinny" + xs, (8, 14336, 4096), SK_R=r, SK_WARPS=4, SK_UNROLL=1, SK_ACC=1)
-            assert got == want, ("w4a16.skinny" + xs, r, got, want)
-        (r, want), = R._SKINNY_WIDE_ONE_WAVE["q8_0"]
-        got = per_sm("w8a16.skinny" + xs, (8, 14336, 4096), SK_R=r, SK_WARPS=4, SK_UNROLL=1, SK_ACC=1, SK_XSMEM=0)
-        assert got == want, ("w8a16.skinny" + xs, got, want)
+        for fmt, base in (("q4_0", "w4a16.skinny"), ("q8_0", "w8a16.skinny")):
+            for cta in R._SKINNY_WIDE_ONE_WAVE[fmt]:
+                cap = {"SK_MINB": cta.minb} if cta.minb else {}
+                got = per_sm(base + xs, (8, 14336, 4096), SK_R=cta.r, SK_WARPS=4, SK_UNROLL=cta.unroll, SK_ACC=cta.acc,
+                             SK_XSMEM=0, **cap)
+                assert got == cta.per_sm, (base + xs, cta, got)
         # session 57: the defaults two per SM; Q8_0's one group and one set three, Q4_0's 8 warps four
         assert per_sm("w8a16.skinny" + xs, (8, 4096, 4096)) == 2 and per_sm("w4a16.skinny" + xs, (8, 4096, 4096)) == 2
         assert per_sm("w8a16.skinny" + xs, (8, 6144, 4096)) == 3 and per_sm("w4a16.skinny" + xs, (8, 6144, 4096)) == 4
-        # session 56: Q8_0 at 9-16 tokens, 4 warps
+        # session 56: Q8_0 at 9-16 tokens, 4 warps; session 59: Q4_0 there
         assert per_sm("w8a16.skinny" + xs, (16, 6144, 4096), SK_WARPS=4) == R._SKINNY_Q8_MT2_CTAS_PER_SM
+        assert per_sm("w4a16.skinny" + xs, (16, 14336, 4096), SK_WARPS=4) == R._SKINNY_Q4_MT2_CTAS_PER_SM
+        assert per_sm("w4a16.skinny" + xs, (16, 8192, 4096)) == 2  # the 8-warp CTA it replaces
+    # each rung of the ladder holds more tiles in one wave than the one before; each of Q4_0's starts
+    # (75% of its wave) no higher than where the one before ends -- the first, where session 57's wave
+    # of four 8-warp CTAs does -- so they leave no gap
+    for ladder in R._SKINNY_WIDE_ONE_WAVE.values():
+        waves = [c.r * c.per_sm * 132 for c in ladder]
+        assert waves == sorted(set(waves)), waves
+    q4 = [c.r * c.per_sm * 132 for c in R._SKINNY_WIDE_ONE_WAVE["q4_0"]]
+    assert all(lo >= R._ONE_WAVE_LEAST_FILL * hi for lo, hi in zip([4 * 132] + q4, q4)), q4

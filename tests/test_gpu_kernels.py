@@ -1244,6 +1244,47 @@ def test_decode_defaults_on_wide_weights(fmt, xd, rng):
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_decode_ladder_defaults_on_wide_weights(fmt, rng):
+    """Session 59's decode defaults on wide weights below K = 8192, where they fire on a 132-SM
+    Hopper, one activation type each. The 2-8-token ladder: Q4_0 one tile of two load groups
+    (3x9000x4128: 563 tiles), the same compiled for six CTAs per SM (6x11010x4128: 689; float16 x),
+    one group from 75% of its wave (8x12700x3616: 794; bfloat16 x) and 8 warps past the ladder
+    (2x25400x4128: 1588); Q8_0 one tile of two groups and two sets (4x7000x4128: 438; 8x8000x3616:
+    500, bfloat16 x), the two-tile rung from 75% (5x12660x4128: 792 tiles, 396 CTAs) and float16 x
+    at two tokens keeping its staged 8-warp CTA (2x7000x4128). At 9-16 tokens Q4_0's two-tile CTA of
+    4 warps (13x11010x4128: 689 tiles, float16 x). N and K multiples of no tile, fresh
+    inputs, poisoned outputs, against the plan's exact math and float64 truth."""
+    info = runtime.device_info()
+    if info.cc < 80:
+        pytest.skip("the skinny kernels need sm_80")
+    # (m, n, k, x type): (SK_R, SK_WARPS, SK_UNROLL, SK_ACC, SK_XSMEM, SK_MINB)
+    cases = ({(3, 9000, 4128, "f32"): (1, 4, 2, 1, 0, None), (6, 11010, 4128, "f16"): (1, 4, 2, 1, 0, 6),
+              (8, 12700, 3616, "bf16"): (1, 4, 1, 1, 0, None), (2, 25400, 4128, "f32"): (1, 8, 1, 1, 0, None),
+              (13, 11010, 4128, "f16"): (2, 4, 1, 1, 0, None)}
+             if fmt == "q4_0" else
+             {(4, 7000, 4128, "f32"): (1, 4, 2, 2, 0, None), (8, 8000, 3616, "bf16"): (1, 4, 2, 2, 0, None),
+              (5, 12660, 4128, "f32"): (2, 4, 1, 1, 0, None), (2, 7000, 4128, "f16"): (1, 8, 1, 1, 1, None)})
+    for (m, n, k, xd), want in cases.items():
+        w_f = rng.standard_normal((n, k), dtype=np.float32)
+        w = F.quantize(w_f, fmt)
+        x = rng.standard_normal((m, k), dtype=np.float32)
+        if xd != "f32":
+            x = F.from_float32(x, F.get_format(xd))
+        x32 = x if xd == "f32" else F.to_float32(x)
+        p = qgemm.plan(m, n, k, fmt, x_dtype=xd, packed=True)
+        if info.cc == 90 and info.sm_count == 132:
+            d = p.defines
+            got = (d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_ACC"], d["SK_XSMEM"], d.get("SK_MINB"))
+            assert got == want and d["SK_GSPLIT"] == 1, p
+        out = qgemm.DeviceArray.empty((m, n), np.float32)
+        out.fill_bytes(0xFF)
+        qgemm.matmul(qgemm.DeviceArray.from_host(x), qgemm.pack_weights(w), out=out)
+        r = check.compare("matmul", p.op, (m, n, k), 0, out.to_host(), p.reference(x, w),
+                          qgemm.reference.truth(x32, w_f), x32, w_f)
+        assert r.passed, (p.kernel, p.defines, r)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("x_dtype", [np.float32, np.float16])
 def test_matmul_narrow_weights_split_k(fmt, x_dtype, rng):
     """Decode and small batches on narrow weights (N <= 2048: grouped-query attention's k / v
