@@ -385,9 +385,9 @@ def _grid_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) ->
     how the grid fills the SMs, `registry._rs_config`): the weight rows and tokens of a CTA and,
     unsplit, the CTAs of the grid. The decode kernels' CTA (their defaults choose tiles per CTA and
     warps by the waves the grid makes, `registry._skinny_config`): its 16-row weight tiles and warps,
-    the CTAs per SM its registers were capped for (SK_MINB) and, unsplit, the CTAs of the grid. Any kernel's K split, where it has one: the output tiles
-    alone are too few CTAs (or leave the last wave short) for the SMs, so each tile's K is shared by
-    several CTAs."""
+    the CTAs per SM its registers were capped for (SK_MINB) and, unsplit, the CTAs of the grid. Any
+    kernel's K split, where it has one: the output tiles alone are too few CTAs (or leave the last
+    wave short) for the SMs, so each tile's K is shared by several CTAs."""
     g = k_obj.geometry(m, n, k, defines)
     ctas = math.prod(g.grid)
     text = ""

@@ -423,7 +423,8 @@ def _skinny_one_wave_tiles(wfmt: str, tiles: int, sm_count: int) -> _OneWaveCta 
       Q4_0 one tile, one group at 76% and 79%  2x12800 14.08 / 14.12 -> 13.22 / 13.36; 8x13312
                         17.76 / 18.37 -> 14.47 / 14.78
       Q8_0 one tile, 2-4 tokens (432-528 tiles: 82-100%)  2x6912 11.54 / 14.28 -> 9.80 / 12.37,
-                        4x7680 12.74 / 15.44 -> 10.67 / 13.38, 2x8448 12.26 / 16.05 -> 11.31 / 14.26
+                        4x7680 12.74 / 15.44 -> 10.67 / 13.38, 2x8448 12.26 / 16.05 -> 11.31 / 14.26;
+                        at 6-8 tokens whole op 0.86-0.93 (6x7680, 8x8192 cold; docs/production.md)
     Outside its window each lost or tied: one tile of two groups at 102-121% of its wave (2x / 8x
     10752-13312: 1.06-1.28), the capped one at 101-105% (1.32-1.44); one group at 73% in session 58
     (2x / 8x12288: 0.96-1.11) and at 103% (8x17408: 1.26); two tiles at 104% (8x22016: 1.16-1.17);

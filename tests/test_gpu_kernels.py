@@ -1207,6 +1207,28 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
         assert (4, 4128, 1, 8, 1, 1) in seen and (5, 4128, 1, 16 if q4 else 8, 2, 1 if q4 else 2) in seen, seen
 
 
+def _packed_decode_default_runs_right(fmt, m, n, k, xd, want, rng):
+    """qgemm.matmul at (m, n, k) on packed `fmt` weights and x of type `xd` (fresh inputs, a poisoned
+    output), against the plan's exact math and float64 truth; on a 132-SM Hopper, where the decode
+    rules were measured, the plan's #defines named in `want` first (None: not set)."""
+    info = runtime.device_info()
+    w_f = rng.standard_normal((n, k), dtype=np.float32)
+    w = F.quantize(w_f, fmt)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    if xd != "f32":
+        x = F.from_float32(x, F.get_format(xd))
+    x32 = x if xd == "f32" else F.to_float32(x)
+    p = qgemm.plan(m, n, k, fmt, x_dtype=xd, packed=True)
+    if info.cc == 90 and info.sm_count == 132:
+        assert {key: p.defines.get(key) for key in want} == want, p
+    out = qgemm.DeviceArray.empty((m, n), np.float32)
+    out.fill_bytes(0xFF)
+    qgemm.matmul(qgemm.DeviceArray.from_host(x), qgemm.pack_weights(w), out=out)
+    r = check.compare("matmul", p.op, (m, n, k), 0, out.to_host(), p.reference(x, w),
+                      qgemm.reference.truth(x32, w_f), x32, w_f)
+    assert r.passed, (p.kernel, p.defines, r)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("xd", ["f32", "f16", "bf16"])
 def test_decode_defaults_on_wide_weights(fmt, xd, rng):
@@ -1225,22 +1247,8 @@ def test_decode_defaults_on_wide_weights(fmt, xd, rng):
              {(2, 13530, 4128): (2, 4, 1, 1), (8, 16890, 3616): (2, 4, 1, 1),
               (6, 11010, 4128): (1, 8, 1, 1) if xd == "f32" else (1, 8, 2, 2)})
     for (m, n, k), want in cases.items():
-        w_f = rng.standard_normal((n, k), dtype=np.float32)
-        w = F.quantize(w_f, fmt)
-        x = rng.standard_normal((m, k), dtype=np.float32)
-        if xd != "f32":
-            x = F.from_float32(x, F.get_format(xd))
-        x32 = x if xd == "f32" else F.to_float32(x)
-        p = qgemm.plan(m, n, k, fmt, x_dtype=xd, packed=True)
-        if info.cc == 90 and info.sm_count == 132:
-            d = p.defines
-            assert (d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_ACC"], d["SK_XSMEM"], d["SK_GSPLIT"]) == (*want, 0, 1), p
-        out = qgemm.DeviceArray.empty((m, n), np.float32)
-        out.fill_bytes(0xFF)
-        qgemm.matmul(qgemm.DeviceArray.from_host(x), qgemm.pack_weights(w), out=out)
-        r = check.compare("matmul", p.op, (m, n, k), 0, out.to_host(), p.reference(x, w),
-                          qgemm.reference.truth(x32, w_f), x32, w_f)
-        assert r.passed, (p.kernel, p.defines, r)
+        want = {**dict(zip(("SK_R", "SK_WARPS", "SK_UNROLL", "SK_ACC"), want)), "SK_XSMEM": 0, "SK_GSPLIT": 1}
+        _packed_decode_default_runs_right(fmt, m, n, k, xd, want, rng)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
@@ -1265,23 +1273,8 @@ def test_decode_ladder_defaults_on_wide_weights(fmt, rng):
              {(4, 7000, 4128, "f32"): (1, 4, 2, 2, 0, None), (8, 8000, 3616, "bf16"): (1, 4, 2, 2, 0, None),
               (5, 12660, 4128, "f32"): (2, 4, 1, 1, 0, None), (2, 7000, 4128, "f16"): (1, 8, 1, 1, 1, None)})
     for (m, n, k, xd), want in cases.items():
-        w_f = rng.standard_normal((n, k), dtype=np.float32)
-        w = F.quantize(w_f, fmt)
-        x = rng.standard_normal((m, k), dtype=np.float32)
-        if xd != "f32":
-            x = F.from_float32(x, F.get_format(xd))
-        x32 = x if xd == "f32" else F.to_float32(x)
-        p = qgemm.plan(m, n, k, fmt, x_dtype=xd, packed=True)
-        if info.cc == 90 and info.sm_count == 132:
-            d = p.defines
-            got = (d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_ACC"], d["SK_XSMEM"], d.get("SK_MINB"))
-            assert got == want and d["SK_GSPLIT"] == 1, p
-        out = qgemm.DeviceArray.empty((m, n), np.float32)
-        out.fill_bytes(0xFF)
-        qgemm.matmul(qgemm.DeviceArray.from_host(x), qgemm.pack_weights(w), out=out)
-        r = check.compare("matmul", p.op, (m, n, k), 0, out.to_host(), p.reference(x, w),
-                          qgemm.reference.truth(x32, w_f), x32, w_f)
-        assert r.passed, (p.kernel, p.defines, r)
+        want = {**dict(zip(("SK_R", "SK_WARPS", "SK_UNROLL", "SK_ACC", "SK_XSMEM", "SK_MINB"), want)), "SK_GSPLIT": 1}
+        _packed_decode_default_runs_right(fmt, m, n, k, xd, want, rng)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
