@@ -368,7 +368,8 @@ def compile(
     configured = bool(mnk or extra)
     cc = jit.parse_arch(arch)[0]
     if sms is None:
-        sms = runtime.device_info().sm_count if runtime.gpu_available() and runtime.device_info().cc == cc else 132
+        gpu = runtime.device_info() if runtime.gpu_available() else None
+        sms = gpu.sm_count if gpu is not None and gpu.cc == cc else 132
     named = set(names or []) & set(registry.names())  # kernels asked for by name, not through a family or --all
     for s in specs:
         if mnk and s.config is not None and s.op.kind == "gemm" and mnk[2] % s.op.k_multiple:

@@ -1,6 +1,6 @@
 """How many CTAs of a compiled kernel one SM holds at once, and how many waves a grid of them takes.
 
-The decode kernels' defaults are chosen by waves (docs/production.md, sessions 56-58): a grid
+The decode kernels' defaults are chosen by waves (docs/production.md, sessions 56-59): a grid
 that spills a few CTAs past what the SMs hold runs a second, mostly idle wave. What an SM holds is
 the least of four limits -- CTAs per SM, threads per SM, registers and shared memory -- each from
 the architecture's documented limits (the CUDA C++ Programming Guide, "Technical Specifications per

@@ -622,10 +622,10 @@ def _skinny_config(wfmt: str):
         # 12x6144x4096 13.52 -> 8.74.
         q4_two_sets = mt == 2 and not long_k and cdiv(tiles, r) * split <= sm_count
         acc = 2 if wfmt == "q4_0" and (q4_two_sets or q4_long_decode) else 1
-        if wfmt == "q8_0" and mt == 1 and m > 1 and not long_k and not (narrow_acc1 or wide_acc1 or wide_cta):
-            acc = 2  # Q8_0 8x4096x4096: 6.68 against 6.80 us (session 8), 6.3 against 6.4 (session 10)
         if wide_cta is not None:
-            acc = wide_cta.acc
+            acc = wide_cta.acc  # the rung's own
+        elif wfmt == "q8_0" and mt == 1 and m > 1 and not long_k and not (narrow_acc1 or wide_acc1):
+            acc = 2  # Q8_0 8x4096x4096: 6.68 against 6.80 us (session 8), 6.3 against 6.4 (session 10)
         d = {"SK_R": r, "SK_MT": mt, "SK_WARPS": warps, "SK_UNROLL": unroll, "SK_GSPLIT": split, "SK_XSMEM": int(m == 1),
              "SK_ACC": acc}
         if wide_cta is not None and wide_cta.minb:
