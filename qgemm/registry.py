@@ -332,6 +332,8 @@ _SKINNY_Q8_MT2_CTAS_PER_SM = 3
 # The same for Q4_0's two-tile CTAs of 4 warps at 9-16 tokens (`qgemm compile w4a16.skinny --arch sm_90
 # --shape 16x14336x4096 -D SK_WARPS=4`: 127 registers; the float16 variant 126): four per SM.
 _SKINNY_Q4_MT2_CTAS_PER_SM = 4
+# and of its two-tile CTAs of 8 warps (the same 127 registers): two per SM
+_SKINNY_Q4_MT2_8W_CTAS_PER_SM = 2
 
 
 def _skinny_q8_wide_split(tiles: int, k: int, sm_count: int) -> int:
@@ -457,10 +459,70 @@ def _skinny_q8_lighter_in_waves(m: int, tiles: int, k: int, sm_count: int) -> bo
     return 5 <= m <= 8 and k < 8192 and tiles > 4 * sm_count
 
 
+def _skinny_q4_mt2_long_cta(ctas: int, k: int, sm_count: int) -> tuple[int, int]:
+    """(SK_WARPS, SK_GSPLIT) of the Q4_0 decode kernel's two-tile CTAs at 9-16 tokens of a long K
+    (`ctas` of them unsplit). Cost = waves / (split x warps): a warp's serial share of K times the
+    waves its grid takes -- these kernels are latency-bound at 16 tokens, so an SM's warps run at
+    about the same rate whatever the fill. 4 warps (`_SKINNY_Q4_MT2_CTAS_PER_SM` per SM) with the
+    split of 1-4 of least cost, ties to the smaller split, none that makes more than two waves (each
+    part costs its own activations' latency, the zeroing and the atomics: past two waves the finer
+    grain has not paid); unless 8 warps unsplit (`_SKINNY_Q4_MT2_8W_CTAS_PER_SM` per SM) cost less,
+    as where the 4-warp grid spills a little past one wave and the 8-warp one fills three (529-792
+    CTAs on 132 SMs), or the 4-warp grid takes more than two waves (measured level at 3.4: the cost
+    alternates from there with every 264 CTAs by less than its own error). `_skinny_config` asks
+    from 133 CTAs on 132 SMs (N > 4224), where the 8-warp grid split 2 passes one wave; below, it
+    fills one wave as 4 warps split 4 would, at the same cost (which measured 0.95-0.99 of it: below),
+    so it stays. On 132 SMs: 4 warps split 3 up to 176 CTAs (N <= 5632), 2 up
+    to 264 (8448), 3 up to 352 (11264), unsplit up to 528 (16896) and at 793-1056 (25376-33792); 8
+    warps unsplit at 529-792 and from 1057.
+    Session 60, H100, `tools/probe_defines.py`, kernel alone, float32 x, hot / weights cold, the
+    default before (8 warps split 2; from 528 CTAs unsplit) -> this choice, us:
+      16x5120x14336 (160 CTAs, split 3)  31.10 / 31.65 -> 22.34 / 22.88; 12x 29.48 / 28.41 ->
+                                          21.33 / 21.60; 9x 27.78 / 27.77 -> 20.52 / 20.53
+      16x5120x8192 (160, 3)               18.24 / 19.69 -> 13.17 / 14.51
+      16x10240x8192 (320, 3)              31.35 / 31.77 -> 26.92 / 27.54; 10x 20.29 / 29.07 ->
+                                          21.60 / 25.08
+      16x11008x8192 (344, 3)              31.03 / 30.99 -> 26.68 / 28.13
+      16x9216x8192 (288, 3)               29.70 / 30.62 -> 25.04 / 25.68
+      16x7168x8192 (224, 2)               23.63 / 24.06 -> 17.30 / 18.32
+      16x6144x8192 (192, 2)               19.01 / 20.38 -> 17.09 / 18.09; 16x6144x14336 33.05 /
+                                          32.83 -> 29.53 / 29.06
+      16x8192x8192 (256, 2)               22.63 / 23.43 -> 20.03 / 20.67 (8 warps unsplit 18.48
+                                          / 18.63: the one shape where the cost's tie went wrong)
+      16x8192x28672 (256, 2)              64.35 / 65.19 -> 59.68 / 60.65
+      16x14336x8192 (448, 1)              39.19 / 40.69 -> 30.96 / 31.70
+      16x16384x8192 (512, 1)              40.87 / 41.96 -> 31.83 / 31.56
+      16x12288x8192 (384, 1)              32.23 / 32.65 -> 30.48 / 30.54
+      16x28672x8192 (896, 1)              66.38 / 67.15 -> 60.21 / 61.18 (split 4, 7 waves: 67.08
+                                          / 68.33)
+      16x32768x8192 (1024, 1)             68.00 / 69.40 -> 61.11 / 63.40
+    Kept: at up to 132 CTAs 8 warps split 2 (4 warps split 4: 16x4096x14336 (128) 19.14 / 20.03
+    against 19.39 / 20.29, 16x3584x18944 (112) 21.82 / 22.08 against 23.01 / 23.43, 16x3072x8192
+    (96) 10.20 / 10.99 against 10.28 / 11.09); 8 warps unsplit where they cost less (4 warps
+    unsplit: 16x20480x8192 (640) 52.84 / 53.58 against 49.54 / 49.85, 16x24576x8192 (768) 55.83 /
+    57.21 against 51.88 / 51.97, 16x20480x14336 91.49 / 96.25 against 84.48 / 86.59;
+    16x57344x8192 (1792) 119.97 / 123.55 against 121.02 / 122.08, level).
+    Against the other choices of the same calls: 8 warps split 3 or 4 never won (0.98-1.11 of 8
+    warps split 2 where this gains), two accumulator sets lost (0.94-1.64), four tiles per CTA tied
+    or lost (0.97-1.08)."""
+    slots = _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count
+    best_cost, best = float("inf"), 1
+    for split in range(1, 5):
+        waves = cdiv(ctas * split, slots)
+        if split > 1 and (waves > 2 or cdiv(k // 32, 4) < 4 * split):
+            break
+        if waves / (4 * split) < best_cost:
+            best_cost, best = waves / (4 * split), split
+    if cdiv(ctas, slots) > 2 or cdiv(ctas, _SKINNY_Q4_MT2_8W_CTAS_PER_SM * sm_count) / 8 < best_cost:
+        return 8, 1
+    return 4, best
+
+
 def _skinny_splits(n: int, k: int, r: int, warps: int) -> tuple:
-    """The K splits `qgemm tune` tries for the decode kernels: 1, 2, 4 and the fill splits of a
-    132-SM GPU (8 for the narrowest weights)."""
-    return tuple(sorted({1, 2, 4} | {_skinny_fill_split(n, k, r, 1, 132, p, warps) for p in (1, 2)}))
+    """The K splits `qgemm tune` tries for the decode kernels: 1, 2, 4, 3 at a long K
+    (`_skinny_q4_mt2_long_cta`) and the fill splits of a 132-SM GPU (8 for the narrowest weights)."""
+    return tuple(sorted({1, 2, 4} | ({3} if k >= 8192 else set())
+                        | {_skinny_fill_split(n, k, r, 1, 132, p, warps) for p in (1, 2)}))
 
 
 def _skinny_config(wfmt: str):
@@ -610,6 +672,12 @@ def _skinny_config(wfmt: str):
         if (wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
                 and cdiv(tiles, 2) >= 0.65 * _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count):
             warps = 4
+        # The same at a long K, where the two-tile 8-warp grid (split 2) takes more than one wave: 4
+        # warps and the K split whose grid takes the fewest waves per unit of a warp's work, or 8
+        # warps unsplit where those take fewer (`_skinny_q4_mt2_long_cta`).
+        if (wfmt == "q4_0" and mt == 2 and long_k and r == 2 and warps == 8
+                and cdiv(tiles, 2) > sm_count):
+            warps, split = _skinny_q4_mt2_long_cta(cdiv(tiles, 2), k, sm_count)
         # two accumulator sets (two independent MMA chains) for Q4_0 at 9-16 tokens: 9.1 -> 7.9 us at
         # 16x4096x4096 on the H100; for Q4_0 no gain at M = 1 and a loss at M = 8, and a loss at long K
         # with the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8);

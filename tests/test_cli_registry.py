@@ -702,13 +702,60 @@ def test_skinny_defaults_session_59():
                 assert sk(q4 + x, m, n, k) == (2, 4, 1, 1, 1), (x, m, n, k)
             for n in (10976, 9216, 8192, 4608):  # 686 tiles and fewer
                 assert sk(q4 + x, m, n, 4096)[:2] == (2, 8), (x, m, n)
-        assert sk(q4, m, 14336, 8192) == (2, 8, 1, 2, 1) and sk(q4, m, 14336, 4096, sms=264) == (2, 8, 1, 1, 1), m
+        # (at long K session 60's rule: `test_skinny_defaults_session_60`)
+        assert sk(q4, m, 14336, 8192) == (2, 4, 1, 1, 1) and sk(q4, m, 14336, 4096, sms=264) == (2, 8, 1, 1, 1), m
         assert sk(q8, m, 11008, 4096) == (2, 4, 1, 1, 1) and sk(q8, m, 28672, 4096) == (2, 4, 1, 2, 1), m  # Q8_0: as before
     # the capped CTA is among the candidates `qgemm tune` tries, and nowhere else in them
     cands = R.spec(q4).candidates(8, 11008, 4096)
     assert R.spec(q4).config(8, 11008, 4096, 132) in cands
     assert {(d["SK_R"], d["SK_WARPS"], d["SK_UNROLL"], d["SK_ACC"]) for d in cands if "SK_MINB" in d} == {(1, 4, 2, 1)}
     assert not any("SK_MINB" in d for d in R.spec(q8).candidates(8, 11008, 4096) + R.spec(q4).candidates(12, 11008, 4096))
+
+
+def test_skinny_defaults_session_60():
+    """Session 60: Q4_0 at 9-16 tokens of a long K (>= 8192), where the two-tile 8-warp grid split 2
+    takes more than one wave (N > 4224 on 132 SMs): two-tile CTAs of 4 warps (four per SM) with the
+    K split whose grid takes the fewest waves per unit of a warp's work (`_skinny_q4_mt2_long_cta`)
+    -- 3 at 133-176 CTAs of two tiles, 2 at 177-264, 3 at 265-352, none at 353-528 and 793-1056 --
+    or 8 warps unsplit (two per SM) where those cost less: 529-792 CTAs and from 1057. Below 133
+    CTAs, at a short K, at 2-8 tokens and for Q8_0 the defaults are as before; the 16-bit variants
+    follow; the SM count moves every edge."""
+    from qgemm import registry as R
+
+    sk = _skinny_defaults
+    q4, q8 = "w4a16.skinny", "w8a16.skinny"
+    # (N at K = 8192 and 14336, 132 SMs): (SK_R, SK_WARPS, SK_UNROLL, SK_GSPLIT, SK_ACC)
+    edges = {4224: (2, 8, 1, 2, 1), 4256: (2, 4, 1, 3, 1), 5632: (2, 4, 1, 3, 1), 5664: (2, 4, 1, 2, 1),
+             8448: (2, 4, 1, 2, 1), 8480: (2, 4, 1, 3, 1), 11264: (2, 4, 1, 3, 1), 11296: (2, 4, 1, 1, 1),
+             16896: (2, 4, 1, 1, 1), 16928: (2, 8, 1, 1, 1), 25344: (2, 8, 1, 1, 1), 25376: (2, 4, 1, 1, 1),
+             33792: (2, 4, 1, 1, 1), 33824: (2, 8, 1, 1, 1), 57344: (2, 8, 1, 1, 1)}
+    for m in (9, 12, 16):
+        for x in ("", "_f16", "_bf16"):
+            for k in (8192, 14336):
+                for n, want in edges.items():
+                    assert sk(q4 + x, m, n, k) == want, (x, m, n, k)
+            # the models' shapes: 70B's q / k / v fused, o, gate and up; 7B / 13B's down; 12B's down
+            for n, k, want in ((10240, 8192, (2, 4, 1, 3, 1)), (8192, 8192, (2, 4, 1, 2, 1)),
+                               (28672, 8192, (2, 4, 1, 1, 1)), (5120, 13824, (2, 4, 1, 3, 1)),
+                               (5120, 14336, (2, 4, 1, 3, 1)), (8192, 28672, (2, 4, 1, 2, 1))):
+                assert sk(q4 + x, m, n, k) == want, (x, m, n, k)
+        # as before: below 133 CTAs (narrow weights: four tiles per CTA up to 66), a short K, Q8_0
+        assert sk(q4, m, 4096, 14336) == (2, 8, 1, 2, 1) and sk(q4, m, 2048, 14336) == (4, 4, 1, 4, 1), m
+        assert sk(q4, m, 10240, 8160)[:2] == (2, 8) and sk(q4, m, 5120, 4096) == (2, 8, 1, 1, 1), m
+        assert sk(q8, m, 10240, 8192) == (2, 4, 1, 1, 1) and sk(q8, m, 5120, 14336) == (2, 4, 1, 2, 1), m
+        # the SM count: on 114 SMs N = 4224 passes one wave of 8 warps split 2 (132 CTAs > 114); on 264
+        # SMs 16928 (529 CTAs) splits 3, in two waves of four per SM
+        assert sk(q4, m, 4224, 8192, sms=114) == (2, 4, 1, 3, 1) and sk(q4, m, 16928, 8192, sms=264) == (2, 4, 1, 3, 1), m
+    for m in (2, 8):  # 2-8 tokens keep session 52's / 57's CTA
+        assert sk(q4, m, 10240, 8192) == (2, 4, 1, 4, 2) and sk(q4, m, 28672, 8192) == (2, 4, 1, 2, 2), m
+    # the cost as documented: split 3 where 4 would take a second wave, 8 warps where they take fewer
+    # waves per unit of work, nothing past two 4-warp waves
+    assert [R._skinny_q4_mt2_long_cta(c, 8192, 132) for c in (160, 256, 320, 448, 640, 896, 1792)] == \
+        [(4, 3), (4, 2), (4, 3), (4, 1), (8, 1), (4, 1), (8, 1)]
+    # split 3 is among the candidates `qgemm tune` tries at a long K, and with it every new default
+    for n, k in ((5120, 14336), (10240, 8192)):
+        assert R.spec(q4).config(16, n, k, 132) in R.spec(q4).candidates(16, n, k)
+    assert not any(d["SK_GSPLIT"] == 3 for d in R.spec(q4).candidates(16, 5120, 4096))
 
 
 def test_int8_decode_defaults_at_one_token_of_wide_weights():
@@ -2518,7 +2565,7 @@ def test_compile_shows_occupancy_and_waves():
 
 def test_decode_rules_ctas_per_sm_match_the_compiled_kernels():
     """The decode rules count CTA slots with CTAs per SM written into qgemm/registry.py (sessions
-    56-59), which hold only while NVRTC gives the kernels the registers they were measured with.
+    56-60), which hold only while NVRTC gives the kernels the registers they were measured with.
     Compiled here for sm_90 (NVRTC, no GPU) and counted by qgemm/occupancy.py, each must still be
     what the rule assumes; if a compiler or kernel change moves one, the rule's window moves with it
     and must be measured again."""
@@ -2543,7 +2590,9 @@ def test_decode_rules_ctas_per_sm_match_the_compiled_kernels():
         # session 56: Q8_0 at 9-16 tokens, 4 warps; session 59: Q4_0 there
         assert per_sm("w8a16.skinny" + xs, (16, 6144, 4096), SK_WARPS=4) == R._SKINNY_Q8_MT2_CTAS_PER_SM
         assert per_sm("w4a16.skinny" + xs, (16, 14336, 4096), SK_WARPS=4) == R._SKINNY_Q4_MT2_CTAS_PER_SM
-        assert per_sm("w4a16.skinny" + xs, (16, 8192, 4096)) == 2  # the 8-warp CTA it replaces
+        # the 8-warp CTA it replaces, which session 60's long-K rule weighs against it
+        assert per_sm("w4a16.skinny" + xs, (16, 8192, 4096)) == R._SKINNY_Q4_MT2_8W_CTAS_PER_SM == 2
+        assert per_sm("w4a16.skinny" + xs, (16, 5120, 14336)) == R._SKINNY_Q4_MT2_CTAS_PER_SM  # its split-3 default
     # each rung of the ladder holds more tiles in one wave than the one before; each of Q4_0's starts
     # (75% of its wave) no higher than where the one before ends -- the first, where session 57's wave
     # of four 8-warp CTAs does -- so they leave no gap

@@ -1277,6 +1277,23 @@ def test_decode_ladder_defaults_on_wide_weights(fmt, rng):
         _packed_decode_default_runs_right(fmt, m, n, k, xd, want, rng)
 
 
+def test_decode_q4_0_long_k_splits(rng):
+    """Session 60's Q4_0 default at 9-16 tokens of a long K, where it fires on a 132-SM Hopper:
+    two-tile CTAs of 4 warps with the K split that makes the fewest waves per unit of a warp's work
+    -- split 3 (14x5000x14368: 157 CTAs unsplit; 16x5100x8224: 160; 11x10230x8224: 320), 2
+    (13x7000x8224: 219) and none (9x14300x8224: 447) -- over the three activation types; 8 warps
+    unsplit where they cost less (12x20000x8224: 625). N and K
+    multiples of no tile (K = 8224: 257 blocks, the last group of four holding one), fresh inputs,
+    poisoned outputs, against the plan's exact math and float64 truth."""
+    if runtime.device_info().cc < 80:
+        pytest.skip("the skinny kernels need sm_80")
+    cases = {(14, 5000, 14368, "f16"): (4, 3), (16, 5100, 8224, "f32"): (4, 3), (11, 10230, 8224, "bf16"): (4, 3),
+             (13, 7000, 8224, "f32"): (4, 2), (9, 14300, 8224, "f16"): (4, 1), (12, 20000, 8224, "f32"): (8, 1)}
+    for (m, n, k, xd), (warps, split) in cases.items():
+        want = {"SK_R": 2, "SK_MT": 2, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_ACC": 1, "SK_GSPLIT": split}
+        _packed_decode_default_runs_right("q4_0", m, n, k, xd, want, rng)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("x_dtype", [np.float32, np.float16])
 def test_matmul_narrow_weights_split_k(fmt, x_dtype, rng):
