@@ -470,11 +470,11 @@ def _skinny_q4_mt2_long_cta(ctas: int, k: int, sm_count: int) -> tuple[int, int]
     as where the 4-warp grid spills a little past one wave and the 8-warp one fills three (529-792
     CTAs on 132 SMs), or the 4-warp grid takes more than two waves (measured level at 3.4: the cost
     alternates from there with every 264 CTAs by less than its own error). `_skinny_config` asks
-    from 133 CTAs on 132 SMs (N > 4224), where the 8-warp grid split 2 passes one wave; below, it
-    fills one wave as 4 warps split 4 would, at the same cost (which measured 0.95-0.99 of it: below),
-    so it stays. On 132 SMs: 4 warps split 3 up to 176 CTAs (N <= 5632), 2 up
-    to 264 (8448), 3 up to 352 (11264), unsplit up to 528 (16896) and at 793-1056 (25376-33792); 8
-    warps unsplit at 529-792 and from 1057.
+    from 133 CTAs on 132 SMs (N > 4224), where the 8-warp grid split 2 passes one wave; below, that
+    grid fills one wave as 4 warps split 4 would, at the same cost (which measured 0.95-0.99 of it:
+    below), so it stays. On 132 SMs: 4 warps split 3 up to 176 CTAs (N <= 5632), 2 up to 264 (8448),
+    3 up to 352 (11264), unsplit up to 528 (16896) and at 793-1056 (25376-33792); 8 warps unsplit at
+    529-792 and from 1057.
     Session 60, H100, `tools/probe_defines.py`, kernel alone, float32 x, hot / weights cold, the
     default before (8 warps split 2; from 528 CTAs unsplit) -> this choice, us:
       16x5120x14336 (160 CTAs, split 3)  31.10 / 31.65 -> 22.34 / 22.88; 12x 29.48 / 28.41 ->
@@ -502,9 +502,10 @@ def _skinny_q4_mt2_long_cta(ctas: int, k: int, sm_count: int) -> tuple[int, int]
     unsplit: 16x20480x8192 (640) 52.84 / 53.58 against 49.54 / 49.85, 16x24576x8192 (768) 55.83 /
     57.21 against 51.88 / 51.97, 16x20480x14336 91.49 / 96.25 against 84.48 / 86.59;
     16x57344x8192 (1792) 119.97 / 123.55 against 121.02 / 122.08, level).
-    Against the other choices of the same calls: 8 warps split 3 or 4 never won (0.98-1.11 of 8
-    warps split 2 where this gains), two accumulator sets lost (0.94-1.64), four tiles per CTA tied
-    or lost (0.97-1.08)."""
+    The other choices of the same calls, against the default before (nine shapes, hot and cold)
+    -- 8 warps split 3 (0.82-1.25) or 4 (0.91-1.11), two accumulator sets (4 warps split 4:
+    0.93-1.64), four tiles per CTA (4 warps split 4: 0.96-1.08) -- were behind this choice wherever
+    it applies."""
     slots = _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count
     best_cost, best = float("inf"), 1
     for split in range(1, 5):

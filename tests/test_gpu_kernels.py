@@ -1282,9 +1282,9 @@ def test_decode_q4_0_long_k_splits(rng):
     two-tile CTAs of 4 warps with the K split that makes the fewest waves per unit of a warp's work
     -- split 3 (14x5000x14368: 157 CTAs unsplit; 16x5100x8224: 160; 11x10230x8224: 320), 2
     (13x7000x8224: 219) and none (9x14300x8224: 447) -- over the three activation types; 8 warps
-    unsplit where they cost less (12x20000x8224: 625). N and K
-    multiples of no tile (K = 8224: 257 blocks, the last group of four holding one), fresh inputs,
-    poisoned outputs, against the plan's exact math and float64 truth."""
+    unsplit where they cost less (12x20000x8224: 625). N and K multiples of no tile (K = 8224: 257
+    blocks, the last group of four holding one), fresh inputs, poisoned outputs, against the plan's
+    exact math and float64 truth."""
     if runtime.device_info().cc < 80:
         pytest.skip("the skinny kernels need sm_80")
     cases = {(14, 5000, 14368, "f16"): (4, 3), (16, 5100, 8224, "f32"): (4, 3), (11, 10230, 8224, "bf16"): (4, 3),
