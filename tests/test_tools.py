@@ -1308,3 +1308,67 @@ def test_split_model_orders_tune_timings(tmp_path):
             tool.main([f1, *args])
         assert e.value.code == 2, args
     assert R.RS_TILE_RATES == rates and R.RS_SPLIT_OVERHEAD_K == overhead  # the model's own constants untouched
+
+
+def test_decode_map_selects_models_and_shapes():
+    dm = _load("decode_map")
+    every = dm.select(None, None)
+    assert len(every) == len({(n, k) for pairs in dm.MODELS.values() for n, k in pairs})  # each matrix once
+    assert every[0] == ("llama3-8b", 6144, 4096)
+    assert dm.select("llama3-70b", "5120x14336,8192x8192") == \
+        [("llama3-70b", n, k) for n, k in dm.MODELS["llama3-70b"]] + [("", 5120, 14336)]
+    assert dm.select(None, "4608x3584") == [("", 4608, 3584)]  # --shapes alone: no models
+    for bad, said in (("5000x100", "multiple of 32"), ("5120", "NxK pairs"), ("0x4096", "positive"), (",", "no NxK")):
+        with pytest.raises(ValueError, match=said):
+            dm.parse_pairs(bad)
+    with pytest.raises(ValueError, match="unknown model 'gpt'"):
+        dm.select("gpt", None)
+    for argv, said in ((["--m", "0"], "positive token counts"), (["--fmts", "q5_0"], "q4_0 and / or q8_0"),
+                       (["--x-dtype", "f64"], "f32, f16 or bf16"), (["--models", "x"], "unknown model")):
+        with pytest.raises(SystemExit):
+            dm.main(argv + ["--dry-run"])
+    import numpy as np
+
+    from qgemm import formats as F
+
+    b = dm.random_blocks("q8_0", 3, 96, np.random.default_rng(0))
+    assert b.shape == (3, 3) and b.dtype == F.block_q8_0 and 0.001 <= b["d"].astype(np.float32).min()
+
+
+def test_decode_map_dry_run_prints_the_plans(capsys):
+    dm = _load("decode_map")
+    assert dm.main(["--dry-run", "--models", "llama3-70b", "--m", "16", "--fmts", "q4_0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(dm.MODELS["llama3-70b"])
+    row = next(line for line in lines if " 16x10240x8192 " in line)  # session 60's split 3
+    assert row.startswith("llama3-70b q4_0 16x10240x8192 w4a16.skinny ") and "SK_WARPS=4" in row and "SK_GSPLIT=3" in row
+
+
+def test_decode_map_table_without_a_gpu(monkeypatch, tmp_path):
+    """The GPU parts stood in for (copy bandwidth 2000 GB/s, a time per shape): the table holds every
+    row, weakest share of the copy bandwidth first, with the device, the mode and the command."""
+    import types
+
+    from qgemm import bench, runtime
+
+    dm = _load("decode_map")
+    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda *a: 2.0e12)
+    monkeypatch.setattr(runtime, "device_info", lambda: types.SimpleNamespace(name="GPU X"))
+    seen = []
+
+    def time_matmul(fmt, m, n, k, cold, rng, weights, iters, x_dtype):
+        seen.append((fmt, m, n, k, cold, x_dtype))
+        assert weights[(fmt, n, k)].shape == (n, k // 32)
+        gbps = 1000.0 * m if n == 1024 else 1500.0
+        return {"kernel": "w4a16.skinny", "config": {"SK_R": 2}, "matmul_us": 5.0, "weight_gbps": gbps}
+    monkeypatch.setattr(bench, "time_matmul", time_matmul)
+    out = tmp_path / "map.md"
+    assert dm.main(["--shapes", "1024x4096,4096x4096", "--m", "1,2", "--fmts", "q4_0", "--x-dtype", "f16",
+                    "--markdown", str(out)]) == 0
+    assert seen == [("q4_0", m, n, 4096, True, "f16") for n in (1024, 4096) for m in (1, 2)]
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("GPU X, cold, f16 x, `python tools/decode_map.py --shapes 1024x4096,4096x4096")
+    rows = [line for line in lines if line.startswith("| ") and "x4096 |" in line]
+    assert [r.split(" | ")[2] for r in rows] == ["1x1024x4096", "1x4096x4096", "2x4096x4096", "2x1024x4096"]
+    assert [r.split(" | ")[6] for r in rows] == ["50.0%", "75.0%", "75.0%", "100.0%"]
+    assert "SK_R=2" in rows[0] and "`w4a16.skinny`" in rows[0]

@@ -15,6 +15,7 @@
 #   QGEMM_CHECK="kvcache" bash tools/gpu_check.sh              # Mustafar: its GPU tests, the kvcache bench vs dense torch
 #   QGEMM_CHECK="xtypes" bash tools/gpu_check.sh               # float32 / float16 / bfloat16 activations: whole op, configurations
 #   QGEMM_CHECK="sanitize" bash tools/gpu_check.sh             # the GPU tests under compute-sanitizer (memcheck, racecheck, synccheck, initcheck)
+#   QGEMM_CHECK="map" bash tools/gpu_check.sh                  # decode on models' weight matrices vs the copy bandwidth (tools/decode_map.py)
 #   other steps: precompile (every default configuration of the bench shapes, in parallel: run it
 #   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, rs-tunes
 #   (docs/perf/tunes-h100 again: QGEMM_RS_TUNE_SHAPES, default every stored shape), decode-tunes
@@ -301,6 +302,9 @@ for step in $STEPS; do
               run $PY -m qgemm validate --all --shape 1x4096x4096
               run $PY -m qgemm validate --all --shape 513x4097x4128
               run $PY -m qgemm validate w4a8 w8a8 --shape 1x1x32 --verbose ;;
+    map)      # decode on real models' weight matrices, cold, against the copy bandwidth, weakest first
+              # (tools/decode_map.py; QGEMM_MAP_ARGS, e.g. "--models llama3-70b --m 9,16 --fmts q4_0")
+              run $PY tools/decode_map.py ${QGEMM_MAP_ARGS:-} --markdown "$OUT/decode-map.md" ;;
     host)     # copy host-overhead.json to docs/perf/host-overhead-h100.json (or -h200), then
               # `python tools/host_overhead.py --table ...` gives docs/pytorch.md's table
               run $PY tools/host_overhead.py --json "$OUT/host-overhead.json" ;;
