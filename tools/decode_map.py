@@ -75,7 +75,7 @@ def random_blocks(fmt: str, n: int, k: int, rng):
 
     from qgemm import formats as F
 
-    dt = F.block_q4_0 if fmt == "q4_0" else F.block_q8_0
+    dt = F.get_format(fmt).dtype
     raw = rng.integers(0, 256, n * (k // 32) * dt.itemsize, dtype=np.uint8)
     b = raw.view(dt).reshape(n, k // 32)
     b["d"] = rng.uniform(0.001, 0.01, b.shape).astype(np.float16)
