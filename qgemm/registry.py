@@ -519,10 +519,99 @@ def _skinny_q4_mt2_long_cta(ctas: int, k: int, sm_count: int) -> tuple[int, int]
     return 4, best
 
 
+# The shortest K at which Q8_0's 9-16-token two-tile CTAs take `_skinny_q8_mt2_split`'s 4-warp split:
+# each part's warps then walk 16 blocks (session 61: split 3 at 16x4096x6144 0.87 / 1.01 of before,
+# hot / weights cold; at 16x4096x5120 1.03 / 1.09 and 16x4096x4096 1.05 / 1.11 -- slower).
+_SKINNY_Q8_MT2_SPLIT_MIN_K = 6144
+
+
+def _skinny_q8_mt2_split(ctas: int, sm_count: int) -> int:
+    """SK_GSPLIT of 4-warp CTAs (`_SKINNY_Q8_MT2_CTAS_PER_SM` per SM) for Q8_0's decode kernel at
+    9-16 tokens, in place of its two-tile CTAs of 8 warps unsplit (`ctas` of them, one per SM, 166
+    registers), or 0 to keep those: the split of 1-4 whose grid takes at most two waves and costs
+    strictly less by session 60's cost, waves / (split x warps) -- ties to the smaller split. The
+    8-warp grid stays unsplit where `_skinny_config` gives it (up to 132 CTAs on 132 SMs: N <= 4224,
+    past the narrow weights' fill splits; and 199-264 CTAs, where `_skinny_q8_wide_split` fills no
+    better with a split), so only those are asked. On 132 SMs: split 4 at 67-99 CTAs (N 2144-3168),
+    3 at 100-132 (3200-4224) and at 199-264 (6368-8448).
+    Session 61, H100, `tools/probe_defines.py`, kernel alone, float32 x, hot / weights cold, 8 warps
+    unsplit -> this choice, us:
+      16x2560x8192 (80 CTAs, split 4)    15.38 / 16.50 -> 10.52 / 12.09 (split 3 13.20 / 14.64)
+      16x3072x8192 (96, 4)               16.12 / 16.96 -> 11.73 / 14.28 (split 3 13.33 / 14.93)
+      16x3584x18944 (112, 3)             38.71 / 38.73 -> 30.76 / 31.10; 12x 34.62 / 34.68 -> 29.85
+                                         / 29.76 (split 4, two waves: 40.78 / 41.24)
+      16x3584x6144 (112, 3)              13.00 / 14.05 -> 10.84 / 12.23
+      16x4096x14336 (128, 3)             29.58 / 29.41 -> 26.95 / 26.81; 12x 27.59 / 27.44 -> 26.39
+                                         / 26.43; 9x 26.97 / 26.50 -> 26.54 / 26.32
+      16x4096x8192 (128, 3)              16.94 / 17.40 -> 16.35 / 17.35
+      16x4096x6144 (128, 3)              13.16 / 14.37 -> 11.50 / 14.48
+      16x7168x8192 (224, 3)              31.44 / 31.52 -> 28.73 / 28.96
+      16x8192x8192 (256, 3)              33.65 / 34.14 -> 30.44 / 31.47 (call 3); 12x 31.80 / 31.48
+                                         -> 30.42 / 30.37; 9x 30.77 / 30.80 -> 30.03 / 30.43
+      16x8192x6144 (256, 3)              27.85 / 27.91 -> 25.23 / 25.59
+      16x8192x28672 (256, 3)             111.11 / 111.84 -> 92.55 / 96.36
+    and float16 x (`w8a16.skinny_f16`, whose default is float32's there): 16x3584x18944 0.84 / 0.85,
+    16x7168x8192 0.93 / 0.95, 16x8192x8192 0.95 / 0.98, 16x4096x14336 0.99 / 1.01. The cost's ties
+    measured as ties or losses: 4 warps split 2 at 112-256 CTAs 1.00-1.15, split 4 at 224-256 (three
+    waves) 1.00-1.04, 16x2048x14336 (64 CTAs, already split 2 on 8 warps) split 4 1.04 / 1.05."""
+    slots = _SKINNY_Q8_MT2_CTAS_PER_SM * sm_count
+    best_cost, best = cdiv(ctas, sm_count) / 8, 0
+    for split in range(1, 5):
+        waves = cdiv(ctas * split, slots)
+        if waves > 2:
+            break
+        if waves / (4 * split) < best_cost:
+            best_cost, best = waves / (4 * split), split
+    return best
+
+
+# The shortest K at which Q4_0's 9-16-token two-tile CTAs take `_skinny_q4_mt2_short_split`'s split 3:
+# each of a part's 4 warps then still walks 8 of its 32-wide blocks (session 61: at K = 2048, 5 and
+# a third, split 3 measured 1.03-1.07x slower; from K = 3584 up it gained).
+_SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K = 3072
+
+
+def _skinny_q4_mt2_short_split(ctas: int, k: int, sm_count: int) -> bool:
+    """Whether Q4_0's decode kernel at 9-16 tokens below K = 8192, on two-tile CTAs of 8 warps
+    unsplit (`ctas` of them, two per SM), takes 4 warps split 3 instead: where that grid costs
+    strictly less by `_skinny_q4_mt2_long_cta`'s cost, waves / (split x warps), in at most two
+    waves. At a short K a split's parts are short, and each pays the zeroing, the atomics and its
+    activations' latency, so it is taken only on a strict gain, never on the tie that a long K
+    takes (4 warps split 2 against 8 warps unsplit at 177-264 CTAs: session 60, kernel alone,
+    1.05-1.40x slower at 16x6144x4096, 12x6144x4096 and 16x8192x4096). On 132 SMs: 133-176 CTAs
+    (one wave of 8 warps against one of 4 warps split 3: 1/8 against 1/12; N 4256-5632) and 265-352
+    (two against two: 1/4 against 1/6; N 8480-11264, where `_skinny_config` has already given
+    4 warps unsplit to 344 CTAs and more, session 59's rule, which split 3 did not beat).
+    `_skinny_config` asks only past 132 CTAs: within the SMs the cost does not hold (an SM's one
+    CTA is not the latency-bound crowd it counts), and the 8-warp grid runs two accumulator sets.
+    Session 61, H100, `tools/probe_defines.py`, kernel alone, float32 x, hot / weights cold,
+    8 warps unsplit -> 4 warps split 3, us:
+      16x4608x3584 (144 CTAs)  8.95 / 9.43 -> 7.73 / 8.45;  12x 8.33 / 8.41 -> 7.62 / 8.17;
+                               9x 7.82 / 8.13 -> 7.60 / 8.09
+      16x4352x4096 (136)       9.47 / 9.90 -> 8.02 / 8.86
+      16x5120x4096 (160)       9.70 / 10.14 -> 8.25 / 8.75;  12x 9.09 / 9.24 -> 8.01 / 8.81
+      16x5120x5120 (160)       12.30 / 12.94 -> 9.90 / 10.92
+      16x4608x6144 (144)       14.44 / 14.87 -> 10.31 / 11.50
+      16x5632x4096 (176)       9.57 / 10.30 -> 9.47 / 10.27 (level)
+      16x9216x4096 (288)       15.96 / 17.46 -> 13.92 / 15.20;  12x 13.93 / 15.73 -> 13.33 / 14.83
+      16x9216x3584 (288)       15.21 / 16.72 -> 13.35 / 14.69
+      16x10240x4096 (320)      16.90 / 18.03 -> 14.61 / 15.96
+      16x10240x5120 (320)      21.47 / 22.45 -> 17.70 / 19.21
+    and float16 x (`w4a16.skinny_f16`, whose default is float32's there): 0.85-0.96 of before at
+    16x4608x3584, 12x5120x4096, 16x5120x5120, 16x9216x4096 and 16x10240x4096. Not taken: split 2
+    (0.95-1.13) and 4 (0.95-1.21) at 133-176 CTAs; 4 warps unsplit at 265-342 (0.89-1.05, behind
+    split 3 but at 12x9216x4096); split 3 at 344 CTAs, on session 59's 4 warps (16x11008x4096 1.01
+    / 1.09, 12x 0.97 / 1.03); split 3 at K = 2048 (16x5120x2048 1.07 / 1.03)."""
+    slots8 = _SKINNY_Q4_MT2_8W_CTAS_PER_SM * sm_count
+    waves3 = cdiv(3 * ctas, _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count)
+    return k >= _SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K and waves3 <= 2 and waves3 / 12 < cdiv(ctas, slots8) / 8
+
+
 def _skinny_splits(n: int, k: int, r: int, warps: int) -> tuple:
-    """The K splits `qgemm tune` tries for the decode kernels: 1, 2, 4, 3 at a long K
-    (`_skinny_q4_mt2_long_cta`) and the fill splits of a 132-SM GPU (8 for the narrowest weights)."""
-    return tuple(sorted({1, 2, 4} | ({3} if k >= 8192 else set())
+    """The K splits `qgemm tune` tries for the decode kernels: 1, 2, 4, 3 from K = 3072
+    (`_skinny_q4_mt2_long_cta`, `_skinny_q4_mt2_short_split`) and the fill splits of a 132-SM GPU
+    (8 for the narrowest weights)."""
+    return tuple(sorted({1, 2, 4} | ({3} if k >= _SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K else set())
                         | {_skinny_fill_split(n, k, r, 1, 132, p, warps) for p in (1, 2)}))
 
 
@@ -673,12 +762,25 @@ def _skinny_config(wfmt: str):
         if (wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
                 and cdiv(tiles, 2) >= 0.65 * _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count):
             warps = 4
+        # Where that grid stays and passes one wave of one CTA per SM, 4 warps split 3 where they
+        # take fewer waves per unit of a warp's work (`_skinny_q4_mt2_short_split`: N 4256-5632 and
+        # 8480-10976 on 132 SMs). Within the SMs the 8-warp grid keeps its two accumulator sets.
+        elif (wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
+                and cdiv(tiles, 2) > sm_count and _skinny_q4_mt2_short_split(cdiv(tiles, 2), k, sm_count)):
+            warps, split = 4, 3
         # The same at a long K, where the two-tile 8-warp grid (split 2) takes more than one wave: 4
         # warps and the K split whose grid takes the fewest waves per unit of a warp's work, or 8
         # warps unsplit where those take fewer (`_skinny_q4_mt2_long_cta`).
         if (wfmt == "q4_0" and mt == 2 and long_k and r == 2 and warps == 8
                 and cdiv(tiles, 2) > sm_count):
             warps, split = _skinny_q4_mt2_long_cta(cdiv(tiles, 2), k, sm_count)
+        # Q8_0 at 9-16 tokens from K = 6144, where the two-tile 8-warp grid (one per SM) stays
+        # unsplit: 4 warps (three per SM) split where that costs less (`_skinny_q8_mt2_split`)
+        if (wfmt == "q8_0" and mt == 2 and r == 2 and warps == 8 and split == 1
+                and k >= _SKINNY_Q8_MT2_SPLIT_MIN_K):
+            split4 = _skinny_q8_mt2_split(cdiv(tiles, 2), sm_count)
+            if split4:
+                warps, split = 4, split4
         # two accumulator sets (two independent MMA chains) for Q4_0 at 9-16 tokens: 9.1 -> 7.9 us at
         # 16x4096x4096 on the H100; for Q4_0 no gain at M = 1 and a loss at M = 8, and a loss at long K
         # with the K split across CTAs (12x4096x14336: 21.6 -> 27.8) (docs/perf/NOTES.md, session 8);

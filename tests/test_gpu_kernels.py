@@ -1164,8 +1164,8 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
     tiles below one wave (301x3080x7200); session 56's decode rules: narrow weights with a deeper
     split, Q4_0 8 warps (3x500x4128), Q8_0 two tiles per CTA (5x1000x4128), Q4_0 four tiles x 4
     warps at 9-16 tokens of a long K (16x2000x14368), and Q8_0 at 9-16 tokens whose 8-warp grid
-    spills a wave: 4 warps, split 2 (13x4700x3616, Q4_0 one accumulator set there) or not
-    (16x10250x8224); at one token of wide weights Q4_0's int8 kernel with 4 warps, Q8_0's with
+    spills a wave: 4 warps, split 2 (13x4700x3616, where Q4_0 runs 4 warps split 3 since session
+    61) or not (16x10250x8224); at one token of wide weights Q4_0's int8 kernel with 4 warps, Q8_0's with
     two tiles per CTA (1x6150x4128); session 57's at 2-8 tokens where the grid passes two CTAs
     per SM: Q4_0 8 warps, Q8_0 one accumulator set (4x6150x4128), and split 2 where one tile per
     CTA fills at most one CTA per SM (5x2050x4128). M, N and K multiples of no tile,
@@ -1201,7 +1201,7 @@ def test_matmul_defaults_that_fill_the_gpu(fmt, rng):
         assert {(301, 14368, 128, 2, 4), (1100, 14368, 128, 2, 3)} <= seen, seen
         assert {(1100, 6176, 128, 2, 3), (101, 5152, 128, 2, 3), (301, 7200, 64, 2, 1)} <= seen, seen
         if q4:
-            assert {(3, 4128, 1, 8, 8, 1), (16, 14368, 4, 4, 4, 1), (13, 3616, 2, 8, 1, 1), (1, 4128, 1, 4, 1, 0)} <= seen, seen
+            assert {(3, 4128, 1, 8, 8, 1), (16, 14368, 4, 4, 4, 1), (13, 3616, 2, 4, 3, 1), (1, 4128, 1, 4, 1, 0)} <= seen, seen
         else:
             assert {(5, 4128, 2, 8, 8, 1), (13, 3616, 2, 4, 2, 1), (16, 8224, 2, 4, 1, 1), (1, 4128, 2, 8, 1, 0)} <= seen, seen
         assert (4, 4128, 1, 8, 1, 1) in seen and (5, 4128, 1, 16 if q4 else 8, 2, 1 if q4 else 2) in seen, seen
@@ -1292,6 +1292,40 @@ def test_decode_q4_0_long_k_splits(rng):
     for (m, n, k, xd), (warps, split) in cases.items():
         want = {"SK_R": 2, "SK_MT": 2, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_ACC": 1, "SK_GSPLIT": split}
         _packed_decode_default_runs_right("q4_0", m, n, k, xd, want, rng)
+
+
+def test_decode_q4_0_short_k_split3(rng):
+    """Session 61's Q4_0 default at 9-16 tokens below K = 8192, where it fires on a 132-SM Hopper:
+    two-tile CTAs of 4 warps split 3 where the 8-warp grid passes the SMs and costs more
+    (14x5000x4128: 157 CTAs unsplit; 16x4300x3104: 135, K just past the rule's 3072; 11x9000x5152:
+    282; 9x10950x4128: 343, the last before session 59's 4 warps unsplit) over the three activation
+    types; 8 warps unsplit at a tie (13x6000x4128: 188) and at a short K (15x5000x2080). N and K
+    multiples of no tile, fresh inputs, poisoned outputs, against the plan's exact math and float64
+    truth."""
+    if runtime.device_info().cc < 80:
+        pytest.skip("the skinny kernels need sm_80")
+    cases = {(14, 5000, 4128, "f16"): (4, 3), (16, 4300, 3104, "f32"): (4, 3), (11, 9000, 5152, "bf16"): (4, 3),
+             (9, 10950, 4128, "f32"): (4, 3), (13, 6000, 4128, "f32"): (8, 1), (15, 5000, 2080, "f16"): (8, 1)}
+    for (m, n, k, xd), (warps, split) in cases.items():
+        want = {"SK_R": 2, "SK_MT": 2, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_ACC": 1, "SK_GSPLIT": split}
+        _packed_decode_default_runs_right("q4_0", m, n, k, xd, want, rng)
+
+
+def test_decode_q8_0_split_on_four_warps(rng):
+    """Session 61's Q8_0 default at 9-16 tokens from K = 6144, where it fires on a 132-SM Hopper:
+    two-tile CTAs of 4 warps (three per SM) in place of the 8-warp grid unsplit -- split 4
+    (16x2600x8224: 82 CTAs), 3 (14x4100x14368: 129; 9x3500x18976: 110; 11x8000x6176: 250, K just
+    past the rule's 6144) -- over the three activation types; session 56's 4 warps split 2 where
+    they were (13x6100x8224: 191) and 8 warps unsplit below K = 6144 (15x4100x6112). N and K
+    multiples of no tile, fresh inputs, poisoned outputs, against the plan's exact math and float64
+    truth."""
+    if runtime.device_info().cc < 80:
+        pytest.skip("the skinny kernels need sm_80")
+    cases = {(14, 4100, 14368, "f16"): (4, 3), (16, 2600, 8224, "f32"): (4, 4), (11, 8000, 6176, "bf16"): (4, 3),
+             (9, 3500, 18976, "f32"): (4, 3), (13, 6100, 8224, "f32"): (4, 2), (15, 4100, 6112, "f16"): (8, 1)}
+    for (m, n, k, xd), (warps, split) in cases.items():
+        want = {"SK_R": 2, "SK_MT": 2, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_ACC": 1, "SK_GSPLIT": split}
+        _packed_decode_default_runs_right("q8_0", m, n, k, xd, want, rng)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])

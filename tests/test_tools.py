@@ -1116,8 +1116,15 @@ exit 0
     assert "--shapes 300x4096x14336,300x4096x14336 " in seen[0][2] + " "  # @cold stripped for compiling
     assert [(cwd, pp) for cwd, pp, tool in work[2:6]] == [(str(old), str(old)), (str(ROOT), str(ROOT))] * 2
     assert all(tool == "tools/compare_paths.py" for _, _, tool in work[2:6]) and work[6][2] == "tools/ab_report.py"
+    assert all("--fmts q4_0,q8_0 " in args for _, _, args in seen[2:6])  # both formats unless told
     table = (tmp_path / "out" / "ab.md").read_text()
     assert "| 300x4096x14336 | q4_0 | f32 | default | 86.00 | 77.80 | 0.905 | RS_SPLITK 1 -> 4 |" in table
+    calls.unlink()
+    r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=120,
+                       env={**env, "QGEMM_AB_OLD": str(old), "QGEMM_AB_SHAPES": "16x5120x4096", "QGEMM_AB_FMTS": "q4_0"})
+    assert r.returncode == 0 and "gpu_check: PASS" in r.stdout, r.stdout + r.stderr
+    runs = [args for _, _, args in (line.split("|") for line in calls.read_text().splitlines()) if "compare_paths" in args]
+    assert len(runs) == 4 and all("--fmts q4_0 " in args for args in runs), runs
     for extra, said in (({"QGEMM_AB_SHAPES": "1x64x64"}, "step ab needs QGEMM_AB_OLD"),
                         ({"QGEMM_AB_OLD": str(tmp_path), "QGEMM_AB_SHAPES": "1x64x64"}, "step ab needs QGEMM_AB_OLD"),
                         ({"QGEMM_AB_OLD": str(old)}, "step ab needs QGEMM_AB_SHAPES")):

@@ -26,7 +26,8 @@
 #   QGEMM_CHECK=ab QGEMM_AB_OLD=out/oldtree QGEMM_AB_SHAPES=300x4096x14336,300x4096x14336@cold \
 #       bash tools/gpu_check.sh    # whole op of an older tree (`git archive REV | tar -x -C out/oldtree`,
 #                                  # carried) against this one, alternating twice; tools/ab_report.py
-#                                  # tabulates it (QGEMM_AB_X: activation types, default f32)
+#                                  # tabulates it (QGEMM_AB_X: activation types, default f32;
+#                                  # QGEMM_AB_FMTS: weight formats, default q4_0,q8_0)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/gpu_check}
@@ -84,8 +85,9 @@ for step in $STEPS; do
               # (and the defaults' tests on large odd shapes apart too: with them the rest of the GPU
               # kernel tests took 565 of the 590 s in session 58, those two 264 s of it; the pattern
               # also takes session 59's test_decode_ladder_defaults_on_wide_weights; session 60's
-              # test_decode_q4_0_long_k_splits joins them)
-              DEFAULTS="fill_the_gpu or defaults_on_wide_weights or long_k_splits"
+              # test_decode_q4_0_long_k_splits joins them, and session 61's test_decode_q4_0_short_k_split3
+              # and test_decode_q8_0_split_on_four_warps)
+              DEFAULTS="fill_the_gpu or defaults_on_wide_weights or long_k_splits or short_k_split3 or split_on_four_warps"
               # (the CPU-side rest in two as well: in one process it took 544 of the 585 s on a fresh
               # H100 machine in session 56 -- four of its six slowest tests are the registry / CLI and
               # tool tests -- and 440 + 289 s as two; the longest process of the step then took 528 s)
@@ -339,7 +341,8 @@ for step in $STEPS; do
               for tree in "$old" "$PWD"; do run_in "$tree" $PY tools/precompile.py all --defaults-only --shapes "${shapes//@cold/}"; done
               for r in 1 2; do for side in old new; do
                   tree=$([ $side = old ] && echo "$old" || echo "$PWD")
-                  run_in "$tree" $PY tools/compare_paths.py --shapes "$shapes" --x-dtypes "${QGEMM_AB_X:-f32}" --repeats 1 \
+                  run_in "$tree" $PY tools/compare_paths.py --shapes "$shapes" --x-dtypes "${QGEMM_AB_X:-f32}" \
+                      --fmts "${QGEMM_AB_FMTS:-q4_0,q8_0}" --repeats 1 \
                       --json "$OUT/ab-$side-$r.json"
               done; done
               run $PY tools/ab_report.py --old "$OUT/ab-old-1.json,$OUT/ab-old-2.json" --new "$OUT/ab-new-1.json,$OUT/ab-new-2.json" \
