@@ -607,6 +607,43 @@ def _skinny_q4_mt2_short_split(ctas: int, k: int, sm_count: int) -> bool:
     return k >= _SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K and waves3 <= 2 and waves3 / 12 < cdiv(ctas, slots8) / 8
 
 
+# The share of its slots (four per SM) up to which the 4-warp grid split 4 of
+# `_skinny_q4_mt2_split4_within_sms` is taken: 120 CTAs x 4 of 528 on 132 SMs (91%) gained, 128 x 4
+# (97%) measured level.
+_SKINNY_Q4_MT2_SPLIT4_FILL = 0.91
+
+
+def _skinny_q4_mt2_split4_within_sms(ctas: int, k: int, sm_count: int) -> bool:
+    """Whether Q4_0's decode kernel at 9-16 tokens below K = 8192, on two-tile CTAs of 8 warps
+    unsplit with two accumulator sets (`ctas` of them, at most one per SM: 134 registers), takes 4
+    warps split 4 instead (one set, four per SM): a quarter of a warp's serial work in the same one
+    wave, the cost of `_skinny_q4_mt2_long_cta` at 1/16 against 1/8 -- where that grid fills at most
+    `_SKINNY_Q4_MT2_SPLIT4_FILL` of its slots, from K = 3072 (`_SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K`).
+    Near a full wave of four per SM the cost does not hold: at 128 CTAs (N = 4096, the bench's row)
+    the 8-warp grid fills 97% of the SMs and measured level. Below 67 CTAs on 132 SMs the default
+    splits already (`_skinny_fill_split`), so only 67-120 CTAs (N 2144-3840) are asked.
+    Session 61, H100, `tools/probe_defines.py`, kernel alone, hot / weights cold, 8 warps unsplit
+    with two sets -> 4 warps split 4, us:
+      16x2560x4096 (80 CTAs)   7.38 / 8.06 -> 6.00 / 6.55
+      16x3072x3072 (96)        6.71 / 7.12 -> 5.56 / 5.82; float16 x 6.76 / 6.95 -> 5.83 / 6.09
+      16x3584x3584 (112)       7.86 / 8.42 -> 6.21 / 6.52; float16 x 7.74 / 8.27 -> 6.88 / 7.07
+      16x3584x5120 (112)       10.21 / 10.83 -> 7.57 / 8.35
+      16x3840x4096 (120)       7.50 / 8.28 -> 6.64 / 7.09 (call 11)
+    and at 9 and 12 tokens (call 11): 9x3584x3584 7.07 / 7.91 -> 5.79 / 6.20, 12x 7.43 / 8.13 ->
+    6.09 / 6.44, 12x3072x3072 6.10 / 6.69 -> 5.54 / 5.71, 9x2560x4096 7.03 / 7.49 -> 6.06 / 6.53;
+    at the lower edge 16x2176x4096 (68) 7.41 / 7.79 -> 6.34 / 6.60. Whole op, old -> new, float32
+    x / float16 x: 16x3584x3584 7.80 -> 6.48 / 7.75 -> 6.84, 16x3584x5120 10.40 -> 7.75 / 9.34 ->
+    7.89, 9x3584x3584 cold 7.94 -> 6.18 / 6.79 -> 6.20 (all six shapes 0.75-0.91;
+    docs/production.md).
+    Not taken, at 128 CTAs: 16x4096x4096 7.48 / 8.35 -> 7.70 / 8.28 (12x 1.02 / 0.98, 9x 1.01 /
+    0.95; float16 x 1.08 / 1.02), 16x4096x3072 1.07 / 1.02, though 16x4096x6144 11.94 / 12.70 ->
+    9.95 / 10.59; split 3 (one set 0.85-1.08, two sets 0.78-1.01) and split 2 (1.09-1.41) behind
+    split 4 at 80-112 CTAs."""
+    slots = _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count
+    return (k >= _SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K and ctas <= sm_count
+            and 4 * ctas <= _SKINNY_Q4_MT2_SPLIT4_FILL * slots)
+
+
 def _skinny_splits(n: int, k: int, r: int, warps: int) -> tuple:
     """The K splits `qgemm tune` tries for the decode kernels: 1, 2, 4, 3 from K = 3072
     (`_skinny_q4_mt2_long_cta`, `_skinny_q4_mt2_short_split`) and the fill splits of a 132-SM GPU
@@ -768,6 +805,11 @@ def _skinny_config(wfmt: str):
         elif (wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
                 and cdiv(tiles, 2) > sm_count and _skinny_q4_mt2_short_split(cdiv(tiles, 2), k, sm_count)):
             warps, split = 4, 3
+        # Within the SMs, where that grid runs two accumulator sets, 4 warps split 4 where they fill
+        # at most 91% of their slots (`_skinny_q4_mt2_split4_within_sms`: N 2144-3840 on 132 SMs)
+        elif (wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
+                and _skinny_q4_mt2_split4_within_sms(cdiv(tiles, 2), k, sm_count)):
+            warps, split = 4, 4
         # The same at a long K, where the two-tile 8-warp grid (split 2) takes more than one wave: 4
         # warps and the K split whose grid takes the fewest waves per unit of a warp's work, or 8
         # warps unsplit where those take fewer (`_skinny_q4_mt2_long_cta`).

@@ -792,8 +792,8 @@ def test_skinny_defaults_session_61():
         assert sk(q4, m, 4096, 4096) == (2, 8, 1, 1, 2) and sk(q4, m, 6144, 4096) == (2, 8, 1, 1, 1), m
         assert sk(q8, m, 5120, 4096) == (2, 4, 1, 2, 1) and sk(q8, m, 9216, 4096) == (2, 4, 1, 1, 1), m
         # the SM count: on 114 SMs N = 4224 (132 CTAs) passes the SMs and splits; on 264 N = 5120 (160)
-        # is within them and keeps two sets
-        assert sk(q4, m, 4224, 4096, sms=114) == (2, 4, 1, 3, 1) and sk(q4, m, 5120, 4096, sms=264)[3] == 1, m
+        # is within them (and within the share of `test_skinny_q4_within_the_sms_session_61`: split 4)
+        assert sk(q4, m, 4224, 4096, sms=114) == (2, 4, 1, 3, 1) and sk(q4, m, 5120, 4096, sms=264)[3] == 4, m
     for m in (2, 8):
         assert sk(q4, m, 5120, 4096)[3] == 1 and sk(q4, m, 9216, 4096)[3] == 1, m
     # the cost as documented: a strict gain only, in at most two waves of four per SM
@@ -803,6 +803,41 @@ def test_skinny_defaults_session_61():
     # split 3 is among the candidates `qgemm tune` tries from K = 3072, and with it every new default
     for n, k in ((4608, 3584), (10240, 4096), (5120, 3072)):
         assert R.spec(q4).config(16, n, k, 132) in R.spec(q4).candidates(16, n, k)
+
+
+def test_skinny_q4_within_the_sms_session_61():
+    """Session 61: Q4_0 at 9-16 tokens below K = 8192 within the SMs, where the two-tile grid of 8
+    warps unsplit runs two accumulator sets, one CTA per SM: 4 warps split 4 (one set, four per SM)
+    where that grid fills at most 91% of its slots (`_skinny_q4_mt2_split4_within_sms`) -- 67-120
+    CTAs on 132 SMs, N 2144-3840 -- from K = 3072. The bench's N = 4096 (128 CTAs, measured level),
+    the narrow weights' splits below 67 CTAs, K = 2048, long K and Q8_0 keep theirs; the 16-bit
+    variants follow; the SM count moves every edge."""
+    from qgemm import registry as R
+
+    sk = _skinny_defaults
+    q4, q8 = "w4a16.skinny", "w8a16.skinny"
+    edges = {2112: (2, 8, 1, 2, 2), 2144: (2, 4, 1, 4, 1), 3840: (2, 4, 1, 4, 1), 3872: (2, 8, 1, 1, 2),
+             4096: (2, 8, 1, 1, 2)}
+    for m in (9, 12, 16):
+        for x in ("", "_f16", "_bf16"):
+            for k in (3072, 3584, 4096, 5120, 8160):
+                for n, want in edges.items():
+                    if x and want[1] == 8:  # the 16-bit variants' own CTA there (`_x16_config`)
+                        continue
+                    assert sk(q4 + x, m, n, k) == want, (x, m, n, k)
+            # the models' shapes: Qwen2.5-7B's q / o, Llama-3.2 3B's q / o
+            assert sk(q4 + x, m, 3584, 3584) == sk(q4 + x, m, 3072, 3072) == (2, 4, 1, 4, 1), (x, m)
+        # as before: K = 2048 and a long K; Q8_0
+        assert sk(q4, m, 3072, 2048) == (2, 8, 1, 1, 2) and sk(q4, m, 3072, 8192) == (2, 8, 1, 2, 1), m
+        assert sk(q8, m, 3584, 3584) == (2, 8, 1, 1, 1), m
+        # the SM count: on 114 SMs 103 CTAs are 90% of the 456 slots of four per SM, 104 are 91.2%
+        assert sk(q4, m, 3296, 4096, sms=114) == (2, 4, 1, 4, 1) and sk(q4, m, 3328, 4096, sms=114)[3] == 1, m
+    for m in (2, 8):
+        assert sk(q4, m, 3584, 3584)[3] == 1, m
+    assert [R._skinny_q4_mt2_split4_within_sms(c, 4096, 132) for c in (67, 112, 120, 121, 128, 132, 133)] == \
+        [True, True, True, False, False, False, False]
+    assert not R._skinny_q4_mt2_split4_within_sms(100, 3040, 132)
+    assert R.spec(q4).config(16, 3584, 3584, 132) in R.spec(q4).candidates(16, 3584, 3584)
 
 
 def test_skinny_q8_defaults_session_61():

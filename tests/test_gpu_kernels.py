@@ -1295,19 +1295,23 @@ def test_decode_q4_0_long_k_splits(rng):
 
 
 def test_decode_q4_0_short_k_split3(rng):
-    """Session 61's Q4_0 default at 9-16 tokens below K = 8192, where it fires on a 132-SM Hopper:
+    """Session 61's Q4_0 defaults at 9-16 tokens below K = 8192, where they fire on a 132-SM Hopper:
     two-tile CTAs of 4 warps split 3 where the 8-warp grid passes the SMs and costs more
     (14x5000x4128: 157 CTAs unsplit; 16x4300x3104: 135, K just past the rule's 3072; 11x9000x5152:
-    282; 9x10950x4128: 343, the last before session 59's 4 warps unsplit) over the three activation
-    types; 8 warps unsplit at a tie (13x6000x4128: 188) and at a short K (15x5000x2080). N and K
-    multiples of no tile, fresh inputs, poisoned outputs, against the plan's exact math and float64
-    truth."""
+    282; 9x10950x4128: 343, the last before session 59's 4 warps unsplit), split 4 within the SMs
+    where that grid fills at most 91% of its slots (12x2200x4128: 69 CTAs; 10x3000x3104: 94;
+    16x3500x3616: 110) -- over the three activation types; 8 warps unsplit at a tie (13x6000x4128:
+    188), at a short K (15x5000x2080) and within the SMs past that share, with two accumulator sets
+    (16x3900x4128: 122). N and K multiples of no tile, fresh inputs, poisoned outputs, against the
+    plan's exact math and float64 truth."""
     if runtime.device_info().cc < 80:
         pytest.skip("the skinny kernels need sm_80")
-    cases = {(14, 5000, 4128, "f16"): (4, 3), (16, 4300, 3104, "f32"): (4, 3), (11, 9000, 5152, "bf16"): (4, 3),
-             (9, 10950, 4128, "f32"): (4, 3), (13, 6000, 4128, "f32"): (8, 1), (15, 5000, 2080, "f16"): (8, 1)}
-    for (m, n, k, xd), (warps, split) in cases.items():
-        want = {"SK_R": 2, "SK_MT": 2, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_ACC": 1, "SK_GSPLIT": split}
+    cases = {(14, 5000, 4128, "f16"): (4, 3, 1), (16, 4300, 3104, "f32"): (4, 3, 1), (11, 9000, 5152, "bf16"): (4, 3, 1),
+             (9, 10950, 4128, "f32"): (4, 3, 1), (13, 6000, 4128, "f32"): (8, 1, 1), (15, 5000, 2080, "f16"): (8, 1, 1),
+             (12, 2200, 4128, "f32"): (4, 4, 1), (10, 3000, 3104, "bf16"): (4, 4, 1), (16, 3500, 3616, "f16"): (4, 4, 1),
+             (16, 3900, 4128, "f32"): (8, 1, 2)}
+    for (m, n, k, xd), (warps, split, acc) in cases.items():
+        want = {"SK_R": 2, "SK_MT": 2, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_ACC": acc, "SK_GSPLIT": split}
         _packed_decode_default_runs_right("q4_0", m, n, k, xd, want, rng)
 
 
