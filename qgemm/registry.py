@@ -567,7 +567,8 @@ def _skinny_q8_mt2_split(ctas: int, sm_count: int) -> int:
 
 # The shortest K at which Q4_0's 9-16-token two-tile CTAs take `_skinny_q4_mt2_short_split`'s split 3:
 # each of a part's 4 warps then still walks 8 of its 32-wide blocks (session 61: at K = 2048, 5 and
-# a third, split 3 measured 1.03-1.07x slower; from K = 3584 up it gained).
+# a third, split 3 measured 1.03-1.07x slower; at K = 3072 the 8-warp grid was 1.04-1.18x slower
+# than it, kernel alone, and split 3 gained at every K measured above).
 _SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K = 3072
 
 
@@ -582,8 +583,8 @@ def _skinny_q4_mt2_short_split(ctas: int, k: int, sm_count: int) -> bool:
     (one wave of 8 warps against one of 4 warps split 3: 1/8 against 1/12; N 4256-5632) and 265-352
     (two against two: 1/4 against 1/6; N 8480-11264, where `_skinny_config` has already given
     4 warps unsplit to 344 CTAs and more, session 59's rule, which split 3 did not beat).
-    `_skinny_config` asks only past 132 CTAs: within the SMs the cost does not hold (an SM's one
-    CTA is not the latency-bound crowd it counts), and the 8-warp grid runs two accumulator sets.
+    `_skinny_config` asks only past 132 CTAs; within the SMs, where the 8-warp grid runs two
+    accumulator sets, `_skinny_q4_mt2_split4_within_sms` decides.
     Session 61, H100, `tools/probe_defines.py`, kernel alone, float32 x, hot / weights cold,
     8 warps unsplit -> 4 warps split 3, us:
       16x4608x3584 (144 CTAs)  8.95 / 9.43 -> 7.73 / 8.45;  12x 8.33 / 8.41 -> 7.62 / 8.17;
@@ -801,7 +802,7 @@ def _skinny_config(wfmt: str):
             warps = 4
         # Where that grid stays and passes one wave of one CTA per SM, 4 warps split 3 where they
         # take fewer waves per unit of a warp's work (`_skinny_q4_mt2_short_split`: N 4256-5632 and
-        # 8480-10976 on 132 SMs). Within the SMs the 8-warp grid keeps its two accumulator sets.
+        # 8480-10976 on 132 SMs)
         elif (wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
                 and cdiv(tiles, 2) > sm_count and _skinny_q4_mt2_short_split(cdiv(tiles, 2), k, sm_count)):
             warps, split = 4, 3

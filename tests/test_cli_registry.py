@@ -767,9 +767,9 @@ def test_skinny_defaults_session_61():
     (two per SM) passes the SMs and session 59's 4-warp rule has not fired: 4 warps split 3 where
     that grid costs strictly less by session 60's cost, waves / (split x warps), in at most two
     waves (`_skinny_q4_mt2_short_split`) -- 133-176 CTAs and 265-343 on 132 SMs -- from K = 3072.
-    At 177-264 CTAs (a tie), within the SMs (two accumulator sets), at K = 2048, from 344 CTAs
-    (session 59's 4 warps unsplit), at 2-8 tokens and for Q8_0 the defaults are as before; the
-    16-bit variants follow; the SM count moves every edge."""
+    At 177-264 CTAs (a tie), at K = 2048, from 344 CTAs (session 59's 4 warps unsplit), at 2-8
+    tokens and for Q8_0 the defaults are as before (within the SMs: `test_skinny_q4_within_the_sms_
+    session_61`); the 16-bit variants follow; the SM count moves every edge."""
     from qgemm import registry as R
 
     sk = _skinny_defaults
@@ -787,7 +787,7 @@ def test_skinny_defaults_session_61():
             # the models' shapes: Qwen2.5-7B's q / k / v fused, 12-14B's q / o, Llama-2 13B's gate and up
             for n, k in ((4608, 3584), (5120, 5120), (10240, 5120), (9216, 4096)):
                 assert sk(q4 + x, m, n, k) == (2, 4, 1, 3, 1), (x, m, n, k)
-        # as before: a short K, 2-8 tokens, Q8_0; the bench's 16x4096x4096 and 2048 keep two sets
+        # as before: K = 2048 and 3040, N = 6144 (a tie), Q8_0; the bench's 16x4096x4096 keeps two sets
         assert sk(q4, m, 5120, 2048) == (2, 8, 1, 1, 1) and sk(q4, m, 9216, 3040) == (2, 8, 1, 1, 1), m
         assert sk(q4, m, 4096, 4096) == (2, 8, 1, 1, 2) and sk(q4, m, 6144, 4096) == (2, 8, 1, 1, 1), m
         assert sk(q8, m, 5120, 4096) == (2, 4, 1, 2, 1) and sk(q8, m, 9216, 4096) == (2, 4, 1, 1, 1), m
@@ -862,7 +862,7 @@ def test_skinny_q8_defaults_session_61():
                 for n, want in edges.items():
                     assert sk(q8 + x, m, n, k) == want, (x, m, n, k)
             # the models' shapes: Llama-3 8B's o / q and down, Qwen2.5-7B's down, 70B's o and down
-            for n, k, want in ((4096, 4096 * 2, (2, 4, 1, 3, 1)), (4096, 14336, (2, 4, 1, 3, 1)),
+            for n, k, want in ((4096, 8192, (2, 4, 1, 3, 1)), (4096, 14336, (2, 4, 1, 3, 1)),
                                (3584, 18944, (2, 4, 1, 3, 1)), (8192, 8192, (2, 4, 1, 3, 1)),
                                (8192, 28672, (2, 4, 1, 3, 1)), (2560, 8192, (2, 4, 1, 4, 1))):
                 assert sk(q8 + x, m, n, k) == want, (x, m, n, k)
@@ -871,7 +871,7 @@ def test_skinny_q8_defaults_session_61():
             assert sk(q8, m, n, 5120) == (2, 8, 1, 1, 1) and sk(q8, m, n, 4096) == (2, 8, 1, 1, 1), (m, n)
         assert sk(q4, m, 4096, 14336) == (2, 8, 1, 2, 1) and sk(q4, m, 3584, 18944) == (2, 8, 1, 2, 1), m
         # the SM count: on 114 SMs N = 4096 (128 CTAs) passes the SMs and takes 4 warps split 2; on 264
-        # N = 8192 (256 CTAs) is within them: split 4
+        # N = 8192 (256 CTAs) is within them: split 3 (768 CTAs, one wave of three per SM)
         assert sk(q8, m, 4096, 8192, sms=114) == (2, 4, 1, 2, 1) and sk(q8, m, 8192, 8192, sms=264) == (2, 4, 1, 3, 1), m
     for m in (2, 8):  # 2-8 tokens as before
         assert sk(q8, m, 4096, 14336) == (2, 8, 1, 2, 1) and sk(q8, m, 8192, 8192)[:2] == (2, 8), m

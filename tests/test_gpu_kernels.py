@@ -1229,6 +1229,16 @@ def _packed_decode_default_runs_right(fmt, m, n, k, xd, want, rng):
     assert r.passed, (p.kernel, p.defines, r)
 
 
+def _two_tile_decode_defaults_run_right(fmt, cases, rng):
+    """`_packed_decode_default_runs_right` over `cases` {(m, n, k, x type): (SK_WARPS, SK_GSPLIT[,
+    SK_ACC])}: the decode kernel's two-tile CTAs at 9-16 tokens (one accumulator set unless named)."""
+    if runtime.device_info().cc < 80:
+        pytest.skip("the skinny kernels need sm_80")
+    for (m, n, k, xd), (warps, split, *acc) in cases.items():
+        want = {"SK_R": 2, "SK_MT": 2, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_ACC": acc[0] if acc else 1, "SK_GSPLIT": split}
+        _packed_decode_default_runs_right(fmt, m, n, k, xd, want, rng)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("xd", ["f32", "f16", "bf16"])
 def test_decode_defaults_on_wide_weights(fmt, xd, rng):
@@ -1285,16 +1295,12 @@ def test_decode_q4_0_long_k_splits(rng):
     unsplit where they cost less (12x20000x8224: 625). N and K multiples of no tile (K = 8224: 257
     blocks, the last group of four holding one), fresh inputs, poisoned outputs, against the plan's
     exact math and float64 truth."""
-    if runtime.device_info().cc < 80:
-        pytest.skip("the skinny kernels need sm_80")
-    cases = {(14, 5000, 14368, "f16"): (4, 3), (16, 5100, 8224, "f32"): (4, 3), (11, 10230, 8224, "bf16"): (4, 3),
-             (13, 7000, 8224, "f32"): (4, 2), (9, 14300, 8224, "f16"): (4, 1), (12, 20000, 8224, "f32"): (8, 1)}
-    for (m, n, k, xd), (warps, split) in cases.items():
-        want = {"SK_R": 2, "SK_MT": 2, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_ACC": 1, "SK_GSPLIT": split}
-        _packed_decode_default_runs_right("q4_0", m, n, k, xd, want, rng)
+    _two_tile_decode_defaults_run_right("q4_0", {
+        (14, 5000, 14368, "f16"): (4, 3), (16, 5100, 8224, "f32"): (4, 3), (11, 10230, 8224, "bf16"): (4, 3),
+        (13, 7000, 8224, "f32"): (4, 2), (9, 14300, 8224, "f16"): (4, 1), (12, 20000, 8224, "f32"): (8, 1)}, rng)
 
 
-def test_decode_q4_0_short_k_split3(rng):
+def test_decode_q4_0_short_k_splits(rng):
     """Session 61's Q4_0 defaults at 9-16 tokens below K = 8192, where they fire on a 132-SM Hopper:
     two-tile CTAs of 4 warps split 3 where the 8-warp grid passes the SMs and costs more
     (14x5000x4128: 157 CTAs unsplit; 16x4300x3104: 135, K just past the rule's 3072; 11x9000x5152:
@@ -1304,15 +1310,11 @@ def test_decode_q4_0_short_k_split3(rng):
     188), at a short K (15x5000x2080) and within the SMs past that share, with two accumulator sets
     (16x3900x4128: 122). N and K multiples of no tile, fresh inputs, poisoned outputs, against the
     plan's exact math and float64 truth."""
-    if runtime.device_info().cc < 80:
-        pytest.skip("the skinny kernels need sm_80")
-    cases = {(14, 5000, 4128, "f16"): (4, 3, 1), (16, 4300, 3104, "f32"): (4, 3, 1), (11, 9000, 5152, "bf16"): (4, 3, 1),
-             (9, 10950, 4128, "f32"): (4, 3, 1), (13, 6000, 4128, "f32"): (8, 1, 1), (15, 5000, 2080, "f16"): (8, 1, 1),
-             (12, 2200, 4128, "f32"): (4, 4, 1), (10, 3000, 3104, "bf16"): (4, 4, 1), (16, 3500, 3616, "f16"): (4, 4, 1),
-             (16, 3900, 4128, "f32"): (8, 1, 2)}
-    for (m, n, k, xd), (warps, split, acc) in cases.items():
-        want = {"SK_R": 2, "SK_MT": 2, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_ACC": acc, "SK_GSPLIT": split}
-        _packed_decode_default_runs_right("q4_0", m, n, k, xd, want, rng)
+    _two_tile_decode_defaults_run_right("q4_0", {
+        (14, 5000, 4128, "f16"): (4, 3), (16, 4300, 3104, "f32"): (4, 3), (11, 9000, 5152, "bf16"): (4, 3),
+        (9, 10950, 4128, "f32"): (4, 3), (13, 6000, 4128, "f32"): (8, 1), (15, 5000, 2080, "f16"): (8, 1),
+        (12, 2200, 4128, "f32"): (4, 4), (10, 3000, 3104, "bf16"): (4, 4), (16, 3500, 3616, "f16"): (4, 4),
+        (16, 3900, 4128, "f32"): (8, 1, 2)}, rng)
 
 
 def test_decode_q8_0_split_on_four_warps(rng):
@@ -1323,13 +1325,9 @@ def test_decode_q8_0_split_on_four_warps(rng):
     they were (13x6100x8224: 191) and 8 warps unsplit below K = 6144 (15x4100x6112). N and K
     multiples of no tile, fresh inputs, poisoned outputs, against the plan's exact math and float64
     truth."""
-    if runtime.device_info().cc < 80:
-        pytest.skip("the skinny kernels need sm_80")
-    cases = {(14, 4100, 14368, "f16"): (4, 3), (16, 2600, 8224, "f32"): (4, 4), (11, 8000, 6176, "bf16"): (4, 3),
-             (9, 3500, 18976, "f32"): (4, 3), (13, 6100, 8224, "f32"): (4, 2), (15, 4100, 6112, "f16"): (8, 1)}
-    for (m, n, k, xd), (warps, split) in cases.items():
-        want = {"SK_R": 2, "SK_MT": 2, "SK_WARPS": warps, "SK_UNROLL": 1, "SK_ACC": 1, "SK_GSPLIT": split}
-        _packed_decode_default_runs_right("q8_0", m, n, k, xd, want, rng)
+    _two_tile_decode_defaults_run_right("q8_0", {
+        (14, 4100, 14368, "f16"): (4, 3), (16, 2600, 8224, "f32"): (4, 4), (11, 8000, 6176, "bf16"): (4, 3),
+        (9, 3500, 18976, "f32"): (4, 3), (13, 6100, 8224, "f32"): (4, 2), (15, 4100, 6112, "f16"): (8, 1)}, rng)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])

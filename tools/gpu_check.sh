@@ -85,9 +85,9 @@ for step in $STEPS; do
               # (and the defaults' tests on large odd shapes apart too: with them the rest of the GPU
               # kernel tests took 565 of the 590 s in session 58, those two 264 s of it; the pattern
               # also takes session 59's test_decode_ladder_defaults_on_wide_weights; session 60's
-              # test_decode_q4_0_long_k_splits joins them, and session 61's test_decode_q4_0_short_k_split3
+              # test_decode_q4_0_long_k_splits joins them, and session 61's test_decode_q4_0_short_k_splits
               # and test_decode_q8_0_split_on_four_warps)
-              DEFAULTS="fill_the_gpu or defaults_on_wide_weights or long_k_splits or short_k_split3 or split_on_four_warps"
+              DEFAULTS="fill_the_gpu or defaults_on_wide_weights or long_k_splits or short_k_splits or split_on_four_warps"
               # (the CPU-side rest in two as well: in one process it took 544 of the 585 s on a fresh
               # H100 machine in session 56 -- four of its six slowest tests are the registry / CLI and
               # tool tests -- and 440 + 289 s as two; the longest process of the step then took 528 s)
