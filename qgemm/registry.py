@@ -459,6 +459,15 @@ def _skinny_q8_lighter_in_waves(m: int, tiles: int, k: int, sm_count: int) -> bo
     return 5 <= m <= 8 and k < 8192 and tiles > 4 * sm_count
 
 
+def _wave_cost(ctas: int, split: int, warps: int, per_sm: int, sm_count: int) -> float:
+    """Session 60's cost of a decode grid at 9-16 tokens: the waves its `ctas` CTAs split `split`
+    ways take in slots of `per_sm` per SM, over split x warps (a warp's serial share of K). These
+    kernels are latency-bound there, so an SM's warps run at about the same rate whatever the fill;
+    the rules below compare grids by it (`_skinny_q4_mt2_long_cta`, `_skinny_q4_mt2_short_split`,
+    `_skinny_q8_mt2_split`)."""
+    return cdiv(ctas * split, per_sm * sm_count) / (split * warps)
+
+
 def _skinny_q4_mt2_long_cta(ctas: int, k: int, sm_count: int) -> tuple[int, int]:
     """(SK_WARPS, SK_GSPLIT) of the Q4_0 decode kernel's two-tile CTAs at 9-16 tokens of a long K
     (`ctas` of them unsplit). Cost = waves / (split x warps): a warp's serial share of K times the
@@ -512,9 +521,10 @@ def _skinny_q4_mt2_long_cta(ctas: int, k: int, sm_count: int) -> tuple[int, int]
         waves = cdiv(ctas * split, slots)
         if split > 1 and (waves > 2 or cdiv(k // 32, 4) < 4 * split):
             break
-        if waves / (4 * split) < best_cost:
-            best_cost, best = waves / (4 * split), split
-    if cdiv(ctas, slots) > 2 or cdiv(ctas, _SKINNY_Q4_MT2_8W_CTAS_PER_SM * sm_count) / 8 < best_cost:
+        cost = _wave_cost(ctas, split, 4, _SKINNY_Q4_MT2_CTAS_PER_SM, sm_count)
+        if cost < best_cost:
+            best_cost, best = cost, split
+    if cdiv(ctas, slots) > 2 or _wave_cost(ctas, 1, 8, _SKINNY_Q4_MT2_8W_CTAS_PER_SM, sm_count) < best_cost:
         return 8, 1
     return 4, best
 
@@ -555,13 +565,13 @@ def _skinny_q8_mt2_split(ctas: int, sm_count: int) -> int:
     measured as ties or losses: 4 warps split 2 at 112-256 CTAs 1.00-1.15, split 4 at 224-256 (three
     waves) 1.00-1.04, 16x2048x14336 (64 CTAs, already split 2 on 8 warps) split 4 1.04 / 1.05."""
     slots = _SKINNY_Q8_MT2_CTAS_PER_SM * sm_count
-    best_cost, best = cdiv(ctas, sm_count) / 8, 0
+    best_cost, best = _wave_cost(ctas, 1, 8, 1, sm_count), 0  # 8 warps unsplit, one per SM
     for split in range(1, 5):
-        waves = cdiv(ctas * split, slots)
-        if waves > 2:
+        if cdiv(ctas * split, slots) > 2:
             break
-        if waves / (4 * split) < best_cost:
-            best_cost, best = waves / (4 * split), split
+        cost = _wave_cost(ctas, split, 4, _SKINNY_Q8_MT2_CTAS_PER_SM, sm_count)
+        if cost < best_cost:
+            best_cost, best = cost, split
     return best
 
 
@@ -603,9 +613,9 @@ def _skinny_q4_mt2_short_split(ctas: int, k: int, sm_count: int) -> bool:
     (0.95-1.13) and 4 (0.95-1.21) at 133-176 CTAs; 4 warps unsplit at 265-342 (0.89-1.05, behind
     split 3 but at 12x9216x4096); split 3 at 344 CTAs, on session 59's 4 warps (16x11008x4096 1.01
     / 1.09, 12x 0.97 / 1.03); split 3 at K = 2048 (16x5120x2048 1.07 / 1.03)."""
-    slots8 = _SKINNY_Q4_MT2_8W_CTAS_PER_SM * sm_count
-    waves3 = cdiv(3 * ctas, _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count)
-    return k >= _SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K and waves3 <= 2 and waves3 / 12 < cdiv(ctas, slots8) / 8
+    return (k >= _SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K and cdiv(3 * ctas, _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count) <= 2
+            and _wave_cost(ctas, 3, 4, _SKINNY_Q4_MT2_CTAS_PER_SM, sm_count)
+            < _wave_cost(ctas, 1, 8, _SKINNY_Q4_MT2_8W_CTAS_PER_SM, sm_count))
 
 
 # The share of its slots (four per SM) up to which the 4-warp grid split 4 of
