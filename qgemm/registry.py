@@ -807,19 +807,18 @@ def _skinny_config(wfmt: str):
         # (16x18944: 1.00-1.01, 1.12 waves of four); slower below: 12x9216x4096 (576 tiles, 55%) whole
         # op 1.07-1.08, 6144 and 8192 x4096 (192-256 CTAs) kernel alone 1.5-1.6. One tile per CTA of 4
         # warps lost everywhere (1.10-2.05x).
-        if (wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
-                and cdiv(tiles, 2) >= 0.65 * _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count):
+        q4_two_tile_8w = wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
+        if q4_two_tile_8w and cdiv(tiles, 2) >= 0.65 * _SKINNY_Q4_MT2_CTAS_PER_SM * sm_count:
             warps = 4
         # Where that grid stays and passes one wave of one CTA per SM, 4 warps split 3 where they
         # take fewer waves per unit of a warp's work (`_skinny_q4_mt2_short_split`: N 4256-5632 and
         # 8480-10976 on 132 SMs)
-        elif (wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
-                and cdiv(tiles, 2) > sm_count and _skinny_q4_mt2_short_split(cdiv(tiles, 2), k, sm_count)):
+        elif (q4_two_tile_8w and cdiv(tiles, 2) > sm_count
+                and _skinny_q4_mt2_short_split(cdiv(tiles, 2), k, sm_count)):
             warps, split = 4, 3
         # Within the SMs, where that grid runs two accumulator sets, 4 warps split 4 where they fill
         # at most 91% of their slots (`_skinny_q4_mt2_split4_within_sms`: N 2144-3840 on 132 SMs)
-        elif (wfmt == "q4_0" and mt == 2 and not long_k and r == 2 and split == 1 and warps == 8
-                and _skinny_q4_mt2_split4_within_sms(cdiv(tiles, 2), k, sm_count)):
+        elif q4_two_tile_8w and _skinny_q4_mt2_split4_within_sms(cdiv(tiles, 2), k, sm_count):
             warps, split = 4, 4
         # The same at a long K, where the two-tile 8-warp grid (split 2) takes more than one wave: 4
         # warps and the K split whose grid takes the fewest waves per unit of a warp's work, or 8
