@@ -107,3 +107,31 @@ def by_function(listing: str) -> dict[str, SassCounts]:
             current.opcodes[m.group(1)] += 1
             current.forms[m.group(1) + m.group(2)] += 1
     return out
+
+
+# an HGMMA's operands end with `gsb0` when it closes a wgmma group (the scoreboard a later
+# WARPGROUP.DEPBAR waits on)
+_HGMMA = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?HGMMA\S*\s+([^;]*);")
+
+
+def serialized_wgmma(listing: str) -> list[str]:
+    """The functions of an nvdisasm listing whose wgmma ptxas serialized: two or more HGMMA and
+    every one closing its own group (`gsb0`), each then waited for before the next issues. A
+    pipelined kernel issues a commit group's wgmma back to back, only the last with `gsb0`.
+    ptxas says so in its log (C7513) when it cannot prove the registers of an in-flight wgmma
+    untouched, but not always: under register pressure it serialized silently (session 63,
+    docs/perf/NOTES.md), so only the SASS tells."""
+    found: dict[str, list[int]] = {}
+    current = None
+    for text in listing.splitlines():
+        label = _FUNCTION.match(text)
+        if label:
+            current = label.group(1)
+            continue
+        m = _HGMMA.match(text)
+        if m and current is not None:
+            n = found.setdefault(current, [0, 0])
+            n[0] += 1
+            n[1] += m.group(1).replace(" ", "").endswith(",gsb0")
+    return sorted(f for f, (total, closing) in found.items() if total >= 2 and closing == total)
+

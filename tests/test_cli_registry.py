@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import qgemm
-from qgemm import check, jit, registry, runtime
+from qgemm import check, jit, registry, runtime, sass
 from qgemm.cli import app
 
 runner = CliRunner()
@@ -405,6 +405,10 @@ def test_wgmma_is_not_serialized(name):
         seen.add(key)
         ck = k.compile("sm_90", d, use_cache=False)
         assert "C7513" not in ck.log and "serialized" not in ck.log, (d, ck.log)
+        # ptxas also serializes without saying so (under register pressure, session 63): where
+        # nvdisasm is installed the SASS is read too (qgemm.sass.serialized_wgmma)
+        if sass.find_nvdisasm() is not None:
+            assert sass.serialized_wgmma(sass.disassemble(ck.cubin)) == [], d
 
 
 def test_wgmma_rs_weights_evict_first_where_activations_fit():
@@ -1917,8 +1921,6 @@ def test_cli_review_findings_of_session_47(tmp_path, monkeypatch, capsys):
     (tmp_path / "afile").write_text("")
     r = runner.invoke(app, ["bench", "--out", "afile/sub"])
     assert r.exit_code == 2 and "--out afile/sub: afile is a file, not a directory" in r.output, r.output
-    from qgemm import sass
-
     if sass.find_nvdisasm() is not None:  # --sass-dir is checked with the tool it needs
         r = runner.invoke(app, ["compile", "w4a8.naive", "--arch", "sm_90", "--sass-dir", "afile/sub"])
         assert r.exit_code == 2 and "--sass-dir afile/sub: afile is a file" in r.output and "w4a8.naive  sm_90" not in r.output

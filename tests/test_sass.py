@@ -85,3 +85,41 @@ def test_compile_sass_counts_the_plain_load_saving(tmp_path, monkeypatch):
     r = runner.invoke(app, ["compile", "fp32.naive", "--arch", "sm_90", "--sass-dir", str(tmp_path / "afile" / "under")])
     assert r.exit_code == 2 and "afile is a file, not a directory" in r.output and "fp32.naive  sm_90" not in r.output, r.output
     jit.clear_memo()
+
+
+# HGMMA lines as nvdisasm prints them: a pipelined commit group (w8a16.wgmma_rs's default, sm_90a)
+# and the serialized form ptxas emitted for session 63's 128 x 256 tiles with 168 registers
+PIPELINED = """\
+//--------------------- .text.piped           --------------------------
+.text.piped:
+        /*1010*/                   HGMMA.64x256x16.F32 R24, R152, gdesc[UR12], R24 ;
+        /*1180*/                   HGMMA.64x256x16.F32 R24, R156, gdesc[UR12], R24 ;
+        /*11d0*/                   HGMMA.64x256x16.F32 R24, R160, gdesc[UR12], R24 ;
+        /*1210*/                   HGMMA.64x256x16.F32 R24, R164, gdesc[UR12], R24, gsb0 ;
+        /*1250*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+"""
+SERIALIZED = """\
+//--------------------- .text.serial          --------------------------
+.text.serial:
+        /*0fb0*/                   WARPGROUP.ARRIVE ;
+        /*0fc0*/                   HGMMA.64x256x16.F32 R24, R160, gdesc[UR16], R24, gsb0 ;
+        /*0fd0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*1140*/                   WARPGROUP.ARRIVE ;
+        /*1150*/              @P0 HGMMA.64x256x16.F32 R24, R160, gdesc[UR16], R24, gsb0 ;
+        /*1180*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+"""
+ONE = """\
+//--------------------- .text.single          --------------------------
+.text.single:
+        /*0100*/                   HGMMA.64x64x16.F32 R24, R152, gdesc[UR4], RZ, !UPT, gsb0 ;
+"""
+
+
+def test_serialized_wgmma_is_read_from_the_sass():
+    """A function counts as serialized when every one of its (two or more) HGMMA closes its own
+    group; one whose groups hold several wgmma, or with a single HGMMA, does not."""
+    assert sass.serialized_wgmma(PIPELINED) == []
+    assert sass.serialized_wgmma(SERIALIZED) == ["serial"]
+    assert sass.serialized_wgmma(ONE) == []
+    assert sass.serialized_wgmma(PIPELINED + SERIALIZED + ONE) == ["serial"]
+    assert sass.serialized_wgmma(LISTING) == []  # no wgmma at all
