@@ -134,4 +134,3 @@ def serialized_wgmma(listing: str) -> list[str]:
             n[0] += 1
             n[1] += m.group(1).replace(" ", "").endswith(",gsb0")
     return sorted(f for f, (total, closing) in found.items() if total >= 2 and closing == total)
-

@@ -88,7 +88,8 @@ def test_compile_sass_counts_the_plain_load_saving(tmp_path, monkeypatch):
 
 
 # HGMMA lines as nvdisasm prints them: a pipelined commit group (w8a16.wgmma_rs's default, sm_90a)
-# and the serialized form ptxas emitted for session 63's 128 x 256 tiles with 168 registers
+# and the serialized form ptxas emitted for session 63's 128 x 256 tiles with 168 registers (its
+# second HGMMA given a guard predicate here, as nvdisasm prints one)
 PIPELINED = """\
 //--------------------- .text.piped           --------------------------
 .text.piped:
