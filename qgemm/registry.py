@@ -470,9 +470,7 @@ def _wave_cost(ctas: int, split: int, warps: int, per_sm: int, sm_count: int) ->
 
 def _skinny_q4_mt2_long_cta(ctas: int, k: int, sm_count: int) -> tuple[int, int]:
     """(SK_WARPS, SK_GSPLIT) of the Q4_0 decode kernel's two-tile CTAs at 9-16 tokens of a long K
-    (`ctas` of them unsplit). Cost = waves / (split x warps): a warp's serial share of K times the
-    waves its grid takes -- these kernels are latency-bound at 16 tokens, so an SM's warps run at
-    about the same rate whatever the fill. 4 warps (`_SKINNY_Q4_MT2_CTAS_PER_SM` per SM) with the
+    (`ctas` of them unsplit), by `_wave_cost`. 4 warps (`_SKINNY_Q4_MT2_CTAS_PER_SM` per SM) with the
     split of 1-4 of least cost, ties to the smaller split, none that makes more than two waves (each
     part costs its own activations' latency, the zeroing and the atomics: past two waves the finer
     grain has not paid); unless 8 warps unsplit (`_SKINNY_Q4_MT2_8W_CTAS_PER_SM` per SM) cost less,
@@ -539,7 +537,7 @@ def _skinny_q8_mt2_split(ctas: int, sm_count: int) -> int:
     """SK_GSPLIT of 4-warp CTAs (`_SKINNY_Q8_MT2_CTAS_PER_SM` per SM) for Q8_0's decode kernel at
     9-16 tokens, in place of its two-tile CTAs of 8 warps unsplit (`ctas` of them, one per SM, 166
     registers), or 0 to keep those: the split of 1-4 whose grid takes at most two waves and costs
-    strictly less by session 60's cost, waves / (split x warps) -- ties to the smaller split. The
+    strictly less by `_wave_cost` -- ties to the smaller split. The
     8-warp grid stays unsplit where `_skinny_config` gives it (up to 132 CTAs on 132 SMs: N <= 4224,
     past the narrow weights' fill splits; and 199-264 CTAs, where `_skinny_q8_wide_split` fills no
     better with a split), so only those are asked. On 132 SMs: split 4 at 67-99 CTAs (N 2144-3168),
@@ -585,7 +583,7 @@ _SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K = 3072
 def _skinny_q4_mt2_short_split(ctas: int, k: int, sm_count: int) -> bool:
     """Whether Q4_0's decode kernel at 9-16 tokens below K = 8192, on two-tile CTAs of 8 warps
     unsplit (`ctas` of them, two per SM), takes 4 warps split 3 instead: where that grid costs
-    strictly less by `_skinny_q4_mt2_long_cta`'s cost, waves / (split x warps), in at most two
+    strictly less by `_wave_cost`, in at most two
     waves. At a short K a split's parts are short, and each pays the zeroing, the atomics and its
     activations' latency, so it is taken only on a strict gain, never on the tie that a long K
     takes (4 warps split 2 against 8 warps unsplit at 177-264 CTAs: session 60, kernel alone,
@@ -628,7 +626,7 @@ def _skinny_q4_mt2_split4_within_sms(ctas: int, k: int, sm_count: int) -> bool:
     """Whether Q4_0's decode kernel at 9-16 tokens below K = 8192, on two-tile CTAs of 8 warps
     unsplit with two accumulator sets (`ctas` of them, at most one per SM: 134 registers), takes 4
     warps split 4 instead (one set, four per SM): a quarter of a warp's serial work in the same one
-    wave, the cost of `_skinny_q4_mt2_long_cta` at 1/16 against 1/8 -- where that grid fills at most
+    wave, `_wave_cost` 1/16 against 1/8 -- where that grid fills at most
     `_SKINNY_Q4_MT2_SPLIT4_FILL` of its slots, from K = 3072 (`_SKINNY_Q4_MT2_SHORT_SPLIT_MIN_K`).
     Near a full wave of four per SM the cost does not hold: at 128 CTAs (N = 4096, the bench's row)
     the 8-warp grid fills 97% of the SMs and measured level. Below 67 CTAs on 132 SMs the default
