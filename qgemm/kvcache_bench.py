@@ -49,6 +49,16 @@ def _make(task):
     return task, ck, sub, dec
 
 
+def _cache_pool(workers: int) -> ProcessPoolExecutor:
+    """The processes that run `_make` beside the timings. Spawned, not forked: by the time the
+    sweep starts them this process has initialised CUDA (and torch its threads), and a fork of a
+    multi-threaded process copies whatever locks its other threads held, so the child may deadlock
+    (Python 3.12 warns). The workers need only numpy and qgemm.kvcache, imported afresh. A script
+    that calls `suite` therefore needs the usual `if __name__ == "__main__":` guard, as for any
+    spawned process (`qgemm bench` and `python -m qgemm` have it)."""
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+
+
 def _torch_dense(kind: str, s: int, lq: int, cold: bool, iters: int, warmup: int = 5) -> float | None:
     try:
         import torch
@@ -88,8 +98,7 @@ def suite(ss=SS, lqs=LQS, sparsities=SPARSITIES, layouts=LAYOUTS, kinds=("key", 
     rows = []
     dense: dict = {}
     rng = np.random.default_rng(7)
-    # fork: the workers only run numpy (never CUDA); qgemm's __main__ has no spawn guard
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+    with _cache_pool(workers) as pool:
         for task, ck, sub, dec in pool.map(_make, tasks):
             kind, s, sp, bits, compact, seed, eh = task
             name = kv.kernel_name(kind, ck)

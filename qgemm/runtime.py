@@ -126,7 +126,14 @@ def _probe() -> tuple[bool, str]:
     except Exception as e:  # libcuda.so not found: no NVIDIA driver on this machine
         return False, f"no NVIDIA driver found ({type(e).__name__}: {e})"
     if int(err) != 0:
-        return False, f"cuInit failed: {getattr(err, 'name', err)} (no usable GPU or driver)"
+        name = getattr(err, "name", err)
+        if _forked_from is not None and int(err) == int(driver.CUresult.CUDA_ERROR_NOT_INITIALIZED):
+            # in a forked child, cuInit returns exactly this when the parent had initialised CUDA
+            return False, (f"cuInit failed: {name}: this process is a fork of process {_forked_from}, which had "
+                           "initialised CUDA (qgemm, torch, CuPy or another library) before forking, and CUDA "
+                           "cannot be used in such a child; start the processes that use the GPU with "
+                           "multiprocessing's 'spawn' or 'forkserver' method")
+        return False, f"cuInit failed: {name} (no usable GPU or driver)"
     err, count = driver.cuDeviceGetCount()
     if int(err) != 0 or count == 0:
         return False, "the NVIDIA driver reports no CUDA devices"
@@ -138,7 +145,8 @@ def _probe() -> tuple[bool, str]:
 
 def gpu_available() -> bool:
     """Whether a usable NVIDIA GPU and driver are here (and QGEMM_DEVICE names one). Probed once
-    per process; never raises (`qgemm.runtime.gpu_unavailable_reason()` says why not)."""
+    per process (and again in a forked child, where CUDA is unusable if the parent had initialised
+    it); never raises (`qgemm.runtime.gpu_unavailable_reason()` says why not)."""
     return _probe()[0]
 
 
@@ -269,6 +277,28 @@ def device_info() -> DeviceInfo:
 def device_arch() -> str:
     """'sm_XX' of qgemm's device."""
     return device_info().arch
+
+
+# ---------------------------------------------------------------------------------------------
+# fork
+
+_forked_from: int | None = None  # in a process forked after qgemm was imported: the parent's pid
+
+
+def _after_fork_in_child() -> None:
+    # A forked child inherits the parent's probe result and cuda.core Device, but no usable CUDA
+    # if the parent had initialised it: every driver call then fails with CUDA_ERROR_NOT_INITIALIZED
+    # (a "Device.set_current failed" from deep inside a launch, or a "no usable GPU"). Forget both,
+    # so that the child's first GPU use probes again and _probe says why. (device_info stays: the
+    # same GPU, and it launches nothing.)
+    global _forked_from
+    _forked_from = os.getppid()
+    _probe.cache_clear()
+    device.cache_clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---------------------------------------------------------------------------------------------

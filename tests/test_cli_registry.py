@@ -127,6 +127,71 @@ def test_valid_call_without_gpu_says_so(rng):
         qgemm.get("w4a16.naive")(rng.standard_normal((4, 64), dtype=np.float32), _q4(8, 64, rng))
 
 
+def test_a_forked_child_says_why_cuda_is_unusable(monkeypatch, rng):
+    """In a process forked after its parent initialised CUDA (qgemm, torch, ...), cuInit returns
+    CUDA_ERROR_NOT_INITIALIZED and every driver call fails. qgemm says so -- the fork, the parent,
+    the start methods that work -- where the H100 showed "Device.set_current failed" from inside a
+    launch (qgemm had run in the parent) or "no usable GPU or driver" (torch had; session 64). The
+    driver is stood in for; the hook is what os.register_at_fork runs in the child."""
+    from cuda.bindings import driver
+
+    x, w = rng.standard_normal((2, 64), dtype=np.float32), _q4(8, 64, rng)
+    monkeypatch.setattr(driver, "cuInit", lambda flags: (driver.CUresult.CUDA_ERROR_NOT_INITIALIZED,))
+    try:
+        runtime._after_fork_in_child()
+        assert runtime._forked_from == os.getppid()
+        why = runtime.gpu_unavailable_reason()
+        assert why.startswith(f"cuInit failed: CUDA_ERROR_NOT_INITIALIZED: this process is a fork of process "
+                              f"{os.getppid()}, which had initialised CUDA"), why
+        assert why.endswith("start the processes that use the GPU with multiprocessing's 'spawn' or 'forkserver' method")
+        assert not runtime.gpu_available()
+        with pytest.raises(qgemm.NoGPUError, match="needs an NVIDIA GPU, but none is usable here: cuInit failed: "
+                                                  "CUDA_ERROR_NOT_INITIALIZED: this process is a fork"):
+            qgemm.matmul(x, w)
+        runtime._forked_from = None  # not a fork: the same cuInit result keeps the plain message
+        runtime._probe.cache_clear()
+        assert runtime.gpu_unavailable_reason() == "cuInit failed: CUDA_ERROR_NOT_INITIALIZED (no usable GPU or driver)"
+    finally:
+        monkeypatch.undo()
+        runtime._forked_from = None
+        runtime._probe.cache_clear()
+        runtime.device.cache_clear()
+    assert runtime.gpu_available() == (not NO_GPU)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_the_fork_hook_runs_in_a_forked_child():
+    """os.register_at_fork runs qgemm's hook in a real child: the parent's pid recorded and the
+    probe's cached result (and the Device) forgotten, so the child's first GPU use probes again.
+    The parent keeps its own state."""
+    import select
+    import signal
+    import warnings
+
+    runtime.gpu_available()  # the probe's result cached here, as after any use of the GPU
+    assert runtime._probe.cache_info().currsize == 1
+    rfd, wfd = os.pipe()
+    with warnings.catch_warnings():  # Python 3.12+ warns on forking a multi-threaded process (a GPU run's)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child reports and leaves, never returning into pytest
+        try:
+            ok = (runtime._forked_from == os.getppid() and runtime._probe.cache_info().currsize == 0
+                  and runtime.device.cache_info().currsize == 0)
+            os.write(wfd, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    ready = select.select([rfd], [], [], 60)[0]  # a child that hangs fails the test, not the suite
+    got = os.read(rfd, 1) if ready else b"(no answer in 60 s)"
+    os.close(rfd)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert got == b"1"
+    assert runtime._forked_from is None and runtime._probe.cache_info().currsize == 1
+
+
 def test_cli_list():
     r = runner.invoke(app, ["list"])
     assert r.exit_code == 0, r.output

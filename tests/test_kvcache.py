@@ -1155,6 +1155,28 @@ def test_kvcache_bench_report_gives_plain_launch_times():
     assert sum("plain launches: worst" in t for t in lines) == 4  # key / value x q2 / fp16; not the size line
 
 
+def test_kvcache_bench_cache_workers_start_afresh(monkeypatch):
+    """The kvcache sweep builds its caches in worker processes started from a fresh interpreter,
+    not forked from this one: by then the sweep's process has initialised CUDA and torch's
+    threads, and a forked child may deadlock on a lock one of them held (Python 3.12 warns on
+    such a fork). A forked worker would see this process's memory -- here a HEADS changed after
+    import, so its cache would have 3 heads. The workers' caches are the in-process ones, bit for
+    bit (the tasks are seeded)."""
+    from qgemm import kvcache_bench as kb
+
+    task = ("value", 100, 0.7, 2, True, 11, 1)  # S not a multiple of the tile, the compact layout
+    monkeypatch.setattr(kb, "HEADS", 3)
+    with kb._cache_pool(1) as pool:
+        ((_, ck, sub, dec),) = pool.map(kb._make, [task])
+    monkeypatch.undo()
+    _, want, want_sub, want_dec = kb._make(task)
+    assert ck.shape == want.shape == (kb.HEADS, 100, kb.D)
+    for part in ("bitmaps", "packed", "dq", "group_offsets"):
+        np.testing.assert_array_equal(getattr(ck, part), getattr(want, part), err_msg=part)
+    np.testing.assert_array_equal(sub, want_sub)
+    np.testing.assert_array_equal(dec, want_dec)
+
+
 @pytest.mark.parametrize("bits,compact", [lb for lb in LAYOUTS if lb[0] != 16])
 def test_negative_scales_and_non_integer_shapes_are_rejected(rng, bits, compact):
     """The quantizer never makes a negative scale (min-max over the tile), and a negative one would

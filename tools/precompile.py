@@ -7,6 +7,7 @@ only, no GPU needed with --arch), so that `qgemm tune` and the tests find them i
 """
 
 import argparse
+import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -56,7 +57,9 @@ def main() -> int:
         for m, n, k in shapes:
             jobs.update((name, arch, tuple(sorted(d.items()))) for d in spec.configurations(m, n, k, 132, a.defaults_only))
     jobs = [(n, ar, dict(d)) for n, ar, d in sorted(jobs)]
-    with ProcessPoolExecutor(a.jobs) as ex:
+    # spawned, not forked: without --arch this process has initialised CUDA by now, and a fork of a
+    # multi-threaded process may deadlock in the child (Python 3.12 warns)
+    with ProcessPoolExecutor(a.jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
         errors = [e for e in ex.map(_compile, jobs) if e]
     print(f"{len(jobs) - len(errors)} of {len(jobs)} configurations compiled for {arch}")
     for e in errors:
