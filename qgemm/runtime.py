@@ -133,6 +133,10 @@ def _probe() -> tuple[bool, str]:
                            "initialised CUDA (qgemm, torch, CuPy or another library) before forking, and CUDA "
                            "cannot be used in such a child; start the processes that use the GPU with "
                            "multiprocessing's 'spawn' or 'forkserver' method")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None and int(err) == int(driver.CUresult.CUDA_ERROR_NO_DEVICE):
+            return False, (f"cuInit failed: {name}: CUDA_VISIBLE_DEVICES={visible!r} leaves this process no GPU "
+                           "(unset it, or name a GPU that nvidia-smi lists by index or UUID)")
         return False, f"cuInit failed: {name} (no usable GPU or driver)"
     err, count = driver.cuDeviceGetCount()
     if int(err) != 0 or count == 0:
@@ -712,7 +716,10 @@ class DeviceArray:
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         with relaxed_capture():
-            ptr = int(check(driver.cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc({nbytes} bytes)"))
+            res = driver.cuMemAlloc(max(nbytes, 1))
+        if int(res[0]) == int(driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY):
+            raise CudaError(f"cuMemAlloc({nbytes} bytes)", _out_of_memory_note(nbytes), res[0].name)
+        ptr = int(check(res, f"cuMemAlloc({nbytes} bytes)"))
         _live_allocations[ptr] = max(nbytes, 1)
         return cls(ptr, shape, dtype, owns=True)
 
@@ -1012,6 +1019,24 @@ _deferred_frees: list[int] = []
 # qgemm's own allocations not yet freed, address -> bytes (allocated_bytes). A dict's single
 # setitem / pop needs no lock; an address waiting in _deferred_frees is still held, so still counted.
 _live_allocations: dict[int, int] = {}
+
+
+def _out_of_memory_note(nbytes: int) -> str:
+    """What an out-of-memory allocation tells the user: the ask, what the device has free, and how
+    much of the rest qgemm's own arrays hold (the rest is this process's other allocations --
+    torch's caching allocator among them -- or other processes')."""
+    from cuda.bindings import driver
+
+    gib = 2.0**30
+    note = f"out of memory: asked for {nbytes / gib:.3f} GiB"
+    try:
+        free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+        note += f" with {int(free) / gib:.3f} GiB of the device's {int(total) / gib:.1f} GiB free"
+    except Exception:
+        pass
+    return (note + f"; qgemm's own device arrays hold {allocated_bytes() / gib:.2f} GiB "
+            "(qgemm.runtime.allocated_bytes()), the rest is this process's other allocations "
+            "(torch's caching allocator keeps freed blocks: torch.cuda.empty_cache()) or other processes'")
 
 
 def allocated_bytes() -> int:

@@ -159,6 +159,51 @@ def test_a_forked_child_says_why_cuda_is_unusable(monkeypatch, rng):
     assert runtime.gpu_available() == (not NO_GPU)
 
 
+def test_hidden_gpus_and_out_of_memory_say_why(monkeypatch):
+    """Two environment failures seen on the H100 (session 64), with the driver stood in for:
+    - CUDA_VISIBLE_DEVICES hiding every GPU ('', '7' on a one-GPU machine, a UUID no GPU has):
+      cuInit's CUDA_ERROR_NO_DEVICE names the variable (without it set, the plain message);
+    - an allocation past the device's free memory: the ask, what is free, and what qgemm's own
+      arrays hold, not only "out of memory" (to the MiB: at two decimals the H100's 2 GiB ask
+      against 1.998 GiB free read "2.00 GiB with 2.00 GiB free"); the CUresult stays the code."""
+    import contextlib
+
+    from cuda.bindings import driver
+
+    monkeypatch.setattr(driver, "cuInit", lambda flags: (driver.CUresult.CUDA_ERROR_NO_DEVICE,))
+    try:
+        for visible in ("", "7", "GPU-00000000-0000-0000-0000-000000000000"):
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+            runtime._probe.cache_clear()
+            assert runtime.gpu_unavailable_reason() == (
+                f"cuInit failed: CUDA_ERROR_NO_DEVICE: CUDA_VISIBLE_DEVICES={visible!r} leaves this process no GPU "
+                "(unset it, or name a GPU that nvidia-smi lists by index or UUID)")
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+        runtime._probe.cache_clear()
+        assert runtime.gpu_unavailable_reason() == "cuInit failed: CUDA_ERROR_NO_DEVICE (no usable GPU or driver)"
+    finally:
+        monkeypatch.undo()
+        runtime._probe.cache_clear()
+
+    gib = 2**30
+    monkeypatch.setattr(runtime, "ensure_current", lambda: None)
+    monkeypatch.setattr(runtime, "relaxed_capture", contextlib.nullcontext)
+    monkeypatch.setattr(runtime, "allocated_bytes", lambda: int(0.25 * gib))
+    monkeypatch.setattr(driver, "cuMemAlloc", lambda n: (driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None))
+    monkeypatch.setattr(driver, "cuMemGetInfo", lambda: (driver.CUresult.CUDA_SUCCESS, 2 * gib - 2**21, 80 * gib))
+    with pytest.raises(qgemm.CudaError) as e:
+        runtime.DeviceArray.empty((8192, 65536), np.float32)
+    assert str(e.value) == (
+        "cuMemAlloc(2147483648 bytes) failed: CUDA_ERROR_OUT_OF_MEMORY: out of memory: asked for 2.000 GiB with "
+        "1.998 GiB of the device's 80.0 GiB free; qgemm's own device arrays hold 0.25 GiB "
+        "(qgemm.runtime.allocated_bytes()), the rest is this process's other allocations (torch's caching "
+        "allocator keeps freed blocks: torch.cuda.empty_cache()) or other processes'")
+    assert e.value.code == "CUDA_ERROR_OUT_OF_MEMORY" and e.value.call == "cuMemAlloc(2147483648 bytes)"
+    monkeypatch.setattr(driver, "cuMemAlloc", lambda n: (driver.CUresult.CUDA_ERROR_INVALID_VALUE, None))
+    with pytest.raises(qgemm.CudaError, match=r"^cuMemAlloc\(16 bytes\) failed: CUDA_ERROR_INVALID_VALUE: "):
+        runtime.DeviceArray.empty((4,), np.float32)  # any other failure: check()'s message, as before
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
 def test_the_fork_hook_runs_in_a_forked_child():
     """os.register_at_fork runs qgemm's hook in a real child: the parent's pid recorded and the
