@@ -1028,14 +1028,15 @@ def _out_of_memory_note(nbytes: int) -> str:
     from cuda.bindings import driver
 
     gib = 2.0**30
-    note = f"out of memory: asked for {nbytes / gib:.3f} GiB"
+    note, in_use = f"out of memory: asked for {nbytes / gib:.3f} GiB", "of the memory in use"
     try:
-        free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
-        note += f" with {int(free) / gib:.3f} GiB of the device's {int(total) / gib:.1f} GiB free"
+        free, total = (int(v) for v in check(driver.cuMemGetInfo(), "cuMemGetInfo"))
+        note += f" with {free / gib:.3f} GiB of the device's {total / gib:.1f} GiB free"
+        in_use = f"of the {(total - free) / gib:.2f} GiB in use"
     except Exception:
         pass
-    return (note + f"; qgemm's own device arrays hold {allocated_bytes() / gib:.2f} GiB "
-            "(qgemm.runtime.allocated_bytes()), the rest is this process's other allocations "
+    return (note + f"; {in_use}, qgemm's own device arrays hold {allocated_bytes() / gib:.2f} GiB "
+            "(qgemm.runtime.allocated_bytes()) and the rest is this process's other allocations "
             "(torch's caching allocator keeps freed blocks: torch.cuda.empty_cache()) or other processes'")
 
 

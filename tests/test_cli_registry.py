@@ -195,8 +195,8 @@ def test_hidden_gpus_and_out_of_memory_say_why(monkeypatch):
         runtime.DeviceArray.empty((8192, 65536), np.float32)
     assert str(e.value) == (
         "cuMemAlloc(2147483648 bytes) failed: CUDA_ERROR_OUT_OF_MEMORY: out of memory: asked for 2.000 GiB with "
-        "1.998 GiB of the device's 80.0 GiB free; qgemm's own device arrays hold 0.25 GiB "
-        "(qgemm.runtime.allocated_bytes()), the rest is this process's other allocations (torch's caching "
+        "1.998 GiB of the device's 80.0 GiB free; of the 78.00 GiB in use, qgemm's own device arrays hold 0.25 GiB "
+        "(qgemm.runtime.allocated_bytes()) and the rest is this process's other allocations (torch's caching "
         "allocator keeps freed blocks: torch.cuda.empty_cache()) or other processes'")
     assert e.value.code == "CUDA_ERROR_OUT_OF_MEMORY" and e.value.call == "cuMemAlloc(2147483648 bytes)"
     monkeypatch.setattr(driver, "cuMemAlloc", lambda n: (driver.CUresult.CUDA_ERROR_INVALID_VALUE, None))
