@@ -14,7 +14,7 @@ def test_docs_pytorch_examples_run(capsys):
     import qgemm
 
     blocks = python_blocks(DOC.read_text())
-    assert len(blocks) == 5, "docs/pytorch.md lost its examples"
+    assert len(blocks) == 6, "docs/pytorch.md lost its examples"
     ns: dict = {"__name__": "docs_pytorch"}
     for i, code in enumerate(blocks):
         try:
@@ -31,6 +31,8 @@ def test_docs_pytorch_examples_run(capsys):
         # count of "True" anywhere let one of them print False while the other lines held the count)
         assert [ln.strip() for ln in out.splitlines() if ln.strip() in ("True", "False")] == ["True", "True"], out
         assert ("None w4a16.mma" in out) != ("pack.q4_0 w4a16.wgmma_rs" in out), out  # the plan of 300 tokens
+        assert "compiled vs eager: True torch.Size([8, 1024])" in out, out  # torch.compile(fullgraph=True)
+        assert "the op vs qgemm.matmul: True" in out, out
     if qgemm.gpu_available() and ns.get("cp") is not None:
         assert "(4, 32) (4, 1152) True" in out
 

@@ -1139,7 +1139,8 @@ def test_gpu_check_tests_step_runs_every_test_once(tmp_path):
     python whose pytest only collects, every test of the suite lands in exactly one process, the
     GPU kernel tests in five of them, and the two sweep logs end as one file, as do the two
     logs of the rest and, since session 58, the defaults' tests on large shapes with the other GPU
-    kernel tests (a device call brings back at most 8)."""
+    kernel tests (a device call brings back at most 8); since session 64 the torch.compile tests
+    run apart and join the rest's log too."""
     fake = tmp_path / "py"
     fake.write_text(f"""#!/bin/sh
 if [ "$1" = "-m" ] && [ "$2" = "pytest" ]; then shift 2; exec {sys.executable} -m pytest --collect-only "$@"; fi
@@ -1149,7 +1150,7 @@ exit 0
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": str(fake), "QGEMM_CHECK": "tests"}
     r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert r.returncode == 0 and "gpu_check: PASS" in r.stdout and "9 pytest processes" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "gpu_check: PASS" in r.stdout and "10 pytest processes" in r.stdout, r.stdout + r.stderr
     logs = sorted(p.name for p in out.glob("tests-*.log"))
     assert logs == ["tests-gemm-4097.log", "tests-gemm.log", "tests-gpu-sweeps.log", "tests-gpu.log", "tests-kvcache.log",
                     "tests-rest.log"], logs
@@ -1165,6 +1166,9 @@ exit 0
     rest = (out / "tests-rest.log").read_text()
     assert "=== tests/test_cli_registry.py tests/test_tools.py" in rest and "test_cli_registry.py::" in rest, rest[-500:]
     assert "test_formats.py::" in rest.split("===")[0] and "test_cli_registry.py::" not in rest.split("===")[0]
+    torch_part = rest.split("=== tests/test_torch_ops.py tests/test_docs_pytorch.py (a process of its own) ===")
+    assert len(torch_part) == 2 and "test_docs_pytorch.py::" in torch_part[1], rest[-500:]  # torch.compile apart
+    assert "test_docs_pytorch.py::" not in torch_part[0]
     gpu = (out / "tests-gpu.log").read_text().split("=== fill_the_gpu or defaults_on_wide_weights")
     assert len(gpu) == 2 and "test_matmul_defaults_that_fill_the_gpu" in gpu[1], gpu[-1][-500:]
     assert "test_decode_defaults_on_wide_weights" in gpu[1] and "fill_the_gpu" not in gpu[0], gpu[0][-500:]

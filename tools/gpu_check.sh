@@ -92,7 +92,10 @@ for step in $STEPS; do
               # H100 machine in session 56 -- four of its six slowest tests are the registry / CLI and
               # tool tests -- and 440 + 289 s as two; the longest process of the step then took 528 s)
               REST_CLI="tests/test_cli_registry.py tests/test_tools.py"
-              echo "+ tests: 9 pytest processes, logs $OUT/tests-*.log" | tee -a "$LOG"
+              # (and torch.compile apart: the first compile in a process starts dynamo and inductor, about
+              # a minute on the H100 in session 64, when the rest process already took 487 s)
+              TORCH_T="tests/test_torch_ops.py tests/test_docs_pytorch.py"
+              echo "+ tests: 10 pytest processes, logs $OUT/tests-*.log" | tee -a "$LOG"
               $PT $GEMM_REFS -k "not 4097" > "$OUT/tests-gemm.log" 2>&1 & p1=$!
               $PT $GEMM_REFS -k 4097 > "$OUT/tests-gemm-4097.log" 2>&1 & p5=$!
               $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "$SWEEPS_OTHER" > "$OUT/tests-gpu-sweeps.log" 2>&1 & p6=$!
@@ -100,10 +103,11 @@ for step in $STEPS; do
               $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "not ($SWEEPS or $DEFAULTS)" > "$OUT/tests-gpu.log" 2>&1 & p2=$!
               $PT tests/test_gpu_kernels.py --deselect $GEMM_REFS -k "$DEFAULTS" > "$OUT/tests-gpu-defaults.log" 2>&1 & p9=$!
               $PT tests/test_kvcache.py > "$OUT/tests-kvcache.log" 2>&1 & p3=$!
-              $PT tests --ignore=tests/test_gpu_kernels.py --ignore=tests/test_kvcache.py $(printf ' --ignore=%s' $REST_CLI) \
+              $PT tests --ignore=tests/test_gpu_kernels.py --ignore=tests/test_kvcache.py $(printf ' --ignore=%s' $REST_CLI $TORCH_T) \
                   > "$OUT/tests-rest.log" 2>&1 & p4=$!
               $PT $REST_CLI > "$OUT/tests-rest-cli.log" 2>&1 & p8=$!
-              for p in $p1 $p2 $p3 $p4 $p5 $p6 $p7 $p8 $p9; do wait $p || rc=1; done
+              $PT $TORCH_T > "$OUT/tests-torch.log" 2>&1 & p10=$!
+              for p in $p1 $p2 $p3 $p4 $p5 $p6 $p7 $p8 $p9 $p10; do wait $p || rc=1; done
               tail -n 3 "$OUT"/tests-*.log | tee -a "$LOG"
               grep -hE '^(FAILED|ERROR)' "$OUT"/tests-*.log | tee -a "$LOG"
               # one log for both sweeps (a device call brings back at most 8 files)
@@ -111,6 +115,8 @@ for step in $STEPS; do
                   >> "$OUT/tests-gpu-sweeps.log" && rm -f "$OUT/tests-gpu-sweeps-wgmma.log"
               { echo; echo "=== $REST_CLI (a process of its own) ==="; cat "$OUT/tests-rest-cli.log"; } \
                   >> "$OUT/tests-rest.log" && rm -f "$OUT/tests-rest-cli.log"
+              { echo; echo "=== $TORCH_T (a process of its own) ==="; cat "$OUT/tests-torch.log"; } \
+                  >> "$OUT/tests-rest.log" && rm -f "$OUT/tests-torch.log"
               { echo; echo "=== $DEFAULTS (a process of its own) ==="; cat "$OUT/tests-gpu-defaults.log"; } \
                   >> "$OUT/tests-gpu.log" && rm -f "$OUT/tests-gpu-defaults.log" ;;
     skinny)   # the decode / small-batch path: precompile, its GPU tests, tune it (stored, so the bench below uses it)

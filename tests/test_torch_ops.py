@@ -1,0 +1,134 @@
+"""qgemm.torch_ops: `torch.ops.qgemm.matmul` and QuantLinear (torch is optional: without it these
+tests skip; CI installs no torch). The fake implementation, the handles and the bad inputs need no
+GPU; the rest runs the op against qgemm.matmul and under torch.compile on the GPU."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import qgemm
+
+torch = pytest.importorskip("torch")
+from qgemm import torch_ops  # noqa: E402  (after the skip: it imports torch)
+from qgemm.packing import PackedWeights  # noqa: E402
+
+GPU = qgemm.gpu_available() and torch.cuda.is_available()
+
+
+def _fake_packed(n=300, k=512, fmt="q4_0"):
+    """A PackedWeights carrying only its shape: enough for the fake implementation and the handles."""
+    return PackedWeights(fmt, n, k, packed=None, blocks=None)
+
+
+def test_fake_implementation_and_handles():
+    """The shape and dtype torch.compile sees (meta tensors run the fake implementation), one
+    handle per PackedWeights, and what a caller is told: a K that does not match, a handle whose
+    weights are gone (never a read of freed memory), a CPU tensor, something other than
+    PackedWeights."""
+    pw = _fake_packed()
+    h = torch_ops.handle(pw)
+    assert torch_ops.handle(pw) == h and torch_ops.handle(_fake_packed()) != h
+    for shape in ((4, 512), (2, 3, 512), (512,)):
+        y = torch.ops.qgemm.matmul(torch.empty(shape, device="meta", dtype=torch.float16), h)
+        assert y.shape == (*shape[:-1], 300) and y.dtype == torch.float32 and y.device.type == "meta"
+    with pytest.raises(ValueError, match=r"qgemm::matmul: x must be \[\.\.\., K\] with K = 512 \(the weights' K\), got \(4, 500\)"):
+        torch.ops.qgemm.matmul(torch.empty(4, 500, device="meta"), h)
+    with pytest.raises(ValueError, match="qgemm::matmul: x must be a CUDA tensor, got one on cpu"):
+        torch.ops.qgemm.matmul(torch.ones(4, 512), h)
+    del pw
+    gc.collect()
+    with pytest.raises(ValueError, match=f"qgemm::matmul: weights handle {h} names no live qgemm.PackedWeights"):
+        torch.ops.qgemm.matmul(torch.empty(4, 512, device="meta"), h)
+    with pytest.raises(TypeError, match=r"expected qgemm.PackedWeights \(qgemm.pack_weights\(w\)\), got ndarray"):
+        torch_ops.handle(np.zeros((4, 16), qgemm.block_q4_0))
+    with pytest.raises(ValueError, match="QuantLinear: fmt='q8_0' but the packed weights are q4_0"):
+        torch_ops.QuantLinear(_fake_packed(), fmt="q8_0")
+    layer = torch_ops.QuantLinear(_fake_packed(64, 4096, "q8_0"))
+    assert (layer.in_features, layer.out_features, layer.fmt) == (4096, 64, "q8_0")
+    assert "in_features=4096, out_features=64, fmt=q8_0" in repr(layer) and not list(layer.parameters())
+
+
+gpu = pytest.mark.skipif(not GPU, reason="needs a GPU and torch with CUDA")
+
+
+def _weights(fmt, n, k, rng):
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    return qgemm.quantize_q4_0(w) if fmt == "q4_0" else qgemm.quantize_q8_0(w)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_op_is_qgemm_matmul(fmt, rng):
+    """The operator gives qgemm.matmul's result bit for bit (the same plan and kernels) for
+    float32 / float16 / bfloat16 x, token counts of the decode and prefill paths, leading
+    dimensions and a non-contiguous x, on torch's current stream (a side stream included). (These
+    plans split K at most two ways, and two partial sums add into the zeroed output to the same
+    float in either order.)"""
+    n, k = 300, 1024
+    w = _weights(fmt, n, k, rng)
+    pw = qgemm.pack_weights(w)
+    layer = torch_ops.QuantLinear(w)  # packs its own copy
+    for m in (1, 7, 33, 513):
+        for dt in (torch.float32, torch.float16, torch.bfloat16):
+            x = torch.randn(m, k, device="cuda").to(dt)
+            want = torch.from_dlpack(qgemm.matmul(x, pw)).clone()
+            for got in (torch_ops.matmul(x, pw), layer(x)):
+                assert got.shape == (m, n) and got.dtype == torch.float32
+                assert torch.equal(got, want), (fmt, m, dt)
+    x = torch.randn(2, 3, k, device="cuda")
+    assert torch.equal(layer(x), torch.from_dlpack(qgemm.matmul(x, pw)))
+    xt = torch.randn(k, 5, device="cuda").t()  # [5, K], not contiguous
+    assert torch.equal(layer(xt), torch.from_dlpack(qgemm.matmul(xt.contiguous(), pw)))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = layer(x)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, torch.from_dlpack(qgemm.matmul(x, pw)))
+
+
+@pytest.mark.gpu
+@gpu
+def test_opcheck():
+    """torch.library.opcheck: the schema, the fake implementation against the real one, and the op
+    under dynamo and AOT dispatch."""
+    rng = np.random.default_rng(3)
+    pw = qgemm.pack_weights(_weights("q4_0", 96, 256, rng))
+    for x in (torch.randn(5, 256, device="cuda"), torch.randn(2, 3, 256, device="cuda", dtype=torch.float16)):
+        torch.library.opcheck(torch.ops.qgemm.matmul.default, (x, torch_ops.handle(pw)))
+
+
+@pytest.mark.gpu
+@gpu
+def test_torch_compile_fullgraph_and_cuda_graphs(rng):
+    """A two-layer model compiles whole (`fullgraph=True`, which fails on a direct qgemm.matmul
+    call) and under torch's CUDA graphs, each giving the eager model's result bit for bit on fresh
+    inputs, and so does a function calling torch_ops.matmul on weights given their handle first.
+    (AOT-eager and cudagraphs backends: the op is what is checked, not inductor's code.)"""
+    k, hidden = 512, 256
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch_ops.QuantLinear(_weights("q4_0", hidden, k, rng))
+            self.down = torch_ops.QuantLinear(_weights("q8_0", k, hidden, rng))
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)).half())
+
+    model = Model()
+    pw = qgemm.pack_weights(_weights("q8_0", hidden, k, rng))
+    torch_ops.handle(pw)
+
+    def plain(x):  # torch_ops.matmul on weights held outside a module
+        return torch_ops.matmul(x, pw) * 2
+
+    for backend in ("aot_eager", "cudagraphs"):
+        torch._dynamo.reset()
+        fast, fast_plain = (torch.compile(f, backend=backend, fullgraph=True) for f in (model, plain))
+        for m in (4, 4, 9):
+            x = torch.randn(m, k, device="cuda")
+            assert torch.equal(fast(x).clone(), model(x)), (backend, m)
+            assert torch.equal(fast_plain(x).clone(), plain(x)), (backend, m)
