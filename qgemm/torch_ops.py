@@ -32,8 +32,11 @@ import weakref
 
 import torch
 
-from .dispatch import matmul as _qgemm_matmul
-from .packing import PackedWeights
+if not hasattr(torch.library, "custom_op"):
+    raise ImportError(f"qgemm.torch_ops needs torch >= 2.4 (torch.library.custom_op); this is torch {torch.__version__}")
+
+from .dispatch import matmul as _qgemm_matmul  # noqa: E402  (after the version check)
+from .packing import PackedWeights  # noqa: E402
 
 __all__ = ["QuantLinear", "handle", "matmul"]
 
