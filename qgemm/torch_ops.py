@@ -18,7 +18,8 @@ implementation) and nothing inside.
 
 The operator runs `qgemm.matmul(x, weights, out=..., stream=torch.cuda.current_stream())`: the
 same plan, kernels and results as the direct call, the output allocated by torch (its caching
-allocator, and its CUDA-graph pools under `mode="reduce-overhead"`). It has no backward: for
+allocator, and its CUDA-graph pools under `mode="reduce-overhead"`: the tests use the "cudagraphs"
+backend, the same CUDA-graph trees). It has no backward: for
 inference. Weights reach the graph as an integer handle (`handle`), since an operator takes
 tensors and plain values only; a graph whose weights were freed raises ValueError, never reads
 freed memory. Importing this module imports torch, an optional dependency of qgemm.
