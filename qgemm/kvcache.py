@@ -222,6 +222,7 @@ class CompressedKV:
     def __getstate__(self) -> dict:  # copy.copy / deepcopy / pickle: the host parts only
         state = dict(self.__dict__)
         state["_device"] = None
+        state.pop("_torch_op_handle", None)  # qgemm.torch_ops' handle names this object only
         return state
 
     @property

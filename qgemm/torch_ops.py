@@ -16,13 +16,17 @@ implementation) and nothing inside.
     y = torch_ops.matmul(x, pw)      # the same, for a qgemm.PackedWeights held elsewhere
     fast = torch.compile(model, fullgraph=True)
 
+The Mustafar attention products on a compressed KV cache (qgemm.kvcache) are operators too:
+`torch_ops.scores(q, ck)` (`torch.ops.qgemm.mustafar_scores`, as `kvcache.scores`) and
+`torch_ops.attend(p, cv)` (`torch.ops.qgemm.mustafar_attend`, as `kvcache.attend`).
+
 The operator runs `qgemm.matmul(x, weights, out=..., stream=torch.cuda.current_stream())`: the
 same plan, kernels and results as the direct call, the output allocated by torch (its caching
 allocator, and its CUDA-graph pools under `mode="reduce-overhead"`: the tests use the "cudagraphs"
 backend, the same CUDA-graph trees). It has no backward: for
-inference. Weights reach the graph as an integer handle (`handle`), since an operator takes
-tensors and plain values only; a graph whose weights were freed raises ValueError, never reads
-freed memory. Importing this module imports torch, an optional dependency of qgemm.
+inference. Weights and caches reach the graph as integer handles (`handle`), since an operator
+takes tensors and plain values only; a graph whose weights or cache were freed raises ValueError,
+never reads freed memory. Importing this module imports torch, an optional dependency of qgemm.
 """
 
 from __future__ import annotations
@@ -36,37 +40,56 @@ import torch
 if not hasattr(torch.library, "custom_op"):
     raise ImportError(f"qgemm.torch_ops needs torch >= 2.4 (torch.library.custom_op); this is torch {torch.__version__}")
 
-from .dispatch import matmul as _qgemm_matmul  # noqa: E402  (after the version check)
+from . import kvcache  # noqa: E402  (after the version check)
+from .dispatch import matmul as _qgemm_matmul  # noqa: E402
 from .packing import PackedWeights  # noqa: E402
 
-__all__ = ["QuantLinear", "handle", "matmul"]
+__all__ = ["QuantLinear", "attend", "handle", "matmul", "scores"]
 
-_weights: "weakref.WeakValueDictionary[int, PackedWeights]" = weakref.WeakValueDictionary()
+_CACHES = (kvcache.CompressedKV, kvcache.DeviceKV)
+_weights: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # PackedWeights and caches
 _handles = itertools.count(1)
 _lock = threading.Lock()
 
 
-def handle(weights: PackedWeights) -> int:
-    """The integer `torch.ops.qgemm.matmul` takes for `weights` (given once per PackedWeights,
-    then the same). The operator looks it up while the PackedWeights lives; keep a reference (a
-    QuantLinear holds its own)."""
-    if not isinstance(weights, PackedWeights):
-        raise TypeError(f"qgemm.torch_ops: expected qgemm.PackedWeights (qgemm.pack_weights(w)), got {type(weights).__name__}")
+def handle(weights) -> int:
+    """The integer the operators take for `weights`: a qgemm.PackedWeights (for
+    `torch.ops.qgemm.matmul`) or a compressed KV cache, `kvcache.CompressedKV` or its
+    `to_device()` (for the Mustafar operators); given once per object, then the same. The
+    operators look it up while the object lives: keep a reference (a QuantLinear holds its own)."""
+    if not isinstance(weights, (PackedWeights,) + _CACHES):
+        raise TypeError("qgemm.torch_ops: expected qgemm.PackedWeights (qgemm.pack_weights(w)) or a compressed KV cache "
+                        f"(qgemm.kvcache.compress_keys / compress_values), got {type(weights).__name__}")
     with _lock:
         h = getattr(weights, "_torch_op_handle", None)
-        if h is None:
+        if h is None or _weights.get(h) is not weights:  # none yet, or a copy's stale one
             h = next(_handles)
             weights._torch_op_handle = h
             _weights[h] = weights
     return h
 
 
-def _lookup(h: int) -> PackedWeights:
-    pw = _weights.get(h)
-    if pw is None:
-        raise ValueError(f"qgemm::matmul: weights handle {h} names no live qgemm.PackedWeights (freed, or not made by "
-                         "qgemm.torch_ops.handle): keep the weights alive as long as the model or compiled graph using them")
-    return pw
+def _handle_of(obj) -> int:
+    """handle(obj), checked, when eager; inside a function being compiled, the handle obj was given
+    before (dynamo reads the attribute as a constant, where it would trace the lock and dict)."""
+    if torch.compiler.is_compiling():
+        h = getattr(obj, "_torch_op_handle", None)
+        if h is not None:
+            return h
+    return handle(obj)
+
+
+def _lookup(h: int, op: str = "qgemm::matmul", kind: str | None = None):
+    """The object of handle h: PackedWeights (kind None) or a compressed cache of that kind."""
+    obj = _weights.get(h)
+    what = "qgemm.PackedWeights" if kind is None else f"compressed {kind} cache"
+    if obj is None:
+        raise ValueError(f"{op}: handle {h} names no live {what} (freed, or not made by qgemm.torch_ops.handle): keep it "
+                         "alive as long as the model or compiled graph using it")
+    if kind is None and not isinstance(obj, PackedWeights) or kind is not None and getattr(obj, "kind", None) != kind:
+        got = "qgemm.PackedWeights" if isinstance(obj, PackedWeights) else f"a compressed {obj.kind} cache"
+        raise ValueError(f"{op}: handle {h} names {got}, expected a {what}")
+    return obj
 
 
 @torch.library.custom_op("qgemm::matmul", mutates_args=())
@@ -94,8 +117,54 @@ def matmul(x: torch.Tensor, weights: PackedWeights) -> torch.Tensor:
     function compiled with `fullgraph=True`, give the weights their handle first (`handle(pw)`,
     or one eager call): dynamo then reads it as a constant instead of tracing the lock that
     assigns it."""
-    h = getattr(weights, "_torch_op_handle", None)
-    return torch.ops.qgemm.matmul(x, h if h is not None else handle(weights))
+    return torch.ops.qgemm.matmul(x, _handle_of(weights))
+
+
+def _attention_op(name: str, kind: str, out_dtype, last: int):
+    """A Mustafar operator: x [B*groups, Lq, D or S] float16 and a cache handle -> [B*groups, Lq,
+    shape[last]] of the cache (S for scores, D for attend) in out_dtype, by kvcache.scores / attend."""
+    op = f"qgemm::{name}"
+    run = kvcache.scores if kind == "key" else kvcache.attend
+
+    @torch.library.custom_op(op, mutates_args=())
+    def impl(x: torch.Tensor, cache: int) -> torch.Tensor:
+        c = _lookup(cache, op, kind)
+        if x.device.type != "cuda":
+            raise ValueError(f"{op}: the {'queries' if kind == 'key' else 'probabilities'} must be a CUDA tensor, "
+                             f"got one on {x.device}")
+        x = x.contiguous()
+        out = torch.empty((*x.shape[:2], c.shape[last]), device=x.device, dtype=out_dtype)
+        run(x, c, out=out, stream=torch.cuda.current_stream(x.device))
+        return out
+
+    @impl.register_fake
+    def fake(x: torch.Tensor, cache: int) -> torch.Tensor:
+        c = _lookup(cache, op, kind)
+        width = c.shape[2] if kind == "key" else c.shape[1]  # queries have D columns, probabilities S
+        if x.dim() != 3 or x.shape[2] != width or x.dtype != torch.float16:
+            raise ValueError(f"{op}: expected float16 [B*groups, Lq, {width}] for a {kind} cache of shape "
+                             f"{tuple(c.shape)}, got {x.dtype} {tuple(x.shape)}")
+        return x.new_empty((*x.shape[:2], c.shape[last]), dtype=out_dtype)
+
+    return impl
+
+
+_scores_op = _attention_op("mustafar_scores", "key", torch.float16, 1)
+_attend_op = _attention_op("mustafar_attend", "value", torch.float32, 2)
+
+
+def scores(q: torch.Tensor, ck) -> torch.Tensor:
+    """`torch.ops.qgemm.mustafar_scores(q, handle(ck))`: q . K^T on a compressed key cache, as
+    `qgemm.kvcache.scores` -- q float16 [B*groups, Lq, D] on the GPU -> float16 [B*groups, Lq, S].
+    Upload the cache (`ck.to_device()`) before capturing a CUDA graph; under `fullgraph=True` give
+    it its handle first, as for `matmul`."""
+    return torch.ops.qgemm.mustafar_scores(q, _handle_of(ck))
+
+
+def attend(p: torch.Tensor, cv) -> torch.Tensor:
+    """`torch.ops.qgemm.mustafar_attend(p, handle(cv))`: p . V on a compressed value cache, as
+    `qgemm.kvcache.attend` -- p float16 [B*groups, Lq, S] on the GPU -> float32 [B*groups, Lq, D]."""
+    return torch.ops.qgemm.mustafar_attend(p, _handle_of(cv))
 
 
 class QuantLinear(torch.nn.Module):

@@ -38,15 +38,49 @@ def test_fake_implementation_and_handles():
         torch.ops.qgemm.matmul(torch.ones(4, 512), h)
     del pw
     gc.collect()
-    with pytest.raises(ValueError, match=f"qgemm::matmul: weights handle {h} names no live qgemm.PackedWeights"):
+    with pytest.raises(ValueError, match=f"qgemm::matmul: handle {h} names no live qgemm.PackedWeights"):
         torch.ops.qgemm.matmul(torch.empty(4, 512, device="meta"), h)
-    with pytest.raises(TypeError, match=r"expected qgemm.PackedWeights \(qgemm.pack_weights\(w\)\), got ndarray"):
+    with pytest.raises(TypeError, match=r"expected qgemm.PackedWeights \(qgemm.pack_weights\(w\)\) or a compressed KV "
+                                        r"cache \(qgemm.kvcache.compress_keys / compress_values\), got ndarray"):
         torch_ops.handle(np.zeros((4, 16), qgemm.block_q4_0))
     with pytest.raises(ValueError, match="QuantLinear: fmt='q8_0' but the packed weights are q4_0"):
         torch_ops.QuantLinear(_fake_packed(), fmt="q8_0")
     layer = torch_ops.QuantLinear(_fake_packed(64, 4096, "q8_0"))
     assert (layer.in_features, layer.out_features, layer.fmt) == (4096, 64, "q8_0")
     assert "in_features=4096, out_features=64, fmt=q8_0" in repr(layer) and not list(layer.parameters())
+
+
+def test_attention_fake_implementations_and_handles(rng):
+    """The Mustafar operators' shapes and dtypes on meta tensors (scores float16 [R, Lq, S],
+    attend float32 [R, Lq, D]), what a wrong input is told, a key cache's handle given to the
+    value operator, and copies: a pickled or copied cache gets a handle of its own (the handle
+    names one object), the same object keeps its handle."""
+    import copy
+    import pickle
+
+    from qgemm import kvcache as kv
+
+    cache = rng.standard_normal((2, 100, 64), dtype=np.float32).astype(np.float16)
+    ck, cv = kv.compress_keys(kv.prune(cache, 0.7), 2), kv.compress_values(kv.prune(cache, 0.7), 4)
+    hk, hv = torch_ops.handle(ck), torch_ops.handle(cv)
+    s = torch.ops.qgemm.mustafar_scores(torch.empty(8, 3, 64, device="meta", dtype=torch.float16), hk)
+    assert s.shape == (8, 3, 100) and s.dtype == torch.float16
+    o = torch.ops.qgemm.mustafar_attend(torch.empty(8, 1, 100, device="meta", dtype=torch.float16), hv)
+    assert o.shape == (8, 1, 64) and o.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"qgemm::mustafar_scores: expected float16 \[B\*groups, Lq, 64\] for a key cache "
+                                         r"of shape \(2, 100, 64\), got torch.float32 \(8, 3, 64\)"):
+        torch.ops.qgemm.mustafar_scores(torch.empty(8, 3, 64, device="meta"), hk)
+    with pytest.raises(ValueError, match=r"qgemm::mustafar_attend: expected float16 \[B\*groups, Lq, 100\]"):
+        torch.ops.qgemm.mustafar_attend(torch.empty(8, 1, 64, device="meta", dtype=torch.float16), hv)
+    with pytest.raises(ValueError, match=f"qgemm::mustafar_attend: handle {hk} names a compressed key cache, "
+                                         "expected a compressed value cache"):
+        torch.ops.qgemm.mustafar_attend(torch.empty(8, 1, 100, device="meta", dtype=torch.float16), hk)
+    with pytest.raises(ValueError, match="qgemm::mustafar_scores: the queries must be a CUDA tensor, got one on cpu"):
+        torch.ops.qgemm.mustafar_scores(torch.ones(8, 3, 64, dtype=torch.float16), hk)
+    assert torch_ops.handle(ck) == hk
+    for other in (pickle.loads(pickle.dumps(ck)), copy.copy(ck), copy.deepcopy(ck)):
+        assert torch_ops.handle(other) not in (hk, hv)
+    assert torch_ops.handle(ck) == hk
 
 
 gpu = pytest.mark.skipif(not GPU, reason="needs a GPU and torch with CUDA")
@@ -132,3 +166,33 @@ def test_torch_compile_fullgraph_and_cuda_graphs(rng):
             x = torch.randn(m, k, device="cuda")
             assert torch.equal(fast(x).clone(), model(x)), (backend, m)
             assert torch.equal(fast_plain(x).clone(), plain(x)), (backend, m)
+
+
+@pytest.mark.gpu
+@gpu
+def test_attention_ops_are_kvcache_calls_and_compile(rng):
+    """scores / attend as operators: kvcache.scores' result bit for bit (the key kernels add no
+    partial sums across lanes), attend's within float32 rounding (the value kernels add their
+    partial sums with atomics, in any order); opcheck; and one attention step -- scores, softmax,
+    attend -- compiled with fullgraph=True, as eager."""
+    from qgemm import kvcache as kv
+
+    b, s, d, groups = 4, 1000, 128, 4
+    k = rng.standard_normal((b, s, d), dtype=np.float32).astype(np.float16)
+    v = rng.standard_normal((b, s, d), dtype=np.float32).astype(np.float16)
+    ck, cv = kv.compress_keys(kv.prune(k, 0.7), 2), kv.compress_values(kv.prune(v, 0.7), 4)
+    ck.to_device(), cv.to_device()
+    q = (torch.randn(b * groups, 1, d, device="cuda") / d**0.5).half()
+    p = torch.softmax(torch.randn(b * groups, 1, s, device="cuda"), -1).half()
+    assert torch.equal(torch_ops.scores(q, ck), torch.from_dlpack(kv.scores(q, ck)))
+    torch.testing.assert_close(torch_ops.attend(p, cv), torch.from_dlpack(kv.attend(p, cv)), rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(torch.ops.qgemm.mustafar_scores.default, (q, torch_ops.handle(ck)))
+    torch.library.opcheck(torch.ops.qgemm.mustafar_attend.default, (p, torch_ops.handle(cv)),
+                          test_utils=("test_schema", "test_faketensor"))  # (atomics: no bitwise replays)
+
+    def step(q):
+        return torch_ops.attend(torch.softmax(torch_ops.scores(q, ck).float(), -1).half(), cv)
+
+    torch._dynamo.reset()
+    fast = torch.compile(step, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(fast(q), step(q), rtol=1e-5, atol=1e-6)
