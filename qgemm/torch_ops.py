@@ -86,7 +86,7 @@ def _lookup(h: int, op: str = "qgemm::matmul", kind: str | None = None):
     if obj is None:
         raise ValueError(f"{op}: handle {h} names no live {what} (freed, or not made by qgemm.torch_ops.handle): keep it "
                          "alive as long as the model or compiled graph using it")
-    if kind is None and not isinstance(obj, PackedWeights) or kind is not None and getattr(obj, "kind", None) != kind:
+    if (not isinstance(obj, PackedWeights)) if kind is None else getattr(obj, "kind", None) != kind:
         got = "qgemm.PackedWeights" if isinstance(obj, PackedWeights) else f"a compressed {obj.kind} cache"
         raise ValueError(f"{op}: handle {h} names {got}, expected a {what}")
     return obj
