@@ -540,8 +540,22 @@ def _forget_capture(cid: int) -> None:
             del _graph_buffers[key]
 
 
+_FLOAT_WEIGHTS_HINT = ("; float weights are quantized once, at load: qgemm.pack_weights(w, 'q4_0' or 'q8_0') on the GPU "
+                       "(or qgemm.quantize_q4_0 / quantize_q8_0 on the host)")
+
+
 def _weights(w, fmt: str | None, on_device: bool, stream=None, who: str = "matmul"):
     """(blocks as host or device array in their block dtype, format name). who: the caller, for messages."""
+    try:
+        dt = runtime.as_device_array(w, stream).dtype if on_device else \
+            None if isinstance(w, (list, tuple)) else np.asarray(w).dtype  # (a list: said below)
+        floats = dt is not None and (dt.kind == "f" or F.is_bf16(dt))
+    except (TypeError, ValueError):  # said below, as before
+        dt, floats = None, False
+    if floats:
+        shape = tuple(getattr(w, "shape", ()))
+        raise ValueError(f"{who}: weights must be Q4_0 or Q8_0 blocks [N, K/32], got {runtime.dtype_name(dt)} {shape}"
+                         + _FLOAT_WEIGHTS_HINT)
     if on_device:
         d = runtime.as_device_array(w, stream)
         if fmt is None:
@@ -709,6 +723,9 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
         dx = runtime.DeviceArray.from_host(np.ascontiguousarray(dx))
     if not w_on_device:
         wb = runtime.DeviceArray.from_host(wb)
+    runtime.check_alignment(dx, "matmul", "the activations")
+    if not p.packed or p.repack is not None:
+        runtime.check_alignment(wb, "matmul", "the weight blocks")
     if p.packed:
         if p.repack is None:
             wb = packed.packed
@@ -720,6 +737,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
             raise ValueError(f"matmul: out= is read-only ({type(out).__name__} exports it so); pass a writable device array")
         if result.shape != shape_c or result.dtype != np.float32:
             raise ValueError(f"matmul: out must be float32 {shape_c}, got {result.dtype} {result.shape}")
+        runtime.check_alignment(result, "matmul", "out=")
     else:
         result = runtime.DeviceArray.empty(shape_c, np.float32)
     dc = result if len(shape_c) == 2 else result.reshape(m, n)

@@ -152,6 +152,17 @@ def from_float32(x: np.ndarray, fmt: "Format") -> np.ndarray:
 
 def _as_blocks(x: np.ndarray, what: str) -> tuple[np.ndarray, tuple[int, ...]]:
     """Validate a float array [..., K] and view it as float32 blocks [nblocks, 32]."""
+    if not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__"):  # torch (CUDA), CuPy, DeviceArray
+        dt = getattr(x, "dtype", None)
+        try:
+            bf16 = is_bf16(dt)
+        except TypeError:  # torch's dtypes are not numpy's
+            bf16 = "bfloat16" in str(dt)
+        suffix = "_bf16" if bf16 else "_f16" if "float16" in str(dt) else ""
+        kernel = what.replace("quantize_", "quantize.", 1) + suffix
+        raise ValueError(f"{what}: this is the CPU (numpy) quantizer and got a device array; on the GPU, "
+                         f"qgemm.get({kernel!r})(x) writes the same bytes" + (
+                             " (qgemm.pack_weights(x, fmt) quantizes float weights for matmul)" if "q8_1" not in what else ""))
     x = np.asarray(x)
     if x.dtype.kind != "f":
         raise ValueError(f"{what}: expected a floating-point array, got dtype {x.dtype}")

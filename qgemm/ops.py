@@ -95,6 +95,20 @@ QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", 
                        cpu=lambda x: F.quantize_q8_1(np.asarray(x, dtype=np.float32)))
 QUANTIZE_Q8_1_BF16 = Op("quantize_q8_1_bf16", "Quantize bf16 to Q8_1", "quantize", F.BF16, None, F.Q8_1, "memory", 0.0, 1e-3,
                         cpu=lambda x: F.quantize_q8_1(F.to_float32(x)))
+# the weight quantizers (quantize.q4_0 / quantize.q8_0 and their 16-bit-input forms): ggml's reference
+# quantizers on the GPU, byte for byte formats.quantize_q4_0 / quantize_q8_0 of the values as float32
+QUANTIZE_Q4_0 = Op("quantize_q4_0", "Quantize to Q4_0", "quantize", F.F32, None, F.Q4_0, "memory", 0.0, 2e-2,
+                   cpu=lambda x: F.quantize_q4_0(x))
+QUANTIZE_Q4_0_F16 = Op("quantize_q4_0_f16", "Quantize f16 to Q4_0", "quantize", F.F16, None, F.Q4_0, "memory", 0.0, 2e-2,
+                       cpu=lambda x: F.quantize_q4_0(np.asarray(x, dtype=np.float32)))
+QUANTIZE_Q4_0_BF16 = Op("quantize_q4_0_bf16", "Quantize bf16 to Q4_0", "quantize", F.BF16, None, F.Q4_0, "memory", 0.0, 2e-2,
+                        cpu=lambda x: F.quantize_q4_0(F.to_float32(x)))
+QUANTIZE_Q8_0 = Op("quantize_q8_0", "Quantize to Q8_0", "quantize", F.F32, None, F.Q8_0, "memory", 0.0, 1e-3,
+                   cpu=lambda x: F.quantize_q8_0(x))
+QUANTIZE_Q8_0_F16 = Op("quantize_q8_0_f16", "Quantize f16 to Q8_0", "quantize", F.F16, None, F.Q8_0, "memory", 0.0, 1e-3,
+                       cpu=lambda x: F.quantize_q8_0(np.asarray(x, dtype=np.float32)))
+QUANTIZE_Q8_0_BF16 = Op("quantize_q8_0_bf16", "Quantize bf16 to Q8_0", "quantize", F.BF16, None, F.Q8_0, "memory", 0.0, 1e-3,
+                        cpu=lambda x: F.quantize_q8_0(F.to_float32(x)))
 CONVERT_F16 = Op("convert_f16", "Convert to f16", "quantize", F.F32, None, F.F16, "memory", 0.0, 1e-6,
                  cpu=lambda x: np.asarray(x, dtype=np.float32).astype(np.float16))
 # the prologues of the Hopper prefill kernels: fp16 in the kperm16 layout (qgemm.packing.kperm16)
@@ -117,7 +131,8 @@ PACK_Q8_0 = Op("pack_q8_0", "Repack Q8_0", "pack", F.Q8_0, None, F.Q8_0, "memory
 
 OPS = {op.name: op for op in (FP32, W4A16, W8A16, W4A8, W8A8, W4A16H, W8A16H, W4A16S, W8A16S, W4A8S, W8A8S,
                               W4A16S_F16, W8A16S_F16, W4A8S_F16, W8A8S_F16, W4A16S_BF16, W8A16S_BF16, W4A8S_BF16, W8A8S_BF16,
-                              QUANTIZE_Q8_1, QUANTIZE_Q8_1_F16, QUANTIZE_Q8_1_BF16, CONVERT_F16, CONVERT_F16K, CONVERT_F16_BF16,
+                              QUANTIZE_Q8_1, QUANTIZE_Q8_1_F16, QUANTIZE_Q8_1_BF16, QUANTIZE_Q4_0, QUANTIZE_Q4_0_F16,
+                              QUANTIZE_Q4_0_BF16, QUANTIZE_Q8_0, QUANTIZE_Q8_0_F16, QUANTIZE_Q8_0_BF16, CONVERT_F16, CONVERT_F16K, CONVERT_F16_BF16,
                               CONVERT_F16K_BF16, PERMUTE_F16K, PACK_Q4_0, PACK_Q8_0)}
 
 
@@ -202,6 +217,7 @@ def _check_device(x, fmt: F.Format, role: str, op: Op, stream=None, who: str | N
         raise ValueError(f"{name}: {role} must be {runtime.dtype_name(fmt.dtype)} [rows, K] on the device, got {_describe(d)}")
     if d.ndim != 2:
         raise ValueError(f"{name}: {role} must be 2-D, got shape {d.shape}")
+    runtime.check_alignment(d, name, role)
     return d
 
 
@@ -486,6 +502,7 @@ class Kernel:
             if not (o.dtype == np.uint8 and o.nbytes == int(np.prod(shape)) * np.dtype(dtype).itemsize):
                 raise ValueError(f"{self.name}: out must be {np.dtype(dtype)} {tuple(shape)}, got {_describe(o)}")
             o = o.reshape(-1).view(dtype).reshape(shape)
+        runtime.check_alignment(o, self.name, "out=")
         return o
 
     def _call_gemm(self, a, w, out=None, stream=None):

@@ -190,6 +190,55 @@ class PackedWeights:
                 f"{self.blocks.nbytes / 1e6:.2f} MB ggml blocks, packed in {self.pack_seconds * 1e3:.1f} ms>")
 
 
+def _float_weights(w, fmt, on_device: bool, stream=None):
+    """(float weights [N, K] as a host or device array, the format to quantize them to), or None
+    when `w` is not a float array (ggml blocks, raw bytes: `dispatch._weights` checks those).
+    Host weights are checked here, before anything needs the GPU."""
+    who = "pack_weights"
+    if on_device:
+        a = runtime.as_device_array(w, stream)
+        if a.dtype.kind == "f" and a.dtype not in (np.float32, np.float16):
+            raise ValueError(f"{who}: float weights on the device must be float32, float16 or bfloat16, got "
+                             f"{runtime.dtype_name(a.dtype)} {a.shape}")
+        if a.dtype not in (np.float32, np.float16) and not F.is_bf16(a.dtype):
+            return None
+    else:
+        if isinstance(w, (list, tuple)):
+            return None  # dispatch._weights says what it takes
+        a = np.asarray(w)
+        if a.dtype.kind != "f" and not F.is_bf16(a.dtype):
+            return None
+    what = f"{runtime.dtype_name(a.dtype)} {a.shape}"
+    if fmt is None:
+        raise ValueError(f"{who}: float weights ({what}) need fmt='q4_0' or 'q8_0', the format to quantize them to")
+    fmt = fmt.lower() if isinstance(fmt, str) else fmt
+    if fmt not in ("q4_0", "q8_0"):
+        raise ValueError(f"{who}: float weights are quantized to q4_0 or q8_0, got fmt={fmt!r}")
+    if a.ndim != 2 or 0 in a.shape or a.shape[1] % F.QK:
+        raise ValueError(f"{who}: float weights must be 2-D [N, K] with N >= 1 and K a positive multiple of {F.QK}, got {what}")
+    if not on_device:
+        if a.dtype not in (np.float16,) and not F.is_bf16(a.dtype):
+            a = F._as_blocks(a, who)[0].reshape(a.shape)  # float32 (ValueError past its range), finite
+        elif not np.isfinite(F.to_float32(a)).all():
+            raise ValueError(f"{who}: float weights must be finite; found inf or NaN")
+        a = np.ascontiguousarray(a)
+    return a, fmt
+
+
+def _quantize_on_gpu(a, fmt: str, stream=None) -> runtime.DeviceArray:
+    """Float weights [N, K] (host or device) -> ggml blocks [N, K/32] on the GPU, by the
+    `quantize.<fmt>` kernel for their type (byte for byte formats.quantize of the values)."""
+    from . import registry
+
+    suffix = "_f16" if a.dtype == np.float16 else "_bf16" if F.is_bf16(a.dtype) else ""
+    kernel = registry.get(f"quantize.{fmt}{suffix}")
+    src = a if isinstance(a, runtime.DeviceArray) else runtime.DeviceArray.from_host(a)
+    try:
+        return kernel(src, stream=stream)
+    except ValueError as e:  # e.g. inf / NaN, or a block scale past half: said as the caller's
+        raise ValueError(f"pack_weights: quantizing the float weights: {e}") from None
+
+
 def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     """ggml Q4_0 / Q8_0 blocks [N, K/32] (numpy, or a device array: torch, CuPy, DeviceArray) ->
     `PackedWeights` on the GPU, synchronously: a one-time cost at load (`.pack_seconds`), never
@@ -200,17 +249,30 @@ def pack_weights(w, fmt: str | None = None, stream=None) -> PackedWeights:
     for `matmul` (raw uint8 bytes need it); `stream` orders a DLPack producer's pending work and
     runs the repacking. ValueError for weights `matmul` would refuse (a block scale that is not
     finite included), and during a CUDA graph capture; NoGPUError without a GPU (host weights are
-    checked first)."""
+    checked first).
+
+    Float weights [N, K] (float32, float16 or bfloat16; host or device, e.g. an `nn.Linear`'s
+    weight) with `fmt` "q4_0" or "q8_0" are first quantized on the GPU (`quantize.q4_0` /
+    `quantize.q8_0` and their 16-bit forms): the same bytes as `qgemm.quantize(w, fmt)` of the
+    values as float32, ggml's quantizer, in milliseconds where numpy takes seconds; the blocks
+    are the result's `.blocks`, and `.pack_seconds` includes the quantization. ValueError for
+    float weights that are not finite or whose block scale passes half's range."""
     from . import registry
     from .dispatch import _weights
 
     t0 = time.perf_counter()
     on_device = runtime.is_device_array(w) and not isinstance(w, np.ndarray)
-    if not on_device:  # host blocks are checked before the GPU is: a bad input says so on any machine
+    floats = None if on_device else _float_weights(w, fmt, False)
+    if not on_device and floats is None:  # host blocks are checked before the GPU is: a bad input says so on any machine
         blocks, fmt = _weights(w, fmt, False, who="pack_weights")
     runtime.require_gpu("qgemm.pack_weights")
     runtime.prepare_call(stream, "pack_weights", "cannot run while a CUDA graph is being captured (it reads the "
                                                  "repacking's checks back); pack once, at load, before capturing")
+    if on_device:
+        floats = _float_weights(w, fmt, True, stream)
+    if floats is not None:
+        w, fmt = _quantize_on_gpu(floats[0], floats[1], stream), floats[1]
+        on_device = True
     if on_device:
         blocks, fmt = _weights(w, fmt, True, stream, who="pack_weights")
     n, k = blocks.shape[0], blocks.shape[1] * F.QK

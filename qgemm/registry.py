@@ -1382,6 +1382,12 @@ def _quantize_rows(m: int, n: int, k: int) -> Launch:
     return Launch(grid=(cdiv(k, 1024), min(m, 65535), cdiv(m, 65535)), block=(256, 1, 1))
 
 
+def _block_per_thread(m: int, n: int, k: int) -> Launch:
+    # the weight quantizers: a thread per block of 32 over the M x K/32 blocks in one line
+    # (common/quantize_weights.cuh)
+    return Launch(grid=(cdiv(m * (k // 32), 256), 1, 1), block=(256, 1, 1))
+
+
 def _convert_values(m: int, n: int, k: int) -> Launch:
     # convert.*: 8 values per thread, 256 threads per CTA, over the M x K values in one line (common/convert.cuh)
     return Launch(grid=(cdiv(m * k, 2048), 1, 1), block=(256, 1, 1))
@@ -1441,6 +1447,12 @@ _SPECS = [
     KernelSpec("quantize.q8_1_bf16", ops.QUANTIZE_Q8_1_BF16, 2, "quantize/q8_1_bf16.cu", "quantize_q8_1_bf16",
                _quantize_rows, "bfloat16 activations -> Q8_1 blocks (same bytes as quantize.q8_1 of the values as float32)",
                pdl=True),
+    *[KernelSpec(f"quantize.{fmt}{suffix}", op, 2, f"quantize/{fmt}.cu", f"quantize_{fmt}{suffix}", _block_per_thread,
+                 f"{what} weights -> {fmt.upper()} blocks, byte for byte ggml's quantize_row_{fmt}_ref "
+                 "(qgemm.pack_weights of float weights)")
+      for fmt, variants in (("q4_0", (ops.QUANTIZE_Q4_0, ops.QUANTIZE_Q4_0_F16, ops.QUANTIZE_Q4_0_BF16)),
+                            ("q8_0", (ops.QUANTIZE_Q8_0, ops.QUANTIZE_Q8_0_F16, ops.QUANTIZE_Q8_0_BF16)))
+      for op, suffix, what in zip(variants, ("", "_f16", "_bf16"), ("float32", "float16", "bfloat16"))],
     KernelSpec("w4a16.naive", ops.W4A16, 3, "w4a16/naive.cu", "w4a16_naive", _thread_per_output,
                "Q4_0 weights x float32 activations, one thread per output, unpacked on the fly"),
     KernelSpec("w4a16.tiled", ops.W4A16, 3, "w4a16/tiled.cu", "w4a16_tiled", _tile_64x64,

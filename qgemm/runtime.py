@@ -1093,6 +1093,24 @@ def _release(ptr: int) -> None:
             pass
 
 
+def element_alignment(dtype) -> int:
+    """The byte boundary a kernel needs an array of `dtype` on: the largest power of two dividing
+    its itemsize, at most 16 -- 4 for float32, 2 for the 16-bit types and ggml's 18- and 34-byte
+    Q4_0 / Q8_0 blocks (read as 16-bit words), 4 for the 36-byte Q8_1 blocks (their qs read as
+    ints). A misaligned load faults, and the fault ends the CUDA context."""
+    size = np.dtype(dtype).itemsize
+    return min(size & -size, 16) if size else 1
+
+
+def check_alignment(arr: "DeviceArray", who: str, role: str) -> None:
+    """ValueError, before any launch, for a device array not on element_alignment(its dtype)
+    (only a hand-made DeviceArray or a raw pointer can be: torch and CuPy views keep it)."""
+    align = element_alignment(arr.dtype)
+    if arr.ptr % align:
+        raise ValueError(f"{who}: {role} must start on a {align}-byte boundary ({dtype_name(arr.dtype)} elements), "
+                         f"got address {arr.ptr:#x}")
+
+
 def is_device_array(obj) -> bool:
     """True for qgemm/torch/CuPy device arrays (CUDA Array Interface, or DLPack on a CUDA device);
     numpy arrays and CPU tensors are host arrays."""

@@ -168,13 +168,16 @@ def attend(p: torch.Tensor, cv) -> torch.Tensor:
 
 
 class QuantLinear(torch.nn.Module):
-    """`torch.nn.Linear` without bias over ggml Q4_0 / Q8_0 weights: forward(x) =
-    `torch.ops.qgemm.matmul(x, handle)`, float32 [..., out_features]. `weights`: a
+    """`torch.nn.Linear` over ggml Q4_0 / Q8_0 weights: forward(x) =
+    `torch.ops.qgemm.matmul(x, handle)` (+ bias), float32 [..., out_features]. `weights`: a
     qgemm.PackedWeights, or ggml blocks [N, K/32] (numpy or a device array; raw uint8 bytes need
-    `fmt`) packed here once. The module holds the packed weights (they are not parameters: no
-    state_dict, no gradient)."""
+    `fmt`) packed here once, or float weights [N, K] with `fmt` (quantized on the GPU by ggml's
+    quantizer, then packed: `qgemm.pack_weights`). `bias`: None or [N] values, kept as a float32
+    buffer on the GPU and added to the float32 product. The module holds the packed weights and
+    the bias (they are not parameters: no state_dict, no gradient). `QuantLinear.from_linear(linear, fmt)` makes
+    one from an `nn.Linear`."""
 
-    def __init__(self, weights, fmt: str | None = None):
+    def __init__(self, weights, fmt: str | None = None, bias=None):
         super().__init__()
         if not isinstance(weights, PackedWeights):
             from .packing import pack_weights
@@ -185,9 +188,37 @@ class QuantLinear(torch.nn.Module):
         self.weights = weights
         self.handle = handle(weights)
         self.in_features, self.out_features, self.fmt = weights.k, weights.n, weights.fmt
+        if bias is not None:
+            bias = torch.as_tensor(bias).detach()
+            if bias.shape != (weights.n,) or not (bias.is_floating_point() and bias.isfinite().all()):
+                raise ValueError(f"QuantLinear: bias must be {weights.n} finite float values (out_features), got "
+                                 f"{bias.dtype} {tuple(bias.shape)}")
+            device = bias.device if bias.device.type == "cuda" or not torch.cuda.is_available() else "cuda"
+            bias = bias.to(device=device, dtype=torch.float32)
+        self.register_buffer("bias", bias, persistent=False)  # (not in state_dict, as the weights are not)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, fmt: str = "q4_0") -> "QuantLinear":
+        """`linear` (an nn.Linear, its weight [out, in] float32 / float16 / bfloat16 on any device,
+        in_features a multiple of 32) with its weight quantized to `fmt` ("q4_0" or "q8_0") by
+        ggml's quantizer on the GPU -- the bytes `qgemm.quantize(weight, fmt)` gives -- and its
+        bias, if any, kept in float32."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"QuantLinear.from_linear: expected a torch.nn.Linear, got {type(linear).__name__}")
+        w = linear.weight.detach()
+        if w.device.type != "cuda":
+            if not torch.cuda.is_available():
+                from .runtime import require_gpu
+
+                require_gpu("QuantLinear.from_linear")  # NoGPUError, saying why (torch may be CPU-only on a GPU machine)
+                raise ValueError(f"QuantLinear.from_linear: the weight is on {w.device} and this torch has no CUDA")
+            w = w.to("cuda")
+        w = w.contiguous()
+        return cls(w, fmt, bias=None if linear.bias is None else linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.qgemm.matmul(x, self.handle)
+        y = torch.ops.qgemm.matmul(x, self.handle)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, bias={self.bias is not None}"

@@ -14,7 +14,7 @@ def test_docs_pytorch_examples_run(capsys):
     import qgemm
 
     blocks = python_blocks(DOC.read_text())
-    assert len(blocks) == 6, "docs/pytorch.md lost its examples"
+    assert len(blocks) == 7, "docs/pytorch.md lost its examples"
     ns: dict = {"__name__": "docs_pytorch"}
     for i, code in enumerate(blocks):
         try:
@@ -33,6 +33,8 @@ def test_docs_pytorch_examples_run(capsys):
         assert ("None w4a16.mma" in out) != ("pack.q4_0 w4a16.wgmma_rs" in out), out  # the plan of 300 tokens
         assert "compiled vs eager: True torch.Size([8, 1024])" in out, out  # torch.compile(fullgraph=True)
         assert "the op vs qgemm.matmul: True" in out, out
+        assert "QuantLinear(in_features=1024, out_features=256, fmt=q4_0, bias=True) ggml's bytes: True error < 0.15: True" \
+            in out, out  # QuantLinear.from_linear
     if qgemm.gpu_available() and ns.get("cp") is not None:
         assert "(4, 32) (4, 1152) True" in out
 

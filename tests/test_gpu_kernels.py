@@ -85,6 +85,68 @@ def test_quantizer_rejects_non_finite_and_overflow():
         q(big)
 
 
+def _weight_quantizer_blocks():
+    """Rows of 64 values (two blocks each) where ggml's weight quantizers are easy to get wrong."""
+    rows = []
+    zeros = np.zeros(64, np.float32)
+    rows.append(zeros)  # max = +0: Q4_0 d = 0 / -8 = -0.0 (0x8000)
+    signed = zeros.copy()
+    signed[[0, 32]] = -0.0  # numpy's argmax takes x[0]: d = +0.0
+    rows.append(signed)
+    # Q4_0: max = -8 -> d = 1, id = 1: x + 8.5 lands on integers (9.0, 8.0, 15.0, 16.0 -> 15, 0.5 -> 0);
+    # max = +8 -> d = -1: 8 -> 0.5 -> 0, -7.5 -> 16 -> 15. Q8_0: amax 8, d = 8/127
+    b4 = np.zeros(64, np.float32)
+    b4[:8] = [-8.0, 0.5, -0.5, 6.5, 7.4, 7.5, -7.9, 0.0]
+    b4[32:40] = [8.0, -7.5, 3.25, -3.25, 0.5, -0.5, 7.99, -8.0]  # the first of two equal |x| wins: +8
+    rows.append(b4)
+    # Q8_0: amax 127 -> d = 1: x * id = +-0.5, +-2.5, +-126.5 are exact ties (roundf: away from zero)
+    b8 = np.zeros(64, np.float32)
+    b8[[0, 32]] = [127.0, -127.0]
+    b8[1:9] = [0.5, -0.5, 2.5, -2.5, 4.5, -4.5, 126.5, -126.5]
+    b8[33:41] = [1.5, -1.5, 3.5, -3.5, 5.5, -5.5, 63.5, -63.5]
+    rows.append(b8)
+    first = np.zeros(64, np.float32)
+    first[[3, 7, 40, 41]] = [3.0, -3.0, -5.0, 5.0]  # equal magnitudes: the first one's sign
+    rows.append(first)
+    rows.append(np.linspace(-1e-38, 1e-38, 64, dtype=np.float32))  # 1 / d overflows: q = 0 (ggml / numpy on x86)
+    rows.append(np.linspace(-1e-36, 1e-36, 64, dtype=np.float32))  # subnormal d, finite 1 / d
+    rows.append(np.linspace(-5e5, 4e5, 64, dtype=np.float32))  # Q4_0 d = 62500, below half's 65504
+    rows.append(np.full(64, -7.5, np.float32))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_weight_quantizers_adversarial_blocks(fmt):
+    """The weight quantizers byte for byte ggml's (formats.quantize, gguf-checked) on blocks of
+    signed zeros, exact ties, equal magnitudes of both signs, 1 / d overflowing, subnormal d and
+    d near half's limit, for float32 / float16 / bfloat16 input (the 16-bit values widened); also
+    an input at an odd offset (the value-by-value loads) and what is refused after the launch."""
+    x = _weight_quantizer_blocks()
+    for suffix, a in (("", x), ("_f16", np.clip(x, -6e4, 6e4).astype(np.float16)), ("_bf16", F.f32_to_bf16(x))):
+        want = F.quantize(F.to_float32(a), fmt)
+        k = qgemm.get(f"quantize.{fmt}{suffix}")
+        assert k(a).tobytes() == want.tobytes(), suffix
+        raw = qgemm.DeviceArray.empty((a.nbytes + 16,), np.uint8)
+        size = a.dtype.itemsize
+        view = qgemm.DeviceArray(raw.ptr + size, a.shape, a.dtype, owner=raw)  # one element past 16: no vector loads
+        qgemm.DeviceArray.from_host(np.ascontiguousarray(a)).copy_to(view)
+        assert k(view).to_host().tobytes() == want.tobytes(), suffix
+        if size == 4:  # a float32 array 2 bytes past a boundary: refused before the launch (it would fault)
+            with pytest.raises(ValueError, match=f"quantize.{fmt}: X must start on a 4-byte boundary"):
+                k(qgemm.DeviceArray(raw.ptr + 2, a.shape, a.dtype, owner=raw))
+    q = qgemm.get(f"quantize.{fmt}")
+    assert q(x).tobytes() == F.quantize(x, fmt).tobytes()  # the context lives on
+    bad = np.ones((2, 64), np.float32)
+    bad[1, 40] = np.nan
+    with pytest.raises(ValueError, match=f"quantize.{fmt}: input must be finite; found inf or NaN"):
+        q(qgemm.DeviceArray.from_host(bad))
+    big = np.full((1, 32), 6e5 if fmt == "q4_0" else 9e6, np.float32)  # d = 75000 / 70866: past half
+    with pytest.raises(ValueError, match="overflows half"):
+        q(qgemm.DeviceArray.from_host(big))
+    with pytest.raises(ValueError, match="overflows half"):
+        F.quantize(big, fmt)  # the CPU quantizer agrees
+
+
 def test_call_api_host_roundtrip(rng):
     a = rng.standard_normal((5, 64), dtype=np.float32)
     w_f = rng.standard_normal((9, 64), dtype=np.float32)

@@ -109,6 +109,41 @@ def test_pack_weights_on_the_gpu(fmt, rng):
         qgemm.pack_weights(qgemm.DeviceArray.from_host(bad))
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_pack_weights_quantizes_float_weights(fmt, rng):
+    """Float weights (float32, float16, bfloat16, float64 on the host; host or device) quantized
+    by pack_weights on the GPU: the blocks are formats.quantize's of the values as float32 byte
+    for byte, the packed layout is theirs, and matmul gives the result of the blocks packed
+    themselves. What cannot be quantized is refused by name."""
+    wf = rng.standard_normal((37, 4128), dtype=np.float32) * 0.02
+    x = qgemm.DeviceArray.from_host(rng.standard_normal((9, 4128), dtype=np.float32))
+    for a in (wf, wf.astype(np.float64), wf.astype(np.float16), F.f32_to_bf16(wf)):
+        blocks = F.quantize(F.to_float32(a.astype(np.float32) if a.dtype == np.float64 else a), fmt)
+        ref = qgemm.pack_weights(blocks)
+        want = qgemm.matmul(x, ref).to_host()
+        for src in (a, qgemm.DeviceArray.from_host(a.astype(np.float32) if a.dtype == np.float64 else a)):
+            pw = qgemm.pack_weights(src, fmt.upper())
+            assert (pw.fmt, pw.n, pw.k) == (fmt, 37, 4128) and pw.pack_seconds > 0
+            assert pw.blocks.to_host().tobytes() == blocks.tobytes(), a.dtype
+            np.testing.assert_array_equal(pw.packed.to_host(), ref.packed.to_host())
+            # (the same plan; its K split adds partial sums with atomics, in any order: to float32 rounding)
+            np.testing.assert_allclose(qgemm.matmul(x, pw).to_host(), want, rtol=1e-5, atol=1e-5)
+    bad = wf.copy()
+    bad[30, 4000] = np.inf
+    with pytest.raises(ValueError, match=f"^pack_weights: quantizing the float weights: quantize.{fmt}: input must be finite"):
+        qgemm.pack_weights(qgemm.DeviceArray.from_host(bad), fmt)
+    with pytest.raises(ValueError, match="^pack_weights: input must be finite; found inf at index \\(30, 4000\\)"):
+        qgemm.pack_weights(bad, fmt)  # host weights: said before the upload
+    with pytest.raises(ValueError, match="^pack_weights: quantizing the float weights: .*overflows half"):
+        qgemm.pack_weights(np.full((2, 64), 1e7, np.float32), fmt)
+    with pytest.raises(ValueError, match=r"^pack_weights: float weights on the device must be float32, float16 or bfloat16, "
+                                         r"got float64 \(37, 4128\)"):
+        qgemm.pack_weights(qgemm.DeviceArray.from_host(wf.astype(np.float64)), fmt)
+    with pytest.raises(ValueError, match=r"^matmul: weights must be Q4_0 or Q8_0 blocks \[N, K/32\], got float16 \(37, 4128\); "
+                                         "float weights are quantized once"):
+        qgemm.matmul(x, qgemm.DeviceArray.from_host(wf.astype(np.float16)), fmt)
+
+
 def test_kernel_with_device_blocks_repacks_on_the_gpu(rng):
     """A kernel with the skinny layout given ggml blocks on the device repacks them on the GPU."""
     for name, fmt, m in (("w4a16.skinny", "q4_0", 5), ("w8a8.skinny", "q8_0", 1), ("w8a16.skinny", "q8_0", 3)):

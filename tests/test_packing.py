@@ -434,3 +434,78 @@ def test_repacking_only_where_one_launch_can_do_it():
     assert p.repack == "pack.q4_0"
     with pytest.raises(ValueError, match="beyond what CUDA launches"):
         p.check_launch()
+
+
+def test_weight_quantizers_registered_with_ggml_bytes_as_their_reference(rng):
+    """quantize.q4_0 / quantize.q8_0 and their float16 / bfloat16 forms: step 2 quantizers of the
+    right formats, a thread per block of 32 (the launch covers every block, any M x K), and as CPU
+    reference ggml's quantizer of the values widened to float32 (what the GPU test compares byte
+    for byte)."""
+    x = rng.standard_normal((5, 96), dtype=np.float32) * 3
+    for fmt in ("q4_0", "q8_0"):
+        for suffix, a in (("", x), ("_f16", x.astype(np.float16)), ("_bf16", F.f32_to_bf16(x))):
+            spec = qgemm.spec(f"quantize.{fmt}{suffix}")
+            assert (spec.step, spec.op.kind, spec.op.out.name, spec.source) == (2, "quantize", fmt, f"quantize/{fmt}.cu")
+            assert spec.entry == f"quantize_{fmt}{suffix}" and spec.min_arch == 75 and not spec.pdl
+            assert spec.op.cpu(a).tobytes() == F.quantize(F.to_float32(a), fmt).tobytes()
+            for m, k, ctas in ((5, 96, 1), (1, 8192, 1), (3, 32 * 257, 4), (4096, 14336, 7168)):
+                assert spec.geometry(m, 0, k).grid == (ctas, 1, 1) and spec.geometry(m, 0, k).block == (256, 1, 1)
+    assert np.array_equal(ops_cpu := qgemm.spec("quantize.q4_0_bf16").op.cpu(F.f32_to_bf16(x)),
+                          F.quantize_q4_0(F.bf16_to_f32(F.f32_to_bf16(x)))) and ops_cpu.shape == (5, 3)
+
+
+def test_float_weights_to_pack_weights_checked_before_any_gpu():
+    """pack_weights quantizes float weights on the GPU; what it cannot quantize is said first, on
+    any machine: no format, a format that is not a weight format, K not a multiple of 32, not 2-D,
+    values that are not finite or do not fit in float32. The numpy quantizers given a device
+    array name the GPU kernel that writes the same bytes."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    ok = np.ones((4, 64), np.float32)
+    for w, fmt, msg in ((ok, None, r"float weights \(float32 \(4, 64\)\) need fmt='q4_0' or 'q8_0'"),
+                        (ok, "q8_1", "float weights are quantized to q4_0 or q8_0, got fmt='q8_1'"),
+                        (np.ones((4, 60), np.float32), "q4_0", r"float weights must be 2-D \[N, K\] .* got float32 \(4, 60\)"),
+                        (np.ones(64, np.float32), "q4_0", r"float weights must be 2-D \[N, K\] .* got float32 \(64,\)"),
+                        (np.ones((0, 64), np.float32), "q4_0", r"float weights must be 2-D .*N >= 1 .* got float32 \(0, 64\)"),
+                        (np.full((4, 64), np.nan, np.float32), "q4_0", "input must be finite; found nan at index"),
+                        (np.full((4, 64), 1e39), "Q8_0", "input 1e\\+39 does not fit in float32"),
+                        (np.full((4, 64), np.inf, np.float16), "q4_0", "float weights must be finite"),
+                        (np.full((4, 64), np.nan, ml_dtypes.bfloat16), "q8_0", "float weights must be finite")):
+        with pytest.raises(ValueError, match="^pack_weights: " + msg):
+            qgemm.pack_weights(w, fmt)
+
+    class OnDevice:
+        __cuda_array_interface__ = {}  # only looked at, never read
+        dtype = np.dtype(np.float16)
+
+    with pytest.raises(ValueError, match=r"^quantize_q4_0: this is the CPU \(numpy\) quantizer and got a device array; "
+                                         r"on the GPU, qgemm.get\('quantize.q4_0_f16'\)\(x\) writes the same bytes "
+                                         r"\(qgemm.pack_weights\(x, fmt\) quantizes float weights for matmul\)$"):
+        qgemm.quantize_q4_0(OnDevice())
+    OnDevice.dtype = F.BF16_DTYPE
+    with pytest.raises(ValueError, match=r"qgemm.get\('quantize.q8_0_bf16'\)"):
+        qgemm.quantize(OnDevice(), "q8_0")
+    OnDevice.dtype = np.dtype(np.float32)
+    with pytest.raises(ValueError, match=r"^quantize_q8_1: .* qgemm.get\('quantize.q8_1'\)\(x\) writes the same bytes$"):
+        qgemm.quantize_q8_1(OnDevice())
+    if not qgemm.gpu_available():
+        with pytest.raises(qgemm.NoGPUError, match="qgemm.pack_weights needs an NVIDIA GPU"):
+            qgemm.pack_weights(ok, "q4_0")
+
+
+def test_misaligned_device_arrays_refused_before_any_launch():
+    """A device array not on its elements' boundary (only a hand-made DeviceArray can be: torch
+    and CuPy views keep it) would fault in the kernel, and a fault ends the CUDA context: a kernel
+    call refuses it first, naming the boundary, for its operands and its out=."""
+    from qgemm import runtime
+
+    assert [runtime.element_alignment(t) for t in (np.float32, np.float16, F.BF16_DTYPE, F.block_q4_0, F.block_q8_0,
+                                                   F.block_q8_1, np.uint8)] == [4, 2, 2, 2, 2, 4, 1]
+    x = runtime.DeviceArray(0x1002, (4, 64), np.float32)
+    with pytest.raises(ValueError, match=r"^quantize.q4_0: X must start on a 4-byte boundary \(float32 elements\), "
+                                         r"got address 0x1002$"):
+        qgemm.get("quantize.q4_0")(x)
+    with pytest.raises(ValueError, match=r"^quantize.q8_0_f16: X must start on a 2-byte boundary \(float16 elements\)"):
+        qgemm.get("quantize.q8_0_f16")(runtime.DeviceArray(0x1001, (4, 64), np.float16))
+    with pytest.raises(ValueError, match=r"^w4a8.naive: A must start on a 4-byte boundary \(a 36-byte structured type"):
+        qgemm.get("w4a8.naive")(runtime.DeviceArray(0x1002, (4, 2), F.block_q8_1), runtime.DeviceArray(0x2000, (8, 2), F.block_q4_0))
+    runtime.check_alignment(runtime.DeviceArray(0x1004, (4, 64), np.float32), "t", "x")  # aligned: nothing said

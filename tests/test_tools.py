@@ -847,6 +847,10 @@ def test_run_tool_turns_what_a_user_can_fix_into_one_line():
     (["host_overhead.py", "--table", "docs/perf/bench-h100.json"], "not a host_overhead.py --json file"),
     (["ncu_source_top.py", "/nonexistent.csv"], "No such file"),
     (["repack_probe.py", "--ms", "1,a"], "--ms / --ks must be comma-separated integers"),
+    (["quant_speed.py", "--shape", "4096"], "--shape must be NxK"),
+    (["fold_error.py", "--groups", "32,x"], "--groups must be comma-separated integers"),
+    (["fold_error.py", "--groups", "48"], "every G a multiple of 32 dividing K"),
+    (["quant_speed.py", "--shape", "4096x4100"], "K a positive multiple of 32"),
     (["sanitize_configs.py", "racecheck", "w4a16.wgmma_rs", "--shapes", "7x33x32", "--sanitizer", "/nonexistent/cs"],
      "no compute-sanitizer at /nonexistent/cs"),
     (["sanitize_configs.py", "racecheck", "w4a16.wgmma_rs", "--shapes", "7x33x32", "-D", "RS_WS", "--sanitizer", "/bin/true"],
@@ -1383,3 +1387,19 @@ def test_decode_map_table_without_a_gpu(monkeypatch, tmp_path):
     assert [r.split(" | ")[2] for r in rows] == ["1x1024x4096", "1x4096x4096", "2x4096x4096", "2x1024x4096"]
     assert [r.split(" | ")[6] for r in rows] == ["50.0%", "75.0%", "75.0%", "100.0%"]
     assert "SK_R=2" in rows[0] and "`w4a16.skinny`" in rows[0]
+
+
+def test_fold_error_reproduces_llamacpps_error_and_measures_coarser_folds():
+    """tools/fold_error.py (docs/perf/NOTES.md session 65): at G = 32 the int8 requantization of
+    Q8_0 weights is exact (ggml's amax maps to +-127, so the int8 grid is the block's), so its
+    error is llama.cpp's; folding every 128 values costs well over llama.cpp's error for both
+    formats -- the reason no int8 prefill path folds less often."""
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "fold_error.py"), "--m", "16", "--n", "128", "--k", "1024"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    ratios = {(ln.split()[0], ln.split()[1], int(ln.split()[2])): float(ln.split()[-1])
+              for ln in r.stdout.splitlines()[2:]}
+    assert len(ratios) == 12
+    for acts in ("Gaussian", "outliers"):
+        assert 0.97 < ratios[(acts, "q8_0", 32)] < 1.03, ratios
+        assert ratios[(acts, "q4_0", 128)] > 1.3 and ratios[(acts, "q8_0", 128)] > 1.3, ratios

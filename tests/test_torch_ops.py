@@ -47,7 +47,25 @@ def test_fake_implementation_and_handles():
         torch_ops.QuantLinear(_fake_packed(), fmt="q8_0")
     layer = torch_ops.QuantLinear(_fake_packed(64, 4096, "q8_0"))
     assert (layer.in_features, layer.out_features, layer.fmt) == (4096, 64, "q8_0")
-    assert "in_features=4096, out_features=64, fmt=q8_0" in repr(layer) and not list(layer.parameters())
+    assert "in_features=4096, out_features=64, fmt=q8_0, bias=False" in repr(layer) and not list(layer.parameters())
+    assert layer.bias is None and not layer.state_dict()
+
+
+def test_quantlinear_bias_and_from_linear_checked():
+    """A bias is kept as float32 [N] (a buffer, out of state_dict as the weights are); one of the
+    wrong length or type, or with a NaN, is refused; from_linear takes an nn.Linear only and, for
+    a weight that is not on the GPU, needs torch with CUDA (NoGPUError without any GPU)."""
+    layer = torch_ops.QuantLinear(_fake_packed(64, 4096, "q8_0"), bias=torch.arange(64, dtype=torch.float16))
+    assert layer.bias.dtype == torch.float32 and torch.equal(layer.bias.cpu(), torch.arange(64, dtype=torch.float32))
+    assert "bias=True" in repr(layer) and not layer.state_dict() and not list(layer.parameters())
+    for bad in (torch.zeros(63), torch.zeros(1, 64), torch.zeros(64, dtype=torch.int32), torch.full((64,), float("nan"))):
+        with pytest.raises(ValueError, match=r"QuantLinear: bias must be 64 finite float values \(out_features\), got "):
+            torch_ops.QuantLinear(_fake_packed(64, 4096, "q8_0"), bias=bad)
+    with pytest.raises(TypeError, match="QuantLinear.from_linear: expected a torch.nn.Linear, got Conv1d"):
+        torch_ops.QuantLinear.from_linear(torch.nn.Conv1d(4, 4, 1))
+    if not GPU and not torch.cuda.is_available():
+        with pytest.raises(qgemm.NoGPUError, match="QuantLinear.from_linear needs an NVIDIA GPU"):
+            torch_ops.QuantLinear.from_linear(torch.nn.Linear(64, 8))
 
 
 def test_attention_fake_implementations_and_handles(rng):
@@ -121,6 +139,32 @@ def test_op_is_qgemm_matmul(fmt, rng):
         got = layer(x)
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(got, torch.from_dlpack(qgemm.matmul(x, pw)))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_quantlinear_from_linear(fmt):
+    """QuantLinear.from_linear: an nn.Linear of float32 / float16 / bfloat16 weights, on the GPU
+    or the CPU, with and without a bias, gives the layer of ggml's blocks of those weights (as
+    float32) bit for bit, plus the bias in float32; compiled with fullgraph too."""
+    torch.manual_seed(0)
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for device in ("cuda", "cpu"):
+            for bias in (True, False):
+                lin = torch.nn.Linear(256, 40, bias=bias).to(device=device, dtype=dt)
+                layer = torch_ops.QuantLinear.from_linear(lin, fmt)
+                w32 = lin.weight.detach().float().cpu().numpy()
+                pw = qgemm.pack_weights(qgemm.quantize(w32, fmt))
+                assert layer.weights.blocks.to_host().tobytes() == pw.blocks.to_host().tobytes(), (dt, device)
+                x = torch.randn(7, 256, device="cuda")
+                want = torch_ops.matmul(x, pw)
+                if bias:
+                    want = want + lin.bias.detach().float().to("cuda")
+                assert torch.equal(layer(x), want), (dt, device, bias)
+                assert (layer.in_features, layer.out_features, layer.fmt) == (256, 40, fmt)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), layer(x))
 
 
 @pytest.mark.gpu

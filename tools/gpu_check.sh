@@ -16,6 +16,7 @@
 #   QGEMM_CHECK="xtypes" bash tools/gpu_check.sh               # float32 / float16 / bfloat16 activations: whole op, configurations
 #   QGEMM_CHECK="sanitize" bash tools/gpu_check.sh             # the GPU tests under compute-sanitizer (memcheck, racecheck, synccheck, initcheck)
 #   QGEMM_CHECK="map" bash tools/gpu_check.sh                  # decode on models' weight matrices vs the copy bandwidth (tools/decode_map.py)
+#   QGEMM_CHECK="wquant" bash tools/gpu_check.sh               # weight quantizers (float -> Q4_0 / Q8_0 on the GPU): tests, speed vs numpy
 #   other steps: precompile (every default configuration of the bench shapes, in parallel: run it
 #   first on a fresh machine), order (hot rows vs what ran before them), tune-dry, rs-quick, rs-tunes
 #   (docs/perf/tunes-h100 again: QGEMM_RS_TUNE_SHAPES, default every stored shape), decode-tunes
@@ -164,6 +165,17 @@ for step in $STEPS; do
               run $PY -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_pack.py
               run $PY -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_kernels.py -k "packed or skinny_needs or graph or chain or kperm16"
               run $PY tools/repack_probe.py --json "$OUT/repack.json" ;;
+    wquant)   # the weight quantizers (quantize.q4_0 / quantize.q8_0, float32 / float16 / bfloat16 in): their GPU
+              # tests byte for byte against ggml's (numpy) quantizer, pack_weights and QuantLinear.from_linear
+              # on float weights, their speed on a 14336x4096 weight (cold: against the copy bandwidth), and
+              # pack_weights of float weights against numpy's quantizer + pack_weights of the blocks
+              run $PY -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_kernels.py -k "quantizer"
+              run $PY -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_pack.py -k "float"
+              run $PY -m pytest -q -p no:cacheprovider -rfE tests/test_torch_ops.py -k "quantlinear"
+              for k in quantize.q4_0 quantize.q4_0_f16 quantize.q4_0_bf16 quantize.q8_0 quantize.q8_0_bf16; do
+                run $PY -m qgemm profile $k --shape 14336x1x4096 --cold
+              done
+              run $PY tools/quant_speed.py --shape 14336x4096 --json "$OUT/quant_speed.json" ;;
     order)    # does a decode row depend on what the sweep ran before it? the bench's per-shape sequence
               # (packed op, ggml-blocks op, torch peers) replayed, then the packed ops alone
               run $PY tools/sweep_order.py --shapes 1x4096x4096,8x4096x4096 --rounds 2 --clocks
