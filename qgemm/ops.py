@@ -663,7 +663,18 @@ class Kernel:
                                                     "CUDA graph capture cannot; qgemm.matmul captures its own quantization")
         fmt = self.op.a
         if device:
-            dx = _check_device(x, fmt, "X", self.op, stream, self.name)
+            try:
+                dx = _check_device(x, fmt, "X", self.op, stream, self.name)
+            except ValueError as e:  # another input type: name the form of this quantizer that takes it
+                came = runtime.as_device_array(x, stream).dtype if runtime.is_device_array(x) else None
+                from . import registry
+
+                sibling = next((s.name for s in registry.list_kernels(family=self.spec.family)
+                                if s.op.kind == "quantize" and s.op.out == self.op.out and came is not None
+                                and came != fmt.dtype and s.op.a.dtype == came and s.op.k_align == self.op.k_align), None)
+                if sibling is None:
+                    raise
+                raise ValueError(f"{e}; {sibling} takes {runtime.dtype_name(came)}") from None
         else:
             dx = None
             x = _check_host(x, fmt, "X", self.op, self.name)  # (bfloat16 from ml_dtypes: viewed as qgemm holds it)
@@ -685,6 +696,10 @@ class Kernel:
         if flag & 1:
             raise ValueError(f"{self.name}: input must be finite; found inf or NaN")
         if flag & 2:
+            if self.op.out in (F.Q4_0, F.Q8_0):  # d = max / -8 or amax / 127 rounds to half's inf from 65520
+                limit = "524160 (d = max / -8)" if self.op.out == F.Q4_0 else "8321040 (d = amax / 127)"
+                raise ValueError(f"{self.name}: a block's scale d overflows half (max 65504): some block holds a value of "
+                                 f"magnitude >= {limit}; scale the input down")
             raise ValueError(f"{self.name}: a value, a block's scale d or sum s overflows half (max 65504); scale the input down")
         if device:
             return out if out is not None else dy

@@ -141,8 +141,12 @@ def test_weight_quantizers_adversarial_blocks(fmt):
     with pytest.raises(ValueError, match=f"quantize.{fmt}: input must be finite; found inf or NaN"):
         q(qgemm.DeviceArray.from_host(bad))
     big = np.full((1, 32), 6e5 if fmt == "q4_0" else 9e6, np.float32)  # d = 75000 / 70866: past half
-    with pytest.raises(ValueError, match="overflows half"):
+    limit = "524160 \\(d = max / -8\\)" if fmt == "q4_0" else "8321040 \\(d = amax / 127\\)"
+    with pytest.raises(ValueError, match=f"quantize.{fmt}: a block's scale d overflows half \\(max 65504\\): some block holds "
+                                         f"a value of magnitude >= {limit}; scale the input down"):
         q(qgemm.DeviceArray.from_host(big))
+    edge = np.full((1, 32), 524159.0 if fmt == "q4_0" else 8321039.0, np.float32)  # d rounds to 65504: kept
+    assert q(edge).tobytes() == F.quantize(edge, fmt).tobytes()
     with pytest.raises(ValueError, match="overflows half"):
         F.quantize(big, fmt)  # the CPU quantizer agrees
 

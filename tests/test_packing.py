@@ -509,3 +509,12 @@ def test_misaligned_device_arrays_refused_before_any_launch():
     with pytest.raises(ValueError, match=r"^w4a8.naive: A must start on a 4-byte boundary \(a 36-byte structured type"):
         qgemm.get("w4a8.naive")(runtime.DeviceArray(0x1002, (4, 2), F.block_q8_1), runtime.DeviceArray(0x2000, (8, 2), F.block_q4_0))
     runtime.check_alignment(runtime.DeviceArray(0x1004, (4, 64), np.float32), "t", "x")  # aligned: nothing said
+    # another input type: the quantizer's form that takes it is named
+    for name, dt, hint in (("quantize.q4_0", np.float16, "quantize.q4_0_f16 takes float16"),
+                           ("quantize.q8_0_f16", F.BF16_DTYPE, "quantize.q8_0_bf16 takes bfloat16"),
+                           ("quantize.q4_0_bf16", np.float32, "quantize.q4_0 takes float32"),
+                           ("convert.f16", F.BF16_DTYPE, "convert.f16_bf16 takes bfloat16")):
+        with pytest.raises(ValueError, match=f"^{name}: X must be .* on the device, got device array .*; {hint}$"):
+            qgemm.get(name)(runtime.DeviceArray(0x1000, (4, 64), dt))
+    with pytest.raises(ValueError, match=r"^quantize.q8_1: X must be float32 \[rows, K\] on the device, got device array int32 \(4, 64\)$"):
+        qgemm.get("quantize.q8_1")(runtime.DeviceArray(0x1000, (4, 64), np.int32))  # no form takes int32
