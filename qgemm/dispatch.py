@@ -546,18 +546,14 @@ _FLOAT_WEIGHTS_HINT = ("; float weights are quantized once, at load: qgemm.pack_
 
 def _weights(w, fmt: str | None, on_device: bool, stream=None, who: str = "matmul"):
     """(blocks as host or device array in their block dtype, format name). who: the caller, for messages."""
-    try:
-        dt = runtime.as_device_array(w, stream).dtype if on_device else \
-            None if isinstance(w, (list, tuple)) else np.asarray(w).dtype  # (a list: said below)
-        floats = dt is not None and (dt.kind == "f" or F.is_bf16(dt))
-    except (TypeError, ValueError):  # said below, as before
-        dt, floats = None, False
-    if floats:
-        shape = tuple(getattr(w, "shape", ()))
-        raise ValueError(f"{who}: weights must be Q4_0 or Q8_0 blocks [N, K/32], got {runtime.dtype_name(dt)} {shape}"
-                         + _FLOAT_WEIGHTS_HINT)
+    def refuse_floats(dt, shape):
+        if dt.kind == "f" or F.is_bf16(dt):
+            raise ValueError(f"{who}: weights must be Q4_0 or Q8_0 blocks [N, K/32], got {runtime.dtype_name(dt)} "
+                             f"{tuple(shape)}" + _FLOAT_WEIGHTS_HINT)
+
     if on_device:
         d = runtime.as_device_array(w, stream)
+        refuse_floats(d.dtype, d.shape)
         if fmt is None:
             fmt = {F.Q4_0.dtype: "q4_0", F.Q8_0.dtype: "q8_0"}.get(d.dtype)
             if fmt is None:
@@ -583,6 +579,7 @@ def _weights(w, fmt: str | None, on_device: bool, stream=None, who: str = "matmu
         raise ValueError(f"{who}: weights must be a numpy array of Q4_0 / Q8_0 blocks [N, K/32] (or raw uint8 bytes with "
                          f"fmt=), or a device array, got {type(w).__name__}")
     a = np.asarray(w)
+    refuse_floats(a.dtype, a.shape)
     if isinstance(fmt, str):
         fmt = fmt.lower()  # "Q4_0" as "q4_0", as the CLI and plan() take it
     if fmt is None:

@@ -89,26 +89,22 @@ W4A8S_BF16 = Op("w4a8s_bf16", "W4A8 skinny (bf16 in, int8 MMA)", "gemm", F.BF16,
                 reference.exact_w4a8s)
 W8A8S_BF16 = Op("w8a8s_bf16", "W8A8 skinny (bf16 in, int8 MMA)", "gemm", F.BF16, F.Q8_0, F.F32, "imma", 1e-5, 1e-3,
                 reference.exact_w8a8s)
-QUANTIZE_Q8_1 = Op("quantize_q8_1", "Quantize to Q8_1", "quantize", F.F32, None, F.Q8_1, "memory", 0.0, 1e-3,
-                   cpu=lambda x: F.quantize_q8_1(x))
-QUANTIZE_Q8_1_F16 = Op("quantize_q8_1_f16", "Quantize f16 to Q8_1", "quantize", F.F16, None, F.Q8_1, "memory", 0.0, 1e-3,
-                       cpu=lambda x: F.quantize_q8_1(np.asarray(x, dtype=np.float32)))
-QUANTIZE_Q8_1_BF16 = Op("quantize_q8_1_bf16", "Quantize bf16 to Q8_1", "quantize", F.BF16, None, F.Q8_1, "memory", 0.0, 1e-3,
-                        cpu=lambda x: F.quantize_q8_1(F.to_float32(x)))
-# the weight quantizers (quantize.q4_0 / quantize.q8_0 and their 16-bit-input forms): ggml's reference
-# quantizers on the GPU, byte for byte formats.quantize_q4_0 / quantize_q8_0 of the values as float32
-QUANTIZE_Q4_0 = Op("quantize_q4_0", "Quantize to Q4_0", "quantize", F.F32, None, F.Q4_0, "memory", 0.0, 2e-2,
-                   cpu=lambda x: F.quantize_q4_0(x))
-QUANTIZE_Q4_0_F16 = Op("quantize_q4_0_f16", "Quantize f16 to Q4_0", "quantize", F.F16, None, F.Q4_0, "memory", 0.0, 2e-2,
-                       cpu=lambda x: F.quantize_q4_0(np.asarray(x, dtype=np.float32)))
-QUANTIZE_Q4_0_BF16 = Op("quantize_q4_0_bf16", "Quantize bf16 to Q4_0", "quantize", F.BF16, None, F.Q4_0, "memory", 0.0, 2e-2,
-                        cpu=lambda x: F.quantize_q4_0(F.to_float32(x)))
-QUANTIZE_Q8_0 = Op("quantize_q8_0", "Quantize to Q8_0", "quantize", F.F32, None, F.Q8_0, "memory", 0.0, 1e-3,
-                   cpu=lambda x: F.quantize_q8_0(x))
-QUANTIZE_Q8_0_F16 = Op("quantize_q8_0_f16", "Quantize f16 to Q8_0", "quantize", F.F16, None, F.Q8_0, "memory", 0.0, 1e-3,
-                       cpu=lambda x: F.quantize_q8_0(np.asarray(x, dtype=np.float32)))
-QUANTIZE_Q8_0_BF16 = Op("quantize_q8_0_bf16", "Quantize bf16 to Q8_0", "quantize", F.BF16, None, F.Q8_0, "memory", 0.0, 1e-3,
-                        cpu=lambda x: F.quantize_q8_0(F.to_float32(x)))
+
+
+def _quantizers(fmt: F.Format, nmse_tol: float, cpu: Callable) -> tuple[Op, Op, Op]:
+    """The quantize ops into `fmt` from float32, float16 and bfloat16: each kernel's bytes are
+    `cpu` (qgemm.formats' quantizer) of the values widened to float32, which is exact."""
+    return tuple(Op(f"quantize_{fmt.name}{suffix}", f"Quantize {title}to {fmt.name.upper()}", "quantize", a, None, fmt,
+                    "memory", 0.0, nmse_tol, cpu=lambda x: cpu(F.to_float32(x)))
+                 for a, suffix, title in ((F.F32, "", ""), (F.F16, "_f16", "f16 "), (F.BF16, "_bf16", "bf16 ")))
+
+
+# the activations' Q8_1 quantizers (ggml-cuda's quantize_q8_1), and ggml's reference weight
+# quantizers on the GPU (quantize.q4_0 / quantize.q8_0: float weights at load, qgemm.pack_weights)
+QUANTIZE_Q8_1, QUANTIZE_Q8_1_F16, QUANTIZE_Q8_1_BF16 = _quantizers(F.Q8_1, 1e-3, F.quantize_q8_1)
+QUANTIZE_Q4_0, QUANTIZE_Q4_0_F16, QUANTIZE_Q4_0_BF16 = _quantizers(F.Q4_0, 2e-2, F.quantize_q4_0)
+QUANTIZE_Q8_0, QUANTIZE_Q8_0_F16, QUANTIZE_Q8_0_BF16 = _quantizers(F.Q8_0, 1e-3, F.quantize_q8_0)
+
 CONVERT_F16 = Op("convert_f16", "Convert to f16", "quantize", F.F32, None, F.F16, "memory", 0.0, 1e-6,
                  cpu=lambda x: np.asarray(x, dtype=np.float32).astype(np.float16))
 # the prologues of the Hopper prefill kernels: fp16 in the kperm16 layout (qgemm.packing.kperm16)

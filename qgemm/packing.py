@@ -217,7 +217,7 @@ def _float_weights(w, fmt, on_device: bool, stream=None):
     if a.ndim != 2 or 0 in a.shape or a.shape[1] % F.QK:
         raise ValueError(f"{who}: float weights must be 2-D [N, K] with N >= 1 and K a positive multiple of {F.QK}, got {what}")
     if not on_device:
-        if a.dtype not in (np.float16,) and not F.is_bf16(a.dtype):
+        if a.dtype != np.float16 and not F.is_bf16(a.dtype):
             a = F._as_blocks(a, who)[0].reshape(a.shape)  # float32 (ValueError past its range), finite
         elif not np.isfinite(F.to_float32(a)).all():
             raise ValueError(f"{who}: float weights must be finite; found inf or NaN")

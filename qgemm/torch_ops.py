@@ -174,8 +174,8 @@ class QuantLinear(torch.nn.Module):
     `fmt`) packed here once, or float weights [N, K] with `fmt` (quantized on the GPU by ggml's
     quantizer, then packed: `qgemm.pack_weights`). `bias`: None or [N] values, kept as a float32
     buffer on the GPU and added to the float32 product. The module holds the packed weights and
-    the bias (they are not parameters: no state_dict, no gradient). `QuantLinear.from_linear(linear, fmt)` makes
-    one from an `nn.Linear`."""
+    the bias (they are not parameters: no state_dict, no gradient).
+    `QuantLinear.from_linear(linear, fmt)` makes one from an `nn.Linear`."""
 
     def __init__(self, weights, fmt: str | None = None, bias=None):
         super().__init__()

@@ -20,7 +20,7 @@
 //   - roundf rounds half away from zero (Q8_0), as C's roundf; rintf would round half to even.
 //
 // `status` (an int the Python caller turns into a ValueError, as in quantize_q8_1.cuh):
-//   bit 0: a non-finite input value;  bit 1: d overflows half (|max| past ~524k for Q4_0).
+//   bit 0: a non-finite input value;  bit 1: d overflows half (a |value| >= 524160 for Q4_0, 8321040 for Q8_0).
 //
 // Loads: a block is 128 bytes of float32 or 64 of a 16-bit type, read as 16-byte vectors when X
 // is 16-byte aligned (then every block is) and value by value otherwise (a view at an odd
