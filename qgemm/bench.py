@@ -483,14 +483,15 @@ SWEEP_K = (4096, 14336)
 
 class ClockSampler:
     """The SM clock and board power sampled by `nvidia-smi` every `period_ms` while it is open, so a
-    timing can be set beside the clock it ran at (a slower row: a lower clock, or not?). Without
-    nvidia-smi it samples nothing and `window` returns None.
+    timing can be set beside the clock it ran at (a slower row: a lower clock, or not?). The
+    constructor returns once the first sample is in (at most start_timeout_s), so the first timing
+    has a clock too. Without nvidia-smi it samples nothing and `window` returns None.
 
         with ClockSampler() as clk:
             t0 = time.time(); ...; w = clk.window(t0, time.time())   # {"sm_mhz", "power_w", "samples"}
     """
 
-    def __init__(self, period_ms: int = 20):
+    def __init__(self, period_ms: int = 20, start_timeout_s: float = 5.0):
         self._proc = None
         self._log = None
         self._samples: list[tuple[float, float, float]] = []  # (time, MHz, W), parsed as the log grows
@@ -507,6 +508,18 @@ class ClockSampler:
                                            "-lms", str(period_ms)], stdout=self._log, stderr=subprocess.DEVNULL)
         except OSError:  # not executable after all: time without clocks rather than fail the bench
             self.close()
+            return
+        self._wait_first_sample(start_timeout_s)
+
+    def _wait_first_sample(self, timeout_s: float) -> None:
+        """Return once nvidia-smi has written its first sample, has exited, or timeout_s has passed.
+        Its start takes 0.1-1 s, more on a loaded host (beside the GPU suite's parallel processes the
+        test's fake took over 0.3 s): a caller that times at once (tools/sweep_order.py's first
+        shape) got no clock for its first timings."""
+        deadline = time.monotonic() + timeout_s
+        while not self._samples and self._proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._read_new()
 
     def _read_new(self) -> None:
         """Parse the complete lines nvidia-smi appended since the last call (each line once)."""

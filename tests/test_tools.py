@@ -106,7 +106,11 @@ def test_clock_sampler_reads_nvidia_smi(tmp_path, monkeypatch):
     smi.write_text(_FAKE_SMI.replace("/usr/bin/env python3", sys.executable))
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    t_start = time.time()
     with bench.ClockSampler(period_ms=5) as clk:
+        # the constructor waits for nvidia-smi's first sample (a loaded host once took > 0.3 s to
+        # start the fake): the first timing of a sweep gets a clock too
+        assert clk.window(t_start, time.time()) is not None
         t0 = time.time()
         time.sleep(0.3)
         w = clk.window(t0, time.time())
@@ -117,6 +121,16 @@ def test_clock_sampler_reads_nvidia_smi(tmp_path, monkeypatch):
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     with bench.ClockSampler() as clk:
+        assert clk.window(0.0, time.time()) is None
+    # an nvidia-smi that exits without a sample (no GPU): no wait for the start timeout, no clock
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    (dead / "nvidia-smi").write_text(f"#!{sys.executable}\nimport sys\nprint('No devices were found')\nsys.exit(6)\n")
+    (dead / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{dead}:/usr/bin:/bin")
+    t_start = time.monotonic()
+    with bench.ClockSampler(start_timeout_s=30) as clk:
+        assert time.monotonic() - t_start < 20
         assert clk.window(0.0, time.time()) is None
 
 
