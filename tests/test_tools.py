@@ -1183,7 +1183,9 @@ exit 0
     assert sweeps and all(i in (out / "tests-gpu-sweeps.log").read_text() for i in sweeps)
     rest = (out / "tests-rest.log").read_text()
     assert "=== tests/test_cli_registry.py tests/test_tools.py" in rest and "test_cli_registry.py::" in rest, rest[-500:]
-    assert "test_formats.py::" in rest.split("===")[0] and "test_cli_registry.py::" not in rest.split("===")[0]
+    # test_packing.py stands for the CPU-side rest (test_formats.py, skipped whole without gguf, would
+    # tie this test to an optional package: session 66's device call without gguf failed here)
+    assert "test_packing.py::" in rest.split("===")[0] and "test_cli_registry.py::" not in rest.split("===")[0]
     torch_part = rest.split("=== tests/test_torch_ops.py tests/test_docs_pytorch.py (a process of its own) ===")
     assert len(torch_part) == 2 and "test_docs_pytorch.py::" in torch_part[1], rest[-500:]  # torch.compile apart
     assert "test_docs_pytorch.py::" not in torch_part[0]
