@@ -877,9 +877,10 @@ def read_ceiling_table(data: dict) -> list[str]:
     return out + [""]
 
 
-def sweep_plots(data: dict, directory) -> list[str]:
+def sweep_plots(data: dict, directory, stem: str = "bench") -> list[str]:
     """TFLOPS vs M and weight GB/s vs M (with the measured copy bandwidth), one PNG per mode (hot,
-    cold) in `directory`; returns the paths. Needs matplotlib."""
+    cold) in `directory`, named `{stem}-hot.png` / `{stem}-cold.png` (another device's run beside
+    the published one: stem="bench-h200"); returns the paths. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -893,7 +894,7 @@ def sweep_plots(data: dict, directory) -> list[str]:
         fig = _sweep_figure(data, cold)
         if fig is None:
             continue
-        p = directory / f"bench-{'cold' if cold else 'hot'}.png"
+        p = directory / f"{stem}-{'cold' if cold else 'hot'}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         files.append(str(p))

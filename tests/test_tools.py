@@ -504,7 +504,18 @@ def test_sweep_plots_draw_each_series_in_one_colour_on_both_panels(tmp_path):
     assert pr.main([str(ROOT / "docs/perf/profile-h100-512x4096x4096-hot.json"), "--bench", str(ROOT / "docs/perf/bench-h100.json"),
                     "--plots", str(tmp_path / "p"), "-o", str(page)]) == 0
     assert sorted(f.name for f in (tmp_path / "p").iterdir()) == ["bench-cold.png", "bench-hot.png"]
-    assert "![bench hot](perf/bench-hot.png)" in page.read_text()
+    assert "![bench hot](perf/bench-hot.png)" in page.read_text() and page.read_text().startswith("# Performance\n")
+    # another device's page beside the published one (docs/performance-h200.md): its plots named
+    # apart (the H100's are not overwritten), its title, and llama.cpp's figures of that device
+    assert pr.main([str(ROOT / "docs/perf/profile-h200-512x4096x4096-hot.json"), "--bench", str(ROOT / "docs/perf/bench-h200.json"),
+                    "--plots", str(tmp_path / "p"), "--plot-stem", "bench-h200", "--title", "Performance on the NVIDIA H200",
+                    "-o", str(page)]) == 0
+    assert sorted(f.name for f in (tmp_path / "p").iterdir()) == ["bench-cold.png", "bench-h200-cold.png",
+                                                                   "bench-h200-hot.png", "bench-hot.png"]
+    text = page.read_text()
+    assert text.startswith("# Performance on the NVIDIA H200\n") and "![bench cold](perf/bench-h200-cold.png)" in text
+    assert "perf/bench-hot.png" not in text and "ggml-test-backend-ops-perf-mul_mat-h200.txt" in text
+    assert "| q4_0 | 1x4096x4096 | 6.23 | 4.0 |" in text  # llama.cpp's H200 figure (its H100 one is 6.40)
 
 
 def test_perf_report_plots_need_the_bench_json(tmp_path, capsys):
