@@ -484,8 +484,8 @@ SWEEP_K = (4096, 14336)
 class ClockSampler:
     """The SM clock and board power sampled by `nvidia-smi` every `period_ms` while it is open, so a
     timing can be set beside the clock it ran at (a slower row: a lower clock, or not?). The
-    constructor returns once the first sample is in (at most start_timeout_s), so the first timing
-    has a clock too. Without nvidia-smi it samples nothing and `window` returns None.
+    constructor returns once the first sample is in (at most start_timeout_s; at once if nvidia-smi
+    exits), so the first timing has a clock too. Without nvidia-smi it samples nothing and `window` returns None.
 
         with ClockSampler() as clk:
             t0 = time.time(); ...; w = clk.window(t0, time.time())   # {"sm_mhz", "power_w", "samples"}

@@ -1067,7 +1067,8 @@ def test_defaults_against_stored_tunes(path):
     assert timed[key] <= bound * best, f"{path.name}: default {default} {timed[key]:.2f} us against the best {best:.2f}"
 
 
-PUBLISHED_BENCH = [TUNES_DIR.parent / "bench-h100.json", TUNES_DIR.parent / "bench-sustained-h100.json"]
+PUBLISHED_BENCH = [TUNES_DIR.parent / "bench-h100.json", TUNES_DIR.parent / "bench-sustained-h100.json",
+                   TUNES_DIR.parent / "bench-h200.json"]  # docs/performance-h200.md
 
 
 @pytest.mark.parametrize("path", PUBLISHED_BENCH, ids=[p.stem for p in PUBLISHED_BENCH])

@@ -518,6 +518,50 @@ def test_sweep_plots_draw_each_series_in_one_colour_on_both_panels(tmp_path):
     assert "| q4_0 | 1x4096x4096 | 6.23 | 4.0 |" in text  # llama.cpp's H200 figure (its H100 one is 6.40)
 
 
+@pytest.mark.parametrize("path", sorted(TOOLS.glob("*.py")) + sorted((ROOT / "qgemm").glob("*.py")), ids=lambda p: p.name)
+def test_docstring_examples_keep_their_line_continuations(path):
+    """A command split over lines in a module docstring (`... \\` then the rest) must keep its
+    backslashes in `__doc__`, which `--help` prints: in a plain string a backslash before the line
+    break joins the lines (perf_report.py's and compare_paths.py's --help printed each command as one
+    line with the backslashes gone); such a docstring is a raw string."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    node = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
+    if node is None or not isinstance(node.value, ast.Constant) or not isinstance(node.value.value, str):
+        return
+    src = path.read_text().splitlines()[node.lineno - 1:node.end_lineno]
+    # a source line ending in a backslash (`\\` escaped or `\` in a raw string) must stay a line
+    # ending in one in the docstring's value
+    split_in_source = sum(line.endswith("\\") for line in src)
+    split_in_doc = sum(line.endswith("\\") for line in node.value.value.splitlines())
+    assert split_in_doc == split_in_source, f"{path.name}: make the module docstring a raw string (r\"\"\"...)"
+
+
+PERF = "docs/perf/"
+PUBLISHED_PAGES = {  # each page and the perf_report command that makes it (perf_report's docstring)
+    "docs/performance.md": [PERF + "profile-h100-512x4096x4096-hot.json", PERF + "profile-h100-512x4096x4096-cold.json",
+                            "--bench", PERF + "bench-h100.json", "--sustained-bench", PERF + "bench-sustained-h100.json",
+                            "--notes", "docs/performance-notes.md"],
+    "docs/performance-h200.md": [PERF + "profile-h200-512x4096x4096-hot.json", PERF + "profile-h200-512x4096x4096-cold.json",
+                                 "--bench", PERF + "bench-h200.json", "--plot-stem", "bench-h200",
+                                 "--title", "Performance on the NVIDIA H200"],
+}
+
+
+@pytest.mark.parametrize("page", sorted(PUBLISHED_PAGES))
+def test_published_performance_pages_are_the_tools_output(page, tmp_path):
+    """The performance pages are never edited by hand: each is exactly what tools/perf_report.py
+    makes from the JSON kept in docs/perf/ (and, for the H100's, docs/performance-notes.md), so an
+    edit of the notes without regenerating the page, or a hand-edited figure, fails here."""
+    pr = _load("perf_report")
+    out = tmp_path / "page.md"
+    assert pr.main([str(ROOT / a) if a.startswith("docs/") else a for a in PUBLISHED_PAGES[page]] + ["-o", str(out)]) == 0
+    assert out.read_text() == (ROOT / page).read_text(), f"{page} differs from tools/perf_report.py's output: regenerate it"
+    stem = dict(zip(PUBLISHED_PAGES[page], PUBLISHED_PAGES[page][1:])).get("--plot-stem", "bench")
+    assert all((ROOT / PERF / f"{stem}-{tag}.png").is_file() for tag in ("hot", "cold"))  # the plots the page shows
+
+
 def test_perf_report_plots_need_the_bench_json(tmp_path, capsys):
     """`--plots` draws from `--bench`'s JSON: without one (or with a path that is not there) it
     says so and fails before writing anything, whether matplotlib is installed or not."""

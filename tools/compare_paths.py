@@ -1,4 +1,4 @@
-"""Whole-op A/B of qgemm.matmul paths and activation types in one process (packed weights,
+r"""Whole-op A/B of qgemm.matmul paths and activation types in one process (packed weights,
 graph-batched as `qgemm bench`): each (path, activation type) measured `--repeats` times in
 alternation, so that drift between the passes shows as the range of a cell.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Turn `qgemm profile --json` outputs into docs/performance.md. Never edit that file by hand:
+r"""Turn `qgemm profile --json` outputs into docs/performance.md. Never edit that file by hand:
 
     bash tools/gpu_check.sh            # on the GPU machine: writes $OUT/profile-*.json
     python tools/perf_report.py docs/perf/profile-*-hot.json docs/perf/profile-*-cold.json \
@@ -238,7 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sustained-bench", type=Path,
                     help="a `qgemm bench --sustain` run's bench.json: adds the targets timed llama.cpp's way")
     ap.add_argument("--plots", type=Path, metavar="DIR",
-                    help="redraw bench-hot.png / bench-cold.png from --bench's JSON into DIR (needs matplotlib)")
+                    help="redraw the page's two plots (bench-hot.png / bench-cold.png, or --plot-stem's names) from "
+                         "--bench's JSON into DIR (needs matplotlib)")
     ap.add_argument("--plot-stem", default="bench",
                     help="the plots' file names, STEM-hot.png / STEM-cold.png, drawn by --plots and shown by the page "
                          "(default: bench; another device's page beside the published one: e.g. bench-h200)")
