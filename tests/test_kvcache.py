@@ -559,6 +559,11 @@ def test_mustafar_kernels_wait_where_programmatic_launch_needs_it():
         assert b.index("pdl_wait();") < b.index("x[((size_t)b * R + row0") and b.index("pdl_wait();") < b.index("scores"), fn
         # released after its own wait (the default), so the waiting grids never pile up
         assert b.index("pdl_wait();") < b.index("if (MF_KTRIG == 1) pdl_launch_dependents();"), fn
+    # version 3 requests step 0's window (the cache alone) above the wait, by default (MF_KEARLY)
+    b = body("mf3_key")
+    early = b.index("if (MF_KEARLY) {")
+    assert early < b.index("mf3_prep<", early) < b.index("pdl_wait();") < b.index("if (!MF_KEARLY) {")
+    assert "#define MF_KEARLY 1\n" in src and "#define MF_VEARLY 0\n" in src
     for fn, first_read in (("mf2_value", "mf_probs_begin<U>("), ("mf3_value", "mf_probs_begin<U>("), ("mf4_value", "mf4_stage<BITS>(x")):
         b = body(fn)
         first_write = "atomicAdd(" if fn == "mf4_value" else "mf_value_sum_store("

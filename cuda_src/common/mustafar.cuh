@@ -42,6 +42,15 @@
 //             q4 3.25 / 5.66 / 4.48, 32x2048 q2 3.92 / 4.68 / 5.61, 32x16384 q2 19.5 / 19.5 / 21.9.
 //             Released at entry, the next grid is released at its own entry too, and so on: the
 //             waiting CTAs of several grids fill the SMs unevenly
+//   MF_KEARLY key kernels, version 3: 1 (default) requests step 0's window (mf3_prep) above the
+//             PDL wait, beside its metadata (the cache: no qgemm kernel writes it), so a CTA that
+//             starts under the previous kernel's tail has both DRAM round trips behind it when the
+//             wait returns; 0 after the wait. H100, 32x16384x128, µs 1 / 0: fp16 22.5 / 25.4, q2
+//             18.8 / 19.3, q4 21.8 / 22.6 at 70%; q2 25.2 / 26.0 at 50%; 32x4096 fp16 8.1 / 9.9, q4
+//             6.5 / 6.4; plain launches the same (q2 21.9 / 21.8)
+//   MF_VEARLY the same for the value kernels (versions 2 and 3): 0 (default), as 1 measured no
+//             faster: H100, 32x16384x128, µs 1 / 0: q2 24.3 / 23.9 at 70%, 28.9 / 28.3 at 50%, 32k
+//             44.9 / 44.2; fp16 26.3 / 26.6, 50% 37.9 / 39.3, 32k 50.9 / 50.6
 //   MF_CREG   4/2-bit key kernels, version 3: 1 keeps the code mask and the 1.0 pair in registers
 //             (one LOP3 per slot instead of a LOP3 and a constant move: mf3_code_consts), 0 lets them fold into
 //             immediates, -1 (default): 1 for 2-bit, 0 for 4-bit. H100, 32x16384x128, µs 1 / 0:
@@ -78,6 +87,12 @@ static_assert(MF_VTRIG >= 0 && MF_VTRIG <= 2, "MF_VTRIG: 0 (release at exit), 1 
 static_assert(MF_CREG >= -1 && MF_CREG <= 1, "MF_CREG: 1 (code constants in registers), 0 (immediates) or -1 (by bits)");
 #ifndef MF_KTRIG
 #define MF_KTRIG 1
+#endif
+#ifndef MF_KEARLY
+#define MF_KEARLY 1
+#endif
+#ifndef MF_VEARLY
+#define MF_VEARLY 0
 #endif
 static_assert(MF_KTRIG >= 0 && MF_KTRIG <= 2, "MF_KTRIG: 0 (release at exit), 1 (after the wait) or 2 (at entry)");
 #ifndef MF_MIN_CTAS
@@ -901,11 +916,17 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     if (n > 0) meta(m0, 0);
     if (n > 1) meta(m1, 1);
     MfProbs pr;
+    if (MF_VEARLY) {
+        if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
+        mf_commit();
+    }
     pdl_wait();  // before the probabilities (the kernel before the zero kernel may write them) and the output
     if (MF_VTRIG == 2) pdl_launch_dependents();
     mf_probs_begin<U>(pr, x, b, R, row0, nr, S, u0);
-    if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
-    mf_commit();
+    if (!MF_VEARLY) {
+        if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
+        mf_commit();
+    }
 
     mf_probs_stage<U>(pr, x, ps, b, R, row0, nr, S, u0);
 
@@ -1373,12 +1394,19 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
                                          ob + t0 / 16);
     };
 
-    // prologue: step 0's metadata and the queries loaded together; step 0's window requested
-    // before step 1's metadata (the first walk waits for it alone), the queries staged meanwhile
+    // prologue: step 0's metadata loaded and its window requested above the wait (MF_KEARLY),
+    // then the queries; step 0's window requested before step 1's metadata (the first walk waits
+    // for it alone), the queries staged meanwhile
     if (MF_KTRIG == 2) pdl_launch_dependents();
     mf_zero_pads(wb, lane);
     Mf3Meta<U> m;
+    uint32_t dq[U], dqn[U];
+    MfKeys<NW> keys, keysn;
     if (n > 0) meta(m, 0);
+    if (MF_KEARLY) {
+        if (n > 0) mf3_prep<BITS, COMPACT, U>(m, tok(0) < S ? U : 0, data, win0, lane, rec0, dq, keys);
+        mf_commit();
+    }
     pdl_wait();  // before the queries (the previous kernel may write them) and the scores
     if (MF_KTRIG == 1) pdl_launch_dependents();
     constexpr int ND = (MF_D + MF_THREADS - 1) / MF_THREADS;
@@ -1395,10 +1423,10 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
             hq[k][j] = *reinterpret_cast<const uint32_t *>(&h);
         }
     }
-    uint32_t dq[U], dqn[U];
-    MfKeys<NW> keys, keysn;
-    if (n > 0) mf3_prep<BITS, COMPACT, U>(m, tok(0) < S ? U : 0, data, win0, lane, rec0, dq, keys);
-    mf_commit();
+    if (!MF_KEARLY) {
+        if (n > 0) mf3_prep<BITS, COMPACT, U>(m, tok(0) < S ? U : 0, data, win0, lane, rec0, dq, keys);
+        mf_commit();
+    }
     if (n > 1) meta(m, 1);
 
     // queries of this row block, REP interleaved copies; row 0 of each block of 32 dims is zeros
@@ -1491,11 +1519,17 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
     MfKeys<NW> keys, keysn;
     MfProbs pr;
     if (n > 0) meta(m, 0);
+    if (MF_VEARLY) {
+        if (n > 0) mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
+        mf_commit();
+    }
     pdl_wait();  // before the probabilities (the kernel before the zero kernel may write them) and the output
     if (MF_VTRIG == 2) pdl_launch_dependents();
     mf_probs_begin<U>(pr, x, b, R, row0, nr, S, u0);
-    if (n > 0) mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
-    mf_commit();
+    if (!MF_VEARLY) {
+        if (n > 0) mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
+        mf_commit();
+    }
     if (n > 1) meta(m, 1);
 
     mf_probs_stage<U>(pr, x, ps, b, R, row0, nr, S, u0);
