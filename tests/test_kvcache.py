@@ -563,7 +563,7 @@ def test_mustafar_kernels_wait_where_programmatic_launch_needs_it():
     b = body("mf3_key")
     early = b.index("if (MF_KEARLY) {")
     assert early < b.index("mf3_prep<", early) < b.index("pdl_wait();") < b.index("if (!MF_KEARLY) {")
-    assert "#define MF_KEARLY 1\n" in src and "#define MF_VEARLY 0\n" in src
+    assert "#define MF_KEARLY 2\n" in src and "#define MF_VEARLY 0\n" in src
     for fn, first_read in (("mf2_value", "mf_probs_begin<U>("), ("mf3_value", "mf_probs_begin<U>("), ("mf4_value", "mf4_stage<BITS>(x")):
         b = body(fn)
         first_write = "atomicAdd(" if fn == "mf4_value" else "mf_value_sum_store("

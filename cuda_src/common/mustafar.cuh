@@ -42,12 +42,15 @@
 //             q4 3.25 / 5.66 / 4.48, 32x2048 q2 3.92 / 4.68 / 5.61, 32x16384 q2 19.5 / 19.5 / 21.9.
 //             Released at entry, the next grid is released at its own entry too, and so on: the
 //             waiting CTAs of several grids fill the SMs unevenly
-//   MF_KEARLY key kernels, version 3: 1 (default) requests step 0's window (mf3_prep) above the
-//             PDL wait, beside its metadata (the cache: no qgemm kernel writes it), so a CTA that
-//             starts under the previous kernel's tail has both DRAM round trips behind it when the
-//             wait returns; 0 after the wait. H100, 32x16384x128, µs 1 / 0: fp16 22.5 / 25.4, q2
-//             18.8 / 19.3, q4 21.8 / 22.6 at 70%; q2 25.2 / 26.0 at 50%; 32x4096 fp16 8.1 / 9.9, q4
-//             6.5 / 6.4; plain launches the same (q2 21.9 / 21.8)
+//   MF_KEARLY key kernels, version 3: what the prologue reads of the cache above the PDL wait
+//             (the cache: no qgemm kernel writes it), so that a CTA started under the previous
+//             kernel's tail has those DRAM round trips behind it when the wait returns. 0: step
+//             0's metadata; 1: and step 0's window (mf3_prep); 2 (default): and step 1's metadata,
+//             which the first loop iteration's prep needs before step 0's walk. H100,
+//             32x16384x128, µs 0 / 1: fp16 25.4 / 22.5, q2 19.3 / 18.8, q4 22.6 / 21.8 at 70%; q2
+//             26.0 / 25.2 at 50%; 32x4096 fp16 9.9 / 8.1, q4 6.4 / 6.5; plain launches the same (q2
+//             21.8 / 21.9). 1 / 2 (another call): fp16 22.9 / 22.3, q2 18.8 / 18.5; 32x4096 fp16
+//             8.0 / 7.8, q2 6.0 / 6.0
 //   MF_VEARLY the same for the value kernels (versions 2 and 3): 0 (default), as 1 measured no
 //             faster: H100, 32x16384x128, µs 1 / 0: q2 24.3 / 23.9 at 70%, 28.9 / 28.3 at 50%, 32k
 //             44.9 / 44.2; fp16 26.3 / 26.6, 50% 37.9 / 39.3, 32k 50.9 / 50.6
@@ -89,7 +92,7 @@ static_assert(MF_CREG >= -1 && MF_CREG <= 1, "MF_CREG: 1 (code constants in regi
 #define MF_KTRIG 1
 #endif
 #ifndef MF_KEARLY
-#define MF_KEARLY 1
+#define MF_KEARLY 2
 #endif
 #ifndef MF_VEARLY
 #define MF_VEARLY 0
@@ -1394,9 +1397,9 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
                                          ob + t0 / 16);
     };
 
-    // prologue: step 0's metadata loaded and its window requested above the wait (MF_KEARLY),
-    // then the queries; step 0's window requested before step 1's metadata (the first walk waits
-    // for it alone), the queries staged meanwhile
+    // prologue: step 0's metadata loaded, its window requested and step 1's metadata loaded
+    // above the wait (MF_KEARLY), then the queries; step 0's window requested before step 1's
+    // metadata (the first walk waits for it alone), the queries staged meanwhile
     if (MF_KTRIG == 2) pdl_launch_dependents();
     mf_zero_pads(wb, lane);
     Mf3Meta<U> m;
@@ -1406,6 +1409,7 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
     if (MF_KEARLY) {
         if (n > 0) mf3_prep<BITS, COMPACT, U>(m, tok(0) < S ? U : 0, data, win0, lane, rec0, dq, keys);
         mf_commit();
+        if (MF_KEARLY == 2 && n > 1) meta(m, 1);
     }
     pdl_wait();  // before the queries (the previous kernel may write them) and the scores
     if (MF_KTRIG == 1) pdl_launch_dependents();
@@ -1427,7 +1431,7 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
         if (n > 0) mf3_prep<BITS, COMPACT, U>(m, tok(0) < S ? U : 0, data, win0, lane, rec0, dq, keys);
         mf_commit();
     }
-    if (n > 1) meta(m, 1);
+    if (MF_KEARLY != 2 && n > 1) meta(m, 1);
 
     // queries of this row block, REP interleaved copies; row 0 of each block of 32 dims is zeros
 #pragma unroll
