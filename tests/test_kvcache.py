@@ -559,11 +559,13 @@ def test_mustafar_kernels_wait_where_programmatic_launch_needs_it():
         assert b.index("pdl_wait();") < b.index("x[((size_t)b * R + row0") and b.index("pdl_wait();") < b.index("scores"), fn
         # released after its own wait (the default), so the waiting grids never pile up
         assert b.index("pdl_wait();") < b.index("if (MF_KTRIG == 1) pdl_launch_dependents();"), fn
-    # version 3 requests step 0's window (the cache alone) above the wait, by default (MF_KEARLY)
+    # version 3 requests step 0's window and loads step 1's metadata (the cache alone) above the
+    # wait, by default (MF_KEARLY=2 up to D = 128, 1 at D = 256: test_key_code_constants_either_way)
     b = body("mf3_key")
     early = b.index("if (MF_KEARLY) {")
-    assert early < b.index("mf3_prep<", early) < b.index("pdl_wait();") < b.index("if (!MF_KEARLY) {")
-    assert "#define MF_KEARLY 2\n" in src and "#define MF_VEARLY 0\n" in src
+    assert early < b.index("mf3_prep<", early) < b.index("if (MF_KEARLY == 2 && n > 1) meta(m, 1);") \
+        < b.index("pdl_wait();") < b.index("if (!MF_KEARLY) {")
+    assert "#define MF_KEARLY (MF_D <= 128 ? 2 : 1)\n" in src and "#define MF_VEARLY 0\n" in src
     for fn, first_read in (("mf2_value", "mf_probs_begin<U>("), ("mf3_value", "mf_probs_begin<U>("), ("mf4_value", "mf4_stage<BITS>(x")):
         b = body(fn)
         first_write = "atomicAdd(" if fn == "mf4_value" else "mf_value_sum_store("

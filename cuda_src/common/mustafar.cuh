@@ -45,8 +45,10 @@
 //   MF_KEARLY key kernels, version 3: what the prologue reads of the cache above the PDL wait
 //             (the cache: no qgemm kernel writes it), so that a CTA started under the previous
 //             kernel's tail has those DRAM round trips behind it when the wait returns. 0: step
-//             0's metadata; 1: and step 0's window (mf3_prep); 2 (default): and step 1's metadata,
-//             which the first loop iteration's prep needs before step 0's walk. H100,
+//             0's metadata; 1: and step 0's window (mf3_prep); 2: and step 1's metadata, which
+//             the first loop iteration's prep needs before step 0's walk. Default 2 up to D = 128,
+//             1 at D = 256 (not measured there; step 1's metadata, 20 registers for 4 tiles, held
+//             over the queries' loads made the 4-bit keys spill 8 bytes with MF_CREG=1). H100,
 //             32x16384x128, µs 0 / 1: fp16 25.4 / 22.5, q2 19.3 / 18.8, q4 22.6 / 21.8 at 70%; q2
 //             26.0 / 25.2 at 50%; 32x4096 fp16 9.9 / 8.1, q4 6.4 / 6.5; plain launches the same (q2
 //             21.8 / 21.9). 1 / 2 (another call): fp16 22.9 / 22.3, q2 18.8 / 18.5; 32x4096 fp16
@@ -92,12 +94,14 @@ static_assert(MF_CREG >= -1 && MF_CREG <= 1, "MF_CREG: 1 (code constants in regi
 #define MF_KTRIG 1
 #endif
 #ifndef MF_KEARLY
-#define MF_KEARLY 2
+#define MF_KEARLY (MF_D <= 128 ? 2 : 1)
 #endif
 #ifndef MF_VEARLY
 #define MF_VEARLY 0
 #endif
 static_assert(MF_KTRIG >= 0 && MF_KTRIG <= 2, "MF_KTRIG: 0 (release at exit), 1 (after the wait) or 2 (at entry)");
+static_assert(MF_KEARLY >= 0 && MF_KEARLY <= 2, "MF_KEARLY: 0, 1 or 2 (what the key kernels read above the PDL wait)");
+static_assert(MF_VEARLY == 0 || MF_VEARLY == 1, "MF_VEARLY: 0 or 1 (the value kernels' first window above the PDL wait)");
 #ifndef MF_MIN_CTAS
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MF_MIN_CTAS 2
@@ -1397,9 +1401,9 @@ __device__ __forceinline__ void mf3_key(MF_PARAMS) {
                                          ob + t0 / 16);
     };
 
-    // prologue: step 0's metadata loaded, its window requested and step 1's metadata loaded
-    // above the wait (MF_KEARLY), then the queries; step 0's window requested before step 1's
-    // metadata (the first walk waits for it alone), the queries staged meanwhile
+    // prologue: above the wait (MF_KEARLY), step 0's metadata loaded, its window requested, then
+    // step 1's metadata loaded (the window first: the first walk waits for it alone); after the
+    // wait the queries, staged while those are in flight
     if (MF_KTRIG == 2) pdl_launch_dependents();
     mf_zero_pads(wb, lane);
     Mf3Meta<U> m;
