@@ -625,6 +625,30 @@ def test_key_code_constants_either_way(name):
             assert res.registers * 32 * defines["MF_WARPS"] * resident <= 65536, (defines, res)
 
 
+def test_value_early_reads_either_way():
+    """MF_VEARLY (the value kernels' reads of the cache above the PDL wait; 0 by default, as 1 and
+    2 measured no faster on the 2-bit target rows): 2 loads version 3's step 1 metadata into a set
+    of its own above the wait and takes it after the wait, where 0 loads it; every value is range
+    checked by a static assertion shown in the NVRTC log, and 1 and 2 compile without spills at
+    the decode shape, in the registers of the CTAs the plan makes resident."""
+    from qgemm import jit
+
+    src = jit.read_source("common/mustafar.cuh")
+    i = src.index("__device__ __forceinline__ void mf3_value(MF_PARAMS)")
+    b = src[i:src.index("\n}\n", i)]
+    assert b.index("if (MF_VEARLY == 2 && n > 1) meta(m1, 1);") < b.index("pdl_wait();") \
+        < b.index("if (MF_VEARLY == 2)\n            m = m1;\n        else\n            meta(m, 1);")
+    for name, bits in (("mustafar.value_q2", 2), ("mustafar.value_q4c", 4)):
+        p = kv.plan_for("value", bits, (32, 16384, 128), 4, 132, 1229)
+        entry = registry.spec(name).entry
+        for early in (1, 2):
+            res = qgemm.get(name).compile("sm_90", {**p.defines, "MF_VEARLY": early}).resources[entry]
+            assert res.spill_stores == 0 and res.spill_loads == 0, (early, res)
+            assert res.registers * 32 * p.defines["MF_WARPS"] * p.defines.get("MF_MIN_CTAS", 4) <= 65536, (early, res)
+        with pytest.raises(qgemm.CompileError, match="MF_VEARLY: 0, 1 or 2"):
+            qgemm.get(name).compile("sm_90", {**p.defines, "MF_VEARLY": 3})
+
+
 @pytest.mark.parametrize("kind, bits", [("key", 16), ("key", 2), ("value", 16), ("value", 4)])
 def test_plans_for_either_walk_version(kind, bits):
     """plan_for(v3=) (tools/kv_probe.py's MF_V3 variants): version 3 (pads and word records in

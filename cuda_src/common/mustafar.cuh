@@ -53,9 +53,13 @@
 //             26.0 / 25.2 at 50%; 32x4096 fp16 9.9 / 8.1, q4 6.4 / 6.5; plain launches the same (q2
 //             21.8 / 21.9). 1 / 2 (another call): fp16 22.9 / 22.3, q2 18.8 / 18.5; 32x4096 fp16
 //             8.0 / 7.8, q2 6.0 / 6.0
-//   MF_VEARLY the same for the value kernels (versions 2 and 3): 0 (default), as 1 measured no
-//             faster: H100, 32x16384x128, µs 1 / 0: q2 24.3 / 23.9 at 70%, 28.9 / 28.3 at 50%, 32k
-//             44.9 / 44.2; fp16 26.3 / 26.6, 50% 37.9 / 39.3, 32k 50.9 / 50.6
+//   MF_VEARLY the same for the value kernels: 0 (default): step 0's metadata (version 2: and
+//             step 1's); 1: and step 0's window (versions 2 and 3); 2 (version 3): and step 1's
+//             metadata, without the window. Neither measured faster where it counts: H100,
+//             32x16384x128, µs 1 / 0: q2 24.3 / 23.9 at 70%, 28.9 / 28.3 at 50%, 32k 44.9 / 44.2;
+//             fp16 26.3 / 26.6, 50% 37.9 / 39.3, 32k 50.9 / 50.6. 2 / 0 (another call): q2 23.3 /
+//             23.5 at 70%, 28.9 / 28.4 at 50%, 32k 50% 54.8 / 53.8, 32x1024 6.5 / 6.4; q4 24.0 /
+//             24.6 at 70%, 29.8 / 30.5 at 50%; q2c 24.5 / 24.8, q4c 25.7 / 25.4 at 70%
 //   MF_CREG   4/2-bit key kernels, version 3: 1 keeps the code mask and the 1.0 pair in registers
 //             (one LOP3 per slot instead of a LOP3 and a constant move: mf3_code_consts), 0 lets them fold into
 //             immediates, -1 (default): 1 for 2-bit, 0 for 4-bit. H100, 32x16384x128, µs 1 / 0:
@@ -101,7 +105,7 @@ static_assert(MF_CREG >= -1 && MF_CREG <= 1, "MF_CREG: 1 (code constants in regi
 #endif
 static_assert(MF_KTRIG >= 0 && MF_KTRIG <= 2, "MF_KTRIG: 0 (release at exit), 1 (after the wait) or 2 (at entry)");
 static_assert(MF_KEARLY >= 0 && MF_KEARLY <= 2, "MF_KEARLY: 0, 1 or 2 (what the key kernels read above the PDL wait)");
-static_assert(MF_VEARLY == 0 || MF_VEARLY == 1, "MF_VEARLY: 0 or 1 (the value kernels' first window above the PDL wait)");
+static_assert(MF_VEARLY >= 0 && MF_VEARLY <= 2, "MF_VEARLY: 0, 1 or 2 (what the value kernels read above the PDL wait)");
 #ifndef MF_MIN_CTAS
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MF_MIN_CTAS 2
@@ -923,14 +927,14 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
     if (n > 0) meta(m0, 0);
     if (n > 1) meta(m1, 1);
     MfProbs pr;
-    if (MF_VEARLY) {
+    if (MF_VEARLY == 1) {
         if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
         mf_commit();
     }
     pdl_wait();  // before the probabilities (the kernel before the zero kernel may write them) and the output
     if (MF_VTRIG == 2) pdl_launch_dependents();
     mf_probs_begin<U>(pr, x, b, R, row0, nr, S, u0);
-    if (!MF_VEARLY) {
+    if (MF_VEARLY != 1) {
         if (n > 0) p0 = mf2_issue<BITS, U>(m0, data, win, lane);
         mf_commit();
     }
@@ -1527,18 +1531,25 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
     MfKeys<NW> keys, keysn;
     MfProbs pr;
     if (n > 0) meta(m, 0);
-    if (MF_VEARLY) {
+    Mf3Meta<U> m1;  // MF_VEARLY == 2: step 1's metadata, loaded above the wait and held over it
+    if (MF_VEARLY == 2 && n > 1) meta(m1, 1);
+    if (MF_VEARLY == 1) {
         if (n > 0) mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
         mf_commit();
     }
     pdl_wait();  // before the probabilities (the kernel before the zero kernel may write them) and the output
     if (MF_VTRIG == 2) pdl_launch_dependents();
     mf_probs_begin<U>(pr, x, b, R, row0, nr, S, u0);
-    if (!MF_VEARLY) {
+    if (MF_VEARLY != 1) {
         if (n > 0) mf3_prep<BITS, COMPACT, U>(m, nt, data, win0, lane, rec0, dq, keys);
         mf_commit();
     }
-    if (n > 1) meta(m, 1);
+    if (n > 1) {
+        if (MF_VEARLY == 2)
+            m = m1;
+        else
+            meta(m, 1);
+    }
 
     mf_probs_stage<U>(pr, x, ps, b, R, row0, nr, S, u0);
 
