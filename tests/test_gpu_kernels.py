@@ -1042,6 +1042,12 @@ def test_bench_cli_writes_what_it_shows(tmp_path, monkeypatch):
     data = json.loads((out / "kvcache.json").read_text())
     assert data["rows"] and {row["S"] for row in data["rows"]} == {1024}, data["rows"][:2]
     assert (out / "kvcache.md").read_text().strip() in r.output
+    # the copy measured before and after the sweep, each row's share taken of the higher one
+    before, after = data["copy_bandwidth_runs_gbps"]
+    assert min(before, after) > 0 and data["copy_bandwidth_gbps"] == max(before, after)
+    for row in data["rows"]:
+        assert row["pct_copy"] == pytest.approx(100 * row["compressed_bytes"] / row["us"] / 1e3 / max(before, after))
+    assert f"the higher of {before:.0f} before the sweep and {after:.0f} after it" in r.output
 
 
 # ------------------------------------------------------------------------------------------

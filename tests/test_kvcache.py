@@ -1166,6 +1166,7 @@ def test_kvcache_bench_report_gives_plain_launch_times():
     old = copy.deepcopy(stored)  # as a run from before session 21 wrote it
     for r in old["rows"]:
         del r["plain_us"], r["plain_speedup"]
+    old.pop("copy_bandwidth_runs_gbps", None)  # (and before session 68)
     md = kb.markdown(old)
     assert "| µs, plain launches |" in md and "plain launches: worst" not in md
     row = next(line for line in md.splitlines() if line.startswith("| value | 16384 | 1 | 70% | fp16 |"))
@@ -1184,6 +1185,14 @@ def test_kvcache_bench_report_gives_plain_launch_times():
                 and r["S"] >= 16384 and r["Lq"] == 1)
     assert f"worst {worst:.2f}x" in f16 and f"(plain launches: worst {worst / 1.25:.2f}x)" in f16
     assert sum("plain launches: worst" in t for t in lines) == 4  # key / value x q2 / fp16; not the size line
+    # the copy figure: the higher of the measurements before and after the sweep, where the run
+    # has both (runs before session 68 measured it once)
+    head = next(line for line in kb.markdown(old).splitlines() if line.startswith("- measured copy bandwidth"))
+    assert "before the sweep" not in head and f"{stored['copy_bandwidth_gbps']:.0f} GB/s (read + write); " in head
+    new["copy_bandwidth_runs_gbps"] = [2560.4, 2870.6]
+    new["copy_bandwidth_gbps"] = 2870.6
+    head = next(line for line in kb.markdown(new).splitlines() if line.startswith("- measured copy bandwidth"))
+    assert "2871 GB/s (read + write, the higher of 2560 before the sweep and 2871 after it); cold" in head
 
 
 def test_kvcache_bench_cache_workers_start_afresh(monkeypatch):
