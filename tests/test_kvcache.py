@@ -1195,6 +1195,38 @@ def test_kvcache_bench_report_gives_plain_launch_times():
     assert "2871 GB/s (read + write, the higher of 2560 before the sweep and 2871 after it); cold" in head
 
 
+def test_kvcache_bench_targets_never_round_onto_the_line():
+    """A target line's figure never reads as meeting the limit while the verdict says it misses
+    (session 68's run: value fp16 at 70% 1.9994x was printed "2.00x -> NOT MET"): such a figure
+    gets more decimals; any other keeps its usual two (speedups), none (% of copy) or one (size)."""
+    import copy
+    import json
+    import pathlib
+
+    from qgemm import kvcache_bench as kb
+
+    stored = json.loads((pathlib.Path(__file__).resolve().parents[1] / "docs/perf/kvcache-h100.json").read_text())
+    data = copy.deepcopy(stored)
+    big = [r for r in data["rows"] if r["S"] >= 16384 and r["Lq"] == 1]
+    for r in big:
+        r["speedup"], r["plain_speedup"], r["pct_copy"] = 2.5, 2.5, 50.0
+        if r["layout"] == "fp16" and r["kind"] == "value" and r["sparsity"] == 0.7:
+            r["speedup"], r["plain_speedup"] = 1.9994, 2.0004
+        if r["layout"] == "q2" and r["kind"] == "key":
+            r["speedup"], r["pct_copy"] = 2.9996, 69.7
+    for r in data["rows"]:
+        if r["sparsity"] == 0.7 and r["layout"] == "q2":
+            r["ratio"] = 0.20004
+    lines = kb.targets(data)
+    assert "worst 20.004% -> NOT MET" in lines[0]
+    key_q2 = next(t for t in lines if t.startswith("key q2"))
+    assert "worst 2.9996x -> NOT MET" in key_q2 and "worst 69.7% -> NOT MET" in key_q2 and "(plain launches: worst 2.50x)" in key_q2
+    v16 = next(t for t in lines if t.startswith("value fp16"))
+    assert "worst 1.999x -> NOT MET (plain launches: worst 2.00x)" in v16
+    assert "worst 2.50x -> MET" in next(t for t in lines if t.startswith("key fp16"))
+    assert [kb._num(v, 2, 2) for v in (1.9949, 1.995, 2.004, 3.14159)] == ["1.99", "1.995", "2.00", "3.14"]
+
+
 def test_kvcache_bench_cache_workers_start_afresh(monkeypatch):
     """The kvcache sweep builds its caches in worker processes started from a fresh interpreter,
     not forked from this one: by then the sweep's process has initialised CUDA and torch's
