@@ -135,8 +135,8 @@ def suite(ss=SS, lqs=LQS, sparsities=SPARSITIES, layouts=LAYOUTS, kinds=("key", 
                 rows.append(row)
                 echo(f"{kind:5s} S={s:6d} Lq={lq} sp={sp:.1f} {ck.layout:5s}: {us:8.1f} us (plain {plain:8.1f}; dense {dus or float('nan'):8.1f}, "
                      f"x{row['speedup'] or float('nan'):5.2f}) {100 * ck.ratio:5.1f}% of dense, {row['compressed_gbps']:6.0f} GB/s "
-                     f"({100 * row['compressed_gbps'] * 1e9 / copy_start:4.1f}% of the copy before the sweep); err vs ref {row['rel_err_vs_reference']:.1e}, vs dense "
-                     f"{row['rel_err_vs_dense']:.3f}")
+                     f"({100 * row['compressed_gbps'] * 1e9 / copy_start:4.1f}% of the copy before the sweep); "
+                     f"err vs ref {row['rel_err_vs_reference']:.1e}, vs dense {row['rel_err_vs_dense']:.3f}")
             del ck
     # As the GEMM sweep (bench.sweep): the copy measured before and after, the higher one the
     # figure, so that a slow copy never flatters a row's share of it (on the H100 one measurement
