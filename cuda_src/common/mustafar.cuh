@@ -103,10 +103,6 @@ static_assert(MF_CREG >= -1 && MF_CREG <= 1, "MF_CREG: 1 (code constants in regi
 #ifndef MF_VEARLY
 #define MF_VEARLY 0
 #endif
-#ifndef MF_VDUFF
-#define MF_VDUFF 0
-#endif
-static_assert(MF_VDUFF == 0 || MF_VDUFF == 1, "MF_VDUFF: 0 or 1 (version 2's fp16 value walk entered by a switch)");
 static_assert(MF_KTRIG >= 0 && MF_KTRIG <= 2, "MF_KTRIG: 0 (release at exit), 1 (after the wait) or 2 (at entry)");
 static_assert(MF_KEARLY >= 0 && MF_KEARLY <= 2, "MF_KEARLY: 0, 1 or 2 (what the key kernels read above the PDL wait)");
 static_assert(MF_VEARLY >= 0 && MF_VEARLY <= 2, "MF_VEARLY: 0, 1 or 2 (what the value kernels read above the PDL wait)");
@@ -333,93 +329,7 @@ __device__ __forceinline__ void mf_store_query_copies(uint8_t *dst, const uint32
 // c[NCW-1]) and dequantized two at a time into a half2.
 template <int BITS, bool PADDED = false>
 __device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lpos, const uint8_t *buf, uint32_t xrow0,
-                                             int xstride, __half2 (&acc)[MF_R / 2]);
-
-// MF_VDUFF (version 2's fp16 values, PADDED): the same walk as mf_half_tile's, entered by a switch
-// on the pair count (Duff's device, as version 3's mf3_pair) instead of a compare and branch after
-// every pair of values: pair k of the walk is slot s = s0 + k, s0 = 16 - ceil(kmax / 2), and reads
-// its values at a compile-time offset from the entry's base
-// (the gathered rows and the previous value word double-buffered by slot parity, as mf3_pair's:
-// with one set, every slot that may be an entry ends in register moves)
-template <int dummy = 0>
-struct MfF16Walk {
-    typedef typename MfRow<MF_R>::T XT;
-    uint32_t bits, xrow0, vb0, sh;
-    int xstride;
-    XT rw[2][2];       // [slot & 1]: the rows of the slot's two values
-    uint32_t pv[2];    // [slot & 1]: the value word the slot loaded (the next slot's funnel)
-    __device__ __forceinline__ XT gather() {
-        const int pos = 31 - __clz(bits);
-        bits &= ~__funnelshift_l(0u, 1u, pos);
-        return MfRow<MF_R>::load(xrow0 + pos * xstride);
-    }
-    template <int s>
-    __device__ __forceinline__ void slot(__half2 (&acc)[MF_R / 2]) {
-        constexpr int c = s & 1;
-        if (s < 15) {
-            rw[c ^ 1][0] = gather();
-            rw[c ^ 1][1] = gather();
-        }
-        pv[c] = mf_lds32(vb0 - 4 * s);
-        const __half2 f = mf_as_h2(__funnelshift_r(pv[c], pv[c ^ 1], sh));
-        MfRow<MF_R>::fma(rw[c][0], __high2half2(f), acc);
-        MfRow<MF_R>::fma(rw[c][1], __low2half2(f), acc);
-    }
-};
-
-#define MF_F16_CASES16 \
-    case 0: w.template slot<0>(acc); [[fallthrough]]; \
-    case 1: w.template slot<1>(acc); [[fallthrough]]; \
-    case 2: w.template slot<2>(acc); [[fallthrough]]; \
-    case 3: w.template slot<3>(acc); [[fallthrough]]; \
-    case 4: w.template slot<4>(acc); [[fallthrough]]; \
-    case 5: w.template slot<5>(acc); [[fallthrough]]; \
-    case 6: w.template slot<6>(acc); [[fallthrough]]; \
-    case 7: w.template slot<7>(acc); [[fallthrough]]; \
-    case 8: w.template slot<8>(acc); [[fallthrough]]; \
-    case 9: w.template slot<9>(acc); [[fallthrough]]; \
-    case 10: w.template slot<10>(acc); [[fallthrough]]; \
-    case 11: w.template slot<11>(acc); [[fallthrough]]; \
-    case 12: w.template slot<12>(acc); [[fallthrough]]; \
-    case 13: w.template slot<13>(acc); [[fallthrough]]; \
-    case 14: w.template slot<14>(acc); [[fallthrough]]; \
-    case 15: w.template slot<15>(acc); [[fallthrough]]; \
-    default: break;
-
-__device__ __forceinline__ void mf_half_tile_f16_duff(uint32_t word, int lpos, const uint8_t *buf, uint32_t xrow0, int xstride,
-                                                      __half2 (&acc)[MF_R / 2]) {
-    const int n = __popc(word);
-    const int kmax = mf_warp_max(n);
-    const int s0 = 16 - ((kmax + 1) >> 1);
-    MfF16Walk<> w;
-    const uint32_t vlast = (uint32_t)__cvta_generic_to_shared(buf) + 2 * (lpos + n - 1);
-    MfHalfPairs hp;  // its addressing (base, shift); the walk keeps the words itself
-    hp.init(vlast);
-    w.vb0 = hp.base + 4 * s0;
-    w.sh = hp.sh;
-    w.bits = word;
-    w.xrow0 = xrow0;
-    w.xstride = xstride;
-    const uint32_t prev = mf_lds32((vlast & 2) ? hp.base : hp.base + 4);
-    if (s0 & 1) {
-        w.pv[0] = prev;
-        w.rw[1][0] = w.gather();
-        w.rw[1][1] = w.gather();
-    } else {
-        w.pv[1] = prev;
-        w.rw[0][0] = w.gather();
-        w.rw[0][1] = w.gather();
-    }
-    switch (s0) { MF_F16_CASES16 }
-}
-
-template <int BITS, bool PADDED>
-__device__ __forceinline__ void mf_half_tile(uint32_t word, uint32_t mdq, int lpos, const uint8_t *buf, uint32_t xrow0,
                                              int xstride, __half2 (&acc)[MF_R / 2]) {
-    if constexpr (BITS == 16 && PADDED && MF_VDUFF) {
-        mf_half_tile_f16_duff(word, lpos, buf, xrow0, xstride, acc);
-        return;
-    }
     constexpr int NCW = BITS == 16 ? 1 : BITS;  // 32-bit code words of a half-tile: 2 (2-bit), 4 (4-bit)
     constexpr int PER = BITS == 16 ? 1 : 32 / BITS;
     const int n = __popc(word);
