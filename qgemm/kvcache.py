@@ -53,7 +53,16 @@ _FP16_MAX = 65504.0
 # input checks
 
 
+def _masked_refusal(x, what: str) -> None:
+    """A numpy masked array hides its masked entries from the finiteness checks (np.isfinite(m).all()
+    ignores them), while the kernels and np.asarray read the data under the mask."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise ValueError(f"{what} is a numpy masked array; pass plain data (x.filled(0) to zero the masked entries, "
+                         "or np.ma.getdata(x) to keep them)")
+
+
 def _check_cache(x, what: str = "cache") -> np.ndarray:
+    _masked_refusal(x, what)
     if not isinstance(x, np.ndarray):
         raise ValueError(f"{what} must be a numpy float16 array [B, S, D], got {type(x).__name__}")
     if x.dtype != np.float16:
@@ -80,7 +89,7 @@ def _check_sparsity(sparsity) -> float:
         s = float(sparsity)
     except (TypeError, ValueError):
         raise ValueError(f"sparsity must be a number in [0, 1), got {sparsity!r}") from None
-    if not (0.0 <= s < 1.0) or isinstance(sparsity, bool):
+    if not (0.0 <= s < 1.0) or isinstance(sparsity, (bool, np.bool_)):
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity!r}")
     return s
 
@@ -172,7 +181,7 @@ def density(ck) -> float:
     if not isinstance(ck, CompressedKV):
         raise ValueError(f"expected a CompressedKV (from compress_keys / compress_values), got {type(ck).__name__}")
     b, s, d = ck.shape
-    return float(popcount(ck.bitmaps).sum()) / max(1, b * s * d)
+    return float(popcount(ck.parts()["bitmaps"]).sum()) / max(1, b * s * d)
 
 
 def unpack_bits(bitmaps: np.ndarray) -> np.ndarray:
@@ -237,10 +246,17 @@ class CompressedKV:
         return int(self.bitmaps.shape[1])
 
     def parts(self) -> dict:
-        """The layout's arrays by name (the ones `nbytes` counts and the kernels read)."""
+        """The layout's arrays by name (the ones `nbytes` counts and the kernels read). ValueError
+        for an object whose bits or parts are not a layout's (validate_compressed checks the rest)."""
+        if isinstance(self.bits, (bool, np.bool_)) or not isinstance(self.bits, (int, np.integer)) or self.bits not in BITS:
+            raise ValueError(f"not a compressed cache: bits must be one of {BITS}, got {self.bits!r}")
         names = ["bitmaps"] + (["counts", "values"] if self.bits == 16 else
                                (["group_offsets", "packed", "dq"] if self.compact else ["offsets", "packed", "scales", "zeros"]))
-        return {n: getattr(self, n) for n in names}
+        parts = {n: getattr(self, n) for n in names}
+        for n, a in parts.items():
+            if not isinstance(a, np.ndarray):
+                raise ValueError(f"not a compressed cache: its {n} must be a numpy array, got {type(a).__name__}")
+        return parts
 
     def breakdown(self) -> dict:
         """Bytes per part, e.g. {'bitmaps': ..., 'offsets': ..., 'packed': ..., 'scales': ..., 'zeros': ...}."""
@@ -650,6 +666,8 @@ def decompress(ck: CompressedKV) -> np.ndarray:
 
 
 def _groups_of(rows: int, b: int, what: str) -> int:
+    if b <= 0:
+        raise ValueError(f"{what}: the cache has B={b} kv heads; B, S and D must be positive")
     if rows % b:
         raise ValueError(f"{what}: {rows} query heads is not a multiple of the cache's B={b} (B x groups expected)")
     return rows // b
@@ -789,9 +807,11 @@ SMEM_MAX = 227 * 1024
 
 def step_bytes_max(ck: "CompressedKV") -> int:
     """Bytes of the largest warp step of a compressed cache (its window): 32 tokens (keys) or
-    32 tiles of one channel from a multiple of 32 (values)."""
+    32 tiles of one channel from a multiple of 32 (values). ValueError for anything but a CompressedKV."""
+    if not isinstance(ck, CompressedKV):
+        raise ValueError(f"expected a CompressedKV (from compress_keys / compress_values), got {type(ck).__name__}")
     b, s, d = ck.shape
-    n = popcount(ck.bitmaps)
+    n = popcount(ck.parts()["bitmaps"])
     nb = 2 * n if ck.bits == 16 else tile_nbytes(n, ck.bits)
     if ck.kind == "key":
         per = STEP_LANES * (d // TILE)
@@ -930,11 +950,12 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
     if not isinstance(shape, (tuple, list)) or len(shape) != 3:
         raise ValueError(f"plan_for: shape must be the cache's (B, S, D), got {shape!r}")
     b, s, d = shape
-    if kind not in ("key", "value") or bits not in (16, 4, 2) or not _positive_int(d) or d not in (64, 128, 256):
+    if kind not in ("key", "value") or not _positive_int(bits) or bits not in (16, 4, 2) or not _positive_int(d) \
+            or d not in (64, 128, 256):
         raise ValueError(f"plan_for: kind must be 'key' or 'value', bits 16 / 4 / 2 and D 64 / 128 / 256, got "
                          f"kind={kind!r} bits={bits!r} D={d!r}")
-    if isinstance(cc, (bool, np.bool_)) or not isinstance(cc, (int, np.integer)):
-        raise ValueError(f"plan_for: cc must be the compute capability as an int (90 for sm_90), got {cc!r}")
+    if not _int_at_least(cc, 75):  # NVRTC 13 compiles sm_75 and newer
+        raise ValueError(f"plan_for: cc must be the compute capability as an int, 75 (sm_75) or above, got {cc!r}")
     if max_step is not None and not _int_at_least(max_step, 0):  # (0: a cache with no non-zeros, empty steps)
         raise ValueError(f"plan_for: max_step must be a non-negative int (bytes of the largest step) or None, "
                          f"got {max_step!r}")
@@ -950,8 +971,9 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
                                 or not isinstance(density, (int, float, np.integer, np.floating))
                                 or not 0.0 <= density <= 1.0):
         raise ValueError(f"density must be the stored fraction of the cache, a number in [0, 1], got {density!r}")
-    if ctas_per_sm is not None and not _positive_int(ctas_per_sm):
-        raise ValueError(f"ctas_per_sm must be a positive int (resident CTAs per SM), got {ctas_per_sm!r}")
+    if ctas_per_sm is not None and not (_positive_int(ctas_per_sm) and ctas_per_sm <= 32):
+        raise ValueError(f"ctas_per_sm must be an int in 1..32 (resident CTAs per SM; no GPU holds more), got "
+                         f"{ctas_per_sm!r}")
     if steps_per_cta is not None and (kind != "key" or not _positive_int(steps_per_cta)):
         raise ValueError(f"steps_per_cta is for key kernels and must be a positive int (warp steps of 32 tokens per "
                          f"CTA), got {steps_per_cta!r} for a {kind} kernel")
@@ -1077,13 +1099,17 @@ class MustafarRunner:
     def shape_problem(self, shape) -> str | None:
         """Why BxSxD cannot run on this kernel (None if it can)."""
         try:
-            b, s, d = (int(v) for v in shape)
+            b, s, d = shape
         except Exception:
             return f"shape must be BxSxD, got {shape!r}"
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in (b, s, d)):
+            return f"B, S, D must be ints, got {shape!r}"
         if min(b, s, d) <= 0:
             return f"B, S, D must be positive, got {b}x{s}x{d}"
         if d not in HEAD_DIMS:
             return f"head dim D must be one of {HEAD_DIMS} (shape BxSxD), got D={d}"
+        if b > 65535:  # plan_for's bound: the kernels' grid.y
+            return f"B={b} (batch x kv heads) is beyond one launch (at most 65535): split it"
         return None
 
     def _check_cache(self, kernel, w):
@@ -1112,6 +1138,7 @@ class MustafarRunner:
             dx = runtime.as_device_array(x, stream)  # (DLPack: the producer's pending work ordered before `stream`)
             dtype, shape = dx.dtype, dx.shape  # (a DeviceArray already: returned as it is)
         else:
+            _masked_refusal(x, f"{kernel.name}: {what}")
             if not isinstance(x, np.ndarray):
                 raise ValueError(f"{kernel.name}: {what} must be a numpy or device array, got {type(x).__name__}")
             dx, dtype, shape = x, x.dtype, x.shape
@@ -1276,12 +1303,16 @@ class MustafarRunner:
 
 
 def _opts(opts: dict):
-    lq = int(opts.get("lq", 1) or 1)
-    groups = int(opts.get("groups", 4) or 4)
-    sparsity = _check_sparsity(opts.get("sparsity", 0.7))
-    if lq <= 0 or groups <= 0:
-        raise ValueError(f"lq and groups must be positive, got lq={lq}, groups={groups}")
-    return lq, groups, sparsity
+    """(lq, groups, sparsity) of a validate / profile case: the options as given (None: the
+    default 1, 4, 0.7). ValueError for lq or groups that are not positive ints."""
+    lq, groups = (opts.get(k) for k in ("lq", "groups"))
+    lq, groups = (1 if lq is None else lq), (4 if groups is None else groups)
+    if not (_positive_int(lq) and _positive_int(groups)):
+        raise ValueError(f"lq (query length) and groups (query heads per kv head) must be positive ints, "
+                         f"got lq={lq!r}, groups={groups!r}")
+    sparsity = opts.get("sparsity")
+    sparsity = _check_sparsity(0.7 if sparsity is None else sparsity)
+    return int(lq), int(groups), sparsity
 
 
 def random_probs(rng, shape) -> np.ndarray:

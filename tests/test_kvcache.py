@@ -220,6 +220,49 @@ def test_bad_caches(x, match):
             f(x, 16)
 
 
+def test_arguments_the_checks_used_to_let_through(rng):
+    """Session 69's audit: each of these passed (or crashed with another exception) before."""
+    x = kv.prune(cache(rng, 2, 70, 64), 0.5)
+    ck = kv.compress_keys(x, 2)
+    # a masked array hid its masked inf from the finiteness checks (np.isfinite ignores the mask)
+    bad = x.copy()
+    bad[0, 0, 0] = np.inf
+    for f in (lambda m: kv.prune(m, 0.5), lambda m: kv.compress_keys(m, 16), lambda m: kv.compress_values(m, 2)):
+        with pytest.raises(ValueError, match="masked array"):
+            f(np.ma.masked_invalid(bad))
+    q = np.ma.masked_invalid(np.full((4, 1, 64), np.nan, np.float16))
+    with pytest.raises(ValueError, match="masked array"):
+        kv.MustafarRunner("key", 2)._check_x(qgemm.get("mustafar.key_q2"), q, ck, device=False)
+    # numpy's False as a sparsity, a B = 0 cache in the references (ZeroDivisionError)
+    with pytest.raises(ValueError, match="sparsity"):
+        kv.prune(x, np.False_)
+    for f, a in ((kv.reference_scores, np.zeros((4, 1, 64), np.float16)), (kv.reference_output, np.zeros((4, 1, 70), np.float16))):
+        with pytest.raises(ValueError, match="B=0"):
+            f(a, x[:0])
+    # a hand-damaged object's sizes: AttributeError, or a size for bits = 8
+    for how in ({"packed": None}, {"bits": 8}, {"bitmaps": None}):
+        d = dataclasses.replace(ck, **how)
+        for f in (lambda c: c.nbytes, lambda c: c.breakdown(), kv.density, kv.step_bytes_max):
+            with pytest.raises(ValueError, match="not a compressed cache"):
+                f(d)
+    with pytest.raises(ValueError, match="CompressedKV"):
+        kv.step_bytes_max(None)
+    # validate / profile options: 0 and fractions had become the defaults or been truncated
+    r = kv.MustafarRunner("key", 2)
+    for opts in ({"lq": 0}, {"groups": 0}, {"lq": 2.7}, {"groups": True}):
+        with pytest.raises(ValueError, match="positive ints"):
+            kv._opts(opts)
+    assert kv._opts({}) == (1, 4, 0.7) and kv._opts({"lq": None, "groups": 2, "sparsity": 0.5}) == (1, 2, 0.5)
+    # shapes the launch would refuse (B > 65535) or change (B = 2.5 ran B = 2)
+    assert "ints" in r.shape_problem((2.5, 64, 128)) and "65535" in r.shape_problem((70000, 64, 128))
+    assert r.shape_problem((65535, 64, 128)) is None and r.shape_problem((np.int64(2), 64, 128)) is None
+    # plan_for: bits as a float or an array, a compute capability below sm_75
+    for kw in ({"bits": 2.0}, {"bits": np.array([2])}, {"cc": -5}, {"cc": 70}, {"cc": True}):
+        args = {"kind": "key", "bits": 2, "shape": (2, 64, 128), "rows": 4, **kw}
+        with pytest.raises(ValueError, match="bits|cc"):
+            kv.plan_for(**args)
+
+
 def test_non_finite_cache(rng):
     x = cache(rng)
     x[0, 1, 2] = np.inf
@@ -493,9 +536,10 @@ def test_plans_for_other_resident_counts(kind, bits):
         assert {k: v for k, v in p.defines.items() if k != "MF_MIN_CTAS"} == {k: v for k, v in base.defines.items() if k != "MF_MIN_CTAS"}
         grids[mc] = p.grid[0] * p.grid[1]
     assert grids[1] <= grids[2] <= grids[3] <= grids[4] and grids[1] < grids[4], grids
-    for bad in (0, -1, 2.5, True):
+    for bad in (0, -1, 2.5, True, 33, 1000):
         with pytest.raises(ValueError, match="ctas_per_sm"):
             kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=bad)
+    assert kv.plan_for(kind, bits, shape, 4, 132, 300, ctas_per_sm=32).defines["MF_MIN_CTAS"] == 32
 
 
 def test_value_plans_take_whole_chunks_where_they_fill_waves():
