@@ -162,6 +162,13 @@ def _skip_runner(spec, mnk, all_: bool, rows: list, ncols: int, gg=None) -> bool
     return True
 
 
+def _path_arg(text) -> Path:
+    """The parser of every path argument: Path("") would be ".", the current directory."""
+    if isinstance(text, str) and not text.strip():
+        raise typer.BadParameter("an empty path: give a file or directory name")
+    return Path(text)
+
+
 def _writable_file(path: Optional[Path], what: str) -> None:
     """--json / --out: fail before the GPU work, not after it, when the result cannot be written."""
     if path is None:
@@ -269,7 +276,12 @@ def info():
     except Exception as e:
         lines.append(f"CUDA headers:     not found ({e})")
     cache = jit.default_cache()
-    lines.append(f"kernel sources:   {jit.cuda_src_dir()}")
+    bad_sources = None
+    try:
+        lines.append(f"kernel sources:   {jit.cuda_src_dir()}")
+    except SetupError as e:  # a QGEMM_CUDA_SRC that is no source tree: the rest still shown, then the error
+        bad_sources = e
+        lines.append("kernel sources:   not usable (the error below)")
     if jit.env_flag("QGEMM_DISABLE_CACHE"):
         lines.append(f"cache directory:  {cache.requested}  (disabled by QGEMM_DISABLE_CACHE)")
     else:
@@ -295,6 +307,28 @@ def info():
         lines.insert(0, f"No NVIDIA GPU is usable on this machine ({runtime.gpu_unavailable_reason()}). "
                         "Kernels can still be listed and compiled: qgemm compile --all --arch sm_90")
     typer.echo("\n".join(lines))
+    if bad_sources is not None:
+        _fail(str(bad_sources))
+
+
+def _define_warnings(spec, ck, extra: dict) -> list[str]:
+    """`compile -D`: the macros that changed nothing in this kernel -- redefined by its source
+    (NVRTC warns, and keeps the source's value) or named nowhere in it (a typo, or a key of
+    another kernel)."""
+    try:
+        src = jit.read_source(spec.source)
+        text = src + "".join(jit.project_headers(spec.source, src).values())
+    except OSError:
+        return []
+    out = []
+    for key in extra:
+        if re.search(rf'incompatible redefinition of macro "{re.escape(key)}"', ck.log or ""):
+            out.append(f"warning: {spec.name}: -D {key}: its source #defines {key} itself and NVRTC kept the source's "
+                       "value, so the row is not that configuration")
+        elif not re.search(rf"\b{re.escape(key)}\b", text):
+            out.append(f"warning: {spec.name}: -D {key}: no such macro in cuda_src/{spec.source} or the headers it "
+                       "includes, so it changes nothing (a typo?)")
+    return out
 
 
 def _occupancy_cells(k, mnk, defines: dict, r, cc: int, sms: int) -> list[str]:
@@ -309,6 +343,10 @@ def _occupancy_cells(k, mnk, defines: dict, r, cc: int, sms: int) -> list[str]:
     except ValueError as e:
         return [f"- ({e})" if "does not fit" in str(e) else "-", "-"]
     ctas = math.prod(g.grid)
+    try:
+        k.check_launch(*mnk, defines)
+    except ValueError:  # (the message, in full, after the table)
+        return [f"{occ.ctas_per_sm} ({', '.join(occ.limited_by)})", f"grid {g.grid}: beyond CUDA's limits"]
     return [f"{occ.ctas_per_sm} ({', '.join(occ.limited_by)})", f"{ctas} CTAs: {occ.waves(ctas, sms):.2f} waves"]
 
 
@@ -328,7 +366,7 @@ def compile(
         False, "--sass", help="Also count each kernel's SASS instructions by opcode (needs NVIDIA's nvdisasm: the CUDA "
                               "toolkit or `pip install nvidia-cuda-nvdisasm`)."),
     sass_dir: Optional[Path] = typer.Option(
-        None, "--sass-dir", help="Write each kernel's SASS listing to DIR/NAME.ARCH.sass (implies --sass), e.g. to diff "
+        None, "--sass-dir", parser=_path_arg, metavar="<path>", help="Write each kernel's SASS listing to DIR/NAME.ARCH.sass (implies --sass), e.g. to diff "
                                  "two -D settings."),
     sms: Optional[int] = typer.Option(
         None, "--sms", min=1, help="With --shape: the SMs the grid's waves are counted for (default: this GPU's, or 132 "
@@ -338,7 +376,11 @@ def compile(
     With --shape, a GEMM kernel's occupancy too: the CTAs one SM holds (and the limit that binds:
     CTAs, threads, registers or shared memory) and the waves its grid takes (qgemm/occupancy.py)."""
     specs = _specs(names, all_)
-    mnk = _shape(shape) if shape else None
+    mnk = _shape(shape) if shape is not None else None  # ("" is refused there, as by the other commands)
+    if sms is not None and mnk is None:
+        _fail("--sms counts the waves of a launch: it needs --shape MxNxK")
+    if sass_dir is not None and not str(sass_dir).strip():
+        _fail("--sass-dir: give a directory (got an empty path)")
     extra = {}
     for item in define or []:
         key, sep, value = item.partition("=")
@@ -402,6 +444,8 @@ def compile(
             rows.append([s.name, arch, "-", "-", "-", "-", "-", "-", "NO SOURCE", ""])
             continue
         r = ck.resources[s.entry]
+        for line in _define_warnings(s, ck, extra):
+            typer.echo(line, err=True)
         if nvdisasm is not None:
             listings.append((s, ck))
         rows.append([s.name, ck.arch, str(r.registers), f"{r.smem_static}", f"{r.spill_stores}/{r.spill_loads}",
@@ -447,7 +491,7 @@ def validate(
     shape: Optional[str] = typer.Option(None, "--shape", help="MxNxK (mustafar.*: BxSxD) for every kernel named; odd M and N "
                                         "catch edge bugs. Default: 257x1031x4096, and 5x1031x128 for mustafar.*."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (default: fresh every run, printed)."),
-    as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
+    as_json: Optional[Path] = typer.Option(None, "--json", parser=_path_arg, metavar="<path>", help="Also write the results to this JSON file."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Break C[0,0] down block by block: sumi, d_a, s_a, d_w, kernel vs reference."),
     gguf: Optional[Path] = _OPT_GGUF,
     tensor: Optional[str] = _OPT_TENSOR,
@@ -507,7 +551,7 @@ def profile(
                                                           "(~1 ms); the median time per launch is reported."),
     cold: bool = typer.Option(False, "--cold", help="Rotate buffer sets larger than 2x L2, so operands come from DRAM."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also time torch (cuBLAS fp16/bf16/fp32, cuBLASLt int8) when present."),
-    as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the results (with device, date, command) as JSON."),
+    as_json: Optional[Path] = typer.Option(None, "--json", parser=_path_arg, metavar="<path>", help="Also write the results (with device, date, command) as JSON."),
     gguf: Optional[Path] = _OPT_GGUF,
     tensor: Optional[str] = _OPT_TENSOR,
     m_rows: Optional[int] = _OPT_M_ROWS,
@@ -632,7 +676,7 @@ def tune(
     iters: int = typer.Option(20, "--iters", min=1, help="Timed samples per configuration."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Measure but do not store."),
     only: str = typer.Option("", "--only", help="Try only the configurations with these defines, e.g. RS_WS=1,RS_SPLITK=1."),
-    as_json: Optional[Path] = typer.Option(None, "--json", help="Also write every configuration's time and check, "
+    as_json: Optional[Path] = typer.Option(None, "--json", parser=_path_arg, metavar="<path>", help="Also write every configuration's time and check, "
                                                                   "the default and the best (with device, date, command) as JSON."),
 ):
     """Try the kernel's configurations, keep the fastest correct one for this GPU and shape bucket."""
@@ -771,7 +815,7 @@ def _tune_summary(best: dict, best_us: float, default: dict, default_us: float |
 def bench(
     quick: bool = typer.Option(False, "--quick", help="gemm suite: a few M values and K=4096 only; kvcache suite: S = 4k "
                                                        "and 16k, Lq = 1, 70% sparsity only."),
-    out_dir: Path = typer.Option(Path("bench-out"), "--out", help="Where bench.json, bench.md and the plots go "
+    out_dir: Path = typer.Option(Path("bench-out"), "--out", parser=_path_arg, metavar="<path>", help="Where bench.json, bench.md and the plots go "
                                                                  "(--suite kvcache: kvcache.json and kvcache.md)."),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="gemm suite: time torch (cuBLAS fp16/bf16, cuBLASLt int8) "
                                                                 "too (the kvcache suite always times dense torch)."),
@@ -875,10 +919,9 @@ def bench(
 
 @app.command("cache")
 def cache_cmd(
-    clear: bool = typer.Option(False, "--clear", help="Delete every cached cubin."),
+    clear: bool = typer.Option(False, "--clear", help="Delete every cached cubin (and the lock files no running compile holds)."),
 ):
     """Show (or clear) the kernel cache."""
-    import shutil
 
     c = jit.default_cache()
     entries = c.entries()  # probes the directory: c.root is then the one in use
@@ -889,11 +932,12 @@ def cache_cmd(
         typer.echo(f"note: {c.requested} is not a writable directory, so qgemm uses (and this command "
                    f"{'clears' if clear else 'shows'}) the fallback {c.root}; {c.requested} is left as it is")
     if clear:
-        for e in entries:
-            shutil.rmtree(e, ignore_errors=True)
-        typer.echo(f"removed {len(entries)} entries from {c.root}")
+        n, other = c.clear()
+        typer.echo(f"removed {n} entries from {c.root}" + (f" (and {other} lock files and unfinished stores)" if other else ""))
         return
-    typer.echo(f"{c.root}: {len(entries)} entries, {sum(f.stat().st_size for e in entries for f in e.iterdir()) / 1e6:.1f} MB")
+    locks = len(c.lock_files())
+    typer.echo(f"{c.root}: {len(entries)} entries, {sum(f.stat().st_size for e in entries for f in e.iterdir()) / 1e6:.1f} MB"
+               + (f", {locks} lock files" if locks else ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -909,7 +953,7 @@ def _bytes_str(n: int) -> str:
 
 @app.command("gguf")
 def gguf_cmd(
-    file: Path = typer.Argument(..., help="A .gguf model file."),
+    file: Path = typer.Argument(..., parser=_path_arg, help="A .gguf model file."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """A GGUF file's tensors: name, ggml type, shape N x K, bytes, and how qgemm.load_gguf returns each."""
@@ -949,8 +993,8 @@ def gguf_cmd(
 
 @app.command("compare-llamacpp")
 def compare_llamacpp(
-    test_backend_ops: Optional[Path] = typer.Option(None, "--test-backend-ops", help="ggml's test-backend-ops binary that you built; run as `PATH perf -o MUL_MAT`."),
-    from_file: Optional[Path] = typer.Option(None, "--from-file", help="Parse this saved test-backend-ops output instead of running a binary."),
+    test_backend_ops: Optional[Path] = typer.Option(None, "--test-backend-ops", parser=_path_arg, metavar="<path>", help="ggml's test-backend-ops binary that you built; run as `PATH perf -o MUL_MAT`."),
+    from_file: Optional[Path] = typer.Option(None, "--from-file", parser=_path_arg, metavar="<path>", help="Parse this saved test-backend-ops output instead of running a binary."),
     types: str = typer.Option("q4_0,q8_0", "--types", help="Comma-separated ggml weight types to compare, or 'all'."),
     backend: Optional[str] = typer.Option(None, "--backend", "-b", help="Passed to test-backend-ops as `-b BACKEND` (e.g. CUDA0)."),
     timeout: float = typer.Option(1800.0, "--timeout", help="Seconds test-backend-ops may run."),
@@ -959,7 +1003,7 @@ def compare_llamacpp(
     sustain: float = typer.Option(0.0, "--sustain", min=0.0, max=60.0,
                                   help="Sample each shape back to back for at least this many seconds, as test-backend-ops "
                                        "runs each op for >= 1 s (--iters samples at least); 0: off."),
-    as_json: Optional[Path] = typer.Option(None, "--json", help="Also write the rows as JSON."),
+    as_json: Optional[Path] = typer.Option(None, "--json", parser=_path_arg, metavar="<path>", help="Also write the rows as JSON."),
 ):
     """llama.cpp's MUL_MAT (test-backend-ops perf) and qgemm.matmul on the same shapes and types,
     side by side. ggml's m, n, k are qgemm's N, M, K. qgemm does not build llama.cpp."""
@@ -994,8 +1038,12 @@ def compare_llamacpp(
               "'MUL_MAT(type_a=q4_0,type_b=f32,m=4096,n=512,k=14336,...): 3198 runs - 312.80 us/run - ...'")
     wanted = None if types.strip().lower() == "all" else [t.strip().lower() for t in types.split(",") if t.strip()]
     selected = [r for r in rows if wanted is None or r["type"].lower() in wanted]
+    present = sorted({r["type"] for r in rows})
     if not selected:
-        _fail(f"no {', '.join(wanted)} lines in {source}; it has: {', '.join(sorted({r['type'] for r in rows}))}")
+        _fail(f"no {', '.join(wanted)} lines in {source}; it has: {', '.join(present)}")
+    missing = [t for t in wanted or [] if t not in {p.lower() for p in present}]
+    if missing:
+        typer.echo(f"warning: no {', '.join(missing)} lines in {source} (it has: {', '.join(present)})", err=True)
     llama_dev = next((r["device"] for r in selected if r["device"]), "unknown device")
 
     def shape(r):
@@ -1003,9 +1051,12 @@ def compare_llamacpp(
 
     if not runtime.gpu_available():
         typer.echo(f"llama.cpp test-backend-ops on {llama_dev} ({source}); MxNxK is qgemm's (ggml's n x m x k)\n")
-        typer.echo(_table(["type", "MxNxK", "llama.cpp us", "TFLOPS", "runs"],
-                          [[r["type"], shape(r), f"{r['us']:.2f}", f"{r['tflops']:.2f}" if r["tflops"] is not None else "-",
-                            str(r["runs"])] for r in selected], right={2, 3, 4}))
+        several = len({r["backend"] for r in selected}) > 1
+        typer.echo(_table(["type", "MxNxK"] + (["backend"] if several else []) + ["llama.cpp us", "TFLOPS", "runs", "note"],
+                          [[r["type"], shape(r)] + ([str(r["backend"])] if several else [])
+                           + [f"{r['us']:.2f}", f"{r['tflops']:.2f}" if r["tflops"] is not None else "-", str(r["runs"]),
+                              llamacpp.row_note(r)] for r in selected],
+                          right={3, 4, 5} if several else {2, 3, 4}))
         if as_json:
             _write(as_json, json.dumps({"command": _command_line(), "llamacpp_device": llama_dev, "rows": selected}, indent=1),
                    "--json")

@@ -254,6 +254,15 @@ def plan(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: 
     return _plan(m, n, k, fmt, x_dtype, path, packed, arch, "plan")
 
 
+def _path_takes(s, fmt: str) -> bool:
+    """Whether path= can name kernel spec `s` for `fmt` weights: a GEMM of those weights whose
+    activations a prologue makes (Q8_1, f16) or that reads them itself (the kernels of the
+    repacked weight layout: float32 / float16 / bfloat16 or Q8_1)."""
+    layout = s.weight_layout is not None
+    return (s.op.kind == "gemm" and s.op.w is not None and s.op.w.name == fmt
+            and s.op.a.name in (("f32", "f16", "bf16", "q8_1") if layout else ("q8_1", "f16")))
+
+
 def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
     """plan(), its messages naming `who`: the public call the arguments came to (plan, explain, matmul)."""
     if not isinstance(packed, (bool, np.bool_)):
@@ -287,11 +296,10 @@ def _plan(m, n, k, fmt, x_dtype, path, packed, arch, who: str) -> Plan:
     if path is not None:
         s = registry.spec(path)
         layout = s.weight_layout is not None
-        if (s.op.kind != "gemm" or s.op.w is None or s.op.w.name != fmt
-                or s.op.a.name not in (("f32", "f16", "bf16", "q8_1") if layout else ("q8_1", "f16"))):
-            raise ValueError(f"{who}: path {path!r} computes {s.op}; for {fmt} weights it must take Q8_1 or f16 activations "
-                             f"and {fmt} weights (e.g. {choice['mma']}, {choice['gemv']}, {choice['dp4a']}), or be "
-                             f"{choice['skinny']} with packed weights")
+        if not _path_takes(s, fmt):
+            takes = [n for n in registry.names() if _path_takes(registry.spec(n), fmt)]
+            raise ValueError(f"{who}: path {path!r} computes {s.op}; for {fmt} weights path= takes a GEMM kernel of {fmt} "
+                             f"weights that matmul can feed: {', '.join(takes)}")
         if s.max_m is not None and m > s.max_m:
             raise ValueError(f"{who}: path {path} handles M <= {s.max_m}, got M={m}")
         repack = layout and not packed  # ggml blocks: repacked on the GPU on every call
@@ -411,7 +419,8 @@ def _grid_reason(k_obj, m: int, n: int, k: int, defines: dict, sm_count: int) ->
 def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", path: str | None = None,
             packed: bool = False, arch: str | None = None) -> str:
     """Which kernels `matmul` runs for this shape on this GPU (or `arch`, e.g. "sm_90"), with
-    which configuration, and why (packed=True: for weights made by qgemm.pack_weights), as text.
+    which configuration, and why (packed=True: for weights made by qgemm.pack_weights), as text;
+    where a kernel's grid would be beyond CUDA's limits (matmul's ValueError), the text says so.
     The arguments and errors are `plan`'s."""
     if arch is not None:
         from . import jit
@@ -419,7 +428,13 @@ def explain(m: int, n: int, k: int, fmt: str = "q4_0", x_dtype: str = "f32", pat
         where = f"{jit.normalize_arch(arch)} (requested; untuned defaults for 132 SMs)"
     else:
         where = runtime.device_info().name + f" ({runtime.device_arch()})" if runtime.gpu_available() else "no GPU"
-    return f"qgemm.matmul on {where}\n" + str(_plan(m, n, k, fmt, x_dtype, path, packed, arch, "explain"))
+    p = _plan(m, n, k, fmt, x_dtype, path, packed, arch, "explain")
+    try:
+        p.check_launch()
+        refused = ""
+    except ValueError as e:  # what matmul would raise before launching
+        refused = f"\nmatmul refuses this shape in one call: {e}"
+    return f"qgemm.matmul on {where}\n" + str(p) + refused
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,7 +46,10 @@ class Format:
         return self.block > 1
 
     def nbytes(self, rows: int, k: int) -> int:
-        """Bytes of a [rows, K] matrix in this format; ValueError for a K the blocks do not divide."""
+        """Bytes of a [rows, K] matrix in this format; ValueError for negative sizes or a K the
+        blocks do not divide."""
+        if rows < 0 or k < 0:
+            raise ValueError(f"{self.name}: rows and K must not be negative, got rows={rows}, K={k}")
         if k % self.block:
             raise ValueError(f"{self.name}: K must be a multiple of {self.block} (the block size), got K={k}")
         return rows * (k // self.block) * self.dtype.itemsize
@@ -97,7 +100,10 @@ def get_format(name: str | Format, who: str | None = None) -> Format:
 def is_bf16(dtype) -> bool:
     """Whether `dtype` is bfloat16 as qgemm sees it: ml_dtypes' bfloat16, or the bare 2-byte void
     (not a structured type) that torch and ml_dtypes report for it."""
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:  # a name numpy does not know ("bfloat16" without ml_dtypes), a torch dtype
+        return False
     return dt.itemsize == 2 and (dt.name == "bfloat16" or (dt.kind == "V" and dt.names is None and dt.subdtype is None))
 
 
@@ -164,8 +170,11 @@ def _as_blocks(x: np.ndarray, what: str) -> tuple[np.ndarray, tuple[int, ...]]:
                          f"qgemm.get({kernel!r})(x) writes the same bytes" + (
                              " (qgemm.pack_weights(x, fmt) quantizes float weights for matmul)" if "q8_1" not in what else ""))
     x = np.asarray(x)
+    if is_bf16(x.dtype):  # bfloat16 (qgemm's f32_to_bf16, torch's and ml_dtypes' form): exactly float32
+        x = bf16_to_f32(x)
     if x.dtype.kind != "f":
-        raise ValueError(f"{what}: expected a floating-point array, got dtype {x.dtype}")
+        raise ValueError(f"{what}: expected a floating-point array (float16, bfloat16, float32 or float64), got dtype "
+                         f"{x.dtype}")
     if x.ndim == 0:
         raise ValueError(f"{what}: expected an array [..., K], got a scalar")
     k = x.shape[-1]
@@ -263,7 +272,9 @@ def warp_sum_32(blocks: np.ndarray) -> np.ndarray:
     partial sums of lanes i and i^o are added, which for the surviving lanes 0..o-1 is v[i] + v[i+o].
     Float addition is not associative, so mirroring the tree is what makes `s` byte-identical.
     """
-    v = blocks.astype(np.float32, copy=False)
+    v = np.asarray(blocks).astype(np.float32, copy=False)
+    if v.ndim != 2 or v.shape[1] != QK:
+        raise ValueError(f"warp_sum_32: expected [n, {QK}] (the {QK} lanes of each sum), got shape {v.shape}")
     width = QK
     while width > 1:
         width //= 2
@@ -417,6 +428,8 @@ def f16_dequant_overflow(blocks: np.ndarray, fmt: str):
     an 8-bit q). ggml's quantizers make such blocks only from weights beyond half's range (|d| >
     8190 for Q4_0, > 515.9 for Q8_0); the int8 and fp32 paths take them."""
     f = get_format(fmt, "f16_dequant_overflow")
+    if f.name not in ("q4_0", "q8_0"):
+        raise ValueError(f"f16_dequant_overflow: fmt must be 'q4_0' or 'q8_0' (the weight formats), got {fmt!r}")
     b = as_blocks(blocks, f, "f16_dequant_overflow")
     qmax = np.float32(8 if f.name == "q4_0" else 128)  # the largest |q - 8| / |q| a block can hold
     # first one pass over the half bits (|d| orders as its bits do): matmul runs this on every host

@@ -511,6 +511,50 @@ class DiskCache:
         root = self._usable_root()
         return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root else []
 
+    def lock_files(self) -> list[Path]:
+        """The per-key lock files (`lock`): one per key ever compiled, kept after the entry."""
+        root = self._usable_root()
+        return sorted(root.glob("*.lock")) if root else []
+
+    def clear(self) -> tuple[int, int]:
+        """Delete every entry, and every lock file and unfinished store (a `.KEY.*` directory of a
+        process that died while writing) that no process holds: a lock taken while it is removed
+        would let a second process compile the same key at once -- harmless (each publishes its
+        entry by one rename), but not removed under it. Returns (entries, other files) removed."""
+        root = self._usable_root()
+        if root is None:
+            return 0, 0
+        entries = self.entries()
+        for e in entries:
+            shutil.rmtree(e, ignore_errors=True)
+        other = 0
+        try:
+            import fcntl
+        except ImportError:
+            return len(entries), 0
+        for lock_path in self.lock_files():
+            key = lock_path.name[:-len(".lock")]
+            try:
+                fh = open(lock_path, "a+b")
+            except OSError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:  # held: a compile of this key is running
+                    continue
+                for tmp in root.glob(f".{key}.*"):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    other += 1
+                try:
+                    lock_path.unlink()
+                    other += 1
+                except OSError:
+                    pass
+            finally:
+                fh.close()  # (releases the lock)
+        return len(entries), other
+
 
 _memo: dict[tuple, CompiledKernel] = {}
 _memo_lock = threading.Lock()

@@ -149,6 +149,16 @@ def run_test_backend_ops(path: str | os.PathLike, timeout: float = 600.0, extra_
 Timer = Callable[[str, int, int, int], float]
 
 
+def row_note(r: dict) -> str:
+    """Why a parsed row is not one qgemm.matmul compares with ("" for a plain GEMM of float32
+    activations): batched or strided ops, other activation types."""
+    if r["batched"]:
+        return "batched or not a single plain GEMM (bs/nr != [1,1], o > 1, permuted or strided operands)"
+    if r["type_b"] != "f32":
+        return f"activations {r['type_b']}: qgemm compares f32 activations only"
+    return ""
+
+
 def compare(rows: list[dict], matmul_timer: Timer, types: Iterable[str] | None = None) -> list[dict]:
     """Time qgemm on every parsed row: returns copies of `rows` (those of `types`, when given) with
     `qgemm_us` (timer(type, M, N, K) in microseconds) and `ratio` = llama.cpp us / qgemm us
@@ -159,12 +169,8 @@ def compare(rows: list[dict], matmul_timer: Timer, types: Iterable[str] | None =
     for r in rows:
         if wanted is not None and r["type"].lower() not in wanted:
             continue
-        r = dict(r, qgemm_us=None, ratio=None, note="")
-        if r["batched"]:
-            r["note"] = "batched or not a single plain GEMM (bs/nr != [1,1], o > 1, permuted or strided operands)"
-        elif r["type_b"] != "f32":
-            r["note"] = f"activations {r['type_b']}: qgemm compares f32 activations only"
-        else:
+        r = dict(r, qgemm_us=None, ratio=None, note=row_note(r))
+        if not r["note"]:
             try:
                 us = float(matmul_timer(r["type"], r["M"], r["N"], r["K"]))
             except (ValueError, NotImplementedError, RuntimeError, QgemmError) as e:

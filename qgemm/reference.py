@@ -23,7 +23,14 @@ def _check_k(what: str, ka: int, kw: int, unit: str = "K") -> None:
 
 
 def truth(a: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """float64 ground truth A . W^T of float matrices."""
+    """float64 ground truth A . W^T of float matrices (ValueError for block arrays: dequantize
+    them first, e.g. formats.dequantize)."""
+    a, w = (F.to_float32(x) if F.is_bf16(np.asarray(x).dtype) else x for x in (a, w))
+    for name, x in (("A", a), ("W", w)):
+        dt = np.asarray(x).dtype
+        if dt.names is not None or dt.kind not in "fiub":
+            raise ValueError(f"reference: {name} must be a float matrix, got dtype {dt}"
+                             + (" (quantized blocks: dequantize them first)" if dt.names is not None else ""))
     a, w = np.asarray(a, dtype=np.float64), np.asarray(w, dtype=np.float64)
     if a.ndim != 2 or w.ndim != 2:
         raise ValueError(f"reference: A and W must be 2-D [M, K] and [N, K], got shapes {a.shape} and {w.shape}")
@@ -52,6 +59,8 @@ def dequantize_to_f16(w: np.ndarray, fmt: str) -> np.ndarray:
     computed from the half d and rounded once to float16 (HMUL2, round to nearest even).
     w: blocks [N, K/32] (ValueError for another rank: a 1-D array would read as one row of K)."""
     f = F.get_format(fmt)
+    if f.name not in ("q4_0", "q8_0"):
+        raise ValueError(f"dequantize_to_f16: fmt must be 'q4_0' or 'q8_0' (the weight formats), got {fmt!r}")
     b = _blocks_2d(w, f, "W", "dequantize_to_f16")
     q = F.unpack_q4_0(b).astype(np.float32) - 8 if f.name == "q4_0" else b["qs"].reshape(b.shape[0], -1).astype(np.float32)
     d = np.repeat(b["d"].astype(np.float32), F.QK, axis=-1).reshape(q.shape)

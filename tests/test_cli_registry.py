@@ -2849,3 +2849,71 @@ def test_decode_rules_ctas_per_sm_match_the_compiled_kernels():
         assert waves == sorted(set(waves)), waves
     q4 = [c.r * c.per_sm * 132 for c in R._SKINNY_WIDE_ONE_WAVE["q4_0"]]
     assert all(lo >= R._ONE_WAVE_LEAST_FILL * hi for lo, hi in zip([4 * 132] + q4, q4)), q4
+
+
+def test_cli_what_the_session_69_audit_found(tmp_path, monkeypatch):
+    """Each of these passed silently (or named the wrong thing) before."""
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    jit.clear_memo()
+    # -D: a macro no source names, and one the source redefines (NVRTC keeps the source's value)
+    r = runner.invoke(app, ["compile", "w8a16.skinny", "--arch", "sm_90", "-D", "SK_UNROLLL=1"])
+    assert r.exit_code == 0 and "-D SK_UNROLLL: no such macro in cuda_src/w8a16/skinny.cu" in r.output, r.output
+    r = runner.invoke(app, ["compile", "w4a16.tiled", "--arch", "sm_90", "-D", "TILE_M=0"])
+    assert r.exit_code == 0 and "-D TILE_M: its source #defines TILE_M itself" in r.output, r.output
+    r = runner.invoke(app, ["compile", "w8a16.skinny", "--arch", "sm_90", "-D", "SK_UNROLL=1"])
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
+    # a grid CUDA would refuse, in compile --shape's table and in explain
+    r = runner.invoke(app, ["compile", "w4a16.tiled", "--arch", "sm_90", "--shape", "5000000x4096x4096"])
+    assert r.exit_code == 0 and "grid (64, 78125, 1): beyond CUDA's limits" in r.output, r.output
+    r = runner.invoke(app, ["explain", "--shape", "5000000x4096x4096", "--arch", "sm_75"])
+    assert r.exit_code == 0 and "matmul refuses this shape in one call: w4a8.vec_dp4a" in r.output, r.output
+    assert "refuses" not in runner.invoke(app, ["explain", "--shape", "512x4096x4096", "--arch", "sm_75"]).output
+    # empty values, and an option that needs another
+    for argv, said in ((["compile", "w4a16.tiled", "--arch", "sm_90", "--shape", ""], "shape must be MxNxK"),
+                       (["compile", "w4a16.tiled", "--arch", "sm_90", "--sms", "100"], "--sms counts the waves of a launch"),
+                       (["compile", "w4a16.tiled", "--arch", "sm_90", "--sass-dir", ""], "an empty path"),
+                       (["gguf", ""], "an empty path"), (["profile", "fp32.naive", "--json", ""], "an empty path")):
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2 and said in r.output, (argv, r.output)
+    # path=: the kernels it takes, as plan() decides
+    r = runner.invoke(app, ["explain", "--path", "w4a16.tiled", "--arch", "sm_90"])
+    assert r.exit_code == 2 and "path= takes a GEMM kernel of q4_0 weights" in r.output, r.output
+    takes = r.output.split("matmul can feed:")[1].replace("\n", " ")
+    for name in ("w4a16.wgmma_rs", "w4a8.skinny", "w4a16.skinny_f16", "w4a8.gemv"):
+        assert name in takes, takes
+    for name in takes.replace(",", " ").split():
+        qgemm.plan(4, 4096, 4096, path=name, arch="sm_90", x_dtype="f16" if name.endswith("_f16") else
+                   "bf16" if name.endswith("_bf16") else "f32")
+    # info with a QGEMM_CUDA_SRC that is no source tree: the other lines still shown
+    monkeypatch.setenv("QGEMM_CUDA_SRC", str(tmp_path / "nonexistent"))
+    jit.cuda_src_dir.cache_clear()
+    try:
+        r = runner.invoke(app, ["info"])
+        assert r.exit_code == 2 and "kernel sources:   not usable" in r.output and "NVRTC:" in r.output, r.output
+        assert "error: qgemm: QGEMM_CUDA_SRC=" in r.output
+    finally:
+        monkeypatch.delenv("QGEMM_CUDA_SRC")
+        jit.cuda_src_dir.cache_clear()
+    # cache --clear: the lock files (one per key ever compiled) and unfinished stores too
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(tmp_path / "cache2"))
+    jit.clear_memo()
+    runner.invoke(app, ["compile", "w4a16.tiled", "--arch", "sm_90"])
+    root = tmp_path / "cache2" / jit.CACHE_LAYOUT_VERSION
+    (root / ".deadbeef.x").mkdir()
+    (root / "deadbeef.lock").write_text("")
+    assert len(list(root.glob("*.lock"))) == 2 and ", 2 lock files" in runner.invoke(app, ["cache"]).output
+    r = runner.invoke(app, ["cache", "--clear"])
+    assert r.exit_code == 0 and "removed 1 entries" in r.output and "3 lock files and unfinished stores" in r.output, r.output
+    assert list(root.iterdir()) == []
+    jit.clear_memo()
+
+
+def test_cache_clear_leaves_a_held_lock(tmp_path, monkeypatch):
+    """A lock file a running compile holds is not removed under it."""
+    fcntl = pytest.importorskip("fcntl")
+    monkeypatch.setenv("QGEMM_CACHE_DIR", str(tmp_path))
+    c = jit.DiskCache()
+    with c.lock("cafe"):
+        assert c.clear() == (0, 0) and (c.root / "cafe.lock").exists()
+    assert c.clear() == (0, 1) and not (c.root / "cafe.lock").exists()
+    del fcntl

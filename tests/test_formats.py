@@ -565,3 +565,21 @@ def test_numeric_edge_audit_findings():
     # matmul: a 2-D x without rows says so, as a 3-D one does
     with pytest.raises(ValueError, match="no rows"):
         qgemm.matmul(np.zeros((0, 64), F32), wq8)
+
+
+def test_inputs_the_session_69_audit_found(rng):
+    """Each was a numpy error, a wrong reason or an unchecked result before."""
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    b = F.f32_to_bf16(x)  # qgemm's bfloat16 (the 2-byte void), which matmul takes: the host quantizers now too
+    for quantize in (F.quantize_q4_0, F.quantize_q8_0, F.quantize_q8_1):
+        assert quantize(b).tobytes() == quantize(F.bf16_to_f32(b)).tobytes()
+    with pytest.raises(ValueError, match="expected a floating-point array"):
+        F.quantize_q8_0(np.zeros((1, 32), np.int32))
+    w = F.quantize_q4_0(x)
+    with pytest.raises(ValueError, match="fmt must be 'q4_0' or 'q8_0'"):
+        F.f16_dequant_overflow(w, "q8_1")
+    with pytest.raises(ValueError, match=r"expected \[n, 32\]"):
+        F.warp_sum_32(np.zeros((2, 31), np.float32))
+    assert F.is_bf16("no-such-type") is False  # a name numpy does not know: not a numpy TypeError
+    with pytest.raises(ValueError, match="must not be negative"):
+        F.get_format("q4_0").nbytes(-2, 32)

@@ -255,3 +255,20 @@ def test_cli_side_by_side_on_gpu(tmp_path):
     r = runner.invoke(app, ["compare-llamacpp", "--from-file", str(p), "--iters", "3", "--sustain", "0.05", "--json", str(out)])
     assert r.exit_code == 0 and "sampled back to back for >= 0.05 s" in r.output, r.output
     assert all(row["qgemm_us"] > 0 for row in json.loads(out.read_text())["rows"])
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU path")
+def test_cli_from_file_without_gpu_tells_rows_apart(tmp_path):
+    """Session 69's audit: without a GPU, a plain, a batched and an f16-activation line of one
+    shape printed as three identical rows (the notes came only with the GPU's column), and a
+    --types list with a type absent from the file dropped it silently."""
+    line = ("  MUL_MAT(type_a=q4_0,type_b={b},m=4096,n=1,k=4096,bs={bs},nr=[1,1],per=[0,1,2,3],k_v=0,o=1): "
+            "30000 runs -    20.00 us/run -  33.55 MFLOP/run -   1.68 TFLOPS\n")
+    p = tmp_path / "tbo.txt"
+    p.write_text(line.format(b="f32", bs="[1,1]") + line.format(b="f32", bs="[2,1]") + line.format(b="f16", bs="[1,1]"))
+    r = runner.invoke(app, ["compare-llamacpp", "--from-file", str(p), "--types", "q4_0,bogus"])
+    assert r.exit_code == 0, r.output
+    rows = [ln for ln in r.output.splitlines() if ln.startswith("q4_0")]
+    assert len(rows) == 3 and len(set(rows)) == 3, rows
+    assert rows[0].split()[-1] == "30000" and "batched" in rows[1] and "activations f16" in rows[2]
+    assert "warning: no bogus lines" in r.output and "it has: q4_0" in r.output

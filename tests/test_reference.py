@@ -431,3 +431,15 @@ def test_weights_of_another_rank_or_n_are_refused(rng):
     assert p.reference(x, w).shape == (2, 5)
     with pytest.raises(ValueError, match=r"plan.reference: w must be q4_0 blocks \[N, K/32\] = \[5, 2\].*got shape \(4, 2\)"):
         p.reference(x, w[:4])
+
+
+def test_reference_inputs_the_session_69_audit_found():
+    """truth() on quantized blocks was a numpy casting TypeError; dequantize_to_f16 with a format
+    other than the weights' named the bad format as the expected one."""
+    x = np.ones((2, 64), np.float32)
+    w = F.quantize_q4_0(x)
+    with pytest.raises(ValueError, match="quantized blocks: dequantize them first"):
+        R.truth(x, w)
+    assert R.truth(F.f32_to_bf16(x), x)[0, 0] == 64.0  # bfloat16 (exactly float32) is a float matrix
+    with pytest.raises(ValueError, match="fmt must be 'q4_0' or 'q8_0'"):
+        R.dequantize_to_f16(w, "q8_1")
