@@ -281,8 +281,8 @@ for step in $STEPS; do
                                       "w8a8.dp4a w8a8.tiled_dp4a w4a16.skinny_f16 w4a16.skinny_bf16 w8a16.skinny_f16" \
                                       "w8a16.skinny_bf16 w4a8.skinny_f16 w4a8.skinny_bf16 w8a8.skinny_f16 w8a8.skinny_bf16" \
                                       "--shapes 7x200x1024,70x200x1024 --defaults-only" ;;
-                  cfg-mma-i8)    echo "w4a8.mma w8a8.mma --shapes 70x200x1024" ;;    # 102 configurations
-                  cfg-mma-f16)   echo "w4a16.mma w8a16.mma --shapes 70x200x1024" ;;  # 102
+                  cfg-mma-i8)    echo "w4a8.mma w8a8.mma --shapes 70x200x1024" ;;    # 126 configurations (102 in session 49)
+                  cfg-mma-f16)   echo "w4a16.mma w8a16.mma --shapes 70x200x1024" ;;  # 126
                   cfg-gemv)      echo "w4a8.gemv w8a8.gemv --shapes 7x200x1024" ;;
                   *)             return 1 ;;
                 esac; }
