@@ -379,8 +379,6 @@ def compile(
     mnk = _shape(shape) if shape is not None else None  # ("" is refused there, as by the other commands)
     if sms is not None and mnk is None:
         _fail("--sms counts the waves of a launch: it needs --shape MxNxK")
-    if sass_dir is not None and not str(sass_dir).strip():
-        _fail("--sass-dir: give a directory (got an empty path)")
     extra = {}
     for item in define or []:
         key, sep, value = item.partition("=")
@@ -922,7 +920,6 @@ def cache_cmd(
     clear: bool = typer.Option(False, "--clear", help="Delete every cached cubin (and the lock files no running compile holds)."),
 ):
     """Show (or clear) the kernel cache."""
-
     c = jit.default_cache()
     entries = c.entries()  # probes the directory: c.root is then the one in use
     if c.root is None:
