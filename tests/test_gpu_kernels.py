@@ -1576,6 +1576,13 @@ def _pdl_chain(x, ws, n, monkeypatch, pdl_launches, fmts=None):
     del pdl_launches[:]  # the PDL-off chain's launches do not count
     got = chain(sync_each=False)
     assert np.isfinite(want).all() and np.abs(want).mean() > 0.1
+    # the PDL-off chain itself against float64 ground truth through the dequantized weights, at the
+    # activations' quantization level (a chain in which no kernel wrote anything returns x)
+    y = x.astype(np.float64)
+    for i, w in enumerate(ws):
+        blocks = (w.blocks if isinstance(w, qgemm.PackedWeights) else w).to_host()
+        y = qgemm.reference.truth(y, F.dequantize(blocks, w.fmt if fmts is None else fmts[i]))
+    assert qgemm.reference.relative_error(want, y) <= 0.05, qgemm.reference.relative_error(want, y)
     pdl_launches.check()
     return want, got
 

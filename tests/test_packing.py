@@ -459,7 +459,6 @@ def test_float_weights_to_pack_weights_checked_before_any_gpu():
     any machine: no format, a format that is not a weight format, K not a multiple of 32, not 2-D,
     values that are not finite or do not fit in float32. The numpy quantizers given a device
     array name the GPU kernel that writes the same bytes."""
-    ml_dtypes = pytest.importorskip("ml_dtypes")
     ok = np.ones((4, 64), np.float32)
     for w, fmt, msg in ((ok, None, r"float weights \(float32 \(4, 64\)\) need fmt='q4_0' or 'q8_0'"),
                         (ok, "q8_1", "float weights are quantized to q4_0 or q8_0, got fmt='q8_1'"),
@@ -469,7 +468,7 @@ def test_float_weights_to_pack_weights_checked_before_any_gpu():
                         (np.full((4, 64), np.nan, np.float32), "q4_0", "input must be finite; found nan at index"),
                         (np.full((4, 64), 1e39), "Q8_0", "input 1e\\+39 does not fit in float32"),
                         (np.full((4, 64), np.inf, np.float16), "q4_0", "float weights must be finite"),
-                        (np.full((4, 64), np.nan, ml_dtypes.bfloat16), "q8_0", "float weights must be finite")):
+                        (F.f32_to_bf16(np.full((4, 64), np.nan, np.float32)), "q8_0", "float weights must be finite")):
         with pytest.raises(ValueError, match="^pack_weights: " + msg):
             qgemm.pack_weights(w, fmt)
 

@@ -518,6 +518,18 @@ def test_sweep_plots_draw_each_series_in_one_colour_on_both_panels(tmp_path):
     assert "| q4_0 | 1x4096x4096 | 6.23 | 4.0 |" in text  # llama.cpp's H200 figure (its H100 one is 6.40)
 
 
+def test_another_devices_page_without_plots(tmp_path):
+    """The page checks of the plot test above that need no matplotlib (an optional extra, absent in
+    CI): another device's page has its title and that device's llama.cpp figures."""
+    pr = _load("perf_report")
+    page = tmp_path / "performance.md"
+    assert pr.main([str(ROOT / "docs/perf/profile-h200-512x4096x4096-hot.json"), "--bench", str(ROOT / "docs/perf/bench-h200.json"),
+                    "--title", "Performance on the NVIDIA H200", "-o", str(page)]) == 0
+    text = page.read_text()
+    assert text.startswith("# Performance on the NVIDIA H200\n") and "ggml-test-backend-ops-perf-mul_mat-h200.txt" in text
+    assert "| q4_0 | 1x4096x4096 | 6.23 | 4.0 |" in text  # llama.cpp's H200 figure (its H100 one is 6.40)
+
+
 @pytest.mark.parametrize("path", sorted(TOOLS.glob("*.py")) + sorted((ROOT / "qgemm").glob("*.py")), ids=lambda p: p.name)
 def test_docstring_examples_keep_their_line_continuations(path):
     """A command split over lines in a module docstring (`... \\` then the rest) must keep its
@@ -1024,10 +1036,20 @@ def test_sanitize_configs_plans_every_configuration(tmp_path, monkeypatch, capsy
     status, rows = run(rc=86)
     assert status == 1 and len(rows) == want and all(ln.startswith("FLAGGED") for ln in rows)
     # the child judges a launch by its op's own tolerance (5e-5 for the fp16 tensor-core kernels), as
-    # qgemm tune does, not by one fixed for every kernel
-    import inspect
+    # qgemm tune does, not by one fixed for every kernel: a stand-in launch off by 2e-5 passes there,
+    # 1e-4 does not, and an output left unwritten (NaN) never does
+    import numpy as np
 
-    assert "kern.op.exact_tol" in inspect.getsource(mod.run_one)
+    from qgemm import check as qcheck
+
+    assert qgemm.get("w4a16.mma").op.exact_tol == 5e-5
+    for off, want_rc in ((2e-5, 0), (1e-4, mod.WRONG), (np.nan, mod.WRONG)):
+        def launch_off_by(kern, inp, m, n, k, defines=None, off=off):
+            out = kern.op.exact(inp.a, inp.w) * (1 + off)
+            out[0, 0] = np.nan if np.isnan(off) else out[0, 0]
+            return out
+        monkeypatch.setattr(qcheck, "run_poisoned", launch_off_by)
+        assert mod.run_one("w4a16.mma", "7x33x64", "{}", "5") == want_rc, off
 
 
 @pytest.mark.gpu

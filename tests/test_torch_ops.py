@@ -51,7 +51,7 @@ def test_fake_implementation_and_handles():
     assert layer.bias is None and not layer.state_dict()
 
 
-def test_quantlinear_bias_and_from_linear_checked():
+def test_quantlinear_bias_and_from_linear_checked(monkeypatch):
     """A bias is kept as float32 [N] (a buffer, out of state_dict as the weights are); one of the
     wrong length or type, or with a NaN, is refused; from_linear takes an nn.Linear only and, for
     a weight that is not on the GPU, needs torch with CUDA (NoGPUError without any GPU)."""
@@ -63,9 +63,15 @@ def test_quantlinear_bias_and_from_linear_checked():
             torch_ops.QuantLinear(_fake_packed(64, 4096, "q8_0"), bias=bad)
     with pytest.raises(TypeError, match="QuantLinear.from_linear: expected a torch.nn.Linear, got Conv1d"):
         torch_ops.QuantLinear.from_linear(torch.nn.Conv1d(4, 4, 1))
-    if not GPU and not torch.cuda.is_available():
-        with pytest.raises(qgemm.NoGPUError, match="QuantLinear.from_linear needs an NVIDIA GPU"):
-            torch_ops.QuantLinear.from_linear(torch.nn.Linear(64, 8))
+    # a weight off the GPU and a torch without CUDA: without any GPU NoGPUError, with one a ValueError
+    # (stand-ins for both, so that each runs on every machine: CI has no torch, the GPU machine has CUDA)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(qgemm.runtime, "_probe", lambda: (False, "no NVIDIA driver found (a test's stand-in)"))
+    with pytest.raises(qgemm.NoGPUError, match="QuantLinear.from_linear needs an NVIDIA GPU.*a test's stand-in"):
+        torch_ops.QuantLinear.from_linear(torch.nn.Linear(64, 8))
+    monkeypatch.setattr(qgemm.runtime, "_probe", lambda: (True, ""))
+    with pytest.raises(ValueError, match="QuantLinear.from_linear: the weight is on cpu and this torch has no CUDA"):
+        torch_ops.QuantLinear.from_linear(torch.nn.Linear(64, 8))
 
 
 def test_attention_fake_implementations_and_handles(rng):
