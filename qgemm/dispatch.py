@@ -593,7 +593,7 @@ def _weights(w, fmt: str | None, on_device: bool, stream=None, who: str = "matmu
     if isinstance(w, (list, tuple)):  # np.asarray of a list of blocks would not give blocks back
         raise ValueError(f"{who}: weights must be a numpy array of Q4_0 / Q8_0 blocks [N, K/32] (or raw uint8 bytes with "
                          f"fmt=), or a device array, got {type(w).__name__}")
-    a = np.asarray(w)
+    a = runtime.host_array(w, who, "the weights")
     refuse_floats(a.dtype, a.shape)
     if isinstance(fmt, str):
         fmt = fmt.lower()  # "Q4_0" as "q4_0", as the CLI and plan() take it
@@ -675,7 +675,7 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
             raise ValueError("matmul: x and w must both be host (numpy) arrays or both device arrays "
                              "(or w a qgemm.pack_weights result)")
     if not x_on_device:
-        dx = np.asarray(x)
+        dx = runtime.host_array(x, "matmul", "x")
         if F.is_bf16(dx.dtype):
             dx = F.as_bf16(dx)  # ml_dtypes' bfloat16 as qgemm holds it (the same bytes)
     x_dtype = _X_OF_DTYPE.get(dx.dtype)

@@ -205,7 +205,7 @@ def _float_weights(w, fmt, on_device: bool, stream=None):
     else:
         if isinstance(w, (list, tuple)):
             return None  # dispatch._weights says what it takes
-        a = np.asarray(w)
+        a = runtime.host_array(w, who, "the weights")
         if a.dtype.kind != "f" and not F.is_bf16(a.dtype):
             return None
     what = f"{runtime.dtype_name(a.dtype)} {a.shape}"

@@ -1111,6 +1111,23 @@ def check_alignment(arr: "DeviceArray", who: str, role: str) -> None:
                          f"got address {arr.ptr:#x}")
 
 
+def host_array(obj, who: str, what: str) -> np.ndarray:
+    """A host operand as numpy (no copy where numpy allows): a CPU torch tensor detached (one that
+    requires grad cannot be read by .numpy()), its bfloat16 as the bare 2-byte type qgemm holds
+    bfloat16 in (numpy has none: torch refuses .numpy() of it); a meta tensor, which has no data,
+    refused; anything else as np.asarray takes it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if obj.device.type == "meta":
+            raise ValueError(f"{who}: {what} is a meta tensor, which holds no values (meta tensors are for tracing: "
+                             "torch.compile reaches qgemm through qgemm.torch_ops)")
+        t = obj.detach()
+        if t.dtype == torch.bfloat16:
+            return t.contiguous().view(torch.int16).numpy().view(np.dtype("V2"))
+        return t.numpy()
+    return np.asarray(obj)
+
+
 def is_device_array(obj) -> bool:
     """True for qgemm/torch/CuPy device arrays (CUDA Array Interface, or DLPack on a CUDA device);
     numpy arrays and CPU tensors are host arrays."""

@@ -31,7 +31,9 @@ never reads freed memory. Importing this module imports torch, an optional depen
 
 from __future__ import annotations
 
+import copy
 import itertools
+import math
 import threading
 import weakref
 
@@ -80,7 +82,12 @@ def _handle_of(obj) -> int:
 
 
 def _lookup(h: int, op: str = "qgemm::matmul", kind: str | None = None):
-    """The object of handle h: PackedWeights (kind None) or a compressed cache of that kind."""
+    """The object of handle h: PackedWeights (kind None) or a compressed cache of that kind. In a
+    fake implementation h can be a SymInt (dynamo makes an int that changed between calls
+    dynamic, e.g. one compiled function called with two weights): int() specializes the graph on
+    it, one graph per object, as their shapes differ anyway."""
+    if isinstance(h, torch.SymInt):
+        h = int(h)
     obj = _weights.get(h)
     what = "qgemm.PackedWeights" if kind is None else f"compressed {kind} cache"
     if obj is None:
@@ -97,7 +104,9 @@ def _matmul_op(x: torch.Tensor, weights: int) -> torch.Tensor:
     pw = _lookup(weights)
     if x.device.type != "cuda":
         raise ValueError(f"qgemm::matmul: x must be a CUDA tensor, got one on {x.device}")
-    x = x.contiguous()  # qgemm reads rows of K; a compiled graph may hand over another layout
+    # (detached: inside the operator an input can still require grad -- grad mode is off, the flag
+    # is not -- and torch refuses the array interface of such a tensor)
+    x = x.detach().contiguous()  # qgemm reads rows of K; a compiled graph may hand over another layout
     out = torch.empty((*x.shape[:-1], pw.n), device=x.device, dtype=torch.float32)
     _qgemm_matmul(x, pw, out=out, stream=torch.cuda.current_stream(x.device))
     return out
@@ -108,6 +117,11 @@ def _matmul_fake(x: torch.Tensor, weights: int) -> torch.Tensor:
     pw = _lookup(weights)
     if x.dim() < 1 or x.shape[-1] != pw.k:
         raise ValueError(f"qgemm::matmul: x must be [..., K] with K = {pw.k} (the weights' K), got {tuple(x.shape)}")
+    # what the operator refuses, refused while tracing too (a graph that can only fail when run)
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"qgemm::matmul: activations must be float32, float16 or bfloat16 [..., K], got {x.dtype}")
+    if math.prod(x.shape[:-1]) == 0:
+        raise ValueError(f"qgemm::matmul: x of shape {tuple(x.shape)} has no rows (M = 0)")
     return x.new_empty((*x.shape[:-1], pw.n), dtype=torch.float32)
 
 
@@ -132,7 +146,7 @@ def _attention_op(name: str, kind: str, out_dtype, last: int):
         if x.device.type != "cuda":
             raise ValueError(f"{op}: the {'queries' if kind == 'key' else 'probabilities'} must be a CUDA tensor, "
                              f"got one on {x.device}")
-        x = x.contiguous()
+        x = x.detach().contiguous()  # (as in qgemm::matmul)
         out = torch.empty((*x.shape[:2], c.shape[last]), device=x.device, dtype=out_dtype)
         run(x, c, out=out, stream=torch.cuda.current_stream(x.device))
         return out
@@ -144,6 +158,9 @@ def _attention_op(name: str, kind: str, out_dtype, last: int):
         if x.dim() != 3 or x.shape[2] != width or x.dtype != torch.float16:
             raise ValueError(f"{op}: expected float16 [B*groups, Lq, {width}] for a {kind} cache of shape "
                              f"{tuple(c.shape)}, got {x.dtype} {tuple(x.shape)}")
+        if x.shape[0] == 0 or x.shape[1] == 0 or x.shape[0] % c.shape[0] != 0:
+            raise ValueError(f"{op}: {x.shape[0]} heads x Lq={x.shape[1]} for a cache of B={c.shape[0]}: the heads must "
+                             "be a positive multiple of B (B x num_key_value_groups) and Lq positive")
         return x.new_empty((*x.shape[:2], c.shape[last]), dtype=out_dtype)
 
     return impl
@@ -165,6 +182,14 @@ def attend(p: torch.Tensor, cv) -> torch.Tensor:
     """`torch.ops.qgemm.mustafar_attend(p, handle(cv))`: p . V on a compressed value cache, as
     `qgemm.kvcache.attend` -- p float16 [B*groups, Lq, S] on the GPU -> float32 [B*groups, Lq, D]."""
     return torch.ops.qgemm.mustafar_attend(p, _handle_of(cv))
+
+
+def _qgemm_device() -> torch.device:
+    """The CUDA device qgemm runs on (QGEMM_DEVICE), where host tensors go: torch's current
+    device can be another."""
+    from .runtime import device_ordinal
+
+    return torch.device("cuda", device_ordinal())
 
 
 class QuantLinear(torch.nn.Module):
@@ -189,13 +214,38 @@ class QuantLinear(torch.nn.Module):
         self.handle = handle(weights)
         self.in_features, self.out_features, self.fmt = weights.k, weights.n, weights.fmt
         if bias is not None:
-            bias = torch.as_tensor(bias).detach()
+            want = f"QuantLinear: bias must be {weights.n} finite float values (out_features)"
+            try:
+                bias = torch.as_tensor(bias).detach()
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"{want}, got {type(bias).__name__} ({e})") from None
+            if bias.device.type == "meta":
+                raise ValueError(f"{want}, got a meta tensor (it holds no values)")
             if bias.shape != (weights.n,) or not (bias.is_floating_point() and bias.isfinite().all()):
-                raise ValueError(f"QuantLinear: bias must be {weights.n} finite float values (out_features), got "
-                                 f"{bias.dtype} {tuple(bias.shape)}")
-            device = bias.device if bias.device.type == "cuda" or not torch.cuda.is_available() else "cuda"
+                raise ValueError(f"{want}, got {bias.dtype} {tuple(bias.shape)}")
+            device = bias.device if bias.device.type == "cuda" or not torch.cuda.is_available() else _qgemm_device()
             bias = bias.to(device=device, dtype=torch.float32)
         self.register_buffer("bias", bias, persistent=False)  # (not in state_dict, as the weights are not)
+
+    def _apply(self, fn, *args, **kwargs):
+        # Module.to / .half() / .bfloat16() convert floating buffers; the bias stays float32 (added to
+        # the float32 product), and only follows the device
+        bias = self.bias
+        out = super()._apply(fn, *args, **kwargs)
+        if bias is not None and self.bias is not None and self.bias.dtype != torch.float32:
+            self.bias = bias.to(device=self.bias.device)
+        return out
+
+    def __deepcopy__(self, memo):
+        # a copy holds a copy of the weights, which needs a handle of its own (the handle is stored
+        # here, and on the weights: copied as they are, both would name the original's weights)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        new.weights.__dict__.pop("_torch_op_handle", None)
+        new.handle = handle(new.weights)
+        return new
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, fmt: str = "q4_0") -> "QuantLinear":
@@ -212,7 +262,7 @@ class QuantLinear(torch.nn.Module):
 
                 require_gpu("QuantLinear.from_linear")  # NoGPUError, saying why (torch may be CPU-only on a GPU machine)
                 raise ValueError(f"QuantLinear.from_linear: the weight is on {w.device} and this torch has no CUDA")
-            w = w.to("cuda")
+            w = w.to(_qgemm_device())
         w = w.contiguous()
         return cls(w, fmt, bias=None if linear.bias is None else linear.bias)
 

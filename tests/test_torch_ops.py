@@ -246,3 +246,80 @@ def test_attention_ops_are_kvcache_calls_and_compile(rng):
     torch._dynamo.reset()
     fast = torch.compile(step, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(fast(q), step(q), rtol=1e-5, atol=1e-6)
+
+
+def test_what_the_session_69_torch_audit_found():
+    """Each failed before (CPU torch, no GPU needed): a compiled function called with a second
+    weights object (its handle a SymInt in the fake), a deep copy computing with the original's
+    weights, fakes accepting what the operator refuses, raw torch errors for host tensors and
+    biases, and a bias rounded by .to(bfloat16)."""
+    import copy
+
+    p1, p2 = _fake_packed(64, 256), _fake_packed(128, 256)
+    torch_ops.handle(p1), torch_ops.handle(p2)
+    x = torch.empty(4, 256, device="meta")
+    for dynamic in (False, True):
+        f = torch.compile(lambda x, pw: torch_ops.matmul(x, pw), backend="aot_eager", dynamic=dynamic)
+        assert f(x, p1).shape == (4, 64) and f(x, p2).shape == (4, 128)
+    a = torch_ops.QuantLinear(_fake_packed(64, 256))
+    d = copy.deepcopy(a)
+    assert d.weights is not a.weights and d.handle != a.handle and d.handle == torch_ops.handle(d.weights)
+    del a
+    gc.collect()
+    assert d(torch.empty(2, 256, device="meta")).shape == (2, 64)  # its own weights, not the freed original's
+    h = torch_ops.handle(p1)
+    for bad, said in ((torch.empty(4, 256, dtype=torch.int32, device="meta"), "must be float32, float16 or bfloat16"),
+                      (torch.empty(0, 256, device="meta"), r"no rows \(M = 0\)")):
+        with pytest.raises(ValueError, match=said):
+            torch.ops.qgemm.matmul(bad, h)
+    ck = qgemm.kvcache.compress_keys(np.ones((2, 64, 64), np.float16), 2)
+    for rows, lq in ((3, 1), (0, 1), (4, 0)):
+        with pytest.raises(ValueError, match="a positive multiple of B"):
+            torch.ops.qgemm.mustafar_scores(torch.empty(rows, lq, 64, dtype=torch.float16, device="meta"), torch_ops.handle(ck))
+    for bias, said in (("abc", "got str"), (torch.empty(64, device="meta"), "got a meta tensor")):
+        with pytest.raises(ValueError, match="QuantLinear: bias must be 64 finite float values.*" + said):
+            torch_ops.QuantLinear(_fake_packed(64, 256), bias=bias)
+    m = torch_ops.QuantLinear(_fake_packed(64, 256), bias=torch.full((64,), 1.001))
+    for to in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double()):
+        to(m)
+        assert m.bias.dtype == torch.float32 and float(m.bias[0]) == float(np.float32(1.001))
+    # host tensors: read as numpy (bfloat16, requiring grad), a meta tensor refused by name
+    from qgemm import runtime
+
+    b = runtime.host_array(torch.tensor([1.0, -2.5], dtype=torch.bfloat16), "t", "x")
+    assert b.dtype == qgemm.formats.BF16_DTYPE and list(qgemm.formats.bf16_to_f32(b)) == [1.0, -2.5]
+    w = torch.nn.Linear(64, 4).weight
+    assert np.array_equal(runtime.host_array(w, "t", "w"), w.detach().numpy())
+    blocks = np.zeros((4, 2), qgemm.block_q4_0)
+    with pytest.raises(ValueError, match="matmul: x is a meta tensor, which holds no values"):
+        qgemm.matmul(torch.ones(2, 64, device="meta"), blocks)
+    if not qgemm.gpu_available():  # past the host checks: only the GPU is missing
+        for call in (lambda: qgemm.matmul(torch.ones(2, 64, dtype=torch.bfloat16), blocks),
+                     lambda: qgemm.pack_weights(torch.nn.Linear(64, 8).weight, "q4_0"),
+                     lambda: qgemm.pack_weights(torch.ones(8, 64, dtype=torch.bfloat16), "q4_0")):
+            with pytest.raises(qgemm.NoGPUError):
+                call()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU and torch with CUDA")
+def test_inputs_that_require_grad_and_host_bfloat16_on_the_gpu(rng):
+    """A QuantLinear after a layer with parameters, outside torch.no_grad(): the operator's input
+    requires grad (torch refused its array interface); host bfloat16 and grad-requiring weights
+    to pack_weights / matmul."""
+    w = rng.standard_normal((64, 256), dtype=np.float32)
+    lin = torch.nn.Linear(256, 64).cuda()
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w))
+    q = torch_ops.QuantLinear.from_linear(lin, "q8_0")
+    pre = torch.nn.Linear(256, 256).cuda()
+    x = pre(torch.randn(3, 256, device="cuda"))
+    assert x.requires_grad
+    y = q(x)
+    ref = torch_ops.QuantLinear.from_linear(lin, "q8_0")(x.detach())
+    assert torch.equal(y.detach(), ref)
+    pw = qgemm.pack_weights(lin.weight.cpu(), "q8_0")  # a host tensor that requires grad
+    xb = torch.randn(3, 256).to(torch.bfloat16)
+    out = qgemm.matmul(xb, pw)  # host bfloat16 activations
+    want = qgemm.matmul(qgemm.formats.f32_to_bf16(xb.float().numpy()), pw)
+    assert np.array_equal(out, want)
