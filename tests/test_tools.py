@@ -1496,3 +1496,42 @@ def test_fold_error_reproduces_llamacpps_error_and_measures_coarser_folds():
     for acts in ("Gaussian", "outliers"):
         assert 0.97 < ratios[(acts, "q8_0", 32)] < 1.03, ratios
         assert ratios[(acts, "q4_0", 128)] > 1.3 and ratios[(acts, "q8_0", 128)] > 1.3, ratios
+
+
+def _tool(tmp_path, *argv, env=None):
+    """A tools/ script as a user runs it: (exit status, stdout + stderr)."""
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "QGEMM_CACHE_DIR": str(tmp_path / "cache"), **(env or {})}
+    r = subprocess.run([*argv], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_tools_the_session_69_audit_found(tmp_path):
+    """Each was a traceback, a silent success or a wrong verdict before."""
+    py = sys.executable
+    for argv, rc, said in (
+        ([py, "tools/plan_diff.py", "--old", ""], 2, "--old is empty"),  # was the tree against itself: "0 changed"
+        ([py, "tools/perf_report.py", "docs/perf/bench-h100.json"], 2,
+         "docs/perf/bench-h100.json is not a `qgemm profile --json` output"),
+        ([py, "tools/perf_report.py", "docs/perf/profile-h100-512x4096x4096-hot.json", "--bench", "docs/perf/kvcache-h100.json"],
+         2, "kvcache-h100.json is not a `qgemm bench`'s bench.json output"),
+        ([py, "tools/precompile.py", "w4a16.skinny", "--shapes", "1x4096x100", "--arch", "sm_90"], 1,
+         "K must be a multiple of 32 for w4a16.skinny"),
+        ([py, "tools/decode_map.py", "--models", ""], 2, "--models is empty"),
+        ([py, "tools/decode_map.py", "--iters", "0"], 2, "--iters must be at least 1"),
+        ([py, "tools/decode_map.py", "--markdown", str(tmp_path / "no" / "x.md")], 2, "is not a writable directory"),
+        ([py, "tools/quant_speed.py", "--json", str(tmp_path / "no" / "q.json")], 2, "is not a writable directory"),
+        ([py, "tools/api_doc.py", "--check", ""], 2, "--check is empty"),
+        ([py, "tools/api_doc.py", "--check", "README.md"], 1, "README.md is not the API reference page"),
+    ):
+        status, out = _tool(tmp_path, *argv)
+        assert status == rc and said in out and "Traceback" not in out, (argv, status, out)
+    assert "docs/perf/profile-h100-*-hot.json" in _load("perf_report").__doc__  # the example remakes the H100 page only
+    if not __import__("qgemm").gpu_available():
+        # the GPU scripts: one line, not a traceback; the check scripts refuse at once (every GPU test
+        # would skip and pytest exit 0: they read PASS)
+        for argv in ([py, "tools/decode_map.py", "--models", "llama3-8b"], [py, "tools/quant_speed.py"]):
+            status, out = _tool(tmp_path, *argv)
+            assert status == 2 and "needs an NVIDIA GPU" in out and "Traceback" not in out, (argv, out)
+        for script, env in (("tools/gpu_check.sh", {"QGEMM_CHECK": "tests"}), ("tools/gpu_check_kvcache.sh", {"QGEMM_KV_STEPS": "tests"})):
+            status, out = _tool(tmp_path, "bash", script, env={**env, "OUT": str(tmp_path / "out"), "PYTHON": py})
+            assert status == 2 and "needs an NVIDIA GPU" in out and "PASS" not in out, (script, out)

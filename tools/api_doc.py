@@ -448,12 +448,15 @@ def missing_docstrings() -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--output", help="write the page here (default: stdout)")
     ap.add_argument("--check", metavar="FILE", help="exit 1, with a unified diff, if FILE differs from the page")
     args = ap.parse_args(argv)
-    if args.check and args.output:
+    if args.check is not None and args.output is not None:
         ap.error("--check compares a page and -o writes one: give one of them")
+    for opt, path in (("--check", args.check), ("-o", args.output)):
+        if path is not None and not path.strip():  # "" would read as the option not given: nothing checked
+            ap.error(f"{opt} is empty: give the page's path (docs/api.md)")
     text = render()
     if args.check:
         try:
@@ -461,6 +464,10 @@ def main(argv=None) -> int:
                 old = f.read()
         except FileNotFoundError:
             print(f"api_doc: --check {args.check}: no such file (regenerate it with -o {args.check})", file=sys.stderr)
+            return 1
+        if old != text and not old.startswith(HEADER.split("\n", 1)[0] + "\n"):  # not a page this script writes
+            print(f"api_doc: --check {args.check} is not the API reference page (it does not start with "
+                  f"{HEADER.splitlines()[0]!r}); the page is docs/api.md", file=sys.stderr)
             return 1
         if old != text:
             sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), text.splitlines(True),

@@ -107,7 +107,16 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", default=None, help="write the table here")
     args = ap.parse_args(argv)
     try:
+        for opt, v in (("--models", args.models), ("--shapes", args.shapes)):
+            if v is not None and not v.replace(",", "").strip():
+                raise ValueError(f"{opt} is empty: name at least one (or leave the option out)")
         rows = select(args.models, args.shapes)
+        if args.iters < 1:
+            raise ValueError(f"--iters must be at least 1 (timed samples per row), got {args.iters}")
+        if args.markdown is not None:
+            from qgemm.errors import check_output_path
+
+            check_output_path(args.markdown, "--markdown")  # before the measurements, not after
         ms = sorted({int(v) for v in args.m.split(",") if v.strip()})
         if not ms or ms[0] < 1:
             raise ValueError(f"--m takes positive token counts separated by commas, got {args.m!r}")
@@ -161,4 +170,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "decode_map"))

@@ -47,6 +47,11 @@ TUNE_PAIRS=${QGEMM_TUNE_PAIRS:-"w4a16.skinny@8x4096x4096 w8a16.skinny@8x4096x409
 TUNE_SHAPES=${QGEMM_TUNE_SHAPES:-1x4096x4096,8x4096x4096,1x4096x14336,8x4096x14336,16x4096x4096,32x4096x4096,64x4096x4096}
 LOG="$OUT/gpu_check.log"
 rc=0
+# without a usable GPU every GPU test skips and pytest still exits 0: the script would read PASS
+if ! $PY -c "import sys, qgemm; sys.exit(0 if qgemm.gpu_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: needs an NVIDIA GPU: $($PY -c 'import qgemm.runtime as r; print(r.gpu_unavailable_reason())' 2>&1 | tail -1)" >&2
+  exit 2
+fi
 # gguf (ggml's Python package: the GGUF tests and `--gguf`) is not on the device image and the device
 # has no network: a wheel carried under out/wheels (`pip download --no-deps gguf -d out/wheels`,
 # carry ["out"]) is installed into a private directory, so the GGUF GPU tests run instead of skipping

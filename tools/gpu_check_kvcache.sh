@@ -23,6 +23,11 @@ done
 case $BENCH in quick|full|none) ;; *) echo "!! QGEMM_KV_BENCH must be quick, full or none, got $BENCH"; rc=1 ;; esac
 if has ab && [ -z "${QGEMM_KV_OLD_SRC:-}" ]; then echo "!! step ab needs QGEMM_KV_OLD_SRC (an older cuda_src tree)"; rc=1; fi
 [ $rc = 0 ] || { echo "gpu_check_kvcache: FAIL"; exit 1; }
+# without a usable GPU every GPU test skips and pytest still exits 0: the script would read PASS
+if ! $PY -c "import sys, qgemm; sys.exit(0 if qgemm.gpu_available() else 1)" 2>/dev/null; then
+  echo "gpu_check_kvcache: needs an NVIDIA GPU: $($PY -c 'import qgemm.runtime as r; print(r.gpu_unavailable_reason())' 2>&1 | tail -1)" >&2
+  exit 2
+fi
 step() { local name=$1 lim=$2; shift 2; echo "== $name"; timeout "$lim" "$@" > "$OUT/$name.log" 2>&1; local r=$?; [ $r = 0 ] || { echo "!! $name exit $r"; rc=1; }; return $r; }
 
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>/dev/null | head -1

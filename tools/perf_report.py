@@ -2,7 +2,7 @@
 r"""Turn `qgemm profile --json` outputs into docs/performance.md. Never edit that file by hand:
 
     bash tools/gpu_check.sh            # on the GPU machine: writes $OUT/profile-*.json
-    python tools/perf_report.py docs/perf/profile-*-hot.json docs/perf/profile-*-cold.json \
+    python tools/perf_report.py docs/perf/profile-h100-*-hot.json docs/perf/profile-h100-*-cold.json \
         --bench docs/perf/bench-h100.json --sustained-bench docs/perf/bench-sustained-h100.json \
         --notes docs/performance-notes.md -o docs/performance.md
 
@@ -229,6 +229,27 @@ def bench_section(data: dict, plot_stem: str = "bench") -> str:
     return "\n".join(out) + "\n"
 
 
+# what each input must hold (a profile's JSON as --bench, a bench's as a profile, a kvcache run: a
+# KeyError deep in the page otherwise)
+_EXPECTS = {"profile": ("`qgemm profile --json`", ("environment", "cold", "shape", "results")),
+            "bench": ("`qgemm bench`'s bench.json", ("environment", "rows", "copy_bandwidth_gbps"))}
+
+
+def _load(path: Path, kind: str) -> dict:
+    """A JSON input of `kind`, ValueError naming the file where it is not JSON or not that kind."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    what, keys = _EXPECTS[kind]
+    missing = [k for k in keys if not isinstance(data, dict) or k not in data]
+    if missing or (kind == "bench" and not all(isinstance(r, dict) and "cold" in r for r in data["rows"])):
+        raise ValueError(f"{path} is not a {what} output (expected an object with {', '.join(keys)}"
+                         + (f"; missing {', '.join(missing)}" if missing and isinstance(data, dict) else "")
+                         + (f"; got a JSON {type(data).__name__}" if not isinstance(data, dict) else "") + ")")
+    return data
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", type=Path, help="qgemm profile --json outputs")
@@ -257,9 +278,9 @@ def main(argv=None) -> int:
         if not p.is_file():
             print(f"perf_report: {p} does not exist", file=sys.stderr)
             return 1
-        parts.append(section(json.loads(p.read_text())))
+        parts.append(section(_load(p, "profile")))
     if args.bench:
-        bench_data = json.loads(args.bench.read_text())
+        bench_data = _load(args.bench, "bench")
         parts.append(bench_section(bench_data, args.plot_stem))
         if args.plots:
             from qgemm.bench import sweep_plots
@@ -273,7 +294,7 @@ def main(argv=None) -> int:
         if not args.sustained_bench.is_file():
             print(f"perf_report: {args.sustained_bench} does not exist", file=sys.stderr)
             return 1
-        sustained = json.loads(args.sustained_bench.read_text())
+        sustained = _load(args.sustained_bench, "bench")
         if not sustained.get("sustain_s"):
             print(f"perf_report: {args.sustained_bench} is not from `qgemm bench --sustain`", file=sys.stderr)
             return 1

@@ -157,7 +157,10 @@ def main() -> int:
     ap.add_argument("--arch", default="sm_90", help="the architecture planned for (sm_75 .. sm_90)")
     ap.add_argument("--json", default=None, help="also write {'changed': [...lines], 'plans': count} here")
     a = ap.parse_args()
-    if a.json:
+    for opt, tree in (("--old", a.old), ("--new", a.new)):
+        if not tree.strip():  # (os.path.join("", ...) is the current directory: a tree against itself, "no change")
+            raise ValueError(f"{opt} is empty: give the source tree (a directory holding qgemm/)")
+    if a.json is not None:
         from qgemm.errors import check_output_path
 
         check_output_path(a.json, "--json")

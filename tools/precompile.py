@@ -55,6 +55,9 @@ def main() -> int:
             raise SystemExit(f"precompile: {name} is a mustafar.* kernel, whose configurations depend on the cache: "
                              "tools/gpu_check_kvcache.sh's compile step compiles them")
         for m, n, k in shapes:
+            if spec.op.kind == "gemm" and k % spec.op.k_multiple:  # (as `qgemm compile --shape` refuses it)
+                raise SystemExit(f"precompile: --shapes: K must be a multiple of {spec.op.k_multiple} for {name}, "
+                                 f"got {m}x{n}x{k}")
             jobs.update((name, arch, tuple(sorted(d.items()))) for d in spec.configurations(m, n, k, 132, a.defaults_only))
     jobs = [(n, ar, dict(d)) for n, ar, d in sorted(jobs)]
     # spawned, not forked: without --arch this process has initialised CUDA by now, and a fork of a

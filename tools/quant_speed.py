@@ -31,7 +31,7 @@ def _seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="14336x4096", help="NxK of the weight matrix")
     ap.add_argument("--reps", type=int, default=5, help="runs per GPU timing (numpy: 2)")
@@ -43,6 +43,10 @@ def main() -> None:
         ap.error(f"--shape must be NxK (two integers), got {args.shape!r}")
     if n < 1 or k < 32 or k % 32 or args.reps < 1:
         ap.error(f"--shape needs N >= 1 and K a positive multiple of 32 (got {args.shape}), --reps >= 1")
+    if args.json is not None:
+        from qgemm.errors import check_output_path
+
+        check_output_path(args.json, "--json")  # before the measurements, not after
     w = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32) * 0.02
     dw = qgemm.DeviceArray.from_host(w)
     dw16 = qgemm.DeviceArray.from_host(F.f32_to_bf16(w))
@@ -69,7 +73,10 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": runtime.device_info().name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                        "command": " ".join(["python"] + sys.argv), "rows": rows}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "quant_speed"))
