@@ -72,6 +72,20 @@ def run_tool(main, prog: str):
         return 1 if isinstance(e, OSError) and not isinstance(e, (SetupError, FileNotFoundError)) else 2
 
 
+def positive_int(text: str) -> int:
+    """For the scripts under tools/: the argparse type of a count (--reps, --iters, --rounds, --top),
+    which 0 or less would turn into a run that times or prints nothing and exits 0."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def check_output_path(path: str, what: str) -> None:
     """For the scripts under tools/: ValueError unless the directory of a result file (`path`,
     given as option `what`) exists and is writable -- checked before the measurements, not after."""

@@ -984,7 +984,8 @@ def test_check_scripts_fail_when_they_would_run_nothing(tmp_path):
                         ({"SANITIZER": "/bin/true", "QGEMM_SAN_JOBS": "bogus:refs-edu"}, "unknown sanitizer tool in bogus:refs-edu"),
                         ({"SANITIZER": "/bin/true", "QGEMM_SAN_JOBS": "memcheck:nope"}, "unknown sanitize part in memcheck:nope")):
         r = subprocess.run(["bash", str(TOOLS / "gpu_check.sh")], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "OUT": str(tmp_path / "san"), "QGEMM_CHECK": "sanitize", **extra})
+                           env={**os.environ, "OUT": str(tmp_path / "san"), "QGEMM_CHECK": "sanitize",
+                                "QGEMM_CHECK_WITHOUT_GPU": "1", **extra})
         assert r.returncode == 1 and said in r.stdout and "gpu_check: FAIL" in r.stdout, r.stdout
     fake = tmp_path / "ncu"
     fake.write_text("#!/bin/sh\nexit 3\n")

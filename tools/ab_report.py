@@ -38,6 +38,9 @@ def load(paths: list[str], side: str) -> list[dict]:
         if not isinstance(file_rows, list) or not file_rows:
             raise ValueError(f"--{side}: {p} holds no rows: expected the JSON of tools/compare_paths.py --json")
         for r in file_rows:
+            if not isinstance(r, dict):  # `in` below would search a string, or fail on a number
+                raise ValueError(f"--{side}: a row of {p} is not an object (a {type(r).__name__}): expected "
+                                 "tools/compare_paths.py rows")
             missing = [k for k in (*_KEY_FIELDS, "cold", "matmul_us", "config", "kernel") if k not in r]
             if missing:
                 raise ValueError(f"--{side}: a row of {p} lacks {', '.join(missing)}: expected tools/compare_paths.py rows")

@@ -39,11 +39,13 @@ def parse_shape(text: str) -> tuple[int, int, int, bool]:
     """`MxNxK` or `MxNxK@cold` -> (m, n, k, cold)."""
     body, _, tag = text.strip().lower().partition("@")
     if tag not in ("", "cold"):
-        raise SystemExit(f"shape {text!r}: the only suffix is @cold")
+        raise SystemExit(f"--shapes {text!r}: the only suffix is @cold")
     parts = body.split("x")
     if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise SystemExit(f"shape {text!r}: expected MxNxK (positive integers), optionally @cold")
+        raise SystemExit(f"--shapes {text!r}: expected MxNxK (positive integers), optionally @cold")
     m, n, k = (int(p) for p in parts)
+    if k % 32:  # q4_0 and q8_0 blocks are 32 wide: caught here, not after the shapes before it were timed
+        raise SystemExit(f"--shapes {text!r}: K must be a multiple of 32 (the q4_0 / q8_0 blocks), got K={k}")
     return m, n, k, tag == "cold"
 
 
@@ -136,6 +138,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--x-dtypes {a.x_dtypes!r}: expected a comma-separated list of {', '.join(X_DTYPES)}")
     paths = parse_paths(a.paths, x_dtypes)
     shapes = [(s.strip(), parse_shape(s)) for s in a.shapes.split(",") if s.strip()]
+    if not shapes:
+        raise SystemExit(f"--shapes {a.shapes!r}: expected a comma-separated list of MxNxK; nothing to time")
     command = "python tools/compare_paths.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if a.repeats < 1 or a.iters < 1:
         raise SystemExit(f"--repeats and --iters must be at least 1, got {a.repeats} and {a.iters}")

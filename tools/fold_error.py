@@ -18,6 +18,7 @@ and on activations with a few outlier channels (x30, as LLM activations have).
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
@@ -37,7 +38,7 @@ def rel(c: np.ndarray, truth: np.ndarray) -> float:
     return float(np.linalg.norm(c - truth) / np.linalg.norm(truth))
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--n", type=int, default=512)
@@ -51,6 +52,8 @@ def main() -> None:
         ap.error(f"--groups must be comma-separated integers, got {args.groups!r}")
     if min(args.m, args.n, args.k) < 1 or args.k % 32 or any(g < 32 or g % 32 or args.k % g for g in groups):
         ap.error("--m, --n >= 1; --k a positive multiple of 32; every G a multiple of 32 dividing K")
+    if args.seed < 0:  # numpy's generator refuses it, but only as a traceback
+        ap.error(f"--seed must be >= 0, got {args.seed}")
     rng = np.random.default_rng(args.seed)
     print(f"M={args.m} N={args.n} K={args.k}: relative error against x . dequant(W)^T in float64")
     print("activations  weights  G    llama.cpp (Q8_1 x W)  int8 per G (x and W)  ratio")
@@ -65,7 +68,10 @@ def main() -> None:
             for g in groups:
                 e = rel(int8_per_group(x, g) @ int8_per_group(wd, g).T, truth)
                 print(f"{'outliers' if outliers else 'Gaussian':11}  {fmt:7}  {g:<4} {llama:20.3e}  {e:20.3e}  {e / llama:5.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from qgemm.errors import run_tool
+
+    sys.exit(run_tool(main, "fold_error"))

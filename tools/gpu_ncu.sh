@@ -21,8 +21,10 @@ NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null |
 rc=0  # the script's status: any failed compile, profile or import, not only the last grep
 run() {  # kernel shape
     local name=$1 shape=$2 entry
-    # the kernel's entry point: a variant (w4a16.skinny_f16) shares its float32 kernel's source and entry
-    entry=$($PY -c "from qgemm import registry; print(registry.spec('$name').entry)") || { rc=1; return 1; }
+    # the kernel's entry point: a variant (w4a16.skinny_f16) shares its float32 kernel's source and entry;
+    # run_tool makes a misspelt name one line on stderr, not a traceback
+    entry=$($PY -c "import sys; from qgemm import registry; from qgemm.errors import run_tool; \
+sys.exit(run_tool(lambda: print(registry.spec(sys.argv[1]).entry), 'gpu_ncu'))" "$name") || { rc=1; return 1; }
     local rep="$OUT/ncu-${name}-${shape}${DEFINES:+-${DEFINES//[=,]/_}}"
     $PY -m qgemm compile "$name" > /dev/null || { echo "!! $name: qgemm compile failed" >&2; rc=1; return 1; }  # outside the profiled process
     # DEFINES (KEY=INT,...) go on top of the launch configuration (tools/probe_defines.py does the launch)

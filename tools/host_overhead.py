@@ -133,6 +133,16 @@ def kv_rows(shape: str, calls: int, stream, rng) -> list:
     return rows
 
 
+def _shapes(option: str, texts: list[str], form: str | None = None) -> list[tuple[int, ...]]:
+    """parse_shape of each, the error naming the option."""
+    from qgemm.check import parse_shape
+
+    try:
+        return [parse_shape(s, form=form) for s in texts]
+    except ValueError as e:
+        raise ValueError(f"{option}: {e}") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1x4096x4096,8x4096x4096,512x4096x4096", help="comma-separated MxNxK")
@@ -145,11 +155,16 @@ def main(argv=None) -> int:
     ap.add_argument("--table", default=None, metavar="JSON", help="print the markdown table of a saved run and exit")
     ap.add_argument("--suite", default="gemm", choices=["gemm", "kvcache"], help="which table --table prints")
     a = ap.parse_args(argv)
-    if a.table:
+    if a.table is not None:
+        if not a.table.strip():  # not "no --table": a timing run where a table was asked for
+            raise ValueError("--table: expected the path of a host_overhead.py --json file, got an empty path")
         with open(a.table) as f:
             data = json.load(f)
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise ValueError(f"--table {a.table}: not a host_overhead.py --json file (no 'rows')")
+        if not all(isinstance(r, dict) for r in data["rows"]):
+            raise ValueError(f"--table {a.table}: not a host_overhead.py --json file (expected 'rows': a list of "
+                             "objects, one per call form and shape)")
         try:
             print(markdown(data, a.suite), end="")
         except (KeyError, TypeError) as e:
@@ -158,6 +173,21 @@ def main(argv=None) -> int:
         return 0
     if a.calls < 4:  # the 512-token rows take a quarter of the calls
         raise ValueError(f"--calls must be at least 4, got {a.calls}")
+    from qgemm import formats as F, registry
+
+    # every shape checked before the first is timed: the loops below take them as given
+    if a.fmt not in ("q4_0", "q8_0"):
+        raise ValueError(f"--fmt must be q4_0 or q8_0, got {a.fmt!r}")
+    shapes = _shapes("--shapes", a.shapes.split(","))
+    for (m, n, k), text in zip(shapes, a.shapes.split(",")):
+        if k % F.QK:
+            raise ValueError(f"--shapes {text}: K must be a multiple of {F.QK} (the {a.fmt} blocks), got K={k}")
+    kv_texts = list(filter(None, a.kv_shapes.split(",")))
+    kv_runner = registry.spec("mustafar.key_q2").runner  # scores / attend: every Mustafar kernel takes the same BxSxD
+    for shape, text in zip(_shapes("--kv-shapes", kv_texts, "BxSxD"), kv_texts):
+        why = kv_runner.shape_problem(shape)
+        if why:
+            raise ValueError(f"--kv-shapes {text}: {why}")
     if a.json:  # before the timings, not after them
         from qgemm.errors import check_output_path
 
@@ -169,15 +199,14 @@ def main(argv=None) -> int:
                          "F.linear): pip install torch") from None
 
     import qgemm
-    from qgemm import formats as F, runtime
+    from qgemm import runtime
 
     info = runtime.device_info()
     stream = torch.cuda.Stream()
     rng = np.random.default_rng(0)
     rows = []
     print(f"device: {info.name}; host time per eager call (us), {a.calls} calls back to back, median of 5 rounds")
-    for shape in a.shapes.split(","):
-        m, n, k = (int(v) for v in shape.lower().split("x"))
+    for (m, n, k), shape in zip(shapes, a.shapes.split(",")):
         w = F.quantize(rng.standard_normal((n, k), dtype=np.float32), a.fmt)
         pw = qgemm.pack_weights(w)
         w_dev = torch.from_numpy(w.view(np.uint8).reshape(n, -1).copy()).cuda()
@@ -223,7 +252,7 @@ def main(argv=None) -> int:
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(a.profile)
             print(s.getvalue())
-    for shape in filter(None, a.kv_shapes.split(",")):
+    for shape in kv_texts:
         rows += kv_rows(shape, a.calls, stream, rng)
     if a.json:
         with open(a.json, "w") as f:

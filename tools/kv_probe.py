@@ -23,6 +23,7 @@ import sys
 from probe_defines import parse_variant  # the same `label=KEY=INT[;KEY=INT...]` variants (tools/ is on sys.path)
 
 from qgemm import kvcache as kv
+from qgemm.errors import positive_int
 from qgemm import registry, runtime
 from qgemm.check import parse_shape
 
@@ -67,14 +68,21 @@ def main() -> None:
     ap.add_argument("--lq", type=int, default=1)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--sparsity", type=float, default=0.7)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--reps", type=positive_int, default=2)
+    ap.add_argument("--iters", type=positive_int, default=30)
     ap.add_argument("--hot", action="store_true",
                     help="time on one buffer set (the cache stays in L2 where it fits) instead of rotating "
                          "buffer sets through > 2x L2")
     args = ap.parse_args()
     shape = parse_shape(args.shape, form="BxSxD")
     variants = [parse_variant(v) for v in args.variants]
+    for label, d in variants:
+        if "@" in d:  # probe_defines' other-kernel configuration: a Mustafar kernel's plan is plan_for's
+            raise ValueError(f"variant {label}=@{d['@']}: expected label or label=KEY=INT[;KEY=INT...] (no @KERNEL here)")
+    labels = [label for label, _ in variants]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:  # the plans are keyed by label: a second one would replace the first
+        raise ValueError(f"variants: each label once, got {', '.join(map(repr, twice))} more than once")
     for name in args.kernels.split(","):  # every name, before the GPU
         runner = getattr(registry.spec(name), "runner", None)
         if runner is None:

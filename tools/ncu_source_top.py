@@ -13,6 +13,8 @@ import re
 import sys
 from collections import Counter
 
+from qgemm.errors import positive_int
+
 
 def _opcode(sass: str) -> str:
     """The opcode of a SASS line, its predicate (@P0, @!UP1) dropped."""
@@ -30,7 +32,7 @@ def _num(text: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv")
-    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--top", type=positive_int, default=30)
     args = ap.parse_args()
     text = open(args.csv, encoding="utf-8", errors="replace").read()
     start = text.find('"Address","Source"')  # skip ncu's lines before the header (kernel name)
@@ -46,8 +48,11 @@ def main() -> None:
         raise SystemExit(f"{args.csv}: no 'Source' or 'Warp Stall Sampling (All Samples)' column; profile with "
                          "--section SourceCounters (tools/gpu_ncu.sh with SOURCE=1)")
     nis = next((i for h, i in col.items() if "Stall Sampling (Not" in h), None)
+    if not body:  # the header alone: a kernel ncu sampled nothing of, or a cut-off file
+        raise ValueError(f"{args.csv}: no instruction rows under the source-page header; expected one row per SASS "
+                         "instruction (ncu --import R --page source --csv --print-source sass)")
     reasons = [(h, i) for h, i in col.items() if h.startswith("stall_") and "Not Issued" not in h]
-    total = sum(_num(r[samp]) for r in body) or 1.0
+    total = sum(_num(r[samp]) for r in body) or 1.0  # no samples at all: 0% everywhere, not a division by zero
     print(f"{len(body)} SASS instructions, {total:.0f} stall samples; columns: {header[samp]!r}")
     order = sorted(range(len(body)), key=lambda i: -_num(body[i][samp]))
     for i in order[:args.top]:

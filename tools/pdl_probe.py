@@ -27,8 +27,14 @@ def main() -> int:
         shape, _, fmt = item.partition(":")
         if fmt not in ("q4_0", "q8_0"):
             raise ValueError(f"{item!r}: the format after ':' must be q4_0 or q8_0, got {fmt!r}")
-        shapes.append(parse_shape(shape) + (fmt,))
-    reps = int(os.environ.get("REPS", "3"))
+        m, n, k = parse_shape(shape)
+        if k % 32:  # the q4_0 / q8_0 blocks: refused before the shapes ahead of it are timed
+            raise ValueError(f"{item!r}: K must be a multiple of 32 (the q4_0 / q8_0 blocks), got K={k}")
+        shapes.append((m, n, k, fmt))
+    reps = os.environ.get("REPS", "3")
+    if not reps.strip().isdigit() or int(reps) < 1:  # REPS=0 would time nothing and exit 0
+        raise ValueError(f"REPS must be a positive integer (repetitions per shape), got {reps!r}")
+    reps = int(reps)
     rng = np.random.default_rng(0)
     weights = {}
     tag = os.environ.get("TAG", "")

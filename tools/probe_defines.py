@@ -14,9 +14,10 @@ fresh output from the L2 and its weights from DRAM).
     python tools/probe_defines.py w4a8.skinny 1x4096x4096 base early=SK_PDL_EARLY=1 --cold
 
 A variant is `label` (the configuration as is), `label=KEY=INT[;KEY=INT...]`, or `label=@KERNEL`:
-another registered kernel's launch configuration at each shape -- e.g. a 16-bit-activation variant
-launched with its float32 kernel's configuration (`f32cfg=@w8a16.skinny` beside `w8a16.skinny_f16`),
-or a float32 kernel with its variant's:
+another registered GEMM kernel's launch configuration at each shape (a kernel that has one: the
+mma, skinny, wgmma and gemv kernels) -- e.g. a 16-bit-activation variant launched with its float32
+kernel's configuration (`f32cfg=@w8a16.skinny` beside `w8a16.skinny_f16`), or a float32 kernel with
+its variant's. Each variant has a label of its own:
 
     python tools/probe_defines.py w8a16.skinny_f16 2x4096x4096 base f32cfg=@w8a16.skinny --reps 3
 """
@@ -27,21 +28,35 @@ import sys
 import numpy as np
 
 from qgemm import bench, check, registry, runtime
+from qgemm.errors import positive_int
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
     label, _, rest = text.partition("=")
+    if not label.strip():  # the label names the variant's output line
+        raise ValueError(f"variant {text!r}: the label before '=' is empty; expected label[=KEY=INT...] or label=@KERNEL")
     defines = {}
     if rest.startswith("@"):  # another kernel's launch configuration at each shape
-        if not label or not rest[1:]:
-            raise SystemExit(f"variant {text!r}: expected label=@KERNEL")
+        if not rest[1:]:
+            raise ValueError(f"variant {text!r}: expected label=@KERNEL")
         return label, {"@": rest[1:]}
     for kv in filter(None, rest.split(";")):
         key, _, val = kv.partition("=")
         if not key or not val or not val.strip().lstrip("-").isdigit():
-            raise SystemExit(f"variant {text!r}: expected label=KEY=INT[;KEY=INT...]")
+            raise ValueError(f"variant {text!r}: expected label=KEY=INT[;KEY=INT...]")
         defines[key.strip()] = int(val)
     return label, defines
+
+
+def parse_variants(texts: list[str]) -> list[tuple[str, dict]]:
+    """parse_variant of each, each label once: two variants of one label could not be told apart in the
+    output."""
+    variants = [parse_variant(t) for t in texts]
+    labels = [label for label, _ in variants]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ValueError(f"variants: each label once, got {', '.join(map(repr, twice))} more than once")
+    return variants
 
 
 def main() -> None:
@@ -49,21 +64,28 @@ def main() -> None:
     ap.add_argument("kernel")
     ap.add_argument("shapes", help="MxNxK[,MxNxK...]")
     ap.add_argument("variants", nargs="+")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--reps", type=positive_int, default=2)
+    ap.add_argument("--iters", type=positive_int, default=20)
     cold = ap.add_mutually_exclusive_group()
     cold.add_argument("--cold", action="store_true", help="rotate weight / activation / output sets through > 2x L2")
     cold.add_argument("--cold-weights", action="store_true",
                       help="rotate weight sets only; x and C stay the same buffers (in the L2)")
     args = ap.parse_args()
-    variants = [parse_variant(v) for v in args.variants]
+    variants = parse_variants(args.variants)
     k = registry.get(args.kernel)
     if getattr(k.spec, "runner", None) is not None:
         raise ValueError(f"{args.kernel} takes a compressed KV cache, not MxNxK operands: tools/kv_probe.py times it")
     for label, extra in variants:  # another kernel's configuration: named right, before any timing
         if "@" in extra:
-            registry.spec(extra["@"])
+            other = registry.spec(extra["@"])
+            if other.runner is not None or other.config is None:  # its config_for is {}: the base timed as the variant
+                raise ValueError(f"variant {label}=@{other.name}: {other.name} has no launch configuration; expected "
+                                 "a GEMM kernel with one (mma, skinny, wgmma, gemv), e.g. f32cfg=@w8a16.skinny beside "
+                                 "w8a16.skinny_f16")
     shapes = [check.parse_shape(s) for s in args.shapes.split(",")]
+    for m, n, kk in shapes:  # make_inputs would refuse it only after the shapes before it were timed
+        if kk % k.op.k_multiple:
+            raise ValueError(f"shape {m}x{n}x{kk}: K must be a multiple of {k.op.k_multiple} for {args.kernel}, got K={kk}")
     rng = np.random.default_rng(0)
     for m, n, kk in shapes:
         shape = f"{m}x{n}x{kk}"

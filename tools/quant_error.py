@@ -34,6 +34,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    # before the tables: --k 100 failed in the first quantizer, under a header already printed
+    if args.rows < 1:
+        ap.error(f"--rows must be at least 1, got {args.rows}")
+    if args.k < 1 or args.k % F.QK:
+        ap.error(f"--k must be a positive multiple of {F.QK} (one block), got {args.k}")
+    if args.seed < 0:
+        ap.error(f"--seed must be >= 0, got {args.seed}")
     rng = np.random.default_rng(args.seed)
     data = {
         "gaussian N(0,1)": rng.standard_normal((args.rows, args.k), dtype=np.float32),

@@ -81,6 +81,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.jobs < 1:
         raise ValueError(f"--jobs must be at least 1, got {a.jobs}")
+    if not 0 < a.timeout < float("inf"):  # every configuration would be TIMED OUT, or never be
+        raise ValueError(f"--timeout must be a positive number of seconds, got {a.timeout:g}")
     extra = {}
     for text in a.define:
         key, _, val = text.partition("=")
@@ -97,6 +99,10 @@ def main() -> int:
         if spec.runner is not None or spec.op.kind != "gemm":
             raise ValueError(f"{spec.name} is not a GEMM kernel (MxNxK shapes); the KV-cache and helper kernels "
                              "run under a sanitizer through their tests (tools/gpu_check.sh's sanitize step)")
+        for m, n, k in shapes:  # refused in the child, it read as every configuration FAILED, the reason hidden
+            if k % spec.op.k_multiple:
+                raise ValueError(f"--shapes {m}x{n}x{k}: K must be a multiple of {spec.op.k_multiple} for {spec.name}, "
+                                 f"got K={k}")
     if not runtime.gpu_available():
         raise NoGPUError(f"no GPU: {runtime.gpu_unavailable_reason()}")
     sms = runtime.device_info().sm_count

@@ -33,6 +33,12 @@ def _load(path: str) -> dict:
         raise ValueError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(d, dict) or not isinstance(d.get("candidates"), list) or "shape" not in d:
         raise ValueError(f"{path}: not the output of `qgemm tune --json` (no shape and candidates)")
+    if not all(isinstance(c, dict) and isinstance(c.get("config", {}), dict) for c in d["candidates"]):
+        raise ValueError(f"{path}: not the output of `qgemm tune --json` (expected candidates: a list of objects, "
+                         "each with its config an object)")
+    shape = d["shape"]
+    if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)):
+        raise ValueError(f"{path}: not the output of `qgemm tune --json` (expected shape [M, N, K], got {shape!r})")
     if not str(d.get("kernel", "")).endswith(".wgmma_rs"):
         raise ValueError(f"{path}: a tune of {d.get('kernel')!r}; the model is wgmma_rs's (w4a16.wgmma_rs, w8a16.wgmma_rs)")
     return d
@@ -122,8 +128,8 @@ def _rate(text: str) -> tuple[tuple[int, int], float]:
         r = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--rate takes TOKENSxWARPGROUPS=RATE, e.g. 64x2=0.72; got {text!r}") from None
-    if r <= 0 or bn not in (64, 128, 256) or wgs not in (1, 2):
-        raise argparse.ArgumentTypeError(f"--rate: tokens 64/128/256, warpgroups 1/2, a positive rate; got {text!r}")
+    if not 0 < r < math.inf or bn not in (64, 128, 256) or wgs not in (1, 2):  # nan or inf: no cost to order by
+        raise argparse.ArgumentTypeError(f"--rate: tokens 64/128/256, warpgroups 1/2, a positive finite rate; got {text!r}")
     return (bn, wgs), r
 
 
@@ -135,8 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sm", type=int, help="SM count (default: the one each file recorded)")
     ap.add_argument("--markdown", help="also write the report here")
     a = ap.parse_args(argv)
-    if a.overhead is not None and a.overhead < 0:
-        ap.error(f"--overhead must be >= 0, got {a.overhead:g}")
+    if a.overhead is not None and not 0 <= a.overhead < math.inf:  # nan slips past `< 0`
+        ap.error(f"--overhead must be finite and >= 0, got {a.overhead:g}")
     if a.sm is not None and a.sm < 1:
         ap.error(f"--sm must be positive, got {a.sm}")
     if a.markdown:

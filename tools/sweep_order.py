@@ -19,13 +19,15 @@ import time
 
 import numpy as np
 
+from qgemm.errors import positive_int
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1x4096x4096")
     ap.add_argument("--fmts", default="q4_0,q8_0")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--iters", type=positive_int, default=20)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-blocks", action="store_true")
     ap.add_argument("--clocks", action="store_true", help="sample SM clock and power with nvidia-smi")
