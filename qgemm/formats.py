@@ -9,9 +9,12 @@ Every block covers 32 consecutive values along K. The byte layouts are ggml's, t
 
 `quantize_q4_0` / `quantize_q8_0` reproduce ggml's reference quantizers (`quantize_row_q4_0_ref`,
 `quantize_row_q8_0_ref`) bit for bit, float32 arithmetic included; `gguf.quants` is the oracle in
-the tests. `quantize_q8_1` reproduces ggml's CUDA activation quantizer (`quantize_q8_1` in
-ggml-cuda/quantize.cu), including the order of its warp-shuffle sum, so the GPU kernel
-`quantize.q8_1` and this function agree byte for byte.
+the tests. `quantize_q8_1` reproduces the source of ggml's CUDA activation quantizer (`quantize_q8_1`
+in ggml-cuda/quantize.cu) in IEEE float32, including the order of its warp-shuffle sum, so the GPU
+kernel `quantize.q8_1` and this function agree byte for byte. llama.cpp builds that source with
+`-use_fast_math`: its division is approximate (within 2 ulp) and flushes subnormals, so a code whose
+x / d falls within an ulp or two of a .5 boundary, or a block of subnormal values, can come out
+one step apart there.
 """
 
 from __future__ import annotations
@@ -285,8 +288,12 @@ def warp_sum_32(blocks: np.ndarray) -> np.ndarray:
 def quantize_q8_1(x: np.ndarray) -> np.ndarray:
     """float [..., K] -> Q8_1 blocks [..., K/32], as ggml's CUDA quantize_q8_1 computes them.
 
-    d = amax / 127, q = roundf(x / d) (a true division, as the kernel does), s = sum of the 32
+    d = amax / 127, q = roundf(x / d) (a true division, as qgemm's kernel does; llama.cpp's
+    -use_fast_math build divides approximately: the module's docstring), s = sum of the 32
     original float values (not of q*d): the W4A8 compensation d_w*(d_a*sumi - 8*s_a) uses it.
+    A block whose largest magnitude is below ~1e-40 (d = amax / 127 a float32 subnormal of a few
+    significant bits, so x / d can pass 127.5: 2e-41 measured) gets codes that wrap, as the kernel's
+    do -- not yet saturated (docs/perf/NOTES.md, session 69).
 
     ValueError for a non-float or non-finite input, K (the last dimension) not a positive
     multiple of 32, or a scale d or sum s that overflows half.
