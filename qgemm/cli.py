@@ -315,6 +315,8 @@ def _define_warnings(spec, ck, extra: dict) -> list[str]:
     """`compile -D`: the macros that changed nothing in this kernel -- redefined by its source
     (NVRTC warns, and keeps the source's value) or named nowhere in it (a typo, or a key of
     another kernel)."""
+    if not extra:  # (every compile without -D: no sources to read)
+        return []
     try:
         src = jit.read_source(spec.source)
         text = src + "".join(jit.project_headers(spec.source, src).values())

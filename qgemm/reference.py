@@ -25,13 +25,12 @@ def _check_k(what: str, ka: int, kw: int, unit: str = "K") -> None:
 def truth(a: np.ndarray, w: np.ndarray) -> np.ndarray:
     """float64 ground truth A . W^T of float matrices (ValueError for block arrays: dequantize
     them first, e.g. formats.dequantize)."""
-    a, w = (F.to_float32(x) if F.is_bf16(np.asarray(x).dtype) else x for x in (a, w))
+    a, w = (F.to_float32(x) if F.is_bf16(x.dtype) else x for x in (np.asarray(a), np.asarray(w)))
     for name, x in (("A", a), ("W", w)):
-        dt = np.asarray(x).dtype
-        if dt.names is not None or dt.kind not in "fiub":
-            raise ValueError(f"reference: {name} must be a float matrix, got dtype {dt}"
-                             + (" (quantized blocks: dequantize them first)" if dt.names is not None else ""))
-    a, w = np.asarray(a, dtype=np.float64), np.asarray(w, dtype=np.float64)
+        if x.dtype.names is not None or x.dtype.kind not in "fiub":
+            raise ValueError(f"reference: {name} must be a float matrix, got dtype {x.dtype}"
+                             + (" (quantized blocks: dequantize them first)" if x.dtype.names is not None else ""))
+    a, w = a.astype(np.float64, copy=False), w.astype(np.float64, copy=False)
     if a.ndim != 2 or w.ndim != 2:
         raise ValueError(f"reference: A and W must be 2-D [M, K] and [N, K], got shapes {a.shape} and {w.shape}")
     _check_k("reference", a.shape[1], w.shape[1])
