@@ -12,9 +12,10 @@ Every block covers 32 consecutive values along K. The byte layouts are ggml's, t
 the tests. `quantize_q8_1` reproduces the source of ggml's CUDA activation quantizer (`quantize_q8_1`
 in ggml-cuda/quantize.cu) in IEEE float32, including the order of its warp-shuffle sum, so the GPU
 kernel `quantize.q8_1` and this function agree byte for byte. llama.cpp builds that source with
-`-use_fast_math`: its division is approximate (within 2 ulp) and flushes subnormals, so a code whose
-x / d falls within an ulp or two of a .5 boundary, or a block of subnormal values, can come out
-one step apart there.
+`-use_fast_math`: its division is approximate (within 2 ulp), so a code whose x / d falls within an
+ulp or two of a .5 boundary can come out one step apart there; and it flushes subnormals, as
+`quantize_q8_1` does for a block whose largest magnitude is one (all its codes 0) but not for a
+subnormal value in a block of normal ones.
 """
 
 from __future__ import annotations
@@ -291,9 +292,9 @@ def quantize_q8_1(x: np.ndarray) -> np.ndarray:
     d = amax / 127, q = roundf(x / d) (a true division, as qgemm's kernel does; llama.cpp's
     -use_fast_math build divides approximately: the module's docstring), s = sum of the 32
     original float values (not of q*d): the W4A8 compensation d_w*(d_a*sumi - 8*s_a) uses it.
-    A block whose largest magnitude is below ~1e-40 (d = amax / 127 a float32 subnormal of a few
-    significant bits, so x / d can pass 127.5: 2e-41 measured) gets codes that wrap, as the kernel's
-    do -- not yet saturated (docs/perf/NOTES.md, session 69).
+    A block whose largest magnitude is subnormal (below FLT_MIN, 1.18e-38) gets codes 0, as in
+    llama.cpp's -use_fast_math build, which flushes it to zero; d and s are computed as usual (both
+    are 0 in half there). In IEEE arithmetic its x / d could pass 127.5 and the code's sign wrap.
 
     ValueError for a non-float or non-finite input, K (the last dimension) not a positive
     multiple of 32, or a scale d or sum s that overflows half.
@@ -302,18 +303,15 @@ def quantize_q8_1(x: np.ndarray) -> np.ndarray:
     amax = np.abs(blocks).max(axis=1)
     s = warp_sum_32(blocks)
     d = amax / np.float32(127)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        r = blocks / d[:, None]
-        q = np.where(amax[:, None] == 0, np.float32(0), np.where(np.isinf(r), r, _roundf(r)))  # C roundf(inf) = inf
-    # amax below ~8.9e-44 makes d = 0 in float32 and x / d infinite (NaN for x = 0). The kernel's
-    # (int8_t) conversion of that is a saturating float -> int32 conversion (NaN -> 0) keeping the low
-    # byte: +inf -> 0x7FFFFFFF -> -1, -inf -> 0x80000000 -> 0 (H100, NVRTC 13.0: tested). The same here.
-    q = np.where(np.isnan(q), 0.0, np.clip(q.astype(np.float64), -2.0**31, 2.0**31 - 1))
-    q = (q.astype(np.int64) & 0xFF).astype(np.uint8).view(np.int8)
+    # from FLT_MIN up d keeps >= 16 significant bits, so |x / d| rounds to <= 127 (the kernel's
+    # common/quantize_q8_1.cuh); below it the block is flushed, and the division never sees d = 0
+    normal = amax >= np.finfo(np.float32).tiny
+    r = np.where(normal[:, None], blocks / np.where(normal, d, np.float32(1))[:, None], np.float32(0))
+    q = _roundf(r).astype(np.int8)
     out = np.empty(blocks.shape[0], dtype=block_q8_1)
     out["d"] = _to_half(d, "quantize_q8_1", "d")
     out["s"] = _to_half(s, "quantize_q8_1", "s (the block sum)")
-    out["qs"] = q.astype(np.int8)
+    out["qs"] = q
     return out.reshape(out_shape)
 
 

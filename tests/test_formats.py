@@ -349,6 +349,38 @@ def test_q8_1_ties_round_half_away_from_zero():
     assert q["qs"][0, 0, 19] == 3 and q["qs"][1, 0, 3] == -3  # 2.5 -> 3, -2.5 -> -3
 
 
+def tiny_q8_1_blocks(rng, n=4000):
+    """Blocks whose amax spans float32's subnormals up past FLT_MIN (log-uniform, 1e-45 .. 1e-36),
+    with FLT_MIN itself and the subnormal just below it at both signs as the amax of eight more."""
+    x = rng.standard_normal((n + 8, 32)).astype(F32)
+    x /= np.abs(x).max(axis=1, keepdims=True)
+    x[:n] *= (10.0 ** rng.uniform(-45, -36, n))[:, None].astype(F32)
+    tiny = np.finfo(F32).tiny
+    edge = np.array([tiny, np.nextafter(tiny, F32(0))], F32)
+    x[n:] *= np.repeat(np.array([1, -1], F32), 4)[:, None] * np.tile(edge, 4)[:, None] * F32(0.999)
+    x[n:, 5] = np.repeat(np.array([1, -1], F32), 4) * np.tile(edge, 4)  # the amax, exactly
+    return x
+
+
+def test_q8_1_subnormal_blocks_flushed_normal_ones_never_wrap(rng):
+    """A block whose amax is subnormal is all codes 0 (llama.cpp's flush-to-zero build gives that;
+    IEEE's x / d passed 127.5 there, and the int8 conversion flipped the code's sign). From FLT_MIN
+    up every code is roundf(x / d), within +-127 and of x's sign, the amax's code +-127."""
+    x = tiny_q8_1_blocks(rng)
+    q = F.quantize_q8_1(x).reshape(-1)
+    amax = np.abs(x).max(axis=1)
+    normal = amax >= np.finfo(F32).tiny
+    assert 100 < normal.sum() < len(x) - 100  # both sides of FLT_MIN are exercised
+    assert not q["qs"][~normal].any()
+    qs = q["qs"][normal].astype(np.int64)
+    xn = x[normal]
+    d = (amax[normal] / F32(127))[:, None]
+    assert np.array_equal(qs, roundf_ref((xn / d).astype(F32)))
+    assert (np.abs(qs) <= 127).all() and (np.sign(qs) * np.sign(xn) >= 0).all()
+    assert (np.abs(qs).max(axis=1) == 127).all()
+    assert not q["d"].any() and not q["s"].any()  # both below half's smallest subnormal here
+
+
 # --------------------------------------------------------------------------------------------
 # errors
 
@@ -542,9 +574,11 @@ def test_numeric_edge_audit_findings():
         warnings.simplefilter("ignore")
         for fmt in OURS_Q:
             assert raw(ours[fmt]).tobytes() == gguf.quants.quantize(tiny, GGUF_T[fmt]).tobytes()
-    # Q8_1 with d = 0 in float32 (amax < ~8.9e-44): x / d is +-inf (NaN for 0), converted as the
-    # kernel's (int8_t) does -- to int32, saturated, NaN to 0, then the low byte
-    assert q81["d"][2, 0] == 0 and list(q81["qs"][2, 0, :4]) == [0, -1, 0, 0]
+    # Q8_1 blocks whose amax is subnormal (rows 0-2, below FLT_MIN = 1.18e-38; row 2's d is 0 in
+    # float32, so x / d would be +-inf) are flushed, as llama.cpp's build does: all codes 0; row 3's
+    # 2.5e-38 is normal
+    assert q81["d"][2, 0] == 0 and not q81["qs"][:3].any()
+    assert q81["qs"][3, 0, 9] == 127 and np.count_nonzero(q81["qs"][3]) == 1
     # the references refuse what would reach their integer casts as garbage
     with pytest.raises(ValueError, match="finite"):
         R.exact_w4a8s(np.full((1, 64), np.nan, F32), wq4)

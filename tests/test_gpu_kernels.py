@@ -11,6 +11,7 @@ import pytest
 
 import qgemm
 from qgemm import packing, check, formats as F, registry, runtime
+from test_formats import tiny_q8_1_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -1752,17 +1753,20 @@ def test_tutorial_gpu_parts_run():
         assert row[-1] in qgemm.registry.REGISTRY, row
 
 
-def test_quantize_q8_1_blocks_below_float32_division(rng):
-    """amax below ~8.9e-44 makes d = 0 in float32: the kernel's x / d is +-inf (NaN for 0), which its
-    (int8_t) conversion turns into the low byte of a saturated int32 (NaN to 0);
-    formats.quantize_q8_1 gives those bytes too."""
-    x = np.zeros((3, 64), np.float32)
-    x[0, 1], x[0, 2], x[0, 40] = 3e-44, -1e-45, 5e-39  # one tiny block, one merely small
-    x[1, 7] = -4e-44
-    x[2] = rng.standard_normal(64).astype(np.float32)
-    got = qgemm.get("quantize.q8_1")(x)
-    assert got.tobytes() == F.quantize_q8_1(x).tobytes()
-    assert list(F.quantize_q8_1(x)["qs"][0, 0, :3]) == [0, -1, 0]
+def test_quantize_q8_1_subnormal_blocks(rng):
+    """A block whose amax is subnormal gets codes 0 from the kernel, as from formats.quantize_q8_1
+    and llama.cpp's flush-to-zero build (IEEE's x / d wrapped the code's sign below ~1e-40, and
+    d = 0 below ~8.9e-44 made it +-inf); from FLT_MIN up the codes are within +-127, byte for byte
+    the reference's. The tiny blocks sit between ordinary ones, in rows of several lengths."""
+    tiny = tiny_q8_1_blocks(rng, 1016)  # 1024 blocks
+    for k in (64, 1024, 4096):
+        x = rng.standard_normal((1024 * 32 // (k // 2), k)).astype(np.float32)
+        x.reshape(-1, 2, 32)[:, 1] = tiny  # every other block tiny
+        got = qgemm.get("quantize.q8_1")(x)
+        assert got.tobytes() == F.quantize_q8_1(x).tobytes(), k
+        qs = got["qs"].reshape(-1, 2, 32)[:, 1]
+        normal = np.abs(tiny).max(axis=1) >= np.finfo(np.float32).tiny
+        assert not qs[~normal].any() and (np.abs(qs[normal].astype(int)).max(axis=1) == 127).all()
 
 
 def test_weights_beyond_half_take_the_int8_paths(rng):

@@ -65,8 +65,15 @@ static __device__ __forceinline__ void quantize_q8_1_rows(const T* __restrict__ 
             amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
             sum += __shfl_xor_sync(0xffffffffu, sum, offset);
         }
+        // A block whose amax is subnormal (below FLT_MIN) is all codes 0, as llama.cpp's
+        // -use_fast_math build gives it (its flush to zero makes amax 0). In IEEE arithmetic d =
+        // amax / 127 would be a subnormal of a few significant bits there, x / d could pass 127.5
+        // (or be +-inf where d underflows to 0), and the (int8) conversion would wrap the code's
+        // sign. From FLT_MIN up d keeps >= 16 significant bits, so |x / d| rounds to <= 127.
+        // d and s stay as computed; both are 0 in half for such a block anyway.
         const float d = amax / 127.0f;
-        const qg_i8 q = amax == 0.0f ? 0 : (qg_i8)roundf(xi[b] / d);
+        const qg_i8 q = amax < 0x1p-126f ? 0 :  // FLT_MIN
+                          (qg_i8)roundf(xi[b] / d);
 
         block_q8_1* y = Y + (size_t)row * (K / QK) + kb / QK;
         y->qs[lane] = q;
