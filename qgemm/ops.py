@@ -169,12 +169,7 @@ def _check_host(x, fmt: F.Format, role: str, op: Op, who: str | None = None) -> 
             raise ValueError(f"{name}: {role} block {field} values must be finite; row {row}, block {blk} has "
                              f"{field} = {value}")
         if op.unit == "hmma" and fmt.name in ("q4_0", "q8_0"):  # dequantized by one float16 multiply per weight
-            over = F.f16_dequant_overflow(b, fmt.name)
-            if over is not None:
-                row, blk, d = over
-                raise ValueError(f"{name}: {role} row {row}, block {blk} (d = {d:g}) holds a weight d x q beyond "
-                                 f"float16's range (65504), which this fp16 tensor-core kernel would turn into inf; "
-                                 f"the int8 kernels (w4a8.* / w8a8.*) take such weights")
+            _refuse_f16_overflow(F.f16_dequant_overflow(b, fmt.name), name, role)
         return b
     if fmt is F.BF16 and F.is_bf16(x.dtype):
         x = F.as_bf16(x)  # ml_dtypes' bfloat16 as qgemm holds it (the same bytes)
@@ -185,9 +180,25 @@ def _check_host(x, fmt: F.Format, role: str, op: Op, who: str | None = None) -> 
         raise ValueError(f"{name}: {role} must be 2-D [rows, K], got shape {x.shape}")
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: {role} must be C-contiguous (np.ascontiguousarray), got strides {x.strides}")
-    if not np.isfinite(F.to_float32(x)).all():  # checked where it is cheap: host calls are synchronous anyway
+    x32 = F.to_float32(x)
+    if not np.isfinite(x32).all():  # checked where it is cheap: host calls are synchronous anyway
         raise ValueError(f"{name}: {role} must be finite; found inf or NaN")
+    if op.unit == "hmma" and fmt in (F.F32, F.BF16) and x32.size:  # the skinny fp16 kernels round x to half
+        amax = float(np.abs(x32).max())
+        if amax >= F.F16_INF_FROM:
+            raise ValueError(f"{name}: {role} overflows float16, which this kernel rounds it to: |x| max {amax:g} is "
+                             "beyond half's range (65504); scale it down, or use an int8 kernel (w4a8.* / w8a8.*)")
     return x
+
+
+def _refuse_f16_overflow(over, name: str, role: str) -> None:
+    """ValueError for weights that an fp16 tensor-core kernel would dequantize to inf:
+    `over` is formats.f16_dequant_overflow's (row, block, d), or None."""
+    if over is not None:
+        row, blk, d = over
+        raise ValueError(f"{name}: {role} row {row}, block {blk} (d = {d:g}) holds a weight d x q beyond "
+                         f"float16's range (65504), which this fp16 tensor-core kernel would turn into inf; "
+                         f"the int8 kernels (w4a8.* / w8a8.*) take such weights")
 
 
 def _format_hint(x, fmt: F.Format) -> str:
@@ -471,6 +482,8 @@ class Kernel:
         if isinstance(w, packing.PackedWeights):
             if w.fmt != self.op.w.name:
                 raise ValueError(f"{self.name}: W must be {self.op.w.name} weights, got PackedWeights of {w.fmt}")
+            if self.op.unit == "hmma":  # found when they were packed (a device array of blocks is not checked)
+                _refuse_f16_overflow(w.f16_overflow, self.name, "W")
             w = w.blocks
         on_device = [runtime.is_device_array(x) and not isinstance(x, np.ndarray) for x in (a, w)]
         if on_device[0] != on_device[1]:

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import qgemm
-from qgemm import check, jit, registry, runtime, sass
+from qgemm import check, jit, registry, runtime, sass, formats as F
 from qgemm.cli import app
 
 runner = CliRunner()
@@ -1863,6 +1863,34 @@ def test_plan_takes_numpy_integers_as_the_ints_they_are():
     for bad, shown in ((None, "None"), ([1, 2], "[1, 2]"), ({}, "{}"), (np.float64, "'float64'")):
         with pytest.raises(ValueError, match=f"x_dtype must be 'f32', 'f16' or 'bf16'.*got {re.escape(shown)}$"):
             dispatch.plan(8, 64, 64, x_dtype=bad)
+
+
+def test_skinny_fp16_kernels_refuse_host_activations_beyond_half(rng):
+    """Session 70's kernel audit: the skinny fp16 kernels round float32 / bfloat16 activations to
+    half themselves, so |x| >= 65520 became inf; qgemm.matmul refused that, a kernel called alone
+    did not, and its reference (which rounds x to half as well) agreed with the inf. Refused now,
+    before any GPU is needed; the largest value that rounds to 65504 still passes."""
+    for name in ("w4a16.skinny", "w8a16.skinny", "w4a16.skinny_bf16", "w8a16.skinny_bf16"):
+        kern = qgemm.get(name)
+        w = F.quantize(rng.standard_normal((16, 64)).astype(np.float32), kern.op.w.name)
+        x = rng.standard_normal((2, 64)).astype(np.float32)
+        x[0, 5] = -70000.0
+        xa = F.f32_to_bf16(x) if kern.op.a == F.BF16 else x
+        with pytest.raises(ValueError, match=rf"{name}: A overflows float16.*\|x\| max 70\d+ is beyond half's range"):
+            kern(xa, w)
+        x[0, 5] = 65504.0  # rounds to itself; (bfloat16 rounds it to 65536: refused)
+        if kern.op.a == F.F32 and not qgemm.gpu_available():
+            with pytest.raises(qgemm.NoGPUError):
+                kern(x, w)
+    for name in ("w4a16.naive", "w4a8.skinny"):  # float32 arithmetic / int8 codes: no half to overflow
+        kern = qgemm.get(name)
+        w = F.quantize_q4_0(rng.standard_normal((16, 64)).astype(np.float32))
+        x = np.full((2, 64), 70000.0, np.float32)
+        if qgemm.gpu_available():
+            assert np.isfinite(kern(x, w)).all()
+        else:
+            with pytest.raises(qgemm.NoGPUError):
+                kern(x, w)
 
 
 def test_bad_operands_say_so_before_any_gpu(rng, tmp_path):

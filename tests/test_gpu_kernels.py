@@ -1769,6 +1769,82 @@ def test_quantize_q8_1_subnormal_blocks(rng):
         assert not qs[~normal].any() and (np.abs(qs[normal].astype(int)).max(axis=1) == 127).all()
 
 
+INT8_PATHS = {fmt: [s.name for s in registry.list_kernels(family=fam) if s.op.w.name == fmt]
+              for fmt, fam in (("q4_0", "w4a8"), ("q8_0", "w8a8"))}
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_non_finite_device_activations_reach_their_row(rng, fmt, bad):
+    """Device activations are not checked (that would need a synchronization), so a NaN must at least
+    come out as one. The int8 paths' quantizers (quantize.q8_1 before w8a8.gemv, the skinny int8
+    kernels' own) took a block's amax with fmaxf, which drops a NaN: its code became 0 and the row a
+    finite, wrong result (session 70's kernel audit). Every int8 path, packed and not, at 1-8 tokens
+    and beyond, and the default plan: the row is non-finite everywhere, the other rows correct."""
+    n, k = 48, 256
+    w = F.quantize(rng.standard_normal((n, k)).astype(np.float32), fmt)
+    dw, pw = qgemm.DeviceArray.from_host(w), qgemm.pack_weights(w)
+    ran = set()
+    for m, path in [(m, None) for m in (1, 3, 8)] + [(3, p) for p in INT8_PATHS[fmt]]:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        bad_row = m // 2
+        x[bad_row, 37] = bad
+        ok = [r for r in range(m) if r != bad_row]
+        for weights in (dw, pw):
+            try:
+                p = qgemm.plan(m, n, k, fmt, path=path, packed=weights is pw)
+            except (qgemm.UnsupportedArchError, ValueError):  # an older GPU; a path for 16-bit x only
+                continue
+            ran.add(p.kernel)
+            c = qgemm.matmul(qgemm.DeviceArray.from_host(x), weights, path=path).to_host()
+            what = f"{p.quantizer} + {p.kernel}, M={m}"
+            assert not np.isfinite(c[bad_row]).any(), f"{what}: {int(np.isfinite(c[bad_row]).sum())} finite outputs"
+            if ok:
+                ref = p.reference(x[ok], w)
+                assert qgemm.reference.relative_error(c[ok], ref) <= 1e-3, what
+    assert len(ran) >= 8 or runtime.device_info().cc < 80, ran
+    for name in INT8_PATHS[fmt]:  # the kernels alone, on device operands
+        kern = qgemm.get(name)
+        if kern.op.a != F.F32:
+            continue
+        x = rng.standard_normal((2, k)).astype(np.float32)
+        x[1, 100] = bad
+        try:
+            c = kern(qgemm.DeviceArray.from_host(x), dw).to_host()
+        except qgemm.UnsupportedArchError:
+            continue
+        assert not np.isfinite(c[1]).any() and np.isfinite(c[0]).all(), name
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_kernel_calls_refuse_packed_weights_beyond_half(rng, fmt):
+    """pack_weights finds a block whose d x q overflows half (PackedWeights.f16_overflow); matmul
+    refused the fp16 paths for it, but a kernel called alone took the packed weights unchecked and
+    returned inf / NaN in that row (session 70's kernel audit). Now every fp16 tensor-core kernel
+    refuses them as it refuses such host blocks, and the int8 kernels take them."""
+    n, k = 16, 64
+    w = F.quantize(rng.standard_normal((n, k)).astype(np.float32), fmt)
+    w["d"][3, 1] = np.float16(9000.0 if fmt == "q4_0" else 600.0)
+    if fmt == "q4_0":
+        w["qs"][3, 1, 0] = 0x00  # d x (0 - 8) = -72000
+    else:
+        w["qs"][3, 1, 0] = -128  # 600 x -128 = -76800
+    pw = qgemm.pack_weights(w)
+    assert pw.f16_overflow is not None and pw.f16_overflow[:2] == (3, 1)
+    x = rng.standard_normal((4, k)).astype(np.float32)
+    fam = {"q4_0": "w4a16", "q8_0": "w8a16"}[fmt]
+    hmma = [s.name for s in registry.list_kernels(family=fam) if s.op.unit == "hmma"]
+    assert len(hmma) >= 4, hmma
+    for name in hmma:
+        kern = qgemm.get(name)
+        xa = F.f32_to_bf16(x) if kern.op.a == F.BF16 else x.astype(kern.op.a.dtype)
+        with pytest.raises(ValueError, match=rf"{name}: W row 3, block 1 .*beyond float16's range"):
+            kern(qgemm.DeviceArray.from_host(xa), pw)
+    i8 = qgemm.get({"q4_0": "w4a8.skinny", "q8_0": "w8a8.skinny"}[fmt])
+    c = i8(qgemm.DeviceArray.from_host(x), pw).to_host()
+    assert qgemm.reference.relative_error(c, i8.op.exact(x, w)) <= i8.op.exact_tol
+
+
 def test_weights_beyond_half_take_the_int8_paths(rng):
     """Q8_0 weights with |d x q| past 65504: refused by the fp16 tensor-core paths (they would be inf
     there), computed by the int8 ones, packed or not."""

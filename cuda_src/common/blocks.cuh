@@ -19,6 +19,20 @@
 typedef unsigned char qg_u8;
 typedef signed char qg_i8;
 
+// max(a, b) that is NaN when either is (fmaxf drops a NaN operand). The activation quantizers take
+// a block's amax through it, so a NaN value makes the block's scale NaN and every product with the
+// block NaN, as on the fp16 paths; with fmaxf the NaN became code 0 and the result finite (on device
+// operands nothing else would say so: reading a kernel's status word would need a synchronization).
+static __device__ __forceinline__ float qg_fmax_nan(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));  // one FMNMX, as fmaxf
+    return r;
+#else
+    return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+#endif
+}
+
 struct block_q4_0 {
     __half d;
     qg_u8 qs[QK / 2];

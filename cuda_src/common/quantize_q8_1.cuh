@@ -14,6 +14,8 @@
 //
 // `status` reports what the Python caller must turn into a ValueError (a kernel cannot raise):
 //   bit 0: a non-finite input value;  bit 1: d or s overflows half.
+// A NaN value gives its block d = NaN (amax by qg_fmax_nan), so a device call, whose status nobody
+// reads before the GEMM runs, still returns NaN where the block is used.
 //
 // Programmatic dependent launch (common/pdl.cuh): the GEMM behind this kernel may launch at once
 // and stream its first weights (it waits for this grid before reading Y), and this kernel may be
@@ -62,7 +64,7 @@ static __device__ __forceinline__ void quantize_q8_1_rows(const T* __restrict__ 
         float sum = xi[b];
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+            amax = qg_fmax_nan(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
             sum += __shfl_xor_sync(0xffffffffu, sum, offset);
         }
         // A block whose amax is subnormal (below FLT_MIN) is all codes 0, as llama.cpp's
@@ -80,8 +82,10 @@ static __device__ __forceinline__ void quantize_q8_1_rows(const T* __restrict__ 
         if (lane == 0) {
             y->d = __float2half_rn(d);
             y->s = __float2half_rn(sum);
+            // amax is non-finite exactly when a value is (qg_fmax_nan); a sum that overflows float32
+            // from finite values overflows half too, and says so as bit 1
             int bad = 0;
-            if (!isfinite(amax) || !isfinite(sum)) bad |= 1;
+            if (!isfinite(amax)) bad |= 1;
             else if (isinf(__half2float(y->d)) || isinf(__half2float(y->s))) bad |= 2;
             if (bad) atomicOr(status, bad);
         }

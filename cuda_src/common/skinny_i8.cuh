@@ -152,9 +152,11 @@ static __device__ __forceinline__ void skinny_i8(const sk_x_t* __restrict__ X, c
             for (int m = 0; m < SK_MQ; ++m) {
                 if (SK_MQ > 1 && m >= M) break;  // warp-uniform (M >= 1 always)
                 const float4 v = SkXT::f4(xv[u][m]);
-                float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+                // NaN-propagating: a NaN value makes d NaN (and id 0), so the block's products are NaN
+                // instead of the code 0 that fmaxf would leave it (the host check never sees device x)
+                float amax = qg_fmax_nan(qg_fmax_nan(fabsf(v.x), fabsf(v.y)), qg_fmax_nan(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
-                for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                for (int o = 1; o < 8; o <<= 1) amax = qg_fmax_nan(amax, __shfl_xor_sync(0xffffffffu, amax, o));
                 // one IEEE division per block and lane (its slow path is a call), the scale by a multiply
                 const float id = amax >= 0x1p-118f ? __fdiv_rn(127.0f, amax) : 0.0f;
                 const float d = __fmul_rn(amax, 0x1.020408p-7f);  // fl(1/127), exactly as the reference
