@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from qgemm import formats as F
+from edge_inputs import tiny_q8_1_blocks
 
 gguf = pytest.importorskip("gguf")
 GQ = gguf.GGMLQuantizationType
@@ -347,19 +348,6 @@ def test_q8_1_ties_round_half_away_from_zero():
     q = F.quantize_q8_1(x)
     assert np.array_equal(q["qs"].reshape(2, 32).astype(np.float64), roundf_ref(x))
     assert q["qs"][0, 0, 19] == 3 and q["qs"][1, 0, 3] == -3  # 2.5 -> 3, -2.5 -> -3
-
-
-def tiny_q8_1_blocks(rng, n=4000):
-    """Blocks whose amax spans float32's subnormals up past FLT_MIN (log-uniform, 1e-45 .. 1e-36),
-    with FLT_MIN itself and the subnormal just below it at both signs as the amax of eight more."""
-    x = rng.standard_normal((n + 8, 32)).astype(F32)
-    x /= np.abs(x).max(axis=1, keepdims=True)
-    x[:n] *= (10.0 ** rng.uniform(-45, -36, n))[:, None].astype(F32)
-    tiny = np.finfo(F32).tiny
-    edge = np.array([tiny, np.nextafter(tiny, F32(0))], F32)
-    x[n:] *= np.repeat(np.array([1, -1], F32), 4)[:, None] * np.tile(edge, 4)[:, None] * F32(0.999)
-    x[n:, 5] = np.repeat(np.array([1, -1], F32), 4) * np.tile(edge, 4)  # the amax, exactly
-    return x
 
 
 def test_q8_1_subnormal_blocks_flushed_normal_ones_never_wrap(rng):

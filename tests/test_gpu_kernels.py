@@ -11,7 +11,7 @@ import pytest
 
 import qgemm
 from qgemm import packing, check, formats as F, registry, runtime
-from test_formats import tiny_q8_1_blocks
+from edge_inputs import tiny_q8_1_blocks
 
 pytestmark = pytest.mark.gpu
 

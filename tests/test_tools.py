@@ -3,6 +3,7 @@ import json
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -1270,6 +1271,30 @@ exit 0
     gpu = (out / "tests-gpu.log").read_text().split("=== fill_the_gpu or defaults_on_wide_weights")
     assert len(gpu) == 2 and "test_matmul_defaults_that_fill_the_gpu" in gpu[1], gpu[-1][-500:]
     assert "test_decode_defaults_on_wide_weights" in gpu[1] and "fill_the_gpu" not in gpu[0], gpu[0][-500:]
+
+
+def test_the_suite_collects_the_same_tests_without_gguf():
+    """gguf is a test dependency the device image lacks (tools/gpu_check.sh installs a carried wheel
+    when there is one). Only a module that skips itself whole without it (`X = pytest.importorskip
+    ("gguf")` at module level) may lose tests then. Session 70 imported a helper from
+    test_formats.py, such a module, into test_gpu_kernels.py: on the device every GPU kernel test
+    was skipped, and the call reported "1 skipped"."""
+    pytest.importorskip("gguf")  # without it both collections below are the same by construction
+    need_gguf = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py")
+                 if re.search(r'^\w+ = pytest\.importorskip\("gguf"\)', p.read_text(), re.M)}
+    assert "tests/test_formats.py" in need_gguf and "tests/test_gpu_kernels.py" not in need_gguf, need_gguf
+    collect = "import pytest, sys; sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests']))"
+
+    def ids(block_gguf: bool) -> set[str]:
+        code = ("import sys; sys.modules['gguf'] = None; " if block_gguf else "") + collect
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return {line for line in r.stdout.splitlines() if "::" in line and not line.startswith(" ")}
+
+    every, without = ids(False), ids(True)
+    assert len(every) > 2000 and without <= every
+    lost = {i.split("::")[0] for i in every - without}
+    assert lost <= need_gguf, sorted(lost - need_gguf)
 
 
 def _stand_in_tuner(tmp_path, stored, step):
