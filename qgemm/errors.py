@@ -40,6 +40,12 @@ class UnknownNameError(KeyError, ValueError, QgemmError):
         return str(self.args[0]) if self.args else ""
 
 
+class RegistryError(QgemmError):
+    """A KernelSpec in qgemm/registry.py that cannot be registered (a name twice, a name that is
+    not "family.variant", a source outside cuda_src/<family>/): raised when qgemm is imported,
+    naming every such entry."""
+
+
 class CudaError(QgemmError):
     """A CUDA driver call failed. `call` names it, `code` is the CUresult name when known."""
 

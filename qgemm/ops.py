@@ -377,7 +377,10 @@ class Kernel:
     def default_config(self, m: int, n: int, k: int, sm_count: int = 132, smem_limit: int | None = None) -> dict:
         """The kernel's default heuristic for a shape; where its tiles need more shared memory per
         block than `smem_limit` (sm_86 / sm_89 / sm_120 allow 99 KB, the heuristics are tuned on
-        227 KB parts), the candidate configuration that uses the most of it instead."""
+        227 KB parts), the candidate configuration that uses the most of it instead. {} for a
+        kernel without launch-time configurations (as config_for)."""
+        if self.spec.config is None:
+            return {}
         d = self.spec.config(m, n, k, sm_count)
         if smem_limit is None or self.spec.candidates is None or self.geometry(m, n, k, d).shmem <= smem_limit:
             return d

@@ -1,16 +1,20 @@
 """The kernel registry: one entry per kernel, `family.variant` -> source, entry symbol, op,
-launch geometry, minimum arch. Adding a kernel is one .cu file under cuda_src/ and one entry here.
+launch geometry, minimum arch. Adding a kernel is one .cu file under cuda_src/<family>/ and one
+KernelSpec in _SPECS here, and for a new family directory its line in pyproject.toml's packages
+(README.md, "Adding a kernel": the entry's signature, the fields).
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 import threading
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
-from . import ops
-from .errors import UnknownNameError
+from . import jit, ops
+from .errors import RegistryError, UnknownNameError
 from .ops import Launch
 
 
@@ -21,11 +25,14 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class KernelSpec:
     """One registered kernel (`qgemm.spec(name)`): its name "family.variant", the Op it computes,
-    the tutorial step that introduces it, its .cu source under cuda_src/ and extern "C" entry,
-    launch geometry, minimum arch, #defines, and for tunable kernels the default configuration
-    and the candidates `qgemm tune` tries. The other fields say how it is launched (decode
-    kernels' max_m, weight / activation layouts, programmatic dependent launch, helper entries,
-    a runner for kernels outside the GEMM convention)."""
+    the tutorial step that introduces it (1-5: a rung of that step's ladder in `qgemm tutorial`;
+    6 production kernels, 7 Mustafar: "prod" in `qgemm list`), its .cu source under
+    cuda_src/<family>/ and extern "C" entry, launch geometry ((M, N, K) -> ops.Launch: grid,
+    block, dynamic shared memory), minimum arch, #defines, and for tunable kernels the default
+    configuration and the candidates `qgemm tune` tries. The other fields say how it is launched
+    (decode kernels' max_m, weight / activation layouts, programmatic dependent launch, helper
+    entries, a runner for kernels outside the GEMM convention). README.md's "Adding a kernel"
+    says what a new one needs."""
 
     name: str  # "family.variant"
     op: ops.Op
@@ -1671,8 +1678,25 @@ def _x16_config(base: str, config):
 _SPECS = _skinny_x_variants()
 _SPECS += _mustafar_specs()
 
-REGISTRY: dict[str, KernelSpec] = {s.name: s for s in _SPECS}
-assert len(REGISTRY) == len(_SPECS), "duplicate kernel names in the registry"
+
+def _check_specs(specs: list) -> dict[str, KernelSpec]:
+    """The registry by name; RegistryError naming every bad entry -- a name that is not
+    "family.variant" (lower case, digits, _), a name registered twice (a plain assert said only
+    "duplicate kernel names", and nothing at all under python -O, where the later entry replaced
+    the earlier one), a source not under a family directory of cuda_src/ or not a .cu file."""
+    bad = [f"{s.name!r}: a kernel name is 'family.variant' in lower case, digits and _ (e.g. 'w4a8.naive')"
+           for s in specs if not re.fullmatch(r"[a-z0-9_]+\.[a-z0-9_]+", s.name)]
+    bad += [f"{name!r} is registered {n} times (sources: "
+            f"{', '.join(s.source for s in specs if s.name == name)}); each kernel needs its own name"
+            for name, n in Counter(s.name for s in specs).items() if n > 1]
+    bad += [f"{s.name!r}: source {s.source!r} is not a path 'family/file.cu' under cuda_src/"
+            for s in specs if not re.fullmatch(r"[A-Za-z0-9_]+/[A-Za-z0-9_.]+\.cu", s.source)]
+    if bad:
+        raise RegistryError("qgemm/registry.py: " + "; ".join(bad))
+    return {s.name: s for s in specs}
+
+
+REGISTRY: dict[str, KernelSpec] = _check_specs(_SPECS)
 
 _kernels: dict[str, ops.Kernel] = {}
 _kernels_lock = threading.Lock()
@@ -1693,7 +1717,8 @@ def spec(name: str) -> KernelSpec:
     except KeyError:
         close = difflib.get_close_matches(name.lower(), REGISTRY, n=3, cutoff=0.4)  # (the names are lower case)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise UnknownNameError(f"no kernel named {name!r}{hint} (qgemm list shows all {len(REGISTRY)})") from None
+        raise UnknownNameError(f"no kernel named {name!r}{hint} (qgemm list shows all {len(REGISTRY)})"
+                               + _unregistered_source(name)) from None
 
 
 def get(name: str) -> ops.Kernel:
@@ -1709,6 +1734,25 @@ def get(name: str) -> ops.Kernel:
     return k
 
 
+def _unregistered_source(name: str) -> str:
+    """For an unknown kernel or family name: the source file or family directory under cuda_src/
+    that it would be, when that exists but no KernelSpec registers it ("" otherwise)."""
+    fam, _, variant = name.partition(".")
+    try:
+        root = jit.cuda_src_dir()
+    except OSError:
+        return ""
+    if not re.fullmatch(r"[a-z0-9_]+", fam) or (variant and not re.fullmatch(r"[a-z0-9_]+", variant)):
+        return ""
+    if variant and (root / fam / f"{variant}.cu").is_file():
+        return (f"; cuda_src/{fam}/{variant}.cu exists, but no KernelSpec in qgemm/registry.py's _SPECS "
+                f"registers it (README.md, 'Adding a kernel')")
+    if not variant and fam not in ("common", "bench") and sorted((root / fam).glob("*.cu")):
+        return (f"; cuda_src/{fam}/ holds {', '.join(p.name for p in sorted((root / fam).glob('*.cu')))}, but no "
+                f"KernelSpec in qgemm/registry.py's _SPECS names a kernel '{fam}.*' (README.md, 'Adding a kernel')")
+    return ""
+
+
 def families() -> list[str]:
     return sorted({s.family for s in REGISTRY.values()})
 
@@ -1719,7 +1763,8 @@ def list_kernels(family: str | None = None, op: str | None = None) -> list[Kerne
     out = list(REGISTRY.values())
     if family is not None:
         if family not in families():
-            raise UnknownNameError(f"no kernel family {family!r}; the families: {', '.join(families())}")
+            raise UnknownNameError(f"no kernel family {family!r}; the families: {', '.join(families())}"
+                                   + _unregistered_source(family))
         out = [s for s in out if s.family == family]
     if op:
         out = [s for s in out if s.op.name == op]

@@ -237,6 +237,23 @@ def test_the_fork_hook_runs_in_a_forked_child():
     assert runtime._forked_from is None and runtime._probe.cache_info().currsize == 1
 
 
+def test_bad_registry_entries_are_named():
+    """A name registered twice, a name without its family, a source outside a family directory:
+    one RegistryError naming each, not an AssertionError (gone under python -O)."""
+    from dataclasses import replace
+
+    from qgemm.errors import RegistryError
+
+    base = registry.spec("w4a8.naive")
+    with pytest.raises(RegistryError, match=r"'w4a8.naive' is registered 2 times \(sources: w4a8/naive.cu, "
+                                            r"w4a8/naive_rows.cu\)"):
+        registry._check_specs([base, replace(base, source="w4a8/naive_rows.cu")])
+    with pytest.raises(RegistryError, match=r"'naive_rows': a kernel name is 'family.variant'"):
+        registry._check_specs([replace(base, name="naive_rows")])
+    with pytest.raises(RegistryError, match=r"source 'naive_rows.cu' is not a path 'family/file.cu'"):
+        registry._check_specs([replace(base, name="w4a8.naive_rows", source="naive_rows.cu")])
+
+
 def test_cli_list():
     r = runner.invoke(app, ["list"])
     assert r.exit_code == 0, r.output
@@ -245,6 +262,41 @@ def test_cli_list():
     assert "min arch" in r.output and "sm_75" in r.output
     data = json.loads(runner.invoke(app, ["list", "--json"]).output)
     assert {d["name"] for d in data} == set(registry.names())
+
+
+def test_every_source_is_registered_and_every_registered_source_exists(tmp_path, monkeypatch):
+    """Every cuda_src/<family>/*.cu but the shared headers' and the bench's read kernels is some
+    KernelSpec's source, and every KernelSpec's source exists. An unregistered file or family
+    directory is named when its kernel or family is asked for; a registered source that is
+    missing, by `qgemm list`."""
+    import shutil
+
+    root = jit.cuda_src_dir()
+    sources = {s.source for s in registry.list_kernels()}
+    on_disk = {f"{p.parent.name}/{p.name}" for p in root.glob("*/*.cu") if p.parent.name not in ("common", "bench")}
+    assert on_disk - sources == set(), f"no KernelSpec in qgemm/registry.py registers {sorted(on_disk - sources)}"
+    assert sources - on_disk == set(), f"registered sources that do not exist: {sorted(sources - on_disk)}"
+
+    src = tmp_path / "cuda_src"
+    shutil.copytree(root, src)
+    (src / "orphan").mkdir()
+    shutil.copy(root / "fp32" / "naive.cu", src / "orphan" / "naive.cu")
+    shutil.copy(root / "fp32" / "naive.cu", src / "fp32" / "naive_rows.cu")
+    monkeypatch.setenv("QGEMM_CUDA_SRC", str(src))
+    jit.cuda_src_dir.cache_clear()
+    try:
+        with pytest.raises(qgemm.UnknownNameError, match=r"cuda_src/orphan/ holds naive.cu, but no KernelSpec"):
+            qgemm.list("orphan")
+        with pytest.raises(qgemm.UnknownNameError, match=r"cuda_src/fp32/naive_rows.cu exists, but no KernelSpec"):
+            qgemm.get("fp32.naive_rows")
+        r = runner.invoke(app, ["compile", "orphan", "--arch", "sm_80"])
+        assert r.exit_code == 2 and "cuda_src/orphan/ holds naive.cu" in r.output, r.output
+        (src / "fp32" / "naive.cu").unlink()
+        r = runner.invoke(app, ["list"])
+        assert r.exit_code == 0 and "warning: fp32.naive: its source cuda_src/fp32/naive.cu does not exist" in r.output
+    finally:
+        monkeypatch.delenv("QGEMM_CUDA_SRC")
+        jit.cuda_src_dir.cache_clear()
 
 
 def test_cli_info_runs_with_or_without_gpu():
@@ -264,6 +316,13 @@ def test_cli_info_names_the_nominal_memory_bandwidth(monkeypatch):
     monkeypatch.setattr(runtime, "device_info", lambda: h100)
     r = runner.invoke(app, ["info"])
     assert r.exit_code == 0 and "memory:           3352 GB/s nominal (5120-bit bus, 2619 MHz)" in r.output, r.output
+
+
+def test_default_config_of_a_kernel_without_configurations():
+    """Kernel.default_config of an untuned kernel (w4a8.naive, fp32.naive, any new simple kernel)
+    raised TypeError: 'NoneType' object is not callable."""
+    for name in ("w4a8.naive", "fp32.naive"):
+        assert qgemm.get(name).default_config(7, 9, 64) == {} == qgemm.get(name).config_for(7, 9, 64)
 
 
 def test_cli_compile_all_for_sm90(tmp_path, monkeypatch):

@@ -115,6 +115,17 @@ def test_launch_only_keys_no_cache_and_arch_messages(cache):
         qgemm.get("convert.f16k_f16")(np.ones((2, 32), np.float16), np.ones((2, 32), np.float16))
 
 
+def test_a_cached_cubin_without_the_entry_is_a_compile_error(cache):
+    """The disk cache is keyed by the source: a registry entry copied from another kernel with its
+    old source path and a new entry name found that source's cubin cached and came back without the
+    entry (`qgemm compile` then stopped with a KeyError traceback)."""
+    jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80")
+    jit.clear_memo()
+    with pytest.raises(CompileError, match=r"entry symbol\(s\) \['fp32_naive_rows'\] not found in the compiled code "
+                                           r"of fp32/naive.cu; found \['fp32_naive'\]"):
+        jit.compile_kernel("fp32.naive_rows", "fp32/naive.cu", ["fp32_naive_rows"], "sm_80")
+
+
 def test_cache_miss_then_hit_then_memo(cache):
     first = jit.compile_kernel("fp32.naive", "fp32/naive.cu", ["fp32_naive"], "sm_80")
     assert not first.from_cache
