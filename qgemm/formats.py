@@ -280,9 +280,10 @@ def warp_sum_32(blocks: np.ndarray) -> np.ndarray:
     if v.ndim != 2 or v.shape[1] != QK:
         raise ValueError(f"warp_sum_32: expected [n, {QK}] (the {QK} lanes of each sum), got shape {v.shape}")
     width = QK
-    while width > 1:
-        width //= 2
-        v = v[:, :width] + v[:, width : 2 * width]
+    with np.errstate(over="ignore", invalid="ignore"):  # an inf sum is the GPU's too; the callers judge it
+        while width > 1:
+            width //= 2
+            v = v[:, :width] + v[:, width : 2 * width]
     return v[:, 0]
 
 

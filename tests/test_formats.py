@@ -4,6 +4,7 @@ for Q4_0 / Q8_0), the Q8_1 activation quantizer, input validation and raw-byte v
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -405,6 +406,10 @@ def test_q8_1_block_sum_overflowing_half_rejected():
     # and just below the limit it is accepted
     ok = F.quantize_q8_1(np.full((1, 32), 2000.0, F32))
     assert float(ok["s"][0, 0]) == 64000.0
+    # a sum past float32 (finite values): the same error, and no numpy overflow warning before it
+    with pytest.raises(ValueError, match="overflows half"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        F.quantize_q8_1(np.full((1, 32), 3e38, F32))
 
 
 def test_scales_just_fitting_half_accepted():
@@ -511,8 +516,6 @@ def test_blocks_given_as_a_list_are_refused_by_name():
 
 def test_numeric_edge_audit_findings():
     """Session 34's audit of numerical edge cases (each assertion fails on the code before it)."""
-    import warnings
-
     from qgemm import packing, reference as R
 
     rng = np.random.default_rng(fresh_seed())

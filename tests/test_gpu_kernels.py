@@ -5,6 +5,7 @@ Marked `gpu`: skipped cleanly on machines without one (CI). tools/gpu_check.sh r
 
 import itertools
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -1767,6 +1768,24 @@ def test_quantize_q8_1_subnormal_blocks(rng):
         qs = got["qs"].reshape(-1, 2, 32)[:, 1]
         normal = np.abs(tiny).max(axis=1) >= np.finfo(np.float32).tiny
         assert not qs[~normal].any() and (np.abs(qs[normal].astype(int)).max(axis=1) == 127).all()
+
+
+def test_quantize_q8_1_says_which_bound_a_block_passes():
+    """Finite values whose float32 block sum overflows were reported as "input must be finite" (the
+    kernel's status bit 0 took a non-finite sum for a non-finite value); the sum overflows half as
+    well, which is what formats.quantize_q8_1 says, and now the kernel too. A NaN or inf value is
+    still bit 0, on either quantizer."""
+    x = np.zeros((2, 64), np.float32)
+    x[1, 32:] = 3e38  # finite; their sum is not
+    for call in (qgemm.get("quantize.q8_1"), F.quantize_q8_1):
+        with pytest.raises(ValueError, match="overflows half"), warnings.catch_warnings():
+            warnings.simplefilter("error")  # (numpy's overflow warning of the sum, once)
+            call(x)
+    for bad in (np.nan, -np.inf):
+        x[1, 40] = bad
+        for call in (qgemm.get("quantize.q8_1"), F.quantize_q8_1):
+            with pytest.raises(ValueError, match="finite"):
+                call(x)
 
 
 INT8_PATHS = {fmt: [s.name for s in registry.list_kernels(family=fam) if s.op.w.name == fmt]
