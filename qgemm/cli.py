@@ -253,9 +253,14 @@ def list_cmd(
         specs = registry.list_kernels(family=family)
     except ValueError as e:
         _fail(str(e))
-    for s in specs:  # a registry entry whose source is not there compiles nowhere: said here already
-        if not (jit.cuda_src_dir() / s.source).is_file():
-            typer.echo(f"warning: {s.name}: its source cuda_src/{s.source} does not exist in {jit.cuda_src_dir()} "
+    try:
+        src = jit.cuda_src_dir()
+    except SetupError as e:  # the listing needs no sources; a compile says so again
+        src = None
+        typer.echo(f"warning: {e}", err=True)
+    for s in specs if src is not None else ():  # an entry whose source is not there compiles nowhere
+        if not (src / s.source).is_file():
+            typer.echo(f"warning: {s.name}: its source cuda_src/{s.source} does not exist in {src} "
                        f"(qgemm/registry.py's KernelSpec says source={s.source!r})", err=True)
     if as_json:
         typer.echo(json.dumps([{"name": s.name, "op": str(s.op), "step": s.step, "min_arch": f"sm_{s.min_arch}{s.arch_suffix}",

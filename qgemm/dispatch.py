@@ -654,8 +654,8 @@ def matmul(x, w, fmt: str | None = None, *, path: str | None = None, out=None, s
     float16 on an fp16 tensor-core path; ValueError after the launch (the result discarded) when
     host activations overflow the prologue's float16 / Q8_1 format. Device activations are not
     checked (that would need a synchronization); a NaN or inf among them makes its row of the
-    result non-finite on every path. NoGPUError without a GPU, UnsupportedArchError for a `path` this GPU cannot run,
-    CompileError / CudaError when NVRTC or the driver fails.
+    result non-finite on every path. NoGPUError without a GPU, UnsupportedArchError for a `path`
+    this GPU cannot run, CompileError / CudaError when NVRTC or the driver fails.
     """
     # (the eager call's host time is what a decode step pays per op outside a CUDA graph: each
     # operand's array interface is read once, the stream converted once, the plan memoized)
