@@ -429,11 +429,15 @@ def _compress(x: np.ndarray, kind: str, bits, sparsity=None, compact: bool = Fal
         return CompressedKV(kind, 16, (b, s, d), bm, counts=counts.astype(np.int32), values=np.ascontiguousarray(vals))
     q, scale, zero = _quantize_tiles(tiles, bits)
     dq = dequant_constants(scale, zero, bits)
-    if _decode_overflows(dq, bits).any():
+    bad = _decode_overflows(dq, bits)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        nzv = tiles[at][tiles[at] != 0].astype(np.float32)
         raise ValueError(f"{kind} cache: a tile does not decode within float16 at {bits} bits: its two fp16 constants "
-                         f"mult = {1 << bits} x scale and add = -zero x scale - mult, or the value the largest code "
-                         f"decodes to (h x mult + add), pass +-{_FP16_MAX:g} (tiles with large values and a wide range "
-                         f"do); scale the cache down")
+                         f"mult = {1 << bits} x scale and add = min - mult, or the value the largest code decodes to "
+                         f"(h x mult + add), pass +-{_FP16_MAX:g}: a tile whose range is wide, or whose minimum "
+                         f"lies near -{_FP16_MAX:g} (add is below it); tile {at[1]} of cache row {at[0]} holds "
+                         f"{nzv.min():g} .. {nzv.max():g}; scale the cache down")
     # codes in non-zero order: rank of each non-zero within its tile
     rank = np.cumsum(nz, axis=-1) - 1
     comp = np.zeros_like(q)

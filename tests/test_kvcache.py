@@ -1328,6 +1328,15 @@ def test_fp16_constant_overflow_names_the_magnitude_limit():
         kv.compress_keys(x, 4)
     assert np.array_equal(kv.decompress(kv.compress_keys(np.full((1, 64, 64), 65000, np.float16), 4)),
                           np.full((1, 64, 64), 65000, np.float16))
+    # a narrow tile near -65504 (range 32) is refused, its mirror image accepted: add = min - mult
+    # lies below -65504. The message said "large values and a wide range"; it now names the tile.
+    x = np.zeros((2, 1, 64), np.float16)
+    x[1, 0, :2] = [-65504, -65472]
+    for bits in (4, 2):
+        with pytest.raises(ValueError, match=r"minimum lies near -65504 \(add is below it\); tile 0 of cache row 1 "
+                                             r"holds -65504 \.\. -65472"):
+            kv.compress_keys(x, bits)
+        assert np.array_equal(kv.decompress(kv.compress_keys(-x, bits)), -x)
 
 
 def test_sparsity_and_compact_take_no_look_alikes(rng):
