@@ -291,6 +291,11 @@ def test_every_source_is_registered_and_every_registered_source_exists(tmp_path,
             qgemm.get("fp32.naive_rows")
         r = runner.invoke(app, ["compile", "orphan", "--arch", "sm_80"])
         assert r.exit_code == 2 and "cuda_src/orphan/ holds naive.cu" in r.output, r.output
+        # no such note for a registered family given as a kernel name, nor for bench/ and common/
+        for name in ("fp32", "bench.l2_read", "common.blocks"):
+            with pytest.raises(qgemm.UnknownNameError) as e:
+                qgemm.get(name)
+            assert "KernelSpec" not in str(e.value), str(e.value)
         (src / "fp32" / "naive.cu").unlink()
         r = runner.invoke(app, ["list"])
         assert r.exit_code == 0 and "warning: fp32.naive: its source cuda_src/fp32/naive.cu does not exist" in r.output
