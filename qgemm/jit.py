@@ -696,8 +696,9 @@ def compile_kernel(
         result = _compile_and_store(name, source_rel, source, headers, entries, arch, options, key, None)
     # the disk cache is keyed by the source, not by the entries asked for: a cubin another spec of
     # the same source compiled (e.g. a registry entry copied with its old source path) is checked
-    # as a fresh compile is, instead of coming back without the entry
-    missing = [e for e in entries if e not in result.resources and e.encode() + b"\0" not in result.cubin]
+    # as a fresh compile is (_compile_and_store), instead of coming back without the entry
+    missing = [] if not result.from_cache else [
+        e for e in entries if e not in result.resources and e.encode() + b"\0" not in result.cubin]
     if missing:
         raise CompileError(name, arch, options, f"entry symbol(s) {missing} not found in the compiled code of "
                            f"{source_rel}; found {sorted(result.resources)} (is the kernel declared extern \"C\", "
