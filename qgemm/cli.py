@@ -508,6 +508,8 @@ def validate(
     lq: int = _OPT_LQ,
     groups: int = _OPT_GROUPS,
     sparsity: float = _OPT_SPARSITY,
+    cache_scale: float = typer.Option(1.0, "--cache-scale", help="mustafar.*: the standard deviation of the random "
+                                      "Gaussian cache (e.g. 0.001: a small-valued cache)."),
 ):
     """Run on the GPU and compare with the numpy references; exit 1 on any FAIL."""
     from .check import block_breakdown, format_breakdown
@@ -520,9 +522,11 @@ def validate(
         _fail(f"--seed must be a non-negative integer, got {seed}")
     gg = _gguf_source(gguf, tensor, m_rows, mnk)
     _precheck(specs, shape_of, all_, sparsity, gg)
+    if not (math.isfinite(cache_scale) and cache_scale > 0):
+        _fail(f"--cache-scale must be a positive finite number, got {cache_scale}")
     _need_gpu("validate")
     rows, results, details, failed = [], [], [], 0
-    opts = {"lq": lq, "groups": groups, "sparsity": sparsity}
+    opts = {"lq": lq, "groups": groups, "sparsity": sparsity, "cache_scale": cache_scale}
     for s in specs:
         if _skip_runner(s, shape_of(s), all_, rows, 7, gg):
             continue

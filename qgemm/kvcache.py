@@ -30,12 +30,17 @@ Dequantization (the kernels' arithmetic, reproduced exactly by `decompress`): wi
     mult = fp16(L * scale),  add = fp16(fp32(-zero * scale) - L * scale)
     value = fp16(h * mult + add),  h = 1 + q / L   (an fp16 built from the code's bits; one rounding)
 which is (q - zero) * scale up to the rounding of the two fp16 constants.
+
+The device copy of a value cache (to_device) holds each channel whose values all lie below 1 in
+magnitude times the power of two that puts its largest in [1, 2) (channel_exponents), and the
+value kernels multiply that channel's fp32 sums back: their half2 word sums then keep their
+precision however small the cache's values are (kernel_values: what they hold, scaled back).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -788,8 +793,126 @@ def _pad16(a: np.ndarray) -> np.ndarray:
     return out
 
 
+# The value kernels sum a bitmap word's products p x v in half2 (docs/mustafar.md, "Accuracy"). At
+# long S the probabilities are near 1/S, so with small values those sums fall among fp16's
+# subnormals and lose their relative precision: measured on an H200 at S = 16384, 2.7e-3 (standard
+# deviation 0.01) and 2.1e-2 (0.001) against the reference, 5.5e-2 at 0.001 and S = 65536, where a
+# unit-scale cache gives 4-5e-4. So the device copy of a value cache holds each channel whose values
+# all lie below 1 in magnitude scaled by the power of two that puts its largest in [1, 2), and the
+# kernels multiply the channel's fp32 sums by the inverse before adding them to the output: 5.5e-4
+# at 0.001 and S = 65536, same H200 (4.1-5.0e-4 in every cell with a first target, [16, 32) for
+# every channel below 16, whose multiply every cache paid for). Powers of two change no value's
+# bits (fp16 subnormals gain precision), and no channel is scaled down (a large channel's small
+# values would become subnormal). A cache none of whose channels needs it -- any unit-scale one --
+# is uploaded as it is and runs the kernels compiled without the multiply (MF_OSC=0: the code of
+# before; with it the 4/2-bit walks measured 1.4-2.6% slower). A numpy model of the walk puts
+# [1, 2) at 6.0e-4 (S = 65536) and 7.9e-4 (131072) for a standard deviation of 0.01, against
+# 4.5-5.2e-4 for targets [4, 8) .. [256, 512); an unscaled channel just above 1 (standard
+# deviation 0.25) models 6.2e-4 and 9.5e-4 there.
+SCALE_BELOW = 1.0
+
+
+def channel_exponents(cv: CompressedKV) -> np.ndarray:
+    """The powers of two e [B, D] (int8, 0 .. 24) by which the device copy of a compressed value
+    cache multiplies each channel (the kernels multiply its sums by 2^-e): where the channel's
+    largest decodable magnitude (every code of every tile, empty ones included: the kernels decode
+    them) is below 1, times 2^e it lies in [1, 2); e = 0 where it is 1 or more, and for an empty
+    channel. The values themselves are unchanged: decompress() and every host part stay as
+    compressed. ValueError for a key cache (its kernels are not scaled) or an inconsistent one."""
+    validate_compressed(cv)
+    if cv.kind != "value":
+        raise ValueError(f"channel_exponents() takes a compressed value cache, got a {cv.kind} cache")
+    b, s, d = cv.shape
+    nst = -(-s // TILE)
+    if cv.bits == 16:
+        c = cv.counts.astype(np.int64)
+        first = c[:, :-1].reshape(b, d, nst)[:, :, 0].ravel()  # each channel's first value
+        end = np.append(first[1:], c[-1, -1])
+        mag = np.abs(cv.values[c[0, 0]:c[-1, -1]].astype(np.float32))
+        amax = np.zeros(b * d, dtype=np.float32)
+        some = end > first
+        if some.any():
+            amax[some] = np.maximum.reduceat(mag, first[some] - c[0, 0])
+    else:
+        dq = cv.dq if cv.compact else dequant_constants(cv.scales, cv.zeros, cv.bits)
+        ends = dequantize_codes(np.array([0, (1 << cv.bits) - 1]), dq[..., None, :], cv.bits)  # codes' extremes
+        amax = np.abs(ends.astype(np.float32)).reshape(b, d, nst * 2).max(axis=-1).ravel()
+    _, x = np.frexp(amax)  # amax = m 2^x, m in [0.5, 1): amax 2^(1 - x) lies in [1, 2)
+    e = np.where((amax > 0) & (amax < SCALE_BELOW), 1 - x, 0)
+    return e.reshape(b, d).astype(np.int8)
+
+
+def _device_parts(ck: CompressedKV) -> dict:
+    """The arrays an upload copies, by kernel parameter name ("bmp", "offs", "scl", "zer", "data",
+    "osc"), as the kernels read them: a value cache with some channel to scale (channel_exponents)
+    has every channel times 2^e and "osc" = 2^-e [B, D] float32; otherwise no "osc" and the parts
+    as they are. Validates ck (ValueError)."""
+    validate_compressed(ck)
+    b, s, d = ck.shape
+    nst = -(-s // TILE)
+    scaled = False
+    if ck.kind == "value":
+        e = channel_exponents(ck).astype(np.int32)
+        scaled = bool(e.any())
+        up = np.ldexp(np.float32(1), e)  # [B, D] float32, exact
+        osc = np.ldexp(np.float32(1), -e)
+    parts = {"bmp": np.ascontiguousarray(ck.bitmaps).view(np.uint32).reshape(-1)}
+    if ck.bits == 16:
+        parts["offs"] = ck.counts.astype(np.int32).reshape(-1)
+        v = np.array(ck.values)  # what the kernels may read below a tile's values stays finite
+        c0, c1 = int(ck.counts[0, 0]), int(ck.counts[-1, -1])
+        v[:c0] = 0
+        v[c1:] = 0
+        if scaled:
+            per_tile = np.diff(ck.counts.astype(np.int64), axis=1)  # [B, T], channel-major within a batch
+            per_chan = per_tile.reshape(b, d, nst).sum(axis=-1).ravel()
+            v[c0:c1] = (v[c0:c1].astype(np.float32) * np.repeat(up.ravel(), per_chan)).astype(np.float16)
+        parts["data"] = _pad16(v)
+    elif ck.compact:
+        parts["offs"] = ck.group_offsets.astype(np.int32).reshape(-1)
+        dq = ck.dq
+        if scaled:
+            dq = (dq.reshape(b, d, nst, 2).astype(np.float32) * up[:, :, None, None]).astype(np.float16)
+            dq = dq.reshape(ck.dq.shape)
+        parts["scl"] = np.ascontiguousarray(dq).view(np.uint32).reshape(-1)
+        parts["data"] = _pad16(ck.packed)
+    else:
+        parts["offs"] = ck.offsets.astype(np.int32).reshape(-1)
+        sc = ck.scales
+        if scaled:  # the kernels make mult and add from it: 2^e times the host's (float32, exact)
+            sc = (sc.reshape(b, d, nst) * up[:, :, None]).reshape(sc.shape)
+        parts["scl"] = np.ascontiguousarray(sc, dtype=np.float32).reshape(-1)
+        parts["zer"] = ck.zeros.reshape(-1)
+        parts["data"] = _pad16(ck.packed)
+    if scaled:
+        parts["osc"] = np.ascontiguousarray(osc, dtype=np.float32).reshape(-1)
+    return parts
+
+
+def kernel_values(ck: CompressedKV) -> np.ndarray:
+    """The cache [B, S, D] float32 the kernels multiply with: decompress(ck) for keys, and for
+    values the device copy's decode (each channel times 2^e, channel_exponents) times 2^-e. That
+    is decompress(ck) exactly, except where decompress rounds a 4/2-bit value to a float16
+    subnormal: the scaled decode rounds on a finer grid there (and lies no further from the
+    value that was compressed). The value kernels' exact-math reference. ValueError as decompress."""
+    if not isinstance(ck, CompressedKV) or ck.kind != "value" or ck.bits == 16:
+        return decompress(ck).astype(np.float32)  # (fp16 values: scaling them by powers of two is exact)
+    parts = _device_parts(ck)
+    if "osc" not in parts:  # no channel scaled
+        return decompress(ck).astype(np.float32)
+    b, s, d = ck.shape
+    if ck.compact:
+        dev = replace(ck, dq=parts["scl"].view(np.float16).reshape(ck.dq.shape))
+    else:
+        dev = replace(ck, scales=parts["scl"].reshape(ck.scales.shape))
+    nst = -(-s // TILE)
+    t = tile_values(dev).astype(np.float32).reshape(b, d, nst * TILE) * parts["osc"].reshape(b, d, 1)
+    return from_tiles(t.reshape(b, d * nst, TILE), "value", s, d)
+
+
 class DeviceKV:
-    """A validated CompressedKV in device memory (what the kernels read)."""
+    """A validated CompressedKV in device memory (what the kernels read; a value cache's channels
+    scaled by powers of two: channel_exponents)."""
 
     def __init__(self, ck: CompressedKV, arrays: dict):
         self.kind, self.bits, self.shape, self.compact, self.layout = ck.kind, ck.bits, tuple(ck.shape), ck.compact, ck.layout
@@ -798,6 +921,8 @@ class DeviceKV:
         # whether version 2's fp16 value walk zeroes what it reads past a lane's values (MF_VMASK, plan_for)
         self.density = density(ck)
         self.arrays = arrays
+        # whether the upload scaled a value channel (channel_exponents): its kernels multiply by "osc" (MF_OSC)
+        self.scaled = "osc" in arrays
 
     @classmethod
     def upload(cls, ck: CompressedKV) -> "DeviceKV":
@@ -805,25 +930,8 @@ class DeviceKV:
         (CompressedKV.to_device() keeps one per cache)."""
         from . import runtime
 
-        validate_compressed(ck)
-        up = runtime.DeviceArray.from_host
-        arr = {"bmp": up(np.ascontiguousarray(ck.bitmaps).view(np.uint32).reshape(-1))}
-        if ck.bits == 16:
-            arr["offs"] = up(ck.counts.astype(np.int32).reshape(-1))
-            v = np.array(ck.values)  # what the kernels may read below a tile's values stays finite
-            v[:int(ck.counts[0, 0])] = 0
-            v[int(ck.counts[-1, -1]):] = 0
-            arr["data"] = up(_pad16(v))
-        elif ck.compact:
-            arr["offs"] = up(ck.group_offsets.astype(np.int32).reshape(-1))
-            arr["scl"] = up(np.ascontiguousarray(ck.dq).view(np.uint32).reshape(-1))
-            arr["data"] = up(_pad16(ck.packed))
-        else:
-            arr["offs"] = up(ck.offsets.astype(np.int32).reshape(-1))
-            arr["scl"] = up(ck.scales.reshape(-1))
-            arr["zer"] = up(ck.zeros.reshape(-1))
-            arr["data"] = up(_pad16(ck.packed))
-        return cls(ck, arr)
+        parts = _device_parts(ck)  # (validates ck first)
+        return cls(ck, {name: runtime.DeviceArray.from_host(a) for name, a in parts.items()})
 
     @property
     def freed(self) -> bool:
@@ -831,8 +939,8 @@ class DeviceKV:
         return any(a.freed for a in self.arrays.values())
 
     def ptr(self, name: str) -> int:
-        """The device address of part `name` ("bmp", "offs", "scl", "zer" or "data"), 0 for a part
-        this layout lacks; ValueError once freed."""
+        """The device address of part `name` ("bmp", "offs", "scl", "zer", "data" or "osc"), 0
+        for a part this layout lacks; ValueError once freed."""
         a = self.arrays.get(name)
         if a is not None and a.freed:
             raise ValueError(f"this {self.kind} cache's device copy was freed (DeviceKV.free()); upload it again "
@@ -1129,6 +1237,19 @@ def plan_for(kind: str, bits: int, shape, rows: int, sm_count: int = 132, max_st
 _call_plans: dict = {}  # MustafarRunner.launch's memo: (plan_for's plan, the kernel's module, its int32 arguments)
 
 
+def _with_output_scale(plan_: LaunchPlan, scaled: bool) -> LaunchPlan:
+    """plan_ with MF_OSC=1 where the upload scaled a value channel (DeviceKV.scaled: the kernel must
+    multiply by its output scales, or its results come out 2^e too large) and without MF_OSC
+    otherwise (the kernels as compiled before the scaling existed). The launcher applies it to
+    every plan, plan_for's or a caller's, so no plan can launch the wrong one."""
+    if bool(plan_.defines.get("MF_OSC", 0)) == bool(scaled):
+        return plan_
+    defines = {k: v for k, v in plan_.defines.items() if k != "MF_OSC"}
+    if scaled:
+        defines["MF_OSC"] = 1
+    return replace(plan_, defines=defines)
+
+
 def _int_args(s: int, rows: int, plan_) -> tuple:
     """The kernels' three int32 arguments after the pointers: S, R and the plan's per_cta."""
     return np.int32(s), np.int32(rows), np.int32(plan_.per_cta)
@@ -1141,7 +1262,9 @@ _OVERFLOW_WHY = {
     "key": ("a score, or the half2 partial sum of the <= 32 products q x k of one bitmap word, passed 65504; scale "
             "the queries down (e.g. fold 1/sqrt(D) into them) and rescale the scores"),
     "value": ("the half2 partial sum of the <= 32 products p x v of one bitmap word passed 65504; the kernels "
-              "expect attention probabilities (each row summing to <= 1) or the value cache scaled down"),
+              "expect attention probabilities (entries at most 1) and a cache whose values stay well below 2047 "
+              "(the device copy scales only channels below 1 up, into [1, 2): channel_exponents); scale such a "
+              "cache down"),
 }
 
 
@@ -1276,20 +1399,22 @@ class MustafarRunner:
         # here, not after a module load, nor between the value op's zeroing (which would have cleared
         # out=) and its kernel. Pointers go as Python ints: cuda.core passes an int as a pointer-sized
         # argument (a numpy scalar each cost ~0.25 us).
-        ptrs = (dkv.ptr("bmp"), dkv.ptr("offs"), dkv.ptr("scl"), dkv.ptr("zer"), dkv.ptr("data"), dx.ptr, dout.ptr)
+        ptrs = (dkv.ptr("bmp"), dkv.ptr("offs"), dkv.ptr("scl"), dkv.ptr("zer"), dkv.ptr("data"), dx.ptr, dout.ptr,
+                dkv.ptr("osc"))
         if plan_ is None:
             info = runtime.device_info() if runtime.gpu_available() else None
             key = (kernel, self.kind, self.bits, tuple(dkv.shape), rows, info.sm_count if info else 132,
-                   dkv.max_step, info.cc if info else 90, dkv.density)
+                   dkv.max_step, info.cc if info else 90, dkv.density, dkv.scaled)
             # the plan is a pure function of the key, worked out once per kernel (the object: a module
             # belongs to it), cache shape and row count; its module is kept beside it (Kernel._module
             # looks it up by the sorted #defines)
             hit = _call_plans.get(key)
             if hit is None:
-                p = plan_for(*key[1:7], cc=key[7], density=key[8])
+                p = _with_output_scale(plan_for(*key[1:7], cc=key[7], density=key[8]), dkv.scaled)
                 hit = runtime.remember(_call_plans, key, (p, kernel._module(p.defines), _int_args(s, rows, p)), 1024)
             plan_, mod, ints = hit
         else:
+            plan_ = _with_output_scale(plan_, dkv.scaled)
             mod, ints = kernel._module(plan_.defines), _int_args(s, rows, plan_)
         args = ptrs + ints
         n = dout.nbytes // 4
@@ -1303,8 +1428,12 @@ class MustafarRunner:
         """Random cache (Gaussian fp16), pruned and compressed; queries or probabilities."""
         b, s, d = shape
         lq, groups, sparsity = _opts(opts)
+        scale = _cache_scale(opts)
         rng = np.random.default_rng(seed)
-        cache = rng.standard_normal((b, s, d), dtype=np.float32).astype(np.float16)
+        cache = (rng.standard_normal((b, s, d), dtype=np.float32) * np.float32(scale)).astype(np.float16)
+        if not np.isfinite(cache).all():
+            raise ValueError(f"cache_scale={scale:g}: the random Gaussian cache overflows float16 (its values "
+                             f"reach ~5 standard deviations; float16 ends at {_FP16_MAX:g}); take a smaller one")
         ck = _compress(prune(cache, sparsity), self.kind, self.bits, None, self.compact)
         if self.kind == "key":
             x = rng.standard_normal((b * groups, lq, d), dtype=np.float32).astype(np.float16)
@@ -1375,6 +1504,18 @@ def _opts(opts: dict):
     return int(lq), int(groups), sparsity
 
 
+def _cache_scale(opts: dict) -> float:
+    """The standard deviation of a validate case's random cache (opts["cache_scale"]; None: 1).
+    ValueError unless a positive finite number."""
+    v = opts.get("cache_scale")
+    if v is None:
+        return 1.0
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not (np.isfinite(v) and v > 0):
+        raise ValueError(f"cache_scale (the random cache's standard deviation) must be a positive finite number, got {v!r}")
+    return float(v)
+
+
 def random_probs(rng, shape) -> np.ndarray:
     """Attention probabilities: softmax of N(0, 2^2) logits over the last axis, float16."""
     z = rng.standard_normal(shape, dtype=np.float32) * 2.0
@@ -1397,7 +1538,7 @@ def score(name: str, kind: str, shape, seed, got, x, ck: CompressedKV, cache, ex
     worse than the reference's own)."""
     from .check import Result
 
-    dec = decompress(ck)
+    dec = kernel_values(ck)
     ref = reference_scores if kind == "key" else reference_output
     exact = ref(x, dec)
     truth = ref(x, cache)
@@ -1447,10 +1588,10 @@ def time_kernel(kernel, runner: MustafarRunner, ck: CompressedKV, x: np.ndarray,
 
     sets = cold_sets(moved) if cold else 1
     info = runtime.device_info()
-    p = plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, step_bytes_max(ck),
-                          cc=info.cc, density=density(ck))
-    kernel._module(p.defines)
     dkvs = [DeviceKV.upload(ck) for _ in range(sets)]
+    p = _with_output_scale(plan_ or plan_for(runner.kind, runner.bits, ck.shape, rows, info.sm_count, step_bytes_max(ck),
+                                            cc=info.cc, density=density(ck)), dkvs[0].scaled)
+    kernel._module(p.defines)  # (compiled before the timing)
     dxs = [runtime.DeviceArray.from_host(x) for _ in range(sets)]
     outs = [runtime.DeviceArray.empty(oshape, odt) for _ in range(sets)]
 
@@ -1500,8 +1641,10 @@ def attend(p, cv, *, out=None, stream=None):
     """p . V on the compressed value cache: p [B*groups, Lq, S] float16 -> [B*groups, Lq, D] float32,
     by the `mustafar.value_*` kernel of the cache's layout; otherwise as `scores` (a compressed
     value cache, probabilities in place of queries; `out=` a writable float32 [B*groups, Lq, D]
-    device array, zeroed and then written). p should be attention probabilities (rows summing to
-    at most 1): larger values can overflow the kernels' half2 partial sums (a host call raises)."""
+    device array, zeroed and then written). p should be attention probabilities (entries at most
+    1: softmax rows, or exp(s - max) before the division): larger values can overflow the kernels'
+    half2 partial sums (a host call raises). The device copy holds each channel scaled by a power
+    of two (channel_exponents) so that small-valued caches keep the accuracy of unit-scale ones."""
     from . import registry
 
     if not isinstance(cv, (CompressedKV, DeviceKV)) or cv.kind != "value":

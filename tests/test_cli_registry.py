@@ -2190,6 +2190,8 @@ def test_validate_profile_tune_bench_check_their_inputs_before_the_gpu(tmp_path)
         (["profile", "w4a8.mma", "--shape", "8x4096x33"], "K must be a multiple of 32"),
         (["validate", "mustafar.key_q4", "--shape", "2x100x96"], "head dim D must be one of"),
         (["validate", "mustafar.key_q4", "--shape", "2x100x128", "--sparsity", "1.5"], r"--sparsity must be in \[0, 1\)"),
+        (["validate", "mustafar.value_q4", "--shape", "2x100x128", "--cache-scale", "0"], "--cache-scale must be a positive finite"),
+        (["validate", "mustafar.value_q4", "--shape", "2x100x128", "--cache-scale", "nan"], "--cache-scale must be a positive finite"),
         (["profile", "w4a8.mma", "--json", str(tmp_path / "missing" / "p.json")], "does not exist or is not writable"),
         (["validate", "w4a8.mma", "--json", str(tmp_path)], "is a directory"),
         (["validate", "w4a8.mma", "--gguf", str(tmp_path / "none.gguf"), "--tensor", "x"], "--gguf: .*No such file"),

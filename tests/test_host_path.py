@@ -442,7 +442,7 @@ def test_kvcache_plan_memo_follows_the_rows(monkeypatch, clean_memos):
             launched.append((entry, grid, shmem))
 
     monkeypatch.setattr(kern, "_module", lambda defines=None: Mod())
-    dkv = types.SimpleNamespace(shape=(32, 4096, 128), max_step=600, density=0.3, ptr=lambda part: 0x1000)
+    dkv = types.SimpleNamespace(shape=(32, 4096, 128), max_step=600, density=0.3, scaled=False, ptr=lambda part: 0x1000)
     dx = types.SimpleNamespace(ptr=0x2000)
     dout = types.SimpleNamespace(ptr=0x3000, nbytes=0)
     for rows in (4, 4, 8, 4):
@@ -469,7 +469,7 @@ def test_kvcache_launch_keeps_each_kernels_module(monkeypatch, clean_memos):
     kerns = [qgemm.get("mustafar.key_q2"), qgemm.get("mustafar.key_q2c")]
     for k in kerns:
         monkeypatch.setattr(k, "_module", lambda defines=None, name=k.name: looked_up.append(name) or Mod(name, defines))
-    dkv = types.SimpleNamespace(shape=(32, 4096, 128), max_step=600, density=0.3, ptr=lambda part: 0x1000)
+    dkv = types.SimpleNamespace(shape=(32, 4096, 128), max_step=600, density=0.3, scaled=False, ptr=lambda part: 0x1000)
     dx, dout = types.SimpleNamespace(ptr=0x2000), types.SimpleNamespace(ptr=0x3000, nbytes=0)
     for _ in range(3):
         for k in kerns:

@@ -1511,6 +1511,171 @@ def test_numeric_edge_audit_findings(rng):
         kv.error_report(k, v[:, :63], q, 0.5, 4)
 
 
+def _mixed_scale_values(rng, b=2, s=300, d=64):
+    """A value cache whose channels span float16's magnitudes: standard deviations log-uniform
+    over 1e-4 .. 1e2 (and 1e-6, float16 subnormals, in one channel), half the entries zero at
+    random (per-token magnitude pruning would empty the small channels), one empty channel, one
+    channel whose only non-zero is a single token."""
+    sd = np.exp(rng.uniform(np.log(1e-4), np.log(1e2), (b, 1, d))).astype(np.float32)
+    sd[0, 0, 0] = 1e-6
+    x = (rng.standard_normal((b, s, d), dtype=np.float32) * sd).astype(np.float16)
+    x[rng.random(x.shape) < 0.5] = 0
+    x[1, :, 3] = 0
+    x[0, :, 4] = 0
+    x[0, 7, 4] = 0.25
+    return x
+
+
+@pytest.mark.parametrize("bits,compact", LAYOUTS)
+def test_value_channels_are_scaled_by_powers_of_two_on_the_device(rng, bits, compact):
+    """The device copy of a value cache holds channel (b, d) times 2^e[b, d] (channel_exponents)
+    and "osc" = 2^-e, which the kernels apply to the channel's sums: the scaled parts decode to
+    exactly 2^e times the host's values (powers of two: no rounding; where the host's decode is a
+    float16 subnormal the scaled one rounds on a finer grid, no further from the value), every
+    scaled channel's largest magnitude lies in [1, 2), e = 0 only where it is 1 or more or the
+    channel is empty, and the host parts are left as they were. A cache with no channel below 1
+    is uploaded as it is, without "osc"; key caches are never scaled."""
+    x = _mixed_scale_values(rng)
+    cv = compress("value", x, bits, compact)
+    host = {n: a.copy() for n, a in cv.parts().items()}
+    e = kv.channel_exponents(cv)
+    assert e.dtype == np.int8 and e.shape == (2, 64) and e.min() >= 0 and e.max() <= 24
+    parts = kv._device_parts(cv)
+    assert set(parts) == {"bmp", "offs", "data", "osc"} | ({"scl"} if bits != 16 else set()) | \
+        ({"zer"} if bits != 16 and not compact else set())
+    np.testing.assert_array_equal(parts["osc"], np.ldexp(np.float32(1), -e.astype(np.int32)).ravel())
+    for n, a in cv.parts().items():
+        np.testing.assert_array_equal(a, host[n], err_msg=f"the upload changed the host's {n}")
+    # decode the device parts with the host's decoder
+    if bits == 16:
+        scaled = dataclasses.replace(cv, values=parts["data"].view(np.float16)[:cv.values.size].copy())
+    elif compact:
+        scaled = dataclasses.replace(cv, dq=parts["scl"].view(np.float16).reshape(cv.dq.shape).copy())
+    else:
+        scaled = dataclasses.replace(cv, scales=parts["scl"].reshape(cv.scales.shape).copy())
+        np.testing.assert_array_equal(parts["zer"], cv.zeros.ravel())
+    nst = -(-300 // 64)
+    f = np.ldexp(1.0, e.astype(int))[..., None]
+    got = kv.tile_values(scaled).astype(np.float64).reshape(2, 64, nst * 64)
+    host_v = kv.tile_values(cv).astype(np.float64).reshape(2, 64, nst * 64)
+    # exact where the host's decode is a normal float16 made from normal constants; where either
+    # is subnormal the scaled decode rounds on a finer grid: no further from x than the host's
+    occupied = kv.unpack_bits(cv.bitmaps).reshape(2, 64, nst * 64)
+    exact = (np.abs(host_v) > 2.0**-14) | ~occupied  # (a subnormal decode may round to 0 or to 2^-14)
+    if bits != 16:
+        dq = cv.dq if compact else kv.dequant_constants(cv.scales, cv.zeros, bits)
+        a = np.abs(dq.astype(np.float64))
+        fine = ((a > 2.0**-14) | (a == 0)).all(axis=-1).reshape(2, 64, nst)
+        exact &= np.repeat(fine, 64, axis=-1)
+    assert exact.mean() > 0.9
+    np.testing.assert_array_equal(got[exact], (host_v * f)[exact])
+    xt = kv.to_tiles(x, "value").astype(np.float64).reshape(2, 64, nst * 64)
+    assert (np.abs(got / f - xt) <= np.abs(host_v - xt) + 2.0**-24)[~exact].all()
+    # the value kernels' exact-math reference: what they hold, scaled back
+    np.testing.assert_array_equal(kv.kernel_values(cv), kv.from_tiles((got / f).reshape(2, 64 * nst, 64), "value", 300, 64))
+    amax = np.abs(got).max(axis=-1)
+    assert ((amax[e > 0] >= 1) & (amax[e > 0] < 2)).all()
+    assert ((amax[e == 0] >= 1) | (amax[e == 0] == 0)).all()
+    assert (e > 0).sum() > 10 and (e == 0).sum() > 10
+    assert e[1, 3] == 0 and amax[1, 3] == 0  # the empty channel
+    assert e[0, 0] > 14 and e[0, 4] == 2  # float16 subnormals; 0.25 alone -> 1
+    # a unit-scale cache: uploaded as it is (the kernels without the multiply)
+    unit = compress("value", kv.prune(cache(rng, 2, 300, 64), 0.5), bits, compact)
+    assert not kv.channel_exponents(unit).any()
+    plain = kv._device_parts(unit)
+    assert "osc" not in plain
+    for n, a in {"bmp": unit.bitmaps, "offs": unit.counts if bits == 16 else (unit.group_offsets if compact else unit.offsets),
+                 "scl": None if bits == 16 else (unit.dq if compact else unit.scales),
+                 "data": unit.values if bits == 16 else unit.packed}.items():
+        if a is not None:
+            assert plain[n].tobytes()[:a.nbytes] == np.ascontiguousarray(a).tobytes(), n
+    np.testing.assert_array_equal(kv.kernel_values(unit), kv.decompress(unit).astype(np.float32))
+    k = compress("key", x, bits, compact)
+    assert "osc" not in kv._device_parts(k)
+    np.testing.assert_array_equal(kv.kernel_values(k), kv.decompress(k).astype(np.float32))
+    with pytest.raises(ValueError, match="value cache, got a key cache"):
+        kv.channel_exponents(k)
+
+
+def test_the_launcher_compiles_the_output_scale_from_the_upload(rng, monkeypatch):
+    """MF_OSC (the value kernels' multiply by the channels' output scales) follows the upload, not
+    the plan: a kernel without it on a scaled upload would return results 2^e too large, and one
+    with it on an unscaled upload would read a null pointer. So launch() sets it on plan_for's
+    plan and on a caller's alike (kv_probe, tests)."""
+    k = qgemm.get("mustafar.value_q4")
+    runner = k.spec.runner
+    cv = kv.compress_values(_mixed_scale_values(rng, 2, 100, 64), 4)
+    base = kv.plan_for("value", 4, cv.shape, 4, 132, kv.step_bytes_max(cv))
+    assert "MF_OSC" not in base.defines
+    assert kv._with_output_scale(base, True).defines == {**base.defines, "MF_OSC": 1}
+    assert kv._with_output_scale(kv._with_output_scale(base, True), False).defines == base.defines
+    assert kv._with_output_scale(base, False) is base
+
+    def fake_array(i):
+        return runtime.DeviceArray(0x1000 * (i + 1), (4,), np.uint32)
+
+    launched = []
+
+    class FakeModule:
+        def launch(self, entry, grid, block, shmem, args, stream=None, pdl=False):
+            launched.append((entry, args))
+
+    compiled = []
+    monkeypatch.setattr(type(k), "_module", lambda self, defines=None: compiled.append(dict(defines)) or FakeModule())
+    for scaled, plan_ in ((True, base), (False, kv._with_output_scale(base, True)), (True, None), (False, None)):
+        names = ("bmp", "offs", "scl", "zer", "data") + (("osc",) if scaled else ())
+        dkv = kv.DeviceKV(cv, {n: fake_array(i) for i, n in enumerate(names)})
+        assert dkv.scaled == scaled
+        compiled.clear(), launched.clear()
+        monkeypatch.setattr(runtime, "gpu_available", lambda: False)
+        runner.launch(k, dkv, fake_array(10), runtime.DeviceArray(0x9000, (2, 4, 64), np.float32), 4, plan_=plan_)
+        assert compiled and all(d.get("MF_OSC", 0) == int(scaled) for d in compiled), (scaled, compiled)
+        assert launched[-1][1][7] == (0x6000 if scaled else 0)  # the osc pointer, after out
+
+
+def test_validate_cases_take_a_cache_scale():
+    """validate's random cache at another standard deviation (`qgemm validate --cache-scale`): the
+    same Gaussian draw times it; anything but a positive finite number, or a scale whose cache
+    overflows float16, is refused before a GPU is needed."""
+    runner = qgemm.get("mustafar.value_q2").spec.runner
+    c1, ck1, x1 = runner.make_case((1, 100, 64), 5, {"sparsity": 0.5})
+    c2, ck2, x2 = runner.make_case((1, 100, 64), 5, {"sparsity": 0.5, "cache_scale": 0.25})
+    np.testing.assert_array_equal(c2, (c1.astype(np.float32) * 0.25).astype(np.float16))
+    np.testing.assert_array_equal(x1, x2)
+    for bad in (0, -1.0, float("inf"), float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="cache_scale .* must be a positive finite number"):
+            runner.make_case((1, 100, 64), 5, {"cache_scale": bad})
+    with pytest.raises(ValueError, match="overflows float16"):
+        runner.make_case((1, 100, 64), 5, {"cache_scale": 3e4})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in GPU_NAMES if n.startswith("mustafar.value")])
+def test_value_kernels_keep_their_accuracy_on_small_valued_caches(name, rng):
+    """The value kernels sum a word's products p x v in half2; with p near 1/S and small values
+    those sums fell among float16's subnormals. Before the device copy scaled each channel
+    (channel_exponents), a cache of standard deviation 0.001 at S = 16384 measured 2.1e-2 against
+    the reference (H200, session 71; 4.3e-4 at unit scale). Both walks (1 row: versions 2 / 3;
+    12 rows: version 4 for 4/2 bits), then a cache whose channels span 1e-6 .. 1e2, each channel
+    against its own energy."""
+    k = qgemm.get(name)
+    runner = k.spec.runner
+    for lq, groups in ((1, 1), (3, 4)):
+        r = runner.validate(k, (2, 16384, 64), None, {"lq": lq, "groups": groups, "sparsity": 0.7, "cache_scale": 1e-3})
+        assert r.unwritten == 0 and r.passed, (lq, groups, r.seed, r.note)
+        x = _mixed_scale_values(rng, 2, 4100, 64)
+        cv = kv.compress_values(x, runner.bits, compact=runner.compact)
+        p = kv.random_probs(rng, (2 * groups, lq, 4100))
+        got = k(p, cv).astype(np.float64)
+        vals = kv.kernel_values(cv).astype(np.float64)
+        err2 = ((got - kv.reference_output(p, vals)) ** 2).reshape(2, groups * lq, 64).sum(axis=1)
+        energy = kv.reference_output(p.astype(np.float64) ** 2, vals ** 2).reshape(2, groups * lq, 64).sum(axis=1)
+        live = energy > 0
+        assert live.sum() >= 120
+        rel = np.sqrt(err2[live] / energy[live])
+        assert rel.max() <= 5e-3, (lq, groups, float(rel.max()), float(np.median(rel)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["mustafar.key_q4", "mustafar.key_q2c", "mustafar.value_q4", "mustafar.value_q2",
                                   "mustafar.value_q2c"])

@@ -91,11 +91,11 @@ SECTIONS = [
      "The two attention products straight on the compressed cache, by the `mustafar.*` kernels "
      "(`qgemm.get(\"mustafar.key_q2\")(q, ck)` is the same call as `scores(q, ck)`). Grouped-query "
      "attention: query head h reads kv head h // groups.",
-     ["qgemm.kvcache.scores", "qgemm.kvcache.attend", "qgemm.kvcache.DeviceKV"]),
+     ["qgemm.kvcache.scores", "qgemm.kvcache.attend", "qgemm.kvcache.DeviceKV", "qgemm.kvcache.channel_exponents"]),
     ("KV cache (Mustafar): references and accuracy",
      "numpy, float64: what the kernels are checked against, and what compression costs in accuracy.",
-     ["qgemm.kvcache.reference_scores", "qgemm.kvcache.reference_output", "qgemm.kvcache.rel_error",
-      "qgemm.kvcache.error_report"]),
+     ["qgemm.kvcache.reference_scores", "qgemm.kvcache.reference_output", "qgemm.kvcache.kernel_values",
+      "qgemm.kvcache.rel_error", "qgemm.kvcache.error_report"]),
     ("KV cache (Mustafar): launch planning and timing",
      "How a `mustafar.*` launch is shaped (chosen for you by `scores` / `attend`; exposed for experiments "
      "such as `tools/kv_probe.py`).",

@@ -13,7 +13,9 @@ of the 4/2-bit value kernels, MF_V3=0 / 1 (version 2 / 3 of the walk), MF_MIN_CT
 CTAs per SM), for key kernels MF_STEPS_PER_CTA=N (warp steps of 32 tokens per CTA) and for
 value kernels MF_WHOLE=0 / 1 (16-warp CTAs over whole chunks), each with a shared memory and grid
 of its own; QGEMM_PDL=0 times the variant with plain launches (no programmatic dependent
-launch). To compare source trees, run it once per tree (QGEMM_CUDA_SRC=DIR).
+launch). MF_OSC is not a variant: the launcher sets it from the upload (1 where a value channel
+was scaled: qgemm.kvcache.channel_exponents). To compare source trees, run it once per tree
+(QGEMM_CUDA_SRC=DIR).
 """
 import argparse
 import dataclasses

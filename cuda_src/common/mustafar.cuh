@@ -20,7 +20,8 @@
 //           lane's reads always fall in its own bank.
 // Products accumulate in half2 within a word (<= 32 terms), fp32 across words. Keys store their
 // R fp16 scores per lane; values reduce-scatter a channel's R sums over the warp once per step
-// and atomicAdd them into the fp32 output (zeroed first, by mustafar_zero_output below).
+// and atomicAdd them (times the channel's output scale, osc below, where MF_OSC) into the fp32
+// output (zeroed first, by mustafar_zero_output below).
 //
 // Compile-time configuration (-D from the launcher, qgemm.kvcache.plan_for):
 //   MF_R      query rows per CTA: 4 or 8 (more rows: row blocks)
@@ -67,6 +68,12 @@
 //             28.52 at 50%, 22.43 / 22.25 at 70% (q2c and q4c alike)
 //   MF_MMA    1: version 4 of the 4/2-bit value kernels (tensor cores on densely decoded tiles,
 //             sm_80+; plan_for takes it above 8 query rows), with MF_NT row tiles of 8 per CTA
+//   MF_OSC    value kernels: 1 multiplies each channel's sums by its output scale (osc, below)
+//             before they are added to the output; 0 compiles that out. Set by the launcher from
+//             the upload (1 where it scaled a channel: MustafarRunner.launch), never by a plan. 1
+//             costs the 4/2-bit walks 1.4-2.6% (H200, 32x16384x128 cold, q2 23.16 -> 23.76 us,
+//             q4c 25.01 -> 25.37; loaded after the walk instead: 23.94, 25.78), a register held
+//             over the walk at the 64-register bound
 #pragma once
 #include <cuda_fp16.h>
 #include "common/pdl.cuh"
@@ -103,6 +110,10 @@ static_assert(MF_CREG >= -1 && MF_CREG <= 1, "MF_CREG: 1 (code constants in regi
 #ifndef MF_VEARLY
 #define MF_VEARLY 0
 #endif
+#ifndef MF_OSC
+#define MF_OSC 0
+#endif
+static_assert(MF_OSC == 0 || MF_OSC == 1, "MF_OSC: 1 (the value kernels scale each channel's sums by osc) or 0");
 static_assert(MF_KTRIG >= 0 && MF_KTRIG <= 2, "MF_KTRIG: 0 (release at exit), 1 (after the wait) or 2 (at entry)");
 static_assert(MF_KEARLY >= 0 && MF_KEARLY <= 2, "MF_KEARLY: 0, 1 or 2 (what the key kernels read above the PDL wait)");
 static_assert(MF_VEARLY >= 0 && MF_VEARLY <= 2, "MF_VEARLY: 0, 1 or 2 (what the value kernels read above the PDL wait)");
@@ -143,6 +154,13 @@ static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_R
 //   data    packed codes (uint8) or fp16 values; 16-byte aligned and padded to a multiple of 16
 //   x       key: queries [B, R, D] half; value: probabilities [B, R, S] half   (R = groups * Lq)
 //   out     key: scores [B, R, S] half; value: output [B, R, D] float (accumulated: zero it first)
+//   osc     value kernels compiled with MF_OSC=1: each channel's output scale [B, D] float, 2^-e.
+//           The device copy of a value cache holds channel d of kv head b times 2^e (its fp16
+//           values, scales or dq), e chosen so that a channel whose values all lie below 1 in
+//           magnitude has its largest in [1, 2) (qgemm.kvcache.channel_exponents): a word's
+//           half2 sums of products p x v, p near 1/S, then stay clear of fp16's subnormals however
+//           small the cache's values are. The sums are multiplied by it before they are added to
+//           the output. Otherwise unused (null: an upload with no channel scaled, and the keys)
 //   S, R    tokens, query rows per kv head
 //   per_cta key: warp steps (32 tokens) per CTA; value (versions 2 and 3): channels per CTA (a
 //           multiple of MF_WARPS); value version 4: 64-token tiles per CTA (a multiple of 16)
@@ -152,8 +170,8 @@ static_assert(MF_REP >= 1 && MF_REP <= 16 && (MF_REP & (MF_REP - 1)) == 0, "MF_R
 #define MF_PARAMS                                                                                          \
     const uint32_t *__restrict__ bmp, const int *__restrict__ offs, const void *__restrict__ scl,          \
         const float *__restrict__ zer, const uint8_t *__restrict__ data, const __half *__restrict__ x,     \
-        void *__restrict__ out, int S, int R, int per_cta
-#define MF_ARGS bmp, offs, scl, zer, data, x, out, S, R, per_cta
+        void *__restrict__ out, const float *__restrict__ osc, int S, int R, int per_cta
+#define MF_ARGS bmp, offs, scl, zer, data, x, out, osc, S, R, per_cta
 
 // ---------------------------------------------------------------------------------------------
 // Programmatic dependent launch (common/pdl.cuh; qgemm.kvcache.MustafarRunner.launch):
@@ -869,8 +887,9 @@ struct MfValueCta {
 
 // The MF_R partial sums of a value step, summed over the warp and added to the output of channel
 // ch: a reduce-scatter (halve the rows at each of the first log2 MF_R exchanges, lane bit 4 - k
-// picks the upper half), then a butterfly over the rest; lane 0 of each row's group adds it.
-__device__ __forceinline__ void mf_value_sum_store(float (&v)[MF_R], int lane, int nr, float *o, int ch) {
+// picks the upper half), then a butterfly over the rest; lane 0 of each row's group adds it
+// (times the channel's output scale sc where MF_OSC).
+__device__ __forceinline__ void mf_value_sum_store(float (&v)[MF_R], int lane, int nr, float *o, int ch, float sc) {
     constexpr int LR = MF_R == 4 ? 2 : 3;  // log2 MF_R
     const int myrow = lane >> (5 - LR);     // the row this lane holds after the reduce-scatter
 #pragma unroll
@@ -886,7 +905,7 @@ __device__ __forceinline__ void mf_value_sum_store(float (&v)[MF_R], int lane, i
     }
 #pragma unroll
     for (int off = 16 >> LR; off; off >>= 1) v[0] += __shfl_xor_sync(MF_FULL, v[0], off);
-    if ((lane & ((32 >> LR) - 1)) == 0 && myrow < nr) atomicAdd(o + (size_t)myrow * MF_D + ch, v[0]);
+    if ((lane & ((32 >> LR) - 1)) == 0 && myrow < nr) atomicAdd(o + (size_t)myrow * MF_D + ch, MF_OSC ? v[0] * sc : v[0]);
 }
 
 template <int BITS, bool COMPACT>
@@ -958,13 +977,14 @@ __device__ __forceinline__ void mf2_value(MF_PARAMS) {
         mf_commit();
         mf_wait1();
         __syncwarp();
+        const float sc = MF_OSC ? __ldg(osc + (size_t)b * MF_D + chan(i)) : 1.0f;  // (loaded before the walk: its latency hidden)
         float v[MF_R];
 #pragma unroll
         for (int j = 0; j < MF_R; ++j) v[j] = 0.0f;
         mf2_walk<BITS, COMPACT, U, !MF_VMASK>(cur, pcur, win + (i & 1) * (MF_PAD + MF_WIN2), xw0, 32 * MF_R * 2, NCOL * MF_R * 2,
                                              v);
         __syncwarp();
-        mf_value_sum_store(v, lane, nr, o, chan(i));
+        mf_value_sum_store(v, lane, nr, o, chan(i), sc);
         pcur = pnext;
     }
 }
@@ -1564,13 +1584,14 @@ __device__ __forceinline__ void mf3_value(MF_PARAMS) {
         if (i + 2 < n) meta(m, i + 2);
         mf_wait1();
         __syncwarp();
+        const float sc = MF_OSC ? __ldg(osc + (size_t)b * MF_D + chan(i)) : 1.0f;  // (loaded before the walk: its latency hidden)
         float v[MF_R];
 #pragma unroll
         for (int j = 0; j < MF_R; ++j) v[j] = 0.0f;
         mf3_walk<BITS, U>(keys, dq, mf_opaque((i & 1) ? swin1 : swin0), mf_opaque((i & 1) ? srec1 : srec0), xw0, 32 * MF_R * 2,
                           NCOL * MF_R * 2, cc, v);
         __syncwarp();
-        mf_value_sum_store(v, lane, nr, o, chan(i));
+        mf_value_sum_store(v, lane, nr, o, chan(i), sc);
 #pragma unroll
         for (int j = 0; j < U; ++j) dq[j] = dqn[j];
         keys = keysn;
@@ -1893,12 +1914,13 @@ __device__ __forceinline__ void mf4_value(MF_PARAMS) {
     }
     float *o = reinterpret_cast<float *>(out) + (size_t)b * R * MF_D + d;
     if (u0 < u1) {
+        const float sc = MF_OSC ? __ldg(osc + (size_t)b * MF_D + d) : 1.0f;  // the channel's output scale (MF_PARAMS)
 #pragma unroll
         for (int nt = 0; nt < MF_NT; ++nt)
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const int r = row0 + nt * 8 + 2 * c + i;
-                if (r < R) atomicAdd(o + (size_t)r * MF_D, acc[nt][i]);
+                if (r < R) atomicAdd(o + (size_t)r * MF_D, MF_OSC ? acc[nt][i] * sc : acc[nt][i]);
             }
     }
 }
