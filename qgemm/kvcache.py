@@ -26,7 +26,8 @@ compact (bits 4 / 2, an extra layout): `dq [B, T, 2] float16` (the two fp16 cons
            a tile row (keys: one row of T tiles; values: one row per channel), then the end; the
            kernels recover each tile's offset from the bitmaps' popcounts.
 
-Dequantization (the kernels' arithmetic, reproduced exactly by `decompress`): with L = 2**bits,
+Dequantization (the kernels' arithmetic, reproduced exactly by `decompress`, but for the value
+channels the device scales, below): with L = 2**bits,
     mult = fp16(L * scale),  add = fp16(fp32(-zero * scale) - L * scale)
     value = fp16(h * mult + add),  h = 1 + q / L   (an fp16 built from the code's bits; one rounding)
 which is (q - zero) * scale up to the rounding of the two fp16 constants.
@@ -724,7 +725,8 @@ def tile_values(ck: CompressedKV) -> np.ndarray:
 
 def decompress(ck: CompressedKV) -> np.ndarray:
     """The cache [B, S, D] float16 the kernels compute with (dequantized values where the bitmap
-    is set, zeros elsewhere)."""
+    is set, zeros elsewhere; kernel_values for the value kernels' exact operand, which differs
+    where a scaled channel's host decode is subnormal)."""
     validate_compressed(ck)
     b, s, d = ck.shape
     return from_tiles(tile_values(ck), ck.kind, s, d)
@@ -822,17 +824,24 @@ def channel_exponents(cv: CompressedKV) -> np.ndarray:
     validate_compressed(cv)
     if cv.kind != "value":
         raise ValueError(f"channel_exponents() takes a compressed value cache, got a {cv.kind} cache")
+    return _channel_exponents(cv)
+
+
+def _channel_exponents(cv: CompressedKV) -> np.ndarray:
+    """channel_exponents of a value cache already validated."""
     b, s, d = cv.shape
     nst = -(-s // TILE)
     if cv.bits == 16:
         c = cv.counts.astype(np.int64)
         first = c[:, :-1].reshape(b, d, nst)[:, :, 0].ravel()  # each channel's first value
         end = np.append(first[1:], c[-1, -1])
-        mag = np.abs(cv.values[c[0, 0]:c[-1, -1]].astype(np.float32))
-        amax = np.zeros(b * d, dtype=np.float32)
+        # |v| as float16 bits: for finite values (validated) their order is the magnitudes' order
+        mag = cv.values[c[0, 0]:c[-1, -1]].view(np.uint16) & np.uint16(0x7FFF)
+        top = np.zeros(b * d, dtype=np.uint16)
         some = end > first
         if some.any():
-            amax[some] = np.maximum.reduceat(mag, first[some] - c[0, 0])
+            top[some] = np.maximum.reduceat(mag, first[some] - c[0, 0])
+        amax = top.view(np.float16).astype(np.float32)
     else:
         dq = cv.dq if cv.compact else dequant_constants(cv.scales, cv.zeros, cv.bits)
         ends = dequantize_codes(np.array([0, (1 << cv.bits) - 1]), dq[..., None, :], cv.bits)  # codes' extremes
@@ -852,7 +861,7 @@ def _device_parts(ck: CompressedKV) -> dict:
     nst = -(-s // TILE)
     scaled = False
     if ck.kind == "value":
-        e = channel_exponents(ck).astype(np.int32)
+        e = _channel_exponents(ck).astype(np.int32)
         scaled = bool(e.any())
         up = np.ldexp(np.float32(1), e)  # [B, D] float32, exact
         osc = np.ldexp(np.float32(1), -e)
@@ -892,9 +901,11 @@ def _device_parts(ck: CompressedKV) -> dict:
 def kernel_values(ck: CompressedKV) -> np.ndarray:
     """The cache [B, S, D] float32 the kernels multiply with: decompress(ck) for keys, and for
     values the device copy's decode (each channel times 2^e, channel_exponents) times 2^-e. That
-    is decompress(ck) exactly, except where decompress rounds a 4/2-bit value to a float16
-    subnormal: the scaled decode rounds on a finer grid there (and lies no further from the
-    value that was compressed). The value kernels' exact-math reference. ValueError as decompress."""
+    is decompress(ck) exactly, except in a scaled channel's 4/2-bit tiles whose decoded values or
+    fp16 constants are float16 subnormals on the host: the scaled decode rounds those on a finer
+    grid (the plain layout rebuilds mult from the scaled scale, the compact one scales its stored
+    constants, so there the two layouts can differ too), within a few units of 2^-24 of
+    decompress's values. The value kernels' exact-math reference. ValueError as decompress."""
     if not isinstance(ck, CompressedKV) or ck.kind != "value" or ck.bits == 16:
         return decompress(ck).astype(np.float32)  # (fp16 values: scaling them by powers of two is exact)
     parts = _device_parts(ck)
