@@ -1530,11 +1530,12 @@ def _mixed_scale_values(rng, b=2, s=300, d=64):
 def test_value_channels_are_scaled_by_powers_of_two_on_the_device(rng, bits, compact):
     """The device copy of a value cache holds channel (b, d) times 2^e[b, d] (channel_exponents)
     and "osc" = 2^-e, which the kernels apply to the channel's sums: the scaled parts decode to
-    exactly 2^e times the host's values (powers of two: no rounding; where the host's decode is a
-    float16 subnormal the scaled one rounds on a finer grid, no further from the value), every
-    scaled channel's largest magnitude lies in [1, 2), e = 0 only where it is 1 or more or the
-    channel is empty, and the host parts are left as they were. A cache with no channel below 1
-    is uploaded as it is, without "osc"; key caches are never scaled."""
+    exactly 2^e times the host's values (powers of two: no rounding; where the host's decode or its
+    constants are float16 subnormals the scaled one rounds on a finer grid, within 2^-23 of as near
+    the value), every scaled channel's largest decodable magnitude on the host times 2^e lies in
+    [1, 2), e = 0 only where it is 1 or more or the channel is empty, and the host parts are left
+    as they were. A cache with no channel below 1 is uploaded as it is, without "osc"; key caches
+    are never scaled."""
     x = _mixed_scale_values(rng)
     cv = compress("value", x, bits, compact)
     host = {n: a.copy() for n, a in cv.parts().items()}
@@ -1559,7 +1560,7 @@ def test_value_channels_are_scaled_by_powers_of_two_on_the_device(rng, bits, com
     got = kv.tile_values(scaled).astype(np.float64).reshape(2, 64, nst * 64)
     host_v = kv.tile_values(cv).astype(np.float64).reshape(2, 64, nst * 64)
     # exact where the host's decode is a normal float16 made from normal constants; where either
-    # is subnormal the scaled decode rounds on a finer grid: no further from x than the host's
+    # is subnormal the scaled decode rounds on a finer grid: about as near x as the host's
     occupied = kv.unpack_bits(cv.bitmaps).reshape(2, 64, nst * 64)
     exact = (np.abs(host_v) > 2.0**-14) | ~occupied  # (a subnormal decode may round to 0 or to 2^-14)
     if bits != 16:
