@@ -426,14 +426,19 @@ def dequant_constants(scales: np.ndarray, zeros: np.ndarray, bits: int) -> np.nd
     return out
 
 
+def _decoded_extremes(dq: np.ndarray, bits: int) -> np.ndarray:
+    """Codes 0 and 2^bits - 1 decoded with each tile's constants, [.., 1, 2] float16: the tile's
+    smallest and largest decodable values (h x mult + add is monotonic in the code, as mult >= 0)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return dequantize_codes(np.array([0, (1 << bits) - 1]), dq[..., None, :], bits)
+
+
 def _decode_overflows(dq: np.ndarray, bits: int) -> np.ndarray:
     """Tiles [..] whose dequantization is not finite in float16: the constants themselves, or codes
-    0 and 2^bits - 1 decoded (h x mult + add is monotonic in the code, as mult >= 0, so these are
-    the extremes). Empty tiles too: a warp walks every lane to its fullest lane's count, decoding
-    codes past a lane's own with that lane's tile constants and multiplying them by a zero row, and
-    0 x inf is NaN."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        ends = dequantize_codes(np.array([0, (1 << bits) - 1]), dq[..., None, :], bits)  # [.., 1, 2]
+    0 and 2^bits - 1 decoded (_decoded_extremes). Empty tiles too: a warp walks every lane to its
+    fullest lane's count, decoding codes past a lane's own with that lane's tile constants and
+    multiplying them by a zero row, and 0 x inf is NaN."""
+    ends = _decoded_extremes(dq, bits)
     ok = np.isfinite(dq.astype(np.float32)).all(axis=-1) & np.isfinite(ends.astype(np.float32)).all(axis=(-2, -1))
     return ~ok
 
@@ -844,8 +849,7 @@ def _channel_exponents(cv: CompressedKV) -> np.ndarray:
         amax = top.view(np.float16).astype(np.float32)
     else:
         dq = cv.dq if cv.compact else dequant_constants(cv.scales, cv.zeros, cv.bits)
-        ends = dequantize_codes(np.array([0, (1 << cv.bits) - 1]), dq[..., None, :], cv.bits)  # codes' extremes
-        amax = np.abs(ends.astype(np.float32)).reshape(b, d, nst * 2).max(axis=-1).ravel()
+        amax = np.abs(_decoded_extremes(dq, cv.bits).astype(np.float32)).reshape(b, d, nst * 2).max(axis=-1).ravel()
     _, x = np.frexp(amax)  # amax = m 2^x, m in [0.5, 1): amax 2^(1 - x) lies in [1, 2)
     e = np.where((amax > 0) & (amax < SCALE_BELOW), 1 - x, 0)
     return e.reshape(b, d).astype(np.int8)
